@@ -1,0 +1,3 @@
+"""loomtrain: distributed training for decoder-only transformer language models."""
+
+__version__ = "0.1.0"

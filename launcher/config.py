@@ -1,0 +1,119 @@
+"""The run's typed schema: the one place every knob is defined, with its default.
+
+A YAML config (and `key=value` overrides) is merged onto `RunConfig` with
+OmegaConf; see `loomtrain.launcher.config_loader` for loading and validation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loomtrain.model.config import ModelConfig
+
+
+@dataclass
+class RunSection:
+    name: str = "run"
+    # Where checkpoints, metrics.jsonl, tb/ and the resolved config go.
+    dir: str = "runs/${run.name}"
+
+
+@dataclass
+class DataConfig:
+    # A directory of token shards made by `loomtrain preprocess`; empty means
+    # the embedded corpus: the Python standard library's own .py sources.
+    path: str = ""
+    # "byte", "bpe" (trained on the corpus), or a path to a tokenizer.json.
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 4096
+    # Embedded corpus only: cap on the number of stdlib files read (0 = all).
+    max_files: int = 0
+    val_fraction: float = 0.01
+    split_seed: int = 0
+    # Where the embedded corpus' shards are cached ("" = RUN_DIR/../.data_cache).
+    cache_dir: str = ""
+    # Micro-batches made ahead of time by a background thread (0 = none).
+    prefetch: int = 2
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    offload_optimizer: bool = False
+    activation_checkpointing: bool = False
+    # Collective timeout: a hung rank fails the run instead of hanging it.
+    timeout_s: int = 600
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    seed: int = 1234
+    seq_len: int = 128
+    micro_batch_size: int = 8
+    global_batch_size: int = 8
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    lr_schedule: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    # Stop the run after this many consecutive non-finite (skipped) steps.
+    max_consecutive_skips: int = 5
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 50
+    batches: int = 4
+    num_samples: int = 2
+    sample_tokens: int = 64
+    prompt: str = "def "
+    temperature: float = 0.8
+    top_k: int = 40
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 1
+    tensorboard: bool = True
+    progress: str = "auto"  # auto | bar | plain
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0 = only at the end (and on SIGTERM)
+    keep_last: int = 3
+    keep_every: int = 0  # also keep every M-th step's checkpoint (0 = none)
+    resume: str = "auto"  # auto | never | PATH
+
+
+@dataclass
+class RayConfig:
+    num_workers: int = 1
+    use_gpu: bool = False
+    cpus_per_worker: int = 1
+    max_failures: int = 3
+    address: str = ""  # "" = a running cluster if any, else a local instance
+    # A request the cluster can never satisfy fails after this long.
+    start_timeout_s: int = 120
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
