@@ -1,0 +1,35 @@
+"""loomtrain.model: a plain, single-device decoder-only transformer in PyTorch.
+
+    from loomtrain.model import ModelConfig, Transformer
+    model = Transformer(ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4), seed=0)
+    logits = model(tokens)                       # [B, T] -> [B, T, vocab]
+    out = model.generate(prompt, max_new_tokens=20)  # greedy; prompt + new tokens
+
+Files: config (ModelConfig), norms, positions (sinusoidal, RoPE, ALiBi), attention,
+feedforward, block, transformer, cache (KVCache), generate, flops (closed-form
+parameter count and PaLM training FLOPs).
+"""
+
+from .attention import Attention
+from .block import Block
+from .cache import KVCache
+from .config import ModelConfig
+from .feedforward import FeedForward
+from .flops import flops_per_token, param_count
+from .generate import sample_next
+from .norms import RMSNorm, build_norm
+from .transformer import Transformer
+
+__all__ = [
+    "Attention",
+    "Block",
+    "FeedForward",
+    "KVCache",
+    "ModelConfig",
+    "RMSNorm",
+    "Transformer",
+    "build_norm",
+    "flops_per_token",
+    "param_count",
+    "sample_next",
+]

@@ -1,0 +1,70 @@
+"""Position information: sinusoidal table, RoPE, ALiBi.
+
+Learned absolute positions are a plain nn.Embedding (`Transformer.pos_emb`) and
+`none` adds nothing; the rest are functions of positions, kept here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sinusoidal_table(max_len: int, dim: int) -> torch.Tensor:
+    """[max_len, dim]: PE(p, 2i) = sin(p / 10000^(2i/dim)), PE(p, 2i+1) = cos(...) (Vaswani et al. 2017)."""
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]
+    inv = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    table = torch.zeros(max_len, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * inv)
+    table[:, 1::2] = torch.cos(pos * inv)[:, : dim // 2]
+    return table.float()
+
+
+def rope_tables(max_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [max_len, head_dim], for the rotate-half layout (as in HF Llama / GPT-NeoX).
+
+    Dimension pair (i, i + head_dim/2) is rotated by angle p * theta^(-2i/head_dim) (Su et al. 2021).
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, head_dim] by the tables cos/sin [T, head_dim] (already sliced to x's positions)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """[n_heads] geometric slopes 2^(-8/n), 2^(-16/n), ... (Press et al. 2022).
+
+    When n_heads is not a power of two: the slopes of the closest smaller power
+    of two, then every other slope of the next power of two (the paper's recipe).
+    """
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_two(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Additive attention bias [H, Tq, Tk]: -slope * (i - j) for key j <= query i, -inf above the diagonal.
+
+    Without `causal` the bias is -slope * |i - j| and nothing is masked.
+    """
+    dist = (q_pos[:, None] - k_pos[None, :]).to(slopes.dtype)
+    bias = -slopes[:, None, None] * (dist if causal else dist.abs())
+    if causal:
+        bias = bias.masked_fill(dist < 0, float("-inf"))
+    return bias

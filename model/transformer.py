@@ -1,0 +1,151 @@
+"""The decoder-only Transformer: embeddings, a stack of blocks, final norm, un-embedding."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import flops
+from .block import Block
+from .cache import KVCache
+from .config import ModelConfig
+from .generate import generate
+from .norms import RMSNorm, build_norm
+from .positions import rope_tables, sinusoidal_table
+
+
+class Transformer(nn.Module):
+    """Transformer(cfg)(tokens [B, T]) -> logits [B, T, vocab_size].
+
+    Module names are a contract with the tensor-parallel plan: tok_emb, pos_emb
+    (learned positions, else None), drop, blocks, norm, lm_head. Sinusoidal and
+    RoPE tables are non-persistent buffers (pos_table, rope_cos, rope_sin) for
+    max_seq_len positions. The final `norm` exists for pre-norm placement only:
+    with post-norm every block already ends in a norm (as in Vaswani et al. 2017,
+    which has none), so `norm` is nn.Identity there. Embeddings are not scaled by
+    sqrt(d_model) (GPT-2 convention).
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        if cfg.norm_placement == "pre":
+            self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
+        else:
+            self.norm = nn.Identity()
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.register_buffer("pos_table", None, persistent=False)
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        self.init_weights(seed)
+
+    # Initialisation ---------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """GPT-2 init: N(0, init_std) for linears and embeddings, zero biases, unit norms; the
+        residual output projections (attn.wo, ffn.down) get init_std / sqrt(2 * n_layers).
+        With `seed` the result depends on nothing else. Also recomputes the position buffers,
+        so a model built on the meta device works after `to_empty(device=...)` + `init_weights()`."""
+        std = self.cfg.init_std
+        device = self.tok_emb.weight.device
+        gen = None
+        if seed is not None and device.type != "meta":
+            gen = torch.Generator(device=device).manual_seed(seed)
+        scaled = {id(b.attn.wo.weight) for b in self.blocks} | {id(b.ffn.down.weight) for b in self.blocks}
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.lm_head and self.cfg.tie_embeddings:
+                    continue
+                s = std / math.sqrt(2 * self.cfg.n_layers) if id(module.weight) in scaled else std
+                nn.init.normal_(module.weight, 0.0, s, generator=gen)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                module.reset_parameters()
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        cfg, weight = self.cfg, self.tok_emb.weight
+        if cfg.positions == "sinusoidal":
+            self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model).to(weight.device, weight.dtype)
+        if cfg.positions == "rope":
+            cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+            self.rope_cos = cos.to(weight.device, weight.dtype)
+            self.rope_sin = sin.to(weight.device, weight.dtype)
+
+    # Forward ------------------------------------------------------------------
+    def check_length(self, length: int) -> None:
+        """Learned, sinusoidal and RoPE tables stop at max_seq_len; ALiBi and `none` do not."""
+        if self.cfg.positions in ("learned", "sinusoidal", "rope") and length > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {length} exceeds model.max_seq_len={self.cfg.max_seq_len} "
+                f"(positions={self.cfg.positions})"
+            )
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab]. With a cache, tokens are the new ones and their
+        positions continue from cache.length; the cache is extended in place."""
+        t = tokens.shape[1]
+        start = 0 if cache is None else cache.length
+        self.check_length(start + t)
+        x = self.tok_emb(tokens)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start, start + t, device=tokens.device))
+        elif self.pos_table is not None:
+            x = x + self.pos_table[start : start + t]
+        x = self.drop(x)
+        rope = None
+        if self.rope_cos is not None:
+            rope = (self.rope_cos[start : start + t], self.rope_sin[start : start + t])
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, None if cache is None else cache[i])
+        return self.lm_head(self.norm(x))
+
+    # Inference ----------------------------------------------------------------
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty KV cache for up to `capacity` positions (default max_seq_len)."""
+        return KVCache(self.cfg.n_layers, capacity or self.cfg.max_seq_len)
+
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Prompt + up to max_new_tokens new tokens; see loomtrain.model.generate.generate."""
+        return generate(self, tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator)
+
+    # Accounting ---------------------------------------------------------------
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameters held by this module (a tied table counted once; local shards once sharded).
+
+        exclude_embeddings drops the input lookup tables (tok_emb, and pos_emb when learned)
+        but keeps the lm_head matmul weight, which is tok_emb's table itself when tied;
+        see loomtrain.model.flops for why. Equals flops.param_count(cfg) on an unsharded model.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            if self.pos_emb is not None:
+                total -= self.pos_emb.weight.numel()
+            if self.lm_head.weight is not self.tok_emb.weight:
+                total -= self.tok_emb.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token at sequence length seq_len for the whole (unsharded) model:
+        6 * N + 12 * n_layers * n_heads * head_dim * seq_len with N = param_count(cfg, exclude_embeddings=True).
+        See loomtrain.model.flops for the convention."""
+        return flops.flops_per_token(self.cfg, seq_len)
