@@ -1,0 +1,307 @@
+"""The checkpoint directory protocol: a checkpoint is either complete or invisible.
+
+Layout under RUN_DIR/checkpoints/:
+
+    .tmp-step_00000100/     being written (every rank writes its files here)
+    step_00000100/          published: all files + manifest.json (written last)
+    latest                  text file naming the newest published directory
+
+Writing (`begin` -> files -> `add_part` per rank -> `publish` on rank 0):
+every file is fsynced by whoever wrote it; rank 0 collects the per-rank parts
+(file sizes and sha256 sums computed by the rank that wrote them, so no rank
+re-reads the whole checkpoint), writes `manifest.json` last inside the temp
+directory, fsyncs it and the directory, publishes it with one `os.rename`,
+fsyncs the parent, and only then replaces `latest` (write a temp file +
+`os.replace`). A crash at any point before the rename leaves only a `.tmp-*`
+directory, which the next start removes; a crash between the rename and the
+pointer update leaves a complete checkpoint that the scan below still finds.
+
+Reading (`find_resumable`): published directories are tried newest first;
+one without a manifest, with a missing file, a wrong size or a wrong checksum
+is reported in one line naming it, and the next older one is tried. The
+`latest` pointer is for people and tools: the scan does not trust it, so a
+checkpoint published just before a crash (pointer not yet updated) is not lost.
+
+This module knows nothing of torch, DeepSpeed or ranks; see checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PARTS_DIR = ".parts"  # per-rank file lists inside a temp dir; folded into the manifest
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{int(step):08d}"
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (directories: where the OS allows it)."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_bytes_durable(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json_durable(path: str | os.PathLike, obj) -> None:
+    write_bytes_durable(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def describe_files(root: str | os.PathLike, relpaths: Iterable[str]) -> dict[str, dict]:
+    """{relpath: {"size", "sha256"}} for files under root (fsyncing each first)."""
+    out = {}
+    for rel in relpaths:
+        p = Path(root) / rel
+        fsync_path(p)
+        out[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    return out
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    reason: str = ""
+    manifest: dict | None = None
+
+
+def verify(path: str | os.PathLike, checksums: bool = True) -> Verdict:
+    """Is this published checkpoint complete and intact?"""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not path.is_dir():
+        return Verdict(False, "not a directory")
+    if not mpath.is_file():
+        return Verdict(False, "no manifest.json (partial write)")
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return Verdict(False, f"unreadable manifest.json ({e})")
+    for rel, info in sorted(files.items()):
+        p = path / rel
+        if not p.is_file():
+            return Verdict(False, f"missing file {rel}")
+        size = p.stat().st_size
+        if size != info["size"]:
+            return Verdict(False, f"{rel} has {size} bytes, manifest says {info['size']} (truncated?)")
+        if checksums and sha256_file(p) != info["sha256"]:
+            return Verdict(False, f"{rel} fails its sha256 checksum")
+    return Verdict(True, manifest=manifest)
+
+
+class CheckpointStore:
+    """File-level checkpoint directories of one run (rank-agnostic helpers)."""
+
+    def __init__(self, run_dir: str | os.PathLike, keep_last: int = 3, keep_every: int = 0,
+                 log: Callable[[str], None] | None = None):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = int(keep_last)
+        self.keep_every = int(keep_every)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    # Paths -----------------------------------------------------------------
+    def final_dir(self, step: int) -> Path:
+        return self.root / step_dirname(step)
+
+    def temp_dir(self, step: int) -> Path:
+        return self.root / (TMP_PREFIX + step_dirname(step))
+
+    def published(self) -> list[tuple[int, Path]]:
+        """(step, path) of every published directory, oldest first (not verified)."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and p.is_dir():
+                out.append((int(m.group(1)), p))
+        return sorted(out)
+
+    # Writing ----------------------------------------------------------------
+    def begin(self, step: int) -> Path:
+        """Create a fresh, empty temp directory for `step` (rank 0, before the others write)."""
+        tmp = self.temp_dir(step)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / PARTS_DIR).mkdir(parents=True)
+        fsync_path(self.root)
+        return tmp
+
+    def add_part(self, tmp: str | os.PathLike, rank: int, relpaths: Iterable[str]) -> None:
+        """One rank's contribution: size + sha256 of the files it wrote (fsynced here)."""
+        tmp = Path(tmp)
+        files = describe_files(tmp, relpaths)
+        write_json_durable(tmp / PARTS_DIR / f"rank_{rank:05d}.json", files)
+
+    def publish(self, tmp: str | os.PathLike, step: int, meta: dict) -> Path:
+        """Rank 0, after every rank's add_part: manifest last, rename, then `latest`."""
+        tmp = Path(tmp)
+        files: dict[str, dict] = {}
+        parts = tmp / PARTS_DIR
+        for part in sorted(parts.glob("rank_*.json")):
+            files.update(json.loads(part.read_text()))
+        # Anything written without a part entry (e.g. by a library) is described here.
+        rest = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*"))
+                if p.is_file() and PARTS_DIR not in p.relative_to(tmp).parts and str(p.relative_to(tmp)) not in files]
+        rest = [r for r in rest if r != MANIFEST]
+        files.update(describe_files(tmp, rest))
+        shutil.rmtree(parts)
+        for d in sorted({p.parent for p in tmp.rglob("*") if p.is_file()} | {tmp}):
+            fsync_path(d)
+        _test_pause_before_publish(step)  # test hook: a SIGKILL lands here
+        manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), **meta, "files": files}
+        write_json_durable(tmp / MANIFEST, manifest)
+        fsync_path(tmp)
+        final = self.final_dir(step)
+        if final.exists():  # re-saving a step (e.g. resumed and saved again): replace it
+            old = self.root / (TMP_PREFIX + "old-" + final.name)
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_path(self.root)
+        self._write_latest(final.name)
+        self.apply_retention()
+        return final
+
+    def _write_latest(self, name: str) -> None:
+        tmp = self.root / f"{TMP_PREFIX}{LATEST}"
+        write_bytes_durable(tmp, (name + "\n").encode())
+        os.replace(tmp, self.root / LATEST)
+        fsync_path(self.root)
+
+    def latest_pointer(self) -> str | None:
+        p = self.root / LATEST
+        try:
+            return p.read_text().strip() or None
+        except OSError:
+            return None
+
+    # Housekeeping -----------------------------------------------------------
+    def clean_temp(self) -> list[Path]:
+        """Remove leftovers of interrupted writes (rank 0, at start, before any save)."""
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        for p in self.root.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                removed.append(p)
+                self.log(f"checkpoint: removed leftover {p} (interrupted write)")
+        return removed
+
+    def apply_retention(self) -> list[Path]:
+        """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step."""
+        pub = self.published()
+        if self.keep_last <= 0:
+            return []
+        keep = {step for step, _ in pub[-self.keep_last:]}
+        if self.keep_every > 0:
+            keep |= {step for step, _ in pub if step % self.keep_every == 0}
+        pointer = self.latest_pointer()
+        removed = []
+        for step, path in pub:
+            if step in keep or path.name == pointer:
+                continue
+            # Rename first so a crash mid-delete never leaves a half-deleted "published" dir.
+            doomed = self.root / (TMP_PREFIX + "del-" + path.name)
+            os.rename(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            removed.append(path)
+        return removed
+
+    # Reading ----------------------------------------------------------------
+    def find_resumable(self, checksums: bool = True) -> Path | None:
+        """The newest complete checkpoint; broken newer ones are reported and skipped."""
+        for step, path in reversed(self.published()):
+            v = verify(path, checksums=checksums)
+            if v.ok:
+                return path
+            self.log(f"checkpoint: skipping {path}: {v.reason}; trying the previous one")
+        return None
+
+    def resolve_resume(self, resume: str, checksums: bool = True) -> Path | None:
+        """checkpoint.resume: "auto" (newest complete, or None), "never", or a PATH."""
+        if resume == "never":
+            return None
+        if resume in ("auto", ""):
+            return self.find_resumable(checksums=checksums)
+        path = Path(resume)
+        if path.is_dir() and not (path / MANIFEST).exists() and (path / "checkpoints").is_dir():
+            # A run directory was given: its newest complete checkpoint.
+            found = CheckpointStore(path, log=self.log).find_resumable(checksums=checksums)
+            if found is None:
+                raise ValueError(f"checkpoint.resume={resume!r}: no complete checkpoint under {path}/checkpoints")
+            return found
+        v = verify(path, checksums=checksums)
+        if not v.ok:
+            raise ValueError(f"checkpoint.resume={resume!r}: not a usable checkpoint: {v.reason}")
+        return path
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    return json.loads((Path(path) / MANIFEST).read_text())
+
+
+# The one place the test-only pause is read. LOOMTRAIN_TEST_CKPT_PAUSE="STEP:SECONDS"
+# makes rank 0 sleep after every file of step STEP is written and fsynced but before
+# the manifest and the rename, so a test can SIGKILL the process mid-checkpoint.
+TEST_PAUSE_ENV = "LOOMTRAIN_TEST_CKPT_PAUSE"
+
+
+def _test_pause_before_publish(step: int) -> None:
+    spec = os.environ.get(TEST_PAUSE_ENV)
+    if not spec:
+        return
+    at, _, seconds = spec.partition(":")
+    if int(at) == int(step):
+        print(f"checkpoint: test pause before publishing step {step} ({seconds}s)", file=sys.stderr, flush=True)
+        time.sleep(float(seconds or 60))
