@@ -1,0 +1,107 @@
+"""Process-group and device set-up from the environment, the same for every launcher.
+
+Three ways a rank can arrive here, and what we do:
+
+* a process group already exists (Ray Train's worker set it up with gloo or
+  nccl, or a test did): use it as it is;
+* torchrun (or any launcher) set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+  MASTER_PORT: rendezvous through them;
+* a lone process (`loomtrain train ...` on a laptop): pick a free port on
+  127.0.0.1 and act as rank 0 of 1 (no MPI discovery).
+
+gloo on CPU, nccl on CUDA; `LOCAL_RANK` picks the GPU. The collective timeout is
+`parallel.timeout_s`, so a hung rank fails the run instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from loomtrain.launcher.config import RunConfig
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    launcher: str  # "existing" | "env" | "local"
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def select_device(requested: str, local_rank: int = 0) -> torch.device:
+    """auto -> the GPU named by LOCAL_RANK when CUDA is there, else the CPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("train.device: cuda was requested but torch sees no CUDA device")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def prepare_accelerator_env(device: torch.device) -> None:
+    """DeepSpeed picks its accelerator once, at first use: tell it before it looks."""
+    if device.type == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(cfg: RunConfig) -> DistEnv:
+    """Set up (or adopt) the default process group and this rank's device."""
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    device = select_device(cfg.train.device, local_rank)
+    prepare_accelerator_env(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+
+    if dist.is_available() and dist.is_initialized():
+        launcher = "existing"
+        backend = dist.get_backend()
+    else:
+        if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+            launcher = "env"
+        else:
+            launcher = "local"
+            os.environ.update(
+                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+            )
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        dist.init_process_group(backend=backend, timeout=timeout, init_method="env://")
+
+    # DeepSpeed's comm layer wraps the existing group (no second rendezvous).
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout, verbose=False)
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+        launcher=launcher,
+    )
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
