@@ -1,0 +1,196 @@
+"""Tensor-parallel collectives as autograd functions, each with its exact backward.
+
+Megatron's conjugate pairs (f and g in the Megatron-LM paper), along the TP group:
+
+    copy_to_tp          forward identity          backward all-reduce
+    reduce_from_tp      forward all-reduce        backward identity
+    gather_last_dim     forward all-gather (-1)   backward split (-1)
+
+and, for sequence parallelism, along the sequence dimension (dim 1 of [B, T, D]):
+
+    gather_seq          forward all-gather (T)    backward reduce-scatter (T)
+    reduce_scatter_seq  forward reduce-scatter    backward all-gather
+    split_seq           forward split (no comm)   backward all-gather
+
+Every collective records the bytes it moves in `COMM_STATS`, keyed by
+(tag, op, phase) with phase "fwd" or "bwd", so a benchmark can compare them with
+Megatron's count. The volume recorded is that of the full (unsharded) tensor the
+collective works on: an all-reduce of N elements, an all-gather producing N
+elements and a reduce-scatter consuming N elements all count N. That is the
+convention of Megatron's "4 all-reduces of b*s*h per layer" and of its statement
+that sequence parallelism moves the same volume (all-gather + reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+# (tag, op, phase) -> [calls, bytes]
+COMM_STATS: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def reset_comm_stats() -> None:
+    COMM_STATS.clear()
+
+
+def _record(tag: str, op: str, phase: str, t: torch.Tensor) -> None:
+    entry = COMM_STATS[(tag, op, phase)]
+    entry[0] += 1
+    entry[1] += t.numel() * t.element_size()
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# Raw collectives (no autograd) -------------------------------------------------
+def all_reduce(x: torch.Tensor, group, tag: str = "", phase: str = "fwd", op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    x = x.contiguous()
+    _record(tag, "all_reduce", phase, x)
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group, tag: str, phase: str) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    # Gather along dim 0 of a contiguous view with `dim` moved to the front.
+    xt = x.movedim(dim, 0).contiguous()
+    out = xt.new_empty((n * xt.shape[0], *xt.shape[1:]))
+    _all_gather_single(out, xt, group=group)
+    _record(tag, "all_gather", phase, out)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group, tag: str, phase: str) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"parallel.sequence_parallel: sequence length {x.shape[dim]} is not divisible by tp={n}"
+        )
+    xt = x.movedim(dim, 0).contiguous()
+    out = xt.new_empty((xt.shape[0] // n, *xt.shape[1:]))
+    _record(tag, "reduce_scatter", phase, xt)
+    _reduce_scatter_single(out, xt, group=group)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        what = "sequence length" if dim == 1 else f"size of dim {dim}"
+        raise ValueError(f"parallel.tp={n}: {what} {x.shape[dim]} is not divisible by tp")
+    return x.chunk(n, dim=dim)[_rank(group)].contiguous()
+
+
+# Autograd functions -------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(), ctx.group, ctx.tag, "bwd"), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        return all_reduce(x.clone(), group, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group = group
+        return _all_gather(x, x.dim() - 1, group, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, grad.dim() - 1, ctx.group), None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return _all_gather(x, 1, group, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 1, ctx.group, ctx.tag, "bwd"), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return _reduce_scatter(x, 1, group, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group, ctx.tag, "bwd"), None, None
+
+
+class _SplitSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return _split(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group, ctx.tag, "bwd"), None, None
+
+
+def copy_to_tp(x, group, tag=""):
+    """Identity forward; all-reduce of the gradient (input of a column-parallel region)."""
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group, tag)
+
+
+def reduce_from_tp(x, group, tag=""):
+    """All-reduce forward; identity backward (output of a row-parallel region)."""
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group, tag)
+
+
+def gather_last_dim(x, group, tag=""):
+    """All-gather along the last dim (e.g. full logits for generation); backward splits."""
+    return x if _size(group) == 1 else _GatherLastDim.apply(x, group, tag)
+
+
+def gather_seq(x, group, tag=""):
+    """[B, T/tp, ...] -> [B, T, ...]; backward reduce-scatters (SP -> column-parallel)."""
+    return x if _size(group) == 1 else _GatherSeq.apply(x, group, tag)
+
+
+def reduce_scatter_seq(x, group, tag=""):
+    """Partial sums [B, T, ...] -> reduced [B, T/tp, ...]; backward all-gathers (row-parallel -> SP)."""
+    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, group, tag)
+
+
+def split_seq(x, group, tag=""):
+    """Replicated [B, T, ...] -> this rank's [B, T/tp, ...]; backward all-gathers."""
+    return x if _size(group) == 1 else _SplitSeq.apply(x, group, tag)

@@ -1,0 +1,231 @@
+"""Tensor-parallel layers, built from the full (unsharded) modules they replace.
+
+Each sharded parameter is a slice copied from the full, seed-initialised weight,
+so a TP run starts from exactly the single-process weights. It carries:
+
+    tensor_model_parallel  True on the rank that owns it (DeepSpeed's gradient-norm
+                           and clipping code counts such params on every TP rank,
+                           and non-TP params only on tp_rank 0)
+    partition_dim          the dim the full tensor was split along
+    partition_stride       1 (Megatron's name; contiguous shards)
+    tp_meta                dict(partition_dim, full_shape, padded_size, num_shards,
+                           shard_index): concatenating the shards 0..num_shards-1
+                           along partition_dim gives the padded full tensor, whose
+                           first full_shape[partition_dim] entries are the real ones.
+
+A KV projection replicated over m = tp / n_kv_heads ranks has num_shards =
+n_kv_heads; only the first rank of the m holds it as `tensor_model_parallel`
+(so norms count it once), and its gradient is summed over those m ranks so the
+replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loomtrain.parallel import collectives as C
+
+
+def set_tp_meta(param: nn.Parameter, *, partition_dim: int, full_shape, padded_size: int,
+                num_shards: int, shard_index: int, owner: bool = True) -> None:
+    param.tensor_model_parallel = bool(owner)
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+    param.tp_meta = dict(
+        partition_dim=partition_dim,
+        full_shape=tuple(full_shape),
+        padded_size=padded_size,
+        num_shards=num_shards,
+        shard_index=shard_index,
+    )
+
+
+def _shard(full: torch.Tensor, dim: int, index: int, num: int, padded: int) -> torch.Tensor:
+    """Shard `index` of `num` of `full` along `dim`, after zero-padding that dim to `padded`."""
+    if padded > full.shape[dim]:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    return full.chunk(num, dim=dim)[index].detach().clone()
+
+
+def _param_like(src: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(data.contiguous(), requires_grad=src.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T with A's output rows split across TP ranks: y stays split on its last dim.
+
+    input_mode: "none" (the caller already made the input TP-ready, e.g. one hook for
+    wq/wk/wv together), "copy" (identity fwd / all-reduce bwd), or "gather_seq"
+    (sequence parallelism: all-gather the sequence fwd / reduce-scatter bwd).
+    gather_output: all-gather the output along its last dim and drop padding.
+    """
+
+    def __init__(self, linear: nn.Linear, topology, *, shard_index: int, num_shards: int,
+                 padded_out: int | None = None, input_mode: str = "none", tag: str = "",
+                 owner: bool = True, weight: nn.Parameter | None = None):
+        super().__init__()
+        self.group = topology.tp_group
+        self.in_features = linear.in_features
+        self.full_out_features = linear.out_features
+        self.padded_out = padded_out or linear.out_features
+        self.input_mode = input_mode
+        self.gather_output = False
+        self.tag = tag
+        meta = dict(partition_dim=0, full_shape=tuple(linear.weight.shape), padded_size=self.padded_out,
+                    num_shards=num_shards, shard_index=shard_index, owner=owner)
+        if weight is None:  # tied weights pass the already-sharded parameter
+            weight = _param_like(linear.weight, _shard(linear.weight, 0, shard_index, num_shards, self.padded_out))
+            set_tp_meta(weight, **meta)
+        self.weight = weight
+        self.out_features = weight.shape[0]
+        if linear.bias is not None:
+            self.bias = _param_like(linear.bias, _shard(linear.bias, 0, shard_index, num_shards, self.padded_out))
+            set_tp_meta(self.bias, **{**meta, "full_shape": tuple(linear.bias.shape)})
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_mode == "copy":
+            x = C.copy_to_tp(x, self.group, self.tag)
+        elif self.input_mode == "gather_seq":
+            x = C.gather_seq(x, self.group, self.tag)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = C.gather_last_dim(y, self.group, self.tag)[..., : self.full_out_features]
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out_local={self.out_features}, out_full={self.full_out_features}, "
+                f"padded={self.padded_out}, input={self.input_mode}, bias={self.bias is not None}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T with A's input columns split across ranks; partial sums are all-reduced
+    (or reduce-scattered along the sequence under sequence parallelism). The bias is
+    replicated and added after the reduction."""
+
+    def __init__(self, linear: nn.Linear, topology, *, sequence_parallel: bool = False, tag: str = ""):
+        super().__init__()
+        tp, r = topology.tp_size, topology.tp_rank
+        self.group = topology.tp_group
+        self.sequence_parallel = sequence_parallel
+        self.tag = tag
+        self.in_features, self.out_features = linear.in_features // tp, linear.out_features
+        self.weight = _param_like(linear.weight, _shard(linear.weight, 1, r, tp, linear.in_features))
+        set_tp_meta(self.weight, partition_dim=1, full_shape=tuple(linear.weight.shape),
+                    padded_size=linear.in_features, num_shards=tp, shard_index=r)
+        if linear.bias is not None:
+            self.bias = _param_like(linear.bias, linear.bias.detach().clone())
+            if sequence_parallel:
+                self.bias.sequence_parallel = True  # sees a sequence shard: grads summed over TP
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = C.reduce_scatter_seq(y, self.group, self.tag)
+        else:
+            y = C.reduce_from_tp(y, self.group, self.tag)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_local={self.in_features}, out={self.out_features}, sp={self.sequence_parallel}, bias={self.bias is not None}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table's rows (the vocabulary, padded to a multiple of tp) split across
+    ranks. Each rank looks up the tokens in its range, zeroes the rest, and the partial
+    results are summed: all-reduce, or reduce-scatter along the sequence (output_mode
+    "reduce_scatter_seq"), or left as partial sums ("partial")."""
+
+    def __init__(self, emb: nn.Embedding, topology, *, padded_vocab: int, output_mode: str = "all_reduce",
+                 tag: str = "embedding"):
+        super().__init__()
+        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
+            raise ValueError("parallel.tp: VocabParallelEmbedding supports plain nn.Embedding only "
+                             "(no padding_idx, max_norm or sparse)")
+        tp, r = topology.tp_size, topology.tp_rank
+        self.group = topology.tp_group
+        self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
+        self.padded_vocab = padded_vocab
+        self.per_rank = padded_vocab // tp
+        self.vocab_start = r * self.per_rank
+        self.output_mode = output_mode
+        self.tag = tag
+        self.weight = _param_like(emb.weight, _shard(emb.weight, 0, r, tp, padded_vocab))
+        set_tp_meta(self.weight, partition_dim=0, full_shape=tuple(emb.weight.shape),
+                    padded_size=padded_vocab, num_shards=tp, shard_index=r)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.output_mode == "all_reduce":
+            return C.reduce_from_tp(out, self.group, self.tag)
+        if self.output_mode == "reduce_scatter_seq":
+            return C.reduce_scatter_seq(out, self.group, self.tag)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.num_embeddings}, padded={self.padded_vocab}, local={self.per_rank}, "
+                f"dim={self.embedding_dim}, start={self.vocab_start}, out={self.output_mode}")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy: three all-reduces of [N] scalars
+    (max, target logit, sum of exp) instead of gathering [N, vocab] logits."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start, vocab_size, ignore_index):
+        # logits [N, V_local] (float32), targets [N]
+        n_local = logits.shape[-1]
+        logits = logits.clone()
+        pad_from = max(0, min(n_local, vocab_size - vocab_start))
+        if pad_from < n_local:  # padded vocabulary entries never win
+            logits[:, pad_from:] = float("-inf")
+        logits_max = logits.max(dim=-1).values
+        C.all_reduce(logits_max, group, "cross_entropy", "fwd", op=C.dist.ReduceOp.MAX)
+        logits.sub_(logits_max.unsqueeze(-1))
+
+        valid = targets != ignore_index
+        local_t = targets - vocab_start
+        in_range = valid & (local_t >= 0) & (local_t < n_local)
+        local_t = local_t.masked_fill(~in_range, 0)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        target_logit = logits[rows, local_t].masked_fill(~in_range, 0.0)
+        C.all_reduce(target_logit, group, "cross_entropy", "fwd")
+
+        exp = logits.exp_()
+        sum_exp = exp.sum(dim=-1)
+        C.all_reduce(sum_exp, group, "cross_entropy", "fwd")
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, local columns
+        ctx.save_for_backward(exp, rows, local_t, in_range, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, rows, local_t, in_range, valid = ctx.saved_tensors
+        grad = softmax
+        grad[rows, local_t] -= in_range.to(grad.dtype)
+        grad.mul_((grad_loss * valid.to(grad_loss.dtype)).unsqueeze(-1))
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, topology, vocab_size: int,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of vocab-sharded logits [..., V_padded/tp] against global targets [...]."""
+    n_local = logits.shape[-1]
+    flat = logits.reshape(-1, n_local).float()
+    t = targets.reshape(-1)
+    start = topology.tp_rank * n_local
+    losses = _VocabParallelCrossEntropy.apply(flat, t, topology.tp_group, start, vocab_size, ignore_index)
+    n_valid = (t != ignore_index).sum().clamp(min=1)
+    return losses.sum() / n_valid

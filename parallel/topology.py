@@ -1,0 +1,139 @@
+"""Process topology: tensor-parallel groups of consecutive ranks, data-parallel across them.
+
+With world size W and tensor-parallel size T (W % T == 0, D = W // T):
+
+    TP group g (g = 0..D-1):  ranks [g*T, g*T + 1, ..., g*T + T-1]
+    DP group t (t = 0..T-1):  ranks [t, T + t, 2T + t, ...]
+
+so rank r has tp_rank = r % T and dp_rank = r // T. Consecutive ranks share a
+node on a cluster, so the chatty TP collectives stay on NVLink.
+
+`torch.distributed.new_group` must be called by every rank, for every group, in
+the same order, even for groups the rank is not in; `Topology` does exactly that.
+Without an initialised process group (a lone process) the groups are None and
+only tp == 1 is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp (each rank holds vocab_padded / tp rows)."""
+    return -(-vocab_size // tp) * tp
+
+
+def check_tp(model_cfg, tp: int, world_size: int | None = None) -> None:
+    """Raise a one-line ValueError naming `parallel.tp` if this model cannot be split tp ways.
+
+    Run it before any worker builds a model (the launcher's config validation may
+    call it directly); `Topology(..., model_cfg=...)` and `parallelize` call it too.
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        _fail(f"parallel.tp: must be a positive integer, got {tp!r}")
+    if world_size is not None and world_size % tp:
+        _fail(f"parallel.tp={tp}: world size {world_size} is not divisible by tp")
+    if model_cfg is None or tp == 1:
+        return
+    n_heads, n_kv = model_cfg.n_heads, model_cfg.kv_heads
+    if n_heads % tp:
+        _fail(f"parallel.tp={tp}: model.n_heads={n_heads} is not divisible by tp")
+    if n_kv % tp and (n_kv > tp or tp % n_kv):
+        _fail(
+            f"parallel.tp={tp}: model.n_kv_heads={n_kv} must be divisible by tp, "
+            f"or divide tp (fewer KV heads than tp are replicated)"
+        )
+    if model_cfg.ffn_dim % tp:
+        _fail(f"parallel.tp={tp}: FFN hidden size {model_cfg.ffn_dim} (model.ffn_hidden) is not divisible by tp")
+    # The vocabulary needs no check: the plan pads it to a multiple of tp.
+
+
+@dataclass
+class Topology:
+    world_size: int
+    rank: int
+    tp: int = 1
+    model_cfg: object = None
+    tp_group: object = field(default=None, init=False, repr=False)
+    dp_group: object = field(default=None, init=False, repr=False)
+    tp_ranks: list = field(default_factory=list, init=False)
+    dp_ranks: list = field(default_factory=list, init=False)
+    _subgroups: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_tp(self.model_cfg, self.tp, self.world_size)
+        if not 0 <= self.rank < self.world_size:
+            _fail(f"rank {self.rank} is outside world size {self.world_size}")
+        t, d = self.tp, self.world_size // self.tp
+        tp_groups = [list(range(g * t, (g + 1) * t)) for g in range(d)]
+        dp_groups = [list(range(i, self.world_size, t)) for i in range(t)]
+        self.tp_ranks = tp_groups[self.dp_rank]
+        self.dp_ranks = dp_groups[self.tp_rank]
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() != self.world_size:
+                _fail(
+                    f"Topology(world_size={self.world_size}) but torch.distributed "
+                    f"has world size {dist.get_world_size()}"
+                )
+            # Every rank creates every group, in the same order.
+            for ranks in tp_groups:
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.tp_group = g
+            for ranks in dp_groups:
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.dp_group = g
+        elif self.world_size > 1:
+            _fail(f"Topology(world_size={self.world_size}) needs torch.distributed initialised first")
+
+    # Ranks and sizes --------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    def tp_subgroup(self, size: int):
+        """This rank's group among blocks of `size` consecutive ranks inside each TP group
+        (e.g. the ranks sharing one replicated KV head). Collective: every rank must call
+        it with the same sizes in the same order (the plan does); cached per size."""
+        if self.tp % size:
+            _fail(f"parallel.tp={self.tp}: sub-group size {size} does not divide tp")
+        if size not in self._subgroups:
+            mine = None
+            if dist.is_available() and dist.is_initialized():
+                for start in range(0, self.world_size, size):
+                    ranks = list(range(start, start + size))
+                    g = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        mine = g
+            self._subgroups[size] = mine
+        return self._subgroups[size]
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        return padded_vocab_size(vocab_size, self.tp)
+
+    @property
+    def mpu(self):
+        """The model-parallel-unit object `deepspeed.initialize(mpu=...)` expects."""
+        from loomtrain.parallel.mpu import MPU
+
+        return MPU(self)
