@@ -1,0 +1,373 @@
+"""The arithmetic behind `loomtrain plan` and `loomtrain dryrun`: memory, FLOPs and
+communication of one rank of a TP x DP x ZeRO run, from the config alone.
+
+Every figure is per rank and per optimizer step unless its name says otherwise.
+Sources, so that a reader can check each number:
+
+* Model states (ZeRO paper, Rajbhandari et al. 2020, sec. 3 and 5): mixed precision
+  keeps 2 (16-bit params) + 2 (16-bit grads) + 12 (fp32 master, Adam m, Adam v)
+  bytes per parameter. Stage 0 replicates all three over the data-parallel group,
+  stage 1 shards the optimizer states, stage 2 also the gradients, stage 3 also the
+  parameters. fp32 training keeps 4 + 4 + 8 (m, v; the optimizer updates the fp32
+  model params in place) -- except that DeepSpeed's ZeRO optimizers (stages 1-3)
+  keep their own fp32 copy of each partition even when the model is fp32, so fp32
+  at stages 1-3 is 4 + 4 + 12 (measured in tests/test_zero_memory.py). Tensor
+  parallelism divides the sharded layers by tp before ZeRO divides by dp; norms,
+  row-parallel biases and learned positions stay replicated. The vocabulary is
+  padded to a multiple of tp (the vocab-parallel embedding's rows).
+* Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 1-5):
+  s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations. loomtrain's attention
+  is torch SDPA, which on GPU runs the flash / memory-efficient kernels that keep no
+  s x s score matrix, so the primary estimate drops the 5*a*s/h term (the "flash"
+  variant; the eager figure is reported next to it). The 34 is generalized to the
+  config's shape (GQA: K and V are kv_heads/n_heads wide; SwiGLU: 4*ffn instead of
+  2*ffn stored in the MLP; dropout masks only when dropout > 0). Without sequence
+  parallelism the 10*s*b*h of norm inputs, QKV/MLP inputs and dropout masks are
+  replicated over TP (eq. 4); with it everything is divided by tp (eq. 5). Full
+  activation checkpointing keeps only each block's input (2*s*b*h per layer, /tp with
+  SP) plus one block's working set during its recomputation. The output layer adds
+  s*b*V/tp logits in the compute dtype plus an fp32 copy for the loss.
+* FLOPs (PaLM, Chowdhery et al. 2022, appendix B): 6*N + 12*L*d*s per token, N the
+  parameters that take part in matmuls (everything but the embedding lookups; the
+  output projection counts even when tied). Full recomputation runs the forward twice:
+  8*N + 16*L*d*s hardware FLOPs per token; MFU always uses the 6*N figure.
+* TP communication (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022): per
+  layer and micro-batch, 2 all-reduces of s*b*h activations forward and 2 backward
+  (with SP: all-gathers + reduce-scatters of the same total volume), 2 more when the
+  forward is recomputed; plus the vocab-parallel embedding (forward) and output
+  layer (backward) all-reduces and the cross-entropy's three s*b fp32 all-reduces.
+  Ring all-reduce of M bytes sends 2*(t-1)/t*M bytes per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from loomtrain.model.config import ModelConfig
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gib: float  # what torch.cuda.get_device_properties reports as total
+    bf16_tflops: float  # dense peak, bf16/fp16 tensor cores
+    fp32_tflops: float  # dense peak, fp32 without TF32
+    note: str = ""
+
+
+DEVICES: dict[str, Device] = {
+    "h100": Device("H100 SXM 80GB", 79.6, 989.0, 67.0),
+    "h200": Device("H200 SXM 141GB", 139.8, 989.0, 67.0),
+    "a100": Device("A100 SXM 80GB", 79.3, 312.0, 19.5),
+    "l40s": Device("L40S 48GB", 44.4, 362.0, 91.6),
+    # The 2-core CI box of ANCHORS.md (measured matmul throughput); memory is host RAM.
+    "cpu": Device("CPU (2 cores, measured)", 0.0, 0.41, 0.18, note="memory = host RAM"),
+}
+
+# Assumed model-FLOPs utilization for the step-time prediction: between torchtitan's
+# 33-39% (Llama-3 8B, 8 x H100) and Megatron-LM's up to 47% (ANCHORS.md).
+DEFAULT_MFU = 0.40
+# CUDA context, NCCL buffers, DeepSpeed's bucket buffers and allocator fragmentation:
+# a fixed allowance, not derived (typical observed values are 1-3 GiB).
+RESERVE_GIB = 2.0
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def host_memory_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().total / GiB
+
+
+def device_spec(name: str) -> Device:
+    key = name.lower()
+    if key not in DEVICES:
+        raise ValueError(f"--gpu: unknown device {name!r}; choose one of {', '.join(DEVICES)}")
+    dev = DEVICES[key]
+    if key == "cpu":
+        dev = Device(dev.name, round(host_memory_gib(), 1), dev.bf16_tflops, dev.fp32_tflops, dev.note)
+    return dev
+
+
+# --------------------------------------------------------------------------- params
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Rows of the (vocab-parallel) embedding summed over the TP ranks."""
+    return tp * math.ceil(vocab_size / tp)
+
+
+def analytic_param_count(cfg: ModelConfig) -> int:
+    """Parameters of the plain (tp=1) model from ModelConfig's arithmetic alone (model.flops)."""
+    from loomtrain.model.flops import param_count
+
+    return param_count(cfg)
+
+
+# How the TP plan shards each parameter, by the name's last two components.
+_COLUMN = {"wq", "wk", "wv", "up", "gate"}  # output features split; bias split too
+_ROW = {"wo", "down"}  # input features split; bias replicated
+_VOCAB = {"tok_emb", "lm_head"}  # vocabulary rows split (padded to a multiple of tp)
+
+
+def shard_kind(name: str) -> str:
+    """'col', 'row', 'vocab' or 'rep' for a parameter name of the plain model."""
+    parts = name.split(".")
+    owner, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+    if owner in _VOCAB:
+        return "vocab"
+    if owner in _COLUMN:
+        return "col"
+    if owner in _ROW:
+        return "row" if leaf == "weight" else "rep"
+    return "rep"
+
+
+def local_shape(name: str, shape: tuple[int, ...], tp: int, cfg: ModelConfig) -> tuple[int, ...]:
+    """The shape one TP rank holds of a plain-model parameter (rank 0; all ranks equal)."""
+    kind = shard_kind(name)
+    if tp == 1 or kind == "rep":
+        return tuple(shape)
+    owner = name.split(".")[-2]
+    if kind == "vocab":
+        return (padded_vocab(shape[0], tp) // tp, *shape[1:])
+    if kind == "col":
+        if owner in ("wk", "wv") and cfg.kv_heads < tp:
+            # Fewer KV heads than TP ranks: each rank keeps one (replicated) KV head.
+            return (cfg.head_dim, *shape[1:])
+        return (shape[0] // tp, *shape[1:])
+    return (shape[0], shape[1] // tp)  # row-parallel weight
+
+
+@dataclass
+class ParamCount:
+    total: int  # the plain model
+    per_rank: int  # one TP rank's parameters (what ZeRO then divides by dp)
+    embedding: int  # input-lookup parameters of the plain model (tok_emb, pos_emb)
+    matmul: int  # parameters in matmuls, for 6N (output projection counted when tied)
+    replicated_per_rank: int  # parameters every TP rank holds in full
+
+
+def count_params(model: Any, tp: int) -> ParamCount:
+    """Count a plain (unsharded) model's parameters, e.g. one built on the meta device.
+
+    Shared (tied) parameters count once, as `named_parameters` yields them once.
+    """
+    cfg = model.cfg if hasattr(model, "cfg") else model.config
+    total = per_rank = emb = rep = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        per_rank += math.prod(local_shape(name, tuple(p.shape), tp, cfg))
+        if shard_kind(name) == "rep":
+            rep += n
+        if name.split(".")[0] in ("tok_emb", "pos_emb"):
+            emb += n
+    matmul = total - emb + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+    return ParamCount(total, per_rank, emb, matmul, rep)
+
+
+def build_meta_model(cfg: ModelConfig):
+    """The full-size loomtrain Transformer with empty (meta) weights: no memory."""
+    from accelerate import init_empty_weights
+
+    from loomtrain.model import Transformer
+
+    with init_empty_weights(include_buffers=False):
+        model = Transformer(cfg)
+    # init_empty_weights re-creates every registered Parameter on meta, which unties
+    # `lm_head.weight = tok_emb.weight`; tie it again so the table counts once.
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    return model
+
+
+# --------------------------------------------------------------------- model states
+@dataclass
+class ModelStates:
+    params: float
+    grads: float
+    optimizer: float
+    offloaded: float = 0.0  # optimizer bytes held in host memory instead (offload)
+    bytes_per_param: tuple[float, float, float] = (0, 0, 0)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(n_rank: int, stage: int, dp: int, precision: str, offload: bool = False) -> ModelStates:
+    """Bytes per rank of params, grads and optimizer states for `n_rank` params per TP rank."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"parallel.zero_stage: must be 0, 1, 2 or 3, got {stage!r}")
+    if precision == "fp32":
+        p_b, g_b, o_b = 4, 4, (8 if stage == 0 else 12)
+    elif precision in ("bf16", "fp16"):
+        p_b, g_b, o_b = 2, 2, 12
+    else:
+        raise ValueError(f"train.precision: {precision!r} is not one of fp32, bf16, fp16")
+    params = p_b * n_rank / (dp if stage >= 3 else 1)
+    grads = g_b * n_rank / (dp if stage >= 2 else 1)
+    optim = o_b * n_rank / (dp if stage >= 1 else 1)
+    offloaded = 0.0
+    if offload:
+        offloaded, optim = optim, 0.0
+    return ModelStates(params, grads, optim, offloaded, (p_b, g_b, o_b))
+
+
+# ---------------------------------------------------------------------- activations
+@dataclass
+class Activations:
+    per_layer: float  # one transformer block, one micro-batch, as stored for backward
+    layers: float  # all blocks (checkpointed: inputs + one block's working set)
+    output: float  # logits + fp32 loss copy
+    total: float
+    eager_total: float  # same with an s x s attention matrix (no flash kernel)
+    variant: str
+
+
+def activation_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str,
+                     sequence_parallel: bool = False, checkpointing: bool = False) -> Activations:
+    s, b, h, a, L = seq, micro, cfg.d_model, cfg.n_heads, cfg.n_layers
+    p = _DTYPE_BYTES[precision]
+    f = cfg.ffn_dim
+    kv = cfg.kv_heads * cfg.head_dim
+    drop = 1 if cfg.dropout > 0 else 0
+    # Elements per token, split into what TP shards and what it replicates (no SP).
+    replicated = p * (4 * h) + drop * 2 * h  # 2 norm inputs, QKV input, MLP input; 2 masks
+    sharded = p * (h + 2 * kv + h)  # Q, K, V, attention output (wo input)
+    sharded += p * (4 * f if cfg.activation == "swiglu" else 2 * f)  # MLP inner tensors
+    scores = drop * 5 * a * s + (1 - drop) * 2 * a * s  # softmax out (+mask, dropout out), eager only
+    rep_div = tp if sequence_parallel else 1
+    per_layer = s * b * (replicated / rep_div + sharded / tp)
+    per_layer_eager = per_layer + s * b * (scores * p / 2) / tp
+    if checkpointing:
+        inputs = L * s * b * p * h / rep_div
+        layers, layers_eager = inputs + per_layer, inputs + per_layer_eager
+    else:
+        layers, layers_eager = L * per_layer, L * per_layer_eager
+    v_local = padded_vocab(cfg.vocab_size, tp) // tp
+    output = s * b * v_local * (p + 4) + s * b * h * p * 2 / rep_div  # logits + fp32; final norm
+    return Activations(per_layer, layers, output, layers + output, layers_eager + output,
+                       "flash/SDPA (no s x s scores)" + (", full recompute" if checkpointing else ""))
+
+
+# ---------------------------------------------------------------- FLOPs and comm
+def flops_per_token(matmul_params: int, cfg: ModelConfig, seq: int, recompute: bool = False) -> float:
+    attn = 12 * cfg.n_layers * cfg.d_model * seq
+    if recompute:
+        return 8 * matmul_params + attn * 4 / 3
+    return 6 * matmul_params + attn
+
+
+def tp_comm_bytes_per_microbatch(cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str,
+                                 recompute: bool = False) -> tuple[float, float]:
+    """(payload bytes all-reduced, bytes each rank sends on a ring) per micro-batch."""
+    if tp == 1:
+        return 0.0, 0.0
+    act = seq * micro * cfg.d_model * _DTYPE_BYTES[precision]
+    n_ar = cfg.n_layers * (4 + (2 if recompute else 0)) + 2
+    payload = n_ar * act + 3 * seq * micro * 4
+    return payload, payload * 2 * (tp - 1) / tp
+
+
+def dp_comm_bytes_per_step(n_rank: int, stage: int, dp: int, precision: str) -> float:
+    """Bytes each rank sends for the data-parallel gradient (and ZeRO-3 param) traffic."""
+    if dp == 1:
+        return 0.0
+    g = _DTYPE_BYTES[precision]
+    ring = (dp - 1) / dp
+    # reduce-scatter + all-gather (stages 0-2: 2 psi; stage 3: an extra param all-gather).
+    return n_rank * g * ring * (3 if stage == 3 else 2)
+
+
+# ---------------------------------------------------------------------------- plan
+@dataclass
+class Plan:
+    world_size: int
+    tp: int
+    dp: int
+    zero_stage: int
+    precision: str
+    grad_accum: int
+    micro_batch: int
+    seq_len: int
+    tokens_per_step: int
+    params: ParamCount
+    analytic_params: int
+    states: ModelStates
+    activations: Activations
+    reserve: float
+    total_per_rank: float
+    device: Device
+    fits: bool
+    flops_per_token: float
+    hw_flops_per_token: float
+    flops_per_step: float
+    tp_comm_payload: float
+    tp_comm_sent: float
+    dp_comm_sent: float
+    assumed_mfu: float
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_rank: float
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["states"]["total"] = self.states.total
+        return d
+
+
+def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT_MFU, model: Any = None) -> Plan:
+    """Predict one rank of `run` (a RunConfig) on `world_size` ranks of `gpu`."""
+    cfg: ModelConfig = run.model
+    par, tr = run.parallel, run.train
+    tp, stage, prec = par.tp, par.zero_stage, tr.precision
+    if world_size < 1 or world_size % tp:
+        raise ValueError(f"--world-size {world_size} must be a positive multiple of parallel.tp={tp}")
+    dp = world_size // tp
+    if tr.global_batch_size % (tr.micro_batch_size * dp):
+        raise ValueError(
+            f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size={tr.micro_batch_size} x dp={dp}")
+    if par.offload_optimizer and stage < 2:
+        raise ValueError(f"parallel.offload_optimizer needs parallel.zero_stage 2 or 3, got {stage}")
+    accum = tr.global_batch_size // (tr.micro_batch_size * dp)
+    dev = device_spec(gpu)
+    if model is None:
+        model = build_meta_model(cfg)
+    pc = count_params(model, tp)
+    states = model_state_bytes(pc.per_rank, stage, dp, prec, par.offload_optimizer)
+    acts = activation_bytes(cfg, tr.seq_len, tr.micro_batch_size, tp, prec,
+                            par.sequence_parallel, par.activation_checkpointing)
+    reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
+    total = states.total + acts.total + reserve
+    tokens = tr.global_batch_size * tr.seq_len
+    if hasattr(model, "flops_per_token"):
+        fpt = float(model.flops_per_token(tr.seq_len))
+    else:
+        fpt = flops_per_token(pc.matmul, cfg, tr.seq_len)
+    hw = fpt * (flops_per_token(pc.matmul, cfg, tr.seq_len, True) / flops_per_token(pc.matmul, cfg, tr.seq_len)
+                if par.activation_checkpointing else 1.0)
+    peak = (dev.fp32_tflops if prec == "fp32" else dev.bf16_tflops) * 1e12
+    # The assumed MFU holds for the hardware FLOPs; recomputation adds work MFU ignores.
+    step_time = hw * tokens / (world_size * peak * mfu)
+    payload, sent = tp_comm_bytes_per_microbatch(cfg, tr.seq_len, tr.micro_batch_size, tp, prec,
+                                                 par.activation_checkpointing)
+    notes = []
+    if cfg.vocab_size % tp:
+        notes.append(f"vocab {cfg.vocab_size} padded to {padded_vocab(cfg.vocab_size, tp)} for tp={tp}")
+    return Plan(
+        world_size=world_size, tp=tp, dp=dp, zero_stage=stage, precision=prec, grad_accum=accum,
+        micro_batch=tr.micro_batch_size, seq_len=tr.seq_len, tokens_per_step=tokens,
+        params=pc, analytic_params=analytic_param_count(cfg), states=states, activations=acts,
+        reserve=reserve, total_per_rank=total, device=dev,
+        fits=dev.memory_gib * GiB >= total, flops_per_token=fpt, hw_flops_per_token=hw,
+        flops_per_step=fpt * tokens, tp_comm_payload=payload * accum, tp_comm_sent=sent * accum,
+        dp_comm_sent=dp_comm_bytes_per_step(pc.per_rank, stage, dp, prec), assumed_mfu=mfu,
+        step_time_s=step_time, tokens_per_s=tokens / step_time,
+        tokens_per_s_per_rank=tokens / step_time / world_size, notes=notes)

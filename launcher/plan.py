@@ -1,0 +1,144 @@
+"""`loomtrain plan CONFIG [--world-size N] [--gpu h100|h200|a100|l40s|cpu] [key=value ...]`
+
+Predicts one rank of a run before it is submitted: memory for parameters, gradients
+and optimizer states at the configured ZeRO stage and TP, activations, FLOPs per
+step, TP/DP communication per step, and step time / tokens/s / MFU on the named
+GPU at an assumed MFU. The model is built full-size on the meta device (accelerate's
+`init_empty_weights`), so a 70 B config is counted without allocating its weights.
+The arithmetic and its sources are in `loomtrain.launcher.memory_model`.
+
+Exit status: 0 when the config fits, 1 when it will not fit, 2 on a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from loomtrain.launcher import memory_model as mm
+
+GiB = mm.GiB
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:8.2f}"
+
+
+def _si(x: float, unit: str = "") -> str:
+    for div, suffix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g} {suffix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def format_plan(p: mm.Plan, config: str = "") -> str:
+    st, act, pc = p.states, p.activations, p.params
+    pb, gb, ob = st.bytes_per_param
+    dp_s = f" / dp {p.dp}"
+    stage = p.zero_stage
+    lines = [
+        f"plan {config}: world {p.world_size} = tp {p.tp} x dp {p.dp}, ZeRO-{stage}, {p.precision}, "
+        f"on {p.device.name}",
+        f"model      {_si(pc.total)} params (ModelConfig arithmetic: {_si(p.analytic_params)}); "
+        f"per TP rank {_si(pc.per_rank)} ({_si(pc.replicated_per_rank)} replicated over TP)",
+        f"batch      global {p.tokens_per_step // p.seq_len} x seq {p.seq_len} = {p.tokens_per_step:,} tokens/step; "
+        f"micro-batch {p.micro_batch}, gradient accumulation {p.grad_accum}",
+        "",
+        "memory per rank                                        GiB",
+        f"  parameters        {pb:>2g} B/param{dp_s if stage >= 3 else '':<10}             {_gib(st.params)}",
+        f"  gradients         {gb:>2g} B/param{dp_s if stage >= 2 else '':<10}             {_gib(st.grads)}",
+        f"  optimizer states  {ob:>2g} B/param{dp_s if stage >= 1 else '':<10}             {_gib(st.optimizer)}"
+        + (f"   (offloaded to host: {st.offloaded / GiB:.2f} GiB)" if st.offloaded else ""),
+        f"  model states                                       {_gib(st.total)}",
+        f"  activations, micro-batch {p.micro_batch:<4}                      {_gib(act.total)}"
+        f"   ({act.variant}; eager attention {act.eager_total / GiB:.2f})",
+        f"  reserve (CUDA context, NCCL, DS buffers)           {_gib(p.reserve)}",
+        f"  total                                              {_gib(p.total_per_rank)}"
+        f"   of {p.device.memory_gib:.1f} GiB",
+        "",
+        "compute",
+        f"  model FLOPs per token   {_si(p.flops_per_token, 'FLOP')} (6N + 12 L d s)"
+        + (f"; hardware {_si(p.hw_flops_per_token, 'FLOP')} with full recompute"
+           if p.hw_flops_per_token != p.flops_per_token else ""),
+        f"  model FLOPs per step    {_si(p.flops_per_step, 'FLOP')} ({_si(p.flops_per_step / p.world_size, 'FLOP')} per rank)",
+        f"  at an assumed {p.assumed_mfu:.0%} of {p.device.name}'s "
+        f"{'fp32' if p.precision == 'fp32' else 'bf16 dense'} peak "
+        f"({(p.device.fp32_tflops if p.precision == 'fp32' else p.device.bf16_tflops):g} TFLOP/s)"
+        + (" for the hardware FLOPs" if p.hw_flops_per_token != p.flops_per_token else "") + ":",
+        f"    step time {p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s "
+        f"({p.tokens_per_s_per_rank:,.0f} per rank), MFU "
+        f"{p.assumed_mfu * p.flops_per_token / p.hw_flops_per_token:.0%}",
+        "communication per rank per step (not in the step time: assumed overlapped or inside the MFU)",
+        f"  TP   {p.tp_comm_payload / GiB:.2f} GiB all-reduced, {p.tp_comm_sent / GiB:.2f} GiB sent (ring)",
+        f"  DP   {p.dp_comm_sent / GiB:.2f} GiB sent (ZeRO-{stage} gradient reduce"
+        + (" + parameter all-gathers" if stage == 3 else "") + ")",
+    ]
+    lines += [f"note: {n}" for n in p.notes]
+    lines.append("")
+    if p.fits:
+        lines.append(f"FITS: {p.total_per_rank / GiB:.2f} GiB per rank of {p.device.memory_gib:.1f} GiB "
+                     f"({p.total_per_rank / (p.device.memory_gib * GiB):.0%})")
+    else:
+        lines.append(f"WILL NOT FIT: needs {p.total_per_rank / GiB:.2f} GiB per rank, "
+                     f"the GPU has {p.device.memory_gib:.1f} GiB")
+        lines += [f"  try: {h}" for h in suggestions(p)]
+    return "\n".join(lines)
+
+
+def suggestions(p: mm.Plan) -> list[str]:
+    out = []
+    if p.zero_stage < 3 and p.dp > 1:
+        out.append(f"parallel.zero_stage={p.zero_stage + 1} (shards more model states over dp={p.dp})")
+    if p.activations.total > p.states.total / 4 and p.micro_batch > 1:
+        out.append(f"train.micro_batch_size={max(1, p.micro_batch // 2)} (activations are "
+                   f"{p.activations.total / GiB:.1f} GiB)")
+    if "recompute" not in p.activations.variant:
+        out.append("parallel.activation_checkpointing=true")
+    if p.zero_stage >= 2 and p.states.optimizer:
+        out.append("parallel.offload_optimizer=true (optimizer states to host memory)")
+    out.append("a larger parallel.tp or --world-size")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="loomtrain plan", description=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="number of ranks (default: the config's ray.num_workers)")
+    ap.add_argument("--gpu", default="h100", choices=sorted(mm.DEVICES), help="device to predict for")
+    ap.add_argument("--mfu", type=float, default=mm.DEFAULT_MFU,
+                    help=f"assumed model-FLOPs utilization (default {mm.DEFAULT_MFU})")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = ap.parse_intermixed_args(argv)
+
+    from loomtrain.launcher.config_loader import ConfigError, load_config
+
+    try:
+        world = args.world_size or _default_world(args.config, args.overrides)
+        run = load_config(args.config, args.overrides, world_size=world)
+        p = mm.make_plan(run, world, args.gpu, args.mfu)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"loomtrain plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(p.as_dict(), indent=2, default=str))
+    else:
+        print(format_plan(p, args.config))
+    return 0 if p.fits else 1
+
+
+def _default_world(config: str, overrides: list[str]) -> int:
+    """The config's ray.num_workers (checked against tp and the batch sizes afterwards)."""
+    from pathlib import Path
+
+    from loomtrain.launcher.config_loader import _load_yaml, _parse_overrides, merge_layers
+
+    layers = _load_yaml(Path(config)) + [(_parse_overrides(overrides), "command line")]
+    return merge_layers(layers).ray.num_workers
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
