@@ -1,0 +1,124 @@
+"""The embedded default corpus (the Python standard library's own .py sources)
+and `prepare_data`, which turns a run's `data:` section into (shard_dir, tokenizer)."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from loomtrain.data_pipeline.shards import SPLITS, DataError, ShardSet, check_tokenizer_hash, read_index
+from loomtrain.data_pipeline.tokenizer import Tokenizer, load_tokenizer
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_files(max_files: int = 0) -> list[Path]:
+    """The standard library's .py files, found via sysconfig, sorted by relative
+    path (deterministic on one installation); the first `max_files` (0 = all)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        (p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts) and p.is_file()),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise DataError(f"no .py files under the standard library directory {root}")
+    return files[:max_files] if max_files and max_files > 0 else files
+
+
+@contextmanager
+def _file_lock(path: Path):
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _corpus_key(files: list[Path], data_cfg, tokenizer_id: str) -> str:
+    from loomtrain.data_pipeline.shards import VERSION
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    desc = {
+        "shard_format": VERSION, "python": sys.version, "tokenizer": tokenizer_id,
+        "bpe_vocab_size": data_cfg.bpe_vocab_size if data_cfg.tokenizer == "bpe" else None,
+        "val_fraction": data_cfg.val_fraction, "split_seed": data_cfg.split_seed,
+        "files": [(p.relative_to(root).as_posix(), p.stat().st_size) for p in files],
+    }
+    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
+
+def verify_shards(shard_dir, expected_tokenizer_hash: str | None) -> dict:
+    """Index present, tokenizer matches, every shard file of every split complete."""
+    index = read_index(shard_dir)
+    check_tokenizer_hash(index, shard_dir, expected_tokenizer_hash)
+    for split in SPLITS:
+        if split in index["splits"]:
+            ShardSet(shard_dir, split).close()
+    return index
+
+
+def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer]:
+    """Resolve a run's data: -> (shard_dir, tokenizer), before any training starts.
+
+    data_cfg.path set: it must be a shard directory made by `loomtrain preprocess`;
+    the run's tokenizer is data_cfg.tokenizer ("bpe" means the directory's own
+    tokenizer.json) and shards made by another tokenizer are refused.
+    data_cfg.path empty: the embedded corpus (stdlib .py sources, first
+    data_cfg.max_files) is tokenized once into a cache directory
+    (data_cfg.cache_dir if set, else the `cache_dir` argument) and reused; several
+    processes may call this at once (a file lock serialises the build, which is
+    written to a temporary directory and renamed into place).
+    """
+    if data_cfg.path:
+        shard_dir = Path(data_cfg.path)
+        read_index(shard_dir)  # a clear error before the tokenizer is looked at
+        tok = load_tokenizer(shard_dir) if data_cfg.tokenizer == "bpe" else load_tokenizer(data_cfg.tokenizer)
+        verify_shards(shard_dir, tok.hash)
+        return shard_dir, tok
+
+    cache = data_cfg.cache_dir or cache_dir
+    if not cache:
+        raise DataError("data.cache_dir: no cache directory for the embedded corpus (set data.cache_dir)")
+    cache = Path(cache)
+    files = stdlib_files(data_cfg.max_files)
+    run_tok = None
+    if data_cfg.tokenizer == "byte":
+        tok_id = "byte"
+    elif data_cfg.tokenizer == "bpe":
+        tok_id = "bpe"
+    else:
+        run_tok = load_tokenizer(data_cfg.tokenizer)
+        tok_id = run_tok.hash
+    key = _corpus_key(files, data_cfg, tok_id)
+    shard_dir = cache / f"stdlib-{key}"
+    if not (shard_dir / "index.json").is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        with _file_lock(cache / f".stdlib-{key}.lock"):
+            if not (shard_dir / "index.json").is_file():  # another process may have built it meanwhile
+                from loomtrain.data_pipeline.preprocess import preprocess_files
+
+                tmp = cache / f".stdlib-{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                try:
+                    preprocess_files(
+                        files, tmp, run_tok or data_cfg.tokenizer, val_fraction=data_cfg.val_fraction,
+                        seed=data_cfg.split_seed, bpe_vocab_size=data_cfg.bpe_vocab_size, progress=False,
+                        sources=[f"stdlib:{sysconfig.get_paths()['stdlib']} ({len(files)} files)"], log=log,
+                    )
+                    if shard_dir.exists():  # an incomplete leftover (no index.json)
+                        shutil.rmtree(shard_dir)
+                    os.replace(tmp, shard_dir)
+                finally:
+                    if tmp.exists():
+                        shutil.rmtree(tmp, ignore_errors=True)
+    tok = run_tok or load_tokenizer(shard_dir)
+    verify_shards(shard_dir, tok.hash)
+    return shard_dir, tok

@@ -1,0 +1,222 @@
+"""The on-disk token shard format: writing (atomic, streaming) and reading
+(memory-mapped, verified against the index).
+
+A shard directory holds
+  index.json            written last; its presence means the directory is complete
+  tokenizer.json        the tokenizer that made the shards (see tokenizer.py)
+  {split}_{i:05d}.bin   flat little-endian token arrays (uint16 when the vocabulary
+                        fits, else uint32); a split's tokens are its shards in order,
+                        documents separated by EOS and free to span shard files
+  {split}.docs.bin      uint64 start offset of every document in the split's token
+                        stream (kept out of index.json so the index stays small
+                        whatever the corpus size)
+
+index.json:
+  {"format": "loomtrain-shards", "version": 1, "dtype": "uint16",
+   "tokenizer": {"hash", "name", "vocab_size", "eos_id", "file"},
+   "splits": {"train": {"num_tokens", "num_docs", "doc_offsets": "train.docs.bin",
+                        "shards": [{"file", "num_tokens"}, ...]},
+              "val": {...}},
+   "split": {"val_fraction", "seed", "method"}, "stats": {...}, "sources": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "loomtrain-shards"
+VERSION = 1
+INDEX = "index.json"
+SPLITS = ("train", "val")
+
+
+class DataError(Exception):
+    """Bad input data or shards; the message is one line naming the file/field."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class SplitWriter:
+    """Appends token pieces to one split's shard files; each file is written
+    under a temporary name and renamed into place when full or at close."""
+
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.dir, self.split, self.dtype, self.shard_tokens = out_dir, split, np.dtype(dtype), int(shard_tokens)
+        self.shards: list[dict] = []
+        self.num_tokens = 0
+        self.num_docs = 0
+        self._file = None
+        self._file_tokens = 0
+        self._docs_name = f"{split}.docs.bin"
+        self._docs_tmp = out_dir / f".{self._docs_name}.tmp-{os.getpid()}"
+        self._docs = open(self._docs_tmp, "wb")
+
+    def _open(self) -> None:
+        name = f"{self.split}_{len(self.shards):05d}.bin"
+        self._name = name
+        self._tmp = self.dir / f".{name}.tmp-{os.getpid()}"
+        self._file = open(self._tmp, "wb")
+        self._file_tokens = 0
+
+    def _finish_file(self) -> None:
+        if self._file is None:
+            return
+        self._file.close()
+        os.replace(self._tmp, self.dir / self._name)
+        self.shards.append({"file": self._name, "num_tokens": self._file_tokens})
+        self._file = None
+
+    def start_doc(self) -> None:
+        self._docs.write(np.uint64(self.num_tokens).tobytes())
+        self.num_docs += 1
+
+    def write(self, tokens: np.ndarray) -> None:
+        tokens = np.asarray(tokens)
+        if tokens.dtype != self.dtype:
+            tokens = tokens.astype(self.dtype)
+        while tokens.size:
+            if self._file is None:
+                self._open()
+            room = self.shard_tokens - self._file_tokens
+            part, tokens = tokens[:room], tokens[room:]
+            self._file.write(part.astype("<" + self.dtype.str[1:], copy=False).tobytes())
+            self._file_tokens += part.size
+            self.num_tokens += part.size
+            if self._file_tokens >= self.shard_tokens:
+                self._finish_file()
+
+    def close(self) -> dict:
+        self._finish_file()
+        self._docs.close()
+        os.replace(self._docs_tmp, self.dir / self._docs_name)
+        return {"num_tokens": self.num_tokens, "num_docs": self.num_docs,
+                "doc_offsets": self._docs_name, "shards": self.shards}
+
+    def abort(self) -> None:
+        for f, tmp in ((self._file, getattr(self, "_tmp", None)), (self._docs, self._docs_tmp)):
+            if f is not None:
+                f.close()
+                if tmp is not None and tmp.exists():
+                    tmp.unlink()
+
+
+def read_index(shard_dir: str | os.PathLike) -> dict:
+    shard_dir = Path(shard_dir)
+    path = shard_dir / INDEX
+    if not shard_dir.is_dir():
+        raise DataError(f"data directory not found: {shard_dir}")
+    if not path.is_file():
+        raise DataError(f"{shard_dir} has no {INDEX}: not a complete shard directory (make one with `loomtrain preprocess`)")
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise DataError(f"{path} is not a loomtrain shard index (format {index.get('format') if isinstance(index, dict) else None!r})")
+    if index.get("version") != VERSION:
+        raise DataError(f"{path}: shard format version {index.get('version')} is not supported (this code reads {VERSION})")
+    return index
+
+
+def check_tokenizer_hash(index: dict, shard_dir, expected: str | None) -> None:
+    found = index["tokenizer"]["hash"]
+    if expected is not None and found != expected:
+        raise DataError(
+            f"{shard_dir}: shards were made by tokenizer {found} ({index['tokenizer'].get('name')}), "
+            f"but this run's tokenizer is {expected}; re-run `loomtrain preprocess` with the run's tokenizer"
+        )
+
+
+class ShardSet:
+    """One split of a shard directory as a single memory-mapped token sequence."""
+
+    def __init__(self, shard_dir: str | os.PathLike, split: str = "train", expected_tokenizer_hash: str | None = None):
+        self.dir = Path(shard_dir)
+        self.index = read_index(self.dir)
+        check_tokenizer_hash(self.index, self.dir, expected_tokenizer_hash)
+        if split not in self.index["splits"]:
+            raise DataError(f"{self.dir}: no split {split!r} (has {', '.join(self.index['splits'])})")
+        self.split = split
+        self.dtype = np.dtype(self.index["dtype"])
+        self.tokenizer_hash = self.index["tokenizer"]["hash"]
+        self.eos_id = self.index["tokenizer"]["eos_id"]
+        info = self.index["splits"][split]
+        self.arrays: list[np.ndarray] = []
+        for shard in info["shards"]:
+            path = self.dir / shard["file"]
+            expected = shard["num_tokens"] * self.dtype.itemsize
+            actual = path.stat().st_size if path.exists() else None
+            if actual != expected:
+                raise DataError(
+                    f"shard {path} is {'missing' if actual is None else 'truncated or corrupt'}: "
+                    f"index says {shard['num_tokens']} tokens = {expected} bytes, file has {actual if actual is not None else 0} bytes"
+                )
+            if shard["num_tokens"]:
+                self.arrays.append(np.memmap(path, dtype="<" + self.dtype.str[1:], mode="r"))
+        sizes = np.array([a.size for a in self.arrays], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])
+        self.num_tokens = int(self.starts[-1])
+        if self.num_tokens != info["num_tokens"]:
+            raise DataError(f"{self.dir}: split {split!r} shards hold {self.num_tokens} tokens, index says {info['num_tokens']}")
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the split, crossing shard files as needed."""
+        if start < 0 or start + length > self.num_tokens:
+            raise IndexError(f"token range [{start}, {start + length}) outside split of {self.num_tokens}")
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        offset = start - int(self.starts[i])
+        arr = self.arrays[i]
+        if offset + length <= arr.size:
+            return np.asarray(arr[offset:offset + length])
+        parts, need = [], length
+        while need:
+            arr = self.arrays[i]
+            take = min(need, arr.size - offset)
+            parts.append(np.asarray(arr[offset:offset + take]))
+            need -= take
+            i, offset = i + 1, 0
+        return np.concatenate(parts)
+
+    def close(self) -> None:
+        for a in self.arrays:
+            mm = getattr(a, "_mmap", None)
+            if mm is not None:
+                try:
+                    mm.close()
+                except (BufferError, ValueError):
+                    pass  # a view is still alive; the GC closes it later
+        self.arrays = []
+
+
+def write_arrays(out_dir: str | os.PathLike, splits: dict[str, np.ndarray], tokenizer_info: dict,
+                 shard_tokens: int = 1 << 27, dtype=None) -> dict:
+    """Write ready token arrays as a shard directory (synthetic data for tests and
+    benchmarks). tokenizer_info: {"hash", "name", "vocab_size", "eos_id"}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype(dtype) if dtype is not None else token_dtype(tokenizer_info["vocab_size"])
+    info = {}
+    for split in SPLITS:
+        w = SplitWriter(out, split, dtype, shard_tokens)
+        tokens = splits.get(split, np.zeros(0, dtype))
+        if tokens.size:
+            w.start_doc()
+            w.write(tokens)
+        info[split] = w.close()
+    index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
+             "tokenizer": {"file": None, **tokenizer_info}, "splits": info,
+             "split": {}, "stats": {}, "sources": ["write_arrays"]}
+    atomic_write_json(out / INDEX, index)
+    return index

@@ -1,0 +1,194 @@
+"""Tokenizers: a byte tokenizer that needs no training, a byte-level BPE trained
+with the `tokenizers` library, and any Hugging Face `tokenizer.json`.
+
+Common interface: `encode(str) -> list[int]`, `decode(ids) -> str`,
+`vocab_size`, `eos_id`, `save(dir)` (writes `dir/tokenizer.json`), and `hash`,
+a short stable string that changes whenever the id <-> text mapping changes;
+token shards record it so a run never reads shards made by another tokenizer.
+
+Byte tokenizer ids: 0..255 are the raw UTF-8 bytes, 256 is EOS
+(`<|endoftext|>`), so vocab_size = 257 (models pad it, e.g. to 320).
+Documents are separated by EOS in every tokenizer.
+
+No torch import here: preprocessing workers load this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from loomtrain.data_pipeline.shards import DataError
+
+EOS_TOKEN = "<|endoftext|>"
+# Names an existing tokenizer.json may use for its end-of-document token.
+_EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
+_BYTE_FORMAT = "loomtrain-byte-tokenizer"
+
+
+def _short_hash(payload: str) -> str:
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, EOS = 256."""
+
+    name = "byte"
+    eos_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", errors="replace"))
+
+    def encode_np(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
+
+    def encode_batch_np(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode_np(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if i < 256:
+                out.append(i)
+            elif i == self.eos_id:
+                out += EOS_TOKEN.encode()
+        return out.decode("utf-8", errors="replace")
+
+    @property
+    def hash(self) -> str:
+        return _short_hash(json.dumps({"type": _BYTE_FORMAT, "eos_id": 256, "vocab_size": 257}))
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"type": _BYTE_FORMAT, "version": 1, "eos_id": self.eos_id, "vocab_size": self.vocab_size,
+             "note": "ids 0..255 are UTF-8 bytes, 256 is <|endoftext|>; load with loomtrain.data_pipeline.load_tokenizer"},
+            indent=1,
+        )
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        return _atomic_write_text(Path(directory) / "tokenizer.json", self.to_json())
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, hash={self.hash})"
+
+
+class HFTokenizer:
+    """Any `tokenizers` tokenizer.json (our trained BPE included)."""
+
+    name = "bpe"
+
+    def __init__(self, tok, source: str = ""):
+        self._tok = tok
+        self.source = source
+        eos = next((t for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+        if eos is None:
+            raise DataError(f"tokenizer {source or '(in memory)'} has no end-of-document token (looked for {', '.join(_EOS_CANDIDATES)})")
+        self.eos_token = eos
+        self.eos_id = int(tok.token_to_id(eos))
+        self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        # Canonical JSON so key order in the file does not change the hash.
+        self._hash = _short_hash(json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":")))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "HFTokenizer":
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)), source=str(path))
+        except DataError:
+            raise
+        except Exception as exc:  # the Rust error text is long; keep its first line
+            raise DataError(f"cannot load tokenizer {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+    @property
+    def hash(self) -> str:
+        return self._hash
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch_np(self, texts: list[str]) -> list[np.ndarray]:
+        dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
+        return [np.asarray(e.ids, dtype=dtype) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self._tok.to_str(pretty=True)
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        return _atomic_write_text(Path(directory) / "tokenizer.json", self.to_json())
+
+    def __getstate__(self):
+        return {"json": self._tok.to_str(), "source": self.source}
+
+    def __setstate__(self, state):
+        from tokenizers import Tokenizer
+
+        self.__init__(Tokenizer.from_str(state["json"]), state["source"])
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, hash={self.hash}, source={self.source!r})"
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int, show_progress: bool = False) -> HFTokenizer:
+    """Train a byte-level BPE (GPT-2 style pre-tokenization, 256-byte base alphabet,
+    `<|endoftext|>` as the only special token) on a stream of documents."""
+    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise DataError(f"data.bpe_vocab_size: must be at least {len(alphabet) + 1} (256 bytes + EOS), got {vocab_size}")
+    if vocab_size > 2**32:
+        raise DataError(f"data.bpe_vocab_size: {vocab_size} is too large")
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=alphabet,
+        show_progress=show_progress,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tok, source="bpe")
+
+
+def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
+    """"byte" -> ByteTokenizer; a tokenizer.json (or a directory holding one,
+    e.g. a shard directory) -> the tokenizer it describes."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    if str(spec) == "bpe":
+        raise DataError('tokenizer "bpe" must be trained on a corpus first (loomtrain preprocess --tokenizer bpe); pass the resulting tokenizer.json')
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"tokenizer not found: {path} (expected 'byte' or a path to tokenizer.json)")
+    try:
+        head = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"tokenizer {path} is not valid JSON: {exc}") from None
+    if isinstance(head, dict) and head.get("type") == _BYTE_FORMAT:
+        return ByteTokenizer()
+    return HFTokenizer.from_file(path)
+
+
+def _atomic_write_text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
