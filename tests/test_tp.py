@@ -1,0 +1,207 @@
+"""Tensor parallelism computes what one process computes (CPU, gloo, fp32).
+
+One multi-process run per TP size (2 and 4) checks every model variant, with and
+without sequence parallelism: logits, loss and every parameter gradient (gathered
+back to full shape) against the unsharded model; the TP=2 run also trains 10 steps
+with AdamW next to the single-process model. Workers write their largest
+differences to a JSON file that the test asserts on.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from loomtrain.model import ModelConfig, Transformer
+from loomtrain.parallel import Topology, check_tp, make_loss_fn, parallelize
+from loomtrain.parallel.plan import gather_full
+
+TOL = 1e-5
+
+# Each variant differs from the single-process model in a way the plan must handle.
+VARIANTS = {
+    # learned positions, LayerNorm pre-norm, GELU, tied embeddings, vocab 51 (not divisible by 2 or 4)
+    "base_tied_learned": dict(vocab_size=51, n_heads=4, positions="learned", norm="layernorm",
+                              activation="gelu", tie_embeddings=True),
+    # MQA (1 KV head < tp), RoPE, RMSNorm, SwiGLU, untied
+    "mqa_rope_swiglu": dict(vocab_size=61, n_heads=4, n_kv_heads=1, positions="rope", norm="rmsnorm",
+                            activation="swiglu", tie_embeddings=False),
+    # GQA 2 KV heads (== tp at 2, < tp at 4), ALiBi, post-norm, ReLU, biases everywhere
+    "gqa_alibi_post_bias": dict(vocab_size=64, n_heads=4, n_kv_heads=2, positions="alibi", norm="layernorm",
+                                norm_placement="post", activation="relu", bias=True, tie_embeddings=False),
+    # 8 heads / 4 KV heads, sinusoidal positions, SwiGLU with biases, tied
+    "gqa_sinusoidal_tied": dict(vocab_size=70, n_heads=8, n_kv_heads=4, positions="sinusoidal", norm="rmsnorm",
+                                activation="swiglu", bias=True, tie_embeddings=True),
+}
+COMMON = dict(d_model=32, n_layers=2, max_seq_len=32, dropout=0.0)
+BATCH, SEQ = 2, 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach() - b.detach()).abs().max().item()
+
+
+def _tokens(vocab: int, seed: int, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=g)
+
+
+def _check_variant(name, overrides, topo, sp):
+    cfg = ModelConfig(**COMMON, **overrides)
+    ref = Transformer(cfg, seed=0)
+    model = parallelize(copy.deepcopy(ref), topo, sequence_parallel=sp)
+    batch = _tokens(cfg.vocab_size, seed=1)
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+
+    ref_logits = ref(inputs)
+    ref_loss = F.cross_entropy(ref_logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+    ref_loss.backward()
+
+    logits = model(inputs)
+    assert logits.shape == (BATCH, SEQ, topo.padded_vocab(cfg.vocab_size) // topo.tp_size), logits.shape
+    loss = make_loss_fn(topo, cfg.vocab_size)(logits, targets)
+    loss.backward()
+
+    full_logits = _gather_logits(logits, topo, cfg.vocab_size)
+    out = {"logits": _max_diff(full_logits, ref_logits), "loss": abs(loss.item() - ref_loss.item())}
+    ref_params = dict(ref.named_parameters())
+    names = dict(model.named_parameters())
+    assert set(names) == set(ref_params), set(names) ^ set(ref_params)
+    grad = 0.0
+    for pname, p in names.items():
+        g = gather_full(p.grad, p.tp_meta, topo) if hasattr(p, "tp_meta") else p.grad
+        assert g.shape == ref_params[pname].grad.shape, (pname, g.shape)
+        d = _max_diff(g, ref_params[pname].grad)
+        grad = max(grad, d)
+        assert d <= TOL, f"{name} sp={sp}: grad of {pname} differs by {d}"
+    out["grad"] = grad
+    # Replicated parameters start equal and get equal gradients on every TP rank.
+    for pname, p in names.items():
+        if not hasattr(p, "tp_meta"):
+            gathered = [torch.empty_like(p.grad) for _ in range(topo.tp_size)]
+            dist.all_gather(gathered, p.grad.contiguous(), group=topo.tp_group)
+            spread = max(_max_diff(x, gathered[0]) for x in gathered)
+            assert spread == 0.0 or spread <= 1e-7, f"{name}: replicated {pname} grads differ by {spread}"
+    assert out["logits"] <= TOL and out["loss"] <= TOL, (name, sp, out)
+    return out
+
+
+def _gather_logits(logits, topo, vocab):
+    parts = [torch.empty_like(logits) for _ in range(topo.tp_size)]
+    dist.all_gather(parts, logits.contiguous(), group=topo.tp_group)
+    return torch.cat(parts, dim=-1)[..., :vocab]
+
+
+def _train_10_steps(topo, sp):
+    """10 AdamW steps at TP next to the single-process model: losses follow to 1e-5."""
+    cfg = ModelConfig(**COMMON, **VARIANTS["mqa_rope_swiglu"])
+    ref = Transformer(cfg, seed=0)
+    model = parallelize(copy.deepcopy(ref), topo, sequence_parallel=sp)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    loss_fn = make_loss_fn(topo, cfg.vocab_size)
+    worst = 0.0
+    losses = []
+    for step in range(10):
+        batch = _tokens(cfg.vocab_size, seed=100 + step, batch=4, seq=16)
+        x, y = batch[:, :-1], batch[:, 1:]
+        ref_loss = F.cross_entropy(ref(x).reshape(-1, cfg.vocab_size), y.reshape(-1))
+        loss = loss_fn(model(x), y)
+        for o, l in ((opt_ref, ref_loss), (opt, loss)):
+            o.zero_grad()
+            l.backward()
+            o.step()
+        worst = max(worst, abs(loss.item() - ref_loss.item()))
+        losses.append((ref_loss.item(), loss.item()))
+    assert losses[-1][0] < losses[0][0], losses  # it learns
+    assert worst <= TOL, (worst, losses)
+    # After training, replicated params (norms) are still identical across TP ranks.
+    for pname, p in model.named_parameters():
+        if not hasattr(p, "tp_meta"):
+            gathered = [torch.empty_like(p) for _ in range(topo.tp_size)]
+            dist.all_gather(gathered, p.detach().contiguous(), group=topo.tp_group)
+            assert all(torch.equal(gathered[0], x) for x in gathered), pname
+    return worst
+
+
+def _worker(rank, world, tp, port, out_path, train):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        topo = Topology(world, rank, tp)
+        results = {}
+        for name, overrides in VARIANTS.items():
+            for sp in (False, True):
+                results[f"{name}/sp={sp}"] = _check_variant(name, overrides, topo, sp)
+        if train:
+            for sp in (False, True):
+                results[f"train10/sp={sp}"] = {"loss": _train_10_steps(topo, sp)}
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_matches_single_process(tp, tmp_path):
+    out = tmp_path / "diffs.json"
+    mp.start_processes(_worker, args=(tp, tp, _free_port(), str(out), tp == 2), nprocs=tp,
+                       start_method="spawn", join=True)
+    results = json.loads(out.read_text())
+    print(f"\nTP={tp} max abs diffs:")
+    for key, diffs in results.items():
+        print(f"  {key:32s} " + "  ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
+        assert all(v <= TOL for v in diffs.values()), (key, diffs)
+    assert len(results) == 2 * len(VARIANTS) + (2 if tp == 2 else 0)
+
+
+# Bad tp values fail before training, with one clear line naming parallel.tp -----------
+@pytest.mark.parametrize(
+    "overrides, tp, world, needle",
+    [
+        (dict(n_heads=4), 3, 6, "model.n_heads=4 is not divisible by tp"),
+        (dict(n_heads=8, n_kv_heads=4), 2, 3, "world size 3 is not divisible by tp"),
+        (dict(n_heads=12, n_kv_heads=3, d_model=48), 4, 4, "model.n_kv_heads=3"),
+        (dict(n_heads=8, n_kv_heads=4, ffn_hidden=90), 4, 8, "FFN hidden size 90"),
+        (dict(n_heads=4), 0, 4, "must be a positive integer"),
+    ],
+)
+def test_bad_tp_fails_clearly(overrides, tp, world, needle):
+    cfg = ModelConfig(**{**COMMON, "vocab_size": 64, **overrides})
+    with pytest.raises(ValueError) as err:
+        check_tp(cfg, tp, world)
+    msg = str(err.value)
+    assert msg.startswith("parallel.tp") and needle in msg and "\n" not in msg, msg
+
+
+def test_good_tp_values_pass_and_vocab_is_padded():
+    cfg = ModelConfig(**{**COMMON, "vocab_size": 51, "n_heads": 8, "n_kv_heads": 2})
+    for tp in (1, 2, 4, 8):  # 2 KV heads replicated at tp 4 and 8
+        check_tp(cfg, tp, 8)
+    from loomtrain.parallel import padded_vocab_size
+
+    assert [padded_vocab_size(51, t) for t in (1, 2, 4, 8)] == [51, 52, 52, 56]
+
+
+def test_topology_layout_single_process():
+    topo = Topology(1, 0, 1)
+    assert (topo.tp_rank, topo.dp_rank, topo.tp_size, topo.dp_size) == (0, 0, 1, 1)
+    with pytest.raises(ValueError, match="needs torch.distributed"):
+        Topology(4, 1, 2)
