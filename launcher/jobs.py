@@ -1,0 +1,289 @@
+"""Ray Jobs glue: `loomtrain submit | status | logs | stop`.
+
+    loomtrain submit CONFIG [key=value ...] [--address URL] [--submission-id ID]
+                     [--env KEY=VALUE ...] [--follow]
+    loomtrain status JOB [--address URL]
+    loomtrain logs   JOB [--address URL] [--follow]
+    loomtrain stop   JOB [--address URL] [--wait]
+
+The address is the cluster's dashboard (`http://HEAD:8265`), from --address or
+else the RAY_ADDRESS environment variable.
+
+What `submit` ships: this project's source, copied (without .venv, runs/,
+.git, caches) into a staging directory as the package folder `loomtrain/`,
+which becomes the job's `working_dir`. Ray unpacks it on every node and puts
+it first on every job process' PYTHONPATH, so the driver and each Ray Train
+worker import exactly the code that was submitted, even where an older
+loomtrain is installed in the image. The entrypoint is
+`python -m loomtrain train loomtrain/<CONFIG> key=value ... --ray`
+(a config outside the project is copied next to the package).
+
+Token authentication: when RAY_AUTH_MODE is unset but a token is available
+(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), the client turns
+token mode on so that Ray's SDK sends it; a cluster without authentication
+ignores the header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Never shipped: environments, run outputs, VCS data, caches, build output.
+EXCLUDE = (".venv", "venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
+           "build", "dist", "*.pyc", ".data_cache", ".mypy_cache", ".ruff_cache")
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+CONNECT_TIMEOUT_S = 5.0
+
+
+class JobsError(Exception):
+    """A user-facing error: printed as one message, exit status 1."""
+
+
+# ----------------------------------------------------------------- client
+
+
+def _enable_token_auth_if_available() -> None:
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or Path(token_file).is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray" in sys.modules:  # Ray caches its config: make it re-read the mode
+            from ray._raylet import Config
+
+            Config.initialize("")
+
+
+def resolve_address(address: str | None) -> str:
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    if not address:
+        raise JobsError("no cluster address: pass --address http://HEAD:8265 or set RAY_ADDRESS")
+    if "://" not in address:
+        address = f"http://{address}"
+    return address.rstrip("/")
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast (bounded) where Ray's client would wait on a dead address."""
+    parts = urlsplit(address)
+    if parts.scheme not in ("http", "https"):
+        return  # e.g. a module address Ray resolves by itself
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise JobsError(
+            f"cannot reach the Ray dashboard at {address} ({e.strerror or e}); "
+            "check --address / RAY_ADDRESS (the dashboard port, 8265 by default) "
+            "and that the cluster is up"
+        ) from None
+
+
+def make_client(address: str | None):
+    address = resolve_address(address)
+    _check_reachable(address)
+    _enable_token_auth_if_available()
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except AuthenticationError as e:
+        raise JobsError(f"the cluster at {address} refused our credentials: {e}") from None
+    except (ConnectionError, RuntimeError) as e:
+        raise JobsError(f"cannot talk to Ray Jobs at {address}: {e}") from None
+
+
+def _call(what: str, job: str, fn, *args):
+    """Run a client call; an unknown job becomes one clear message."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        text = str(e)
+        if "404" in text or "does not exist" in text:
+            raise JobsError(f"no job {job!r} on this cluster (see `ray job list`)") from None
+        raise JobsError(f"{what} {job!r} failed: {text}") from None
+
+
+# ----------------------------------------------------------------- submit
+
+
+def stage_project(dest_root: Path, config: str) -> str:
+    """Copy the project to dest_root/loomtrain; return CONFIG's path inside dest_root."""
+    pkg = dest_root / "loomtrain"
+    shutil.copytree(PROJECT_ROOT, pkg, ignore=shutil.ignore_patterns(*EXCLUDE), symlinks=False)
+    cfg = Path(config).resolve()
+    if not cfg.is_file():
+        raise JobsError(f"config file not found: {config}")
+    try:
+        return str(Path("loomtrain") / cfg.relative_to(PROJECT_ROOT))
+    except ValueError:
+        # A config outside the project: ship it (its `extends:` must then be
+        # absolute or point into the project).
+        shutil.copy2(cfg, dest_root / cfg.name)
+        return cfg.name
+
+
+def build_entrypoint(config_in_job: str, overrides: list[str]) -> str:
+    args = ["python", "-m", "loomtrain", "train", config_in_job, *overrides, "--ray"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _warn_relative_run_dir(overrides: list[str]) -> None:
+    for o in overrides:
+        if o.startswith("run.dir=") and not (o.split("=", 1)[1].startswith("/") or "://" in o):
+            print("loomtrain: note: a relative run.dir lands in the job's temporary working "
+                  "directory on the cluster; use a shared path (run.dir=/mnt/shared/...)",
+                  file=sys.stderr)
+
+
+def submit(args) -> int:
+    for o in args.overrides:
+        if "=" not in o:
+            raise JobsError(f"override {o!r} is not key=value")
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    for kv in args.env:
+        if "=" not in kv:
+            raise JobsError(f"--env {kv!r} is not KEY=VALUE")
+        k, v = kv.split("=", 1)
+        env_vars[k] = v
+    client = make_client(args.address)
+    _warn_relative_run_dir(args.overrides)
+    with tempfile.TemporaryDirectory(prefix="loomtrain-submit-") as tmp:
+        config_in_job = stage_project(Path(tmp), args.config)
+        entrypoint = build_entrypoint(config_in_job, args.overrides)
+        runtime_env = {"working_dir": tmp, "env_vars": env_vars}
+        try:
+            job_id = client.submit_job(
+                entrypoint=entrypoint,
+                runtime_env=runtime_env,
+                submission_id=args.submission_id,
+                metadata={"loomtrain_config": args.config},
+            )
+        except RuntimeError as e:
+            raise JobsError(f"submission refused: {e}") from None
+    print(job_id)
+    print(f"loomtrain: submitted {job_id}: {entrypoint}", file=sys.stderr)
+    print(f"loomtrain: follow with `loomtrain logs {job_id} --follow`", file=sys.stderr)
+    if args.follow:
+        return _follow(client, job_id)
+    return 0
+
+
+# ----------------------------------------------------------------- status/logs/stop
+
+
+def status(args) -> int:
+    client = make_client(args.address)
+    info = _call("status of", args.job, client.get_job_info, args.job)
+    st = str(getattr(info.status, "value", info.status))
+    print(f"{args.job}: {st}")
+    if info.message:
+        print(f"  message: {info.message}")
+    if info.entrypoint:
+        print(f"  entrypoint: {info.entrypoint}")
+    if info.start_time:
+        end = info.end_time or time.time() * 1000
+        print(f"  running for: {(end - info.start_time) / 1000:.1f} s")
+    if getattr(info, "driver_exit_code", None) is not None:
+        print(f"  exit code: {info.driver_exit_code}")
+    return 0
+
+
+def _follow(client, job: str) -> int:
+    import asyncio
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(job):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    try:
+        asyncio.run(tail())
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as e:
+        # A job that is gone, or a stream closed early: tell which.
+        _call("logs of", job, client.get_job_status, job)
+        print(f"loomtrain: log stream ended: {e}", file=sys.stderr)
+    st = str(getattr(s := _call("status of", job, client.get_job_status, job), "value", s))
+    print(f"loomtrain: job {job} {st}", file=sys.stderr)
+    return 0 if st == "SUCCEEDED" else 1
+
+
+def logs(args) -> int:
+    client = make_client(args.address)
+    if args.follow:
+        _call("logs of", args.job, client.get_job_status, args.job)  # unknown job -> clear error
+        return _follow(client, args.job)
+    sys.stdout.write(_call("logs of", args.job, client.get_job_logs, args.job))
+    return 0
+
+
+def stop(args) -> int:
+    client = make_client(args.address)
+    stopped = _call("stop of", args.job, client.stop_job, args.job)
+    st = str(getattr(s := _call("status of", args.job, client.get_job_status, args.job), "value", s))
+    if not stopped and st in TERMINAL:
+        print(f"{args.job}: already {st}")
+        return 0
+    print(f"{args.job}: stop requested")
+    if args.wait:
+        deadline = time.monotonic() + args.wait_timeout
+        while st not in TERMINAL and time.monotonic() < deadline:
+            time.sleep(0.5)
+            st = str(getattr(s := client.get_job_status(args.job), "value", s))
+        print(f"{args.job}: {st}")
+        return 0 if st in TERMINAL else 1
+    return 0
+
+
+# ----------------------------------------------------------------- CLI
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"loomtrain {command}")
+    p.add_argument("--address", default=None,
+                   help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)")
+    if command == "submit":
+        p.add_argument("config", help="YAML config (paths inside this project ship as they are)")
+        p.add_argument("overrides", nargs="*", help="key=value config overrides")
+        p.add_argument("--submission-id", default=None, help="job id to use (default: Ray picks)")
+        p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                       help="environment variable for the job (repeatable)")
+        p.add_argument("--follow", action="store_true", help="stream the logs until the job ends")
+    else:
+        p.add_argument("job", help="job (submission) id printed by `loomtrain submit`")
+    if command == "logs":
+        p.add_argument("--follow", "-f", action="store_true", help="stream until the job ends")
+    if command == "stop":
+        p.add_argument("--wait", action="store_true", help="wait until the job has stopped")
+        p.add_argument("--wait-timeout", type=float, default=60.0)
+    return p
+
+
+COMMANDS = {"submit": submit, "status": status, "logs": logs, "stop": stop}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: loomtrain {{{'|'.join(COMMANDS)}}} ...", file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    args = _parser(command).parse_intermixed_args(rest)
+    try:
+        return COMMANDS[command](args)
+    except JobsError as e:
+        print(f"loomtrain {command}: error: {e}", file=sys.stderr)
+        return 1
