@@ -100,28 +100,29 @@ def iter_units(files: list[Path], text_field: str, unit_bytes: int | None = None
                     yield ("jsonl", str(path), start, lines, True, True, nbytes)
         else:
             with open(path, "rb") as f:
-                carry, first = b"", True
+                pending, first = f.read(unit_bytes), True
                 while True:
-                    block = f.read(unit_bytes)
-                    data = carry + block
-                    if not block:
-                        if data or first:
-                            yield ("text", str(path), 0, data, first, True, len(data))
+                    more = f.read(unit_bytes)
+                    if not more:
+                        yield ("text", str(path), 0, pending, first, True, len(pending))
                         break
-                    cut = data.rfind(b"\n") + 1
-                    if cut == 0:  # no newline: cut before the last (maybe partial) UTF-8 character
-                        cut = len(data)
-                        for back in range(1, min(4, len(data)) + 1):
-                            b = data[len(data) - back]
-                            if b < 0x80:
-                                break
-                            if b >= 0xC0:
-                                cut = len(data) - back
-                                break
-                        cut = cut or len(data)
-                    carry = data[cut:]
-                    yield ("text", str(path), 0, data[:cut], first, False, cut)
-                    first = False
+                    cut = _cut_point(pending)
+                    yield ("text", str(path), 0, pending[:cut], first, False, cut)
+                    pending, first = pending[cut:] + more, False
+
+
+def _cut_point(data: bytes) -> int:
+    """After the last newline; with none, before the last (maybe partial) UTF-8 character."""
+    cut = data.rfind(b"\n") + 1
+    if cut:
+        return cut
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[len(data) - back]
+        if b < 0x80:
+            break
+        if b >= 0xC0:
+            return len(data) - back or len(data)
+    return len(data)
 
 
 def _decode(raw: bytes) -> tuple[str, int]:

@@ -172,14 +172,14 @@ class ShardSet:
             raise DataError(f"{self.dir}: split {split!r} shards hold {self.num_tokens} tokens, index says {info['num_tokens']}")
 
     def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the split, crossing shard files as needed."""
+        """A copy of tokens [start, start + length) of the split, crossing shard files as needed."""
         if start < 0 or start + length > self.num_tokens:
             raise IndexError(f"token range [{start}, {start + length}) outside split of {self.num_tokens}")
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         offset = start - int(self.starts[i])
         arr = self.arrays[i]
         if offset + length <= arr.size:
-            return np.asarray(arr[offset:offset + length])
+            return np.array(arr[offset:offset + length])
         parts, need = [], length
         while need:
             arr = self.arrays[i]
@@ -190,13 +190,8 @@ class ShardSet:
         return np.concatenate(parts)
 
     def close(self) -> None:
-        for a in self.arrays:
-            mm = getattr(a, "_mmap", None)
-            if mm is not None:
-                try:
-                    mm.close()
-                except (BufferError, ValueError):
-                    pass  # a view is still alive; the GC closes it later
+        # Drop the maps; numpy unmaps each file when its last view is gone
+        # (closing the mmap by hand while a view lives would crash the process).
         self.arrays = []
 
 
