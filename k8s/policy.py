@@ -1,0 +1,479 @@
+"""loomtrain's rules for its rendered Kubernetes manifests (used by k8s/check.py).
+
+`project_rules(docs, repo)` and `security_rules(docs)` take the objects that
+`kubectl kustomize` renders and return (where, "[rule-id] message") pairs.
+The security policy is the Pod Security Standards "restricted" profile plus
+a few cluster-hygiene rules; the rules it does NOT enforce are listed in
+SKIPPED_SECURITY_RULES, each with its reason. It is written here rather than
+taken from a scanner because most of our pods live inside KubeRay custom
+resources (RayJob, RayCluster), whose pod templates the off-the-shelf
+scanners on PyPI (checkov and the like) do not look into.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import tempfile
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+GPU = "nvidia.com/gpu"
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
+
+# --- security policy: what is enforced ----------------------------------------
+SECURITY_RULES = {
+    "run-as-non-root": "runAsNonRoot: true and no runAsUser 0, per pod or container",
+    "no-privilege-escalation": "allowPrivilegeEscalation: false on every container",
+    "not-privileged": "no privileged container",
+    "drop-all-capabilities": "capabilities.drop: [ALL], nothing added back",
+    "seccomp-runtime-default": "seccompProfile RuntimeDefault (or Localhost)",
+    "no-host-namespaces": "no hostNetwork, hostPID, hostIPC",
+    "no-host-path": "no hostPath volumes",
+    "no-host-ports": "no hostPort",
+    "requests-equal-limits": "cpu and memory requested and limited, requests == limits for every resource",
+    "cluster-ip-only": "every Service, and the Ray head service with its dashboard, ClusterIP only; no Ingress",
+    "no-service-account-token": "automountServiceAccountToken: false (nothing here calls the Kubernetes API)",
+}
+
+# --- security policy: what is skipped, and why ---------------------------------
+SKIPPED_SECURITY_RULES = {
+    # Ray writes its session directory, logs and spill files under /tmp/ray,
+    # and torch/DeepSpeed/Triton JIT caches under $HOME; a read-only root
+    # would need an emptyDir for each, which Ray's layout does not pin down.
+    # Containers stay non-root with all capabilities dropped instead.
+    "read-only-root-filesystem": "Ray and the torch/DeepSpeed JIT caches write under /tmp and $HOME",
+    # Images are pinned by exact tag (rule images-pinned). A digest exists only
+    # once the user has built and pushed k8s/image/Dockerfile to their own
+    # registry; `kustomize edit set image loomtrain=REG/loomtrain@sha256:...`
+    # adds it there.
+    "image-digest": "the loomtrain image is built and pushed by the user; its digest is not known here",
+    # Whether a NetworkPolicy has any effect depends on the cluster's CNI, and
+    # Ray needs many dynamic ports between all of its pods. The exposure that
+    # matters, the dashboard (which can run jobs), is kept off the network by
+    # cluster-ip-only.
+    "network-policy": "effect depends on the CNI; Ray needs dynamic all-to-all ports; dashboard is ClusterIP-only",
+    # KubeRay injects its own liveness/readiness probes into Ray containers;
+    # probes written here would replace them. TensorBoard has its own probes.
+    "probes-on-ray-containers": "KubeRay injects health probes into the Ray head and worker containers",
+    # An AppArmor profile is applied by default on nodes that have AppArmor,
+    # and the restricted Pod Security profile does not require one.
+    "apparmor-profile": "runtime default applies where the node has AppArmor; not required by PSS restricted",
+}
+
+
+# --- walking the objects -------------------------------------------------------
+def name_of(obj: dict) -> str:
+    return f"{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
+
+
+def ray_cluster_specs(obj: dict) -> Iterator[tuple[str, dict]]:
+    spec = obj.get("spec") or {}
+    if obj.get("kind") == "RayCluster":
+        yield name_of(obj), spec
+    elif obj.get("kind") == "RayJob" and spec.get("rayClusterSpec"):
+        yield name_of(obj), spec["rayClusterSpec"]
+
+
+def pod_templates(obj: dict) -> Iterator[tuple[str, str, dict]]:
+    """(where, role, pod template) for every pod the object makes; role is
+    'head', 'worker' (Ray pods), 'submitter' or 'pod'."""
+    kind, spec = obj.get("kind"), obj.get("spec") or {}
+    where = name_of(obj)
+    if kind in WORKLOADS and spec.get("template"):
+        yield where, "pod", spec["template"]
+    elif kind == "CronJob":
+        yield where, "pod", ((spec.get("jobTemplate") or {}).get("spec") or {}).get("template") or {}
+    elif kind == "Pod":
+        yield where, "pod", obj
+    for cwhere, cspec in ray_cluster_specs(obj):
+        head = cspec.get("headGroupSpec") or {}
+        yield f"{cwhere} head", "head", head.get("template") or {}
+        for group in cspec.get("workerGroupSpecs") or []:
+            yield f"{cwhere} worker group {group.get('groupName')!r}", "worker", group.get("template") or {}
+    if kind == "RayJob" and spec.get("submitterPodTemplate"):
+        yield f"{where} submitter", "submitter", spec["submitterPodTemplate"]
+
+
+def containers(pod_spec: dict) -> list[dict]:
+    return [c for key in ("initContainers", "containers", "ephemeralContainers") for c in pod_spec.get(key) or []]
+
+
+def quantity(value: Any) -> Fraction:
+    """A Kubernetes resource quantity ("500m", "4Gi", "1e3", 8) as a number."""
+    text = str(value).strip()
+    m = re.fullmatch(r"([+-]?[0-9.]+)(?:([eE][+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E))?", text)
+    if not m:
+        raise ValueError(f"not a quantity: {value!r}")
+    number = Fraction(m.group(1))
+    if m.group(2):
+        return number * Fraction(10) ** int(m.group(2)[1:])
+    suffix = m.group(3) or ""
+    binary = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+    decimal = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+    return number * (Fraction(1024) ** binary[suffix] if suffix in binary else Fraction(10) ** decimal[suffix])
+
+
+def _limit(container: dict, resource: str) -> Fraction:
+    limits = (container.get("resources") or {}).get("limits") or {}
+    try:
+        return quantity(limits.get(resource, 0))
+    except ValueError:
+        return Fraction(0)
+
+
+def _mount_sources(pod_spec: dict, container: dict) -> list[tuple[str, dict]]:
+    volumes = {v.get("name"): v for v in pod_spec.get("volumes") or []}
+    return [(m.get("mountPath", ""), volumes.get(m.get("name")) or {}) for m in container.get("volumeMounts") or []]
+
+
+def _under(path: str, root: str) -> bool:
+    root = root.rstrip("/") or "/"
+    return path == root or path.startswith(root + "/") or root == "/"
+
+
+# --- project rules ---------------------------------------------------------------
+def project_rules(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    by_kind: dict[str, dict[str, dict]] = {}
+    for obj in docs:
+        by_kind.setdefault(obj.get("kind"), {})[(obj.get("metadata") or {}).get("name")] = obj
+    out += _references(docs, by_kind)
+    out += _images(docs, repo)
+    out += _configmaps(by_kind.get("ConfigMap", {}))
+    for name, pvc in by_kind.get("PersistentVolumeClaim", {}).items():
+        if "ReadWriteMany" not in ((pvc.get("spec") or {}).get("accessModes") or []):
+            out.append((f"PersistentVolumeClaim/{name}", "[pvc-rwx] accessModes must include ReadWriteMany: every Ray pod writes checkpoints and TensorBoard reads them"))
+    for obj in docs:
+        for where, role, tpl in pod_templates(obj):
+            if role in ("head", "worker"):
+                pod = tpl.get("spec") or {}
+                ray = (pod.get("containers") or [{}])[0]
+                if not any(p == "/dev/shm" and (v.get("emptyDir") or {}).get("medium") == "Memory" for p, v in _mount_sources(pod, ray)):
+                    out.append((where, "[dev-shm] mount an emptyDir with medium: Memory at /dev/shm (NCCL and Ray's object store outgrow the default 64 MiB)"))
+    rayjobs = list(by_kind.get("RayJob", {}).values())
+    for job in rayjobs:
+        out += _rayjob(job, by_kind, repo)
+    for cluster in by_kind.get("RayCluster", {}).values():
+        if rayjobs:
+            job = rayjobs[0]
+            spec = {k: v for k, v in (cluster.get("spec") or {}).items() if k != "suspend"}
+            diff = _first_difference(spec, (job.get("spec") or {}).get("rayClusterSpec") or {}, "spec")
+            if diff:
+                out.append((name_of(cluster), f"[cluster-shapes-match] differs from {name_of(job)}'s rayClusterSpec at {diff}: the interactive cluster must have the job's shape"))
+    return out
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            d = _first_difference(a.get(key), b.get(key), f"{path}.{key}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = _first_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    return None if a == b else f"{path} ({a!r} vs {b!r})"
+
+
+def _references(docs: list[dict], by_kind: dict) -> list[tuple[str, str]]:
+    out = []
+    for obj in docs:
+        for where, _, tpl in pod_templates(obj):
+            pod = tpl.get("spec") or {}
+            sa = pod.get("serviceAccountName")
+            if sa and sa not in by_kind.get("ServiceAccount", {}):
+                out.append((where, f"[references-resolve] serviceAccountName {sa!r}: no such ServiceAccount in the manifests"))
+            names = set()
+            for vol in pod.get("volumes") or []:
+                names.add(vol.get("name"))
+                cm, pvc = vol.get("configMap"), vol.get("persistentVolumeClaim")
+                if cm is not None:
+                    target = by_kind.get("ConfigMap", {}).get(cm.get("name"))
+                    if target is None and not cm.get("optional"):
+                        out.append((where, f"[references-resolve] volume {vol.get('name')!r}: no ConfigMap {cm.get('name')!r} in the manifests"))
+                    for item in (cm.get("items") or []) if target else []:
+                        if item.get("key") not in (target.get("data") or {}):
+                            out.append((where, f"[references-resolve] volume {vol.get('name')!r}: ConfigMap {cm.get('name')!r} has no key {item.get('key')!r}"))
+                if pvc is not None and pvc.get("claimName") not in by_kind.get("PersistentVolumeClaim", {}):
+                    out.append((where, f"[references-resolve] volume {vol.get('name')!r}: no PersistentVolumeClaim {pvc.get('claimName')!r} in the manifests"))
+            for c in containers(pod):
+                for m in c.get("volumeMounts") or []:
+                    if m.get("name") not in names:
+                        out.append((where, f"[references-resolve] container {c.get('name')!r} mounts volume {m.get('name')!r}, which the pod does not declare"))
+    for name, svc in by_kind.get("Service", {}).items():
+        selector = (svc.get("spec") or {}).get("selector") or {}
+        labels = [((tpl.get("metadata") or {}).get("labels") or {}) for obj in docs for _, role, tpl in pod_templates(obj) if role == "pod"]
+        if selector and not any(all(lab.get(k) == v for k, v in selector.items()) for lab in labels):
+            out.append((f"Service/{name}", f"[references-resolve] selector {selector} matches no pod template in the manifests"))
+    return out
+
+
+def _images(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
+    out = []
+    version = _project_version(repo)
+    ray_version = _image_ray_version(repo)
+    for obj in docs:
+        for where, _, tpl in pod_templates(obj):
+            pod = tpl.get("spec") or {}
+            for c in containers(pod):
+                image = str(c.get("image") or "")
+                name, tag, digest = _split_image(image)
+                if not image:
+                    out.append((where, f"[images-pinned] container {c.get('name')!r} has no image"))
+                    continue
+                if not digest and (not tag or tag == "latest"):
+                    out.append((where, f"[images-pinned] image {image!r} is not pinned: give it an exact tag (not latest) or a digest"))
+                if name.rsplit("/", 1)[-1] == "loomtrain" and tag not in ("", "latest") and version and not tag.startswith(f"{version}-"):
+                    out.append((where, f"[image-version] image {image!r} is not the version this checkout builds ({version}-cpu or {version}-gpu, pyproject.toml)"))
+                if _limit(c, GPU) > 0 and name.rsplit("/", 1)[-1] == "loomtrain" and not tag.endswith("-gpu"):
+                    out.append((where, f"[image-variant] container {c.get('name')!r} requests {GPU} but runs {image!r}, not the CUDA image (tag ...-gpu)"))
+        for cwhere, cspec in ray_cluster_specs(obj):
+            if ray_version and str(cspec.get("rayVersion")) != ray_version:
+                out.append((cwhere, f"[ray-version] rayVersion {cspec.get('rayVersion')!r} is not the Ray the image installs ({ray_version}, k8s/image/Dockerfile)"))
+    return out
+
+
+def _split_image(image: str) -> tuple[str, str, str]:
+    name, _, digest = image.partition("@")
+    last = name.rsplit("/", 1)[-1]
+    tag = last.partition(":")[2] if ":" in last else ""
+    return (name[: len(name) - len(tag) - 1] if tag else name), tag, digest
+
+
+def _project_version(repo: Path) -> str:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    path = repo / "pyproject.toml"
+    return tomllib.loads(path.read_text())["project"]["version"] if path.is_file() else ""
+
+
+def _image_ray_version(repo: Path) -> str:
+    path = repo / "k8s" / "image" / "Dockerfile"
+    m = re.search(r"^ARG RAY_VERSION=(\S+)", path.read_text(), re.M) if path.is_file() else None
+    return m.group(1) if m else ""
+
+
+def _configmaps(configmaps: dict[str, dict]) -> list[tuple[str, str]]:
+    out = []
+    for name, cm in configmaps.items():
+        data = cm.get("data") or {}
+        for key, text in data.items():
+            if not key.endswith((".yaml", ".yml")):
+                continue
+            try:
+                layer = yaml.safe_load(text) or {}
+            except yaml.YAMLError as exc:
+                out.append((f"ConfigMap/{name}", f"[extends-resolve] {key}: not YAML: {str(exc).splitlines()[0]}"))
+                continue
+            bases = layer.get("extends") if isinstance(layer, dict) else None
+            for base in [bases] if isinstance(bases, str) else list(bases or []):
+                if str(base) not in data:
+                    out.append((f"ConfigMap/{name}", f"[extends-resolve] {key} extends {base!r}, which is not in this ConfigMap (the mounted folder has only its keys)"))
+    return out
+
+
+# --- the RayJob: entrypoint, config, world size ----------------------------------
+def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
+    where = name_of(job)
+    spec = job.get("spec") or {}
+    entrypoint = str(spec.get("entrypoint") or "")
+    try:
+        argv = shlex.split(entrypoint)
+    except ValueError as exc:
+        return [(where, f"[entrypoint-runs-loomtrain] cannot parse the entrypoint: {exc}")]
+    if argv[:2] != ["loomtrain", "train"] or len(argv) < 3 or argv[2].startswith("-") or "=" in argv[2]:
+        return [(where, f"[entrypoint-runs-loomtrain] the entrypoint must be `loomtrain train CONFIG [key=value ...] --ray`, got {entrypoint!r}")]
+    out = []
+    if "--ray" not in argv:
+        out.append((where, "[entrypoint-runs-loomtrain] the entrypoint lacks --ray: without it the driver trains alone on the head pod"))
+    config_path, overrides = argv[2], [a for a in argv[3:] if "=" in a and not a.startswith("-")]
+    cspec = spec.get("rayClusterSpec")
+    if not cspec:
+        return out  # runs on a cluster chosen by clusterSelector: nothing to size here
+    head = ((cspec.get("headGroupSpec") or {}).get("template") or {}).get("spec") or {}
+    head_ray = (head.get("containers") or [{}])[0]
+    data, mount = None, None
+    for path, vol in _mount_sources(head, head_ray):
+        cm = (vol.get("configMap") or {}).get("name")
+        if cm and str(Path(config_path).parent) == path.rstrip("/"):
+            data, mount = (by_kind.get("ConfigMap", {}).get(cm) or {}).get("data") or {}, path
+    name = Path(config_path).name
+    if data is None or name not in data:
+        return out + [(where, f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a ConfigMap mounted at its folder in the head pod")]
+    try:
+        from loomtrain.launcher import config_loader as cl
+    except ImportError as exc:
+        return out + [(where, f"[config] cannot import loomtrain to read {name}: {exc}")]
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, text in data.items():
+            (Path(tmp) / key).write_text(text)
+        try:
+            # The project's own loader, as the driver runs it: extends chain
+            # resolved inside the mounted ConfigMap, then the overrides.
+            layers = cl._load_yaml(Path(tmp) / name)
+            layers.append((cl._parse_overrides(overrides), "command line"))
+            cfg = cl.merge_layers(layers)
+            cl.validate(cfg, world_size=cfg.ray.num_workers)
+        except (cl.ConfigError, ValueError) as exc:
+            return out + [(where, f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {str(exc).replace(tmp + '/', '')}")]
+    out += _world_size(where, name, cfg, cspec)
+    out += _run_dir(where, cfg.run.dir, cspec, by_kind)
+    return out
+
+
+def _ray_pods(cspec: dict) -> list[tuple[str, int, Fraction, Fraction]]:
+    """(group, pods, CPUs and GPUs Ray sees per pod) for the head and each worker group."""
+    rows = []
+    groups = [("head", cspec.get("headGroupSpec") or {}, 1)]
+    groups += [(g.get("groupName", "?"), g, int(g.get("replicas", g.get("minReplicas", 0)) or 0) * int(g.get("numOfHosts", 1) or 1))
+               for g in cspec.get("workerGroupSpecs") or []]
+    for label, group, count in groups:
+        ray = ((((group.get("template") or {}).get("spec") or {}).get("containers")) or [{}])[0]
+        params = group.get("rayStartParams") or {}
+        cpus = quantity(params["num-cpus"]) if "num-cpus" in params else _limit(ray, "cpu")
+        gpus = quantity(params["num-gpus"]) if "num-gpus" in params else _limit(ray, GPU)
+        rows.append((label, count, cpus, gpus))
+    return rows
+
+
+def _world_size(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[str, str]]:
+    n, cpw, use_gpu = cfg.ray.num_workers, cfg.ray.cpus_per_worker, cfg.ray.use_gpu
+    rows = [r for r in _ray_pods(cspec) if r[1] > 0]
+    shown = " + ".join(f"{c} {g} pod(s) x {int(gp)} GPU(s)" for g, c, _, gp in rows if gp) or "no GPUs"
+    gpus = sum(c * gp for _, c, _, gp in rows)
+    out = []
+    if use_gpu:
+        if gpus != n:
+            out.append((where, f"[world-size] {name} runs ray.num_workers={n} workers with one GPU each, but the Ray cluster has {shown} = {int(gpus)} GPUs (GPUs per worker pod x worker pods must equal the world size)"))
+        for g, c, cpus, gp in rows:
+            if gp and cpus < gp * cpw:
+                out.append((where, f"[world-size] group {g!r}: {int(gp)} GPUs need {int(gp)} x ray.cpus_per_worker={cpw} CPUs per pod, it has {float(cpus):g}"))
+    else:
+        if gpus:
+            out.append((where, f"[world-size] {name} has ray.use_gpu false, but the Ray cluster requests {int(gpus)} GPUs that would sit idle"))
+        slots = sum(c * (cpus // cpw) for _, c, cpus, _ in rows)
+        if slots < n:
+            out.append((where, f"[world-size] {name} runs ray.num_workers={n} workers x ray.cpus_per_worker={cpw} CPU(s), but the Ray cluster fits only {int(slots)}"))
+    return out
+
+
+def _run_dir(where: str, run_dir: str, cspec: dict, by_kind: dict) -> list[tuple[str, str]]:
+    out = []
+    tpls = [("head", (cspec.get("headGroupSpec") or {}).get("template") or {})]
+    tpls += [(f"worker group {g.get('groupName')!r}", g.get("template") or {}) for g in cspec.get("workerGroupSpecs") or []]
+    claims = set()
+    for label, tpl in tpls:
+        pod = tpl.get("spec") or {}
+        ray = (pod.get("containers") or [{}])[0]
+        hits = [(p, v["persistentVolumeClaim"].get("claimName")) for p, v in _mount_sources(pod, ray)
+                if v.get("persistentVolumeClaim") and _under(run_dir, p)]
+        if not hits:
+            out.append((where, f"[run-dir-on-pvc] run.dir={run_dir!r} is not on a PersistentVolumeClaim mounted in the {label} pod: checkpoints and logs would die with the pod"))
+        for mount, claim in hits:
+            claims.add((claim, str(Path("/") / Path(run_dir).relative_to(mount)) if run_dir != mount else "/"))
+    for claim, rel in claims:
+        for name, dep in by_kind.get("Deployment", {}).items():
+            for _, _, tpl in pod_templates(dep):
+                pod = tpl.get("spec") or {}
+                for c in pod.get("containers") or []:
+                    argv = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+                    if not any(Path(a).name == "tensorboard" for a in argv):
+                        continue
+                    logdir = next((a.split("=", 1)[1] for a in argv if a.startswith("--logdir=")), None)
+                    if logdir is None and "--logdir" in argv[:-1]:
+                        logdir = argv[argv.index("--logdir") + 1]
+                    ok = False
+                    for mount, vol in _mount_sources(pod, c):
+                        pvc = vol.get("persistentVolumeClaim") or {}
+                        if pvc.get("claimName") == claim and logdir and _under(logdir, mount):
+                            tb_rel = str(Path("/") / Path(logdir).relative_to(mount)) if logdir != mount else "/"
+                            ok = _under(rel, tb_rel)
+                    if not ok:
+                        out.append((f"Deployment/{name}", f"[tensorboard-reads-runs] --logdir={logdir} does not cover the run directory {rel} on PVC {claim!r} that {where} writes"))
+    return out
+
+
+# --- security policy --------------------------------------------------------------
+def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
+    out = []
+    for obj in docs:
+        for where, _, tpl in pod_templates(obj):
+            out += _pod_security(where, tpl.get("spec") or {})
+        if obj.get("kind") == "Service":
+            kind = (obj.get("spec") or {}).get("type", "ClusterIP")
+            if kind != "ClusterIP":
+                out.append((name_of(obj), f"[cluster-ip-only] Service type {kind} exposes it outside the cluster; use ClusterIP and kubectl port-forward"))
+        if obj.get("kind") == "Ingress":
+            out.append((name_of(obj), "[cluster-ip-only] an Ingress exposes services outside the cluster"))
+        for where, cspec in ray_cluster_specs(obj):
+            head = cspec.get("headGroupSpec") or {}
+            kinds = {head.get("serviceType") or "ClusterIP", ((head.get("headService") or {}).get("spec") or {}).get("type") or "ClusterIP"}
+            for kind in sorted(kinds - {"ClusterIP"}):
+                out.append((where, f"[cluster-ip-only] the Ray head service is {kind}: that puts the dashboard (which runs arbitrary jobs) outside the cluster"))
+            if head.get("enableIngress"):
+                out.append((where, "[cluster-ip-only] enableIngress exposes the Ray dashboard outside the cluster"))
+    return out
+
+
+def _pod_security(where: str, pod: dict) -> list[tuple[str, str]]:
+    out = []
+    psc = pod.get("securityContext") or {}
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            out.append((where, f"[no-host-namespaces] {key}: true"))
+    for vol in pod.get("volumes") or []:
+        if "hostPath" in vol:
+            out.append((where, f"[no-host-path] volume {vol.get('name')!r} is a hostPath"))
+    if pod.get("automountServiceAccountToken") is not False:
+        out.append((where, "[no-service-account-token] set automountServiceAccountToken: false"))
+    for c in containers(pod):
+        cname = f"container {c.get('name')!r}"
+        sc = c.get("securityContext") or {}
+        non_root = sc.get("runAsNonRoot", psc.get("runAsNonRoot"))
+        user = sc.get("runAsUser", psc.get("runAsUser"))
+        if non_root is not True or user == 0:
+            out.append((where, f"[run-as-non-root] {cname} may run as root: set runAsNonRoot: true (and a non-zero runAsUser)"))
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append((where, f"[no-privilege-escalation] {cname}: set allowPrivilegeEscalation: false"))
+        if sc.get("privileged"):
+            out.append((where, f"[not-privileged] {cname} is privileged"))
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            out.append((where, f"[drop-all-capabilities] {cname}: capabilities.drop must include ALL"))
+        if caps.get("add"):
+            out.append((where, f"[drop-all-capabilities] {cname} adds capabilities {caps['add']}"))
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append((where, f"[seccomp-runtime-default] {cname}: seccompProfile is {seccomp or 'unset'}, must be RuntimeDefault"))
+        for port in c.get("ports") or []:
+            if port.get("hostPort"):
+                out.append((where, f"[no-host-ports] {cname} binds hostPort {port['hostPort']}"))
+        out += _requests_equal_limits(where, cname, c)
+    return out
+
+
+def _requests_equal_limits(where: str, cname: str, c: dict) -> list[tuple[str, str]]:
+    res = c.get("resources") or {}
+    req, lim = res.get("requests") or {}, res.get("limits") or {}
+    out = []
+    for key in ("cpu", "memory"):
+        if key not in lim:
+            out.append((where, f"[requests-equal-limits] {cname} has no {key} limit"))
+    for key in sorted(set(req) | set(lim)):
+        try:
+            same = key in req and key in lim and quantity(req[key]) == quantity(lim[key])
+        except ValueError:  # not a quantity: the schema check reports it
+            same = req.get(key) == lim.get(key)
+        if not same:
+            out.append((where, f"[requests-equal-limits] {cname}: {key} request {req.get(key)!r} != limit {lim.get(key)!r}"))
+    return out
