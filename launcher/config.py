@@ -104,6 +104,9 @@ class RayConfig:
     address: str = ""  # "" = a running cluster if any, else a local instance
     # A request the cluster can never satisfy fails after this long.
     start_timeout_s: int = 120
+    # Ray Train's storage (its run state and our checkpoint pointers):
+    # "" = RUN_DIR/ray; else a shared path or a URI (s3://, gs://).
+    storage: str = ""
 
 
 @dataclass
