@@ -19,6 +19,9 @@ collective works on: an all-reduce of N elements, an all-gather producing N
 elements and a reduce-scatter consuming N elements all count N. That is the
 convention of Megatron's "4 all-reduces of b*s*h per layer" and of its statement
 that sequence parallelism moves the same volume (all-gather + reduce-scatter).
+Next to it, `wire` is what each rank sends with a ring algorithm on p ranks:
+2(p-1)/p N for an all-reduce, (p-1)/p N for an all-gather or a reduce-scatter
+(so an all-reduce costs exactly one reduce-scatter plus one all-gather).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-# (tag, op, phase) -> [calls, bytes]
-COMM_STATS: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+# (tag, op, phase) -> [calls, bytes, wire bytes per rank]
+COMM_STATS: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -39,10 +42,12 @@ def reset_comm_stats() -> None:
     COMM_STATS.clear()
 
 
-def _record(tag: str, op: str, phase: str, t: torch.Tensor) -> None:
+def _record(tag: str, op: str, phase: str, t: torch.Tensor, p: int) -> None:
     entry = COMM_STATS[(tag, op, phase)]
+    n = t.numel() * t.element_size()
     entry[0] += 1
-    entry[1] += t.numel() * t.element_size()
+    entry[1] += n
+    entry[2] += (2 if op == "all_reduce" else 1) * (p - 1) / p * n
 
 
 def _size(group) -> int:
@@ -55,10 +60,11 @@ def _rank(group) -> int:
 
 # Raw collectives (no autograd) -------------------------------------------------
 def all_reduce(x: torch.Tensor, group, tag: str = "", phase: str = "fwd", op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if _size(group) == 1:
+    p = _size(group)
+    if p == 1:
         return x
     x = x.contiguous()
-    _record(tag, "all_reduce", phase, x)
+    _record(tag, "all_reduce", phase, x, p)
     dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -71,7 +77,7 @@ def _all_gather(x: torch.Tensor, dim: int, group, tag: str, phase: str) -> torch
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((n * xt.shape[0], *xt.shape[1:]))
     _all_gather_single(out, xt, group=group)
-    _record(tag, "all_gather", phase, out)
+    _record(tag, "all_gather", phase, out, n)
     return out.movedim(0, dim)
 
 
@@ -85,7 +91,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, tag: str, phase: str) -> t
         )
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((xt.shape[0] // n, *xt.shape[1:]))
-    _record(tag, "reduce_scatter", phase, xt)
+    _record(tag, "reduce_scatter", phase, xt, n)
     _reduce_scatter_single(out, xt, group=group)
     return out.movedim(0, dim)
 
