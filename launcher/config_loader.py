@@ -175,13 +175,21 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), world_si
     `world_size` is the number of ranks the run will have, when known (for the
     batch-size rules); by default WORLD_SIZE from the environment, else 1.
     """
+    cfg = resolve(path, overrides)
+    validate(cfg, env_world_size() if world_size is None else world_size)
+    return cfg
+
+
+def resolve(path: str | os.PathLike, overrides: Iterable[str] = ()) -> RunConfig:
+    """YAML (+ extends chain) + overrides -> RunConfig, with types checked but not the rules."""
     layers = _load_yaml(Path(path))
     layers.append((_parse_overrides(overrides), "command line"))
-    cfg = merge_layers(layers)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    validate(cfg, world_size)
-    return cfg
+    return merge_layers(layers)
+
+
+def env_world_size() -> int:
+    """WORLD_SIZE as a launcher (torchrun) set it, else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def config_from_dict(data: dict, world_size: int = 1) -> RunConfig:

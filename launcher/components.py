@@ -1,0 +1,94 @@
+"""Building what the loop runs on: topology, model, data. One function each.
+
+Seams:
+* `build_model`: tensor parallelism is `parallelize` here (issue 5); building a
+  large model on the meta device for a dry run (issue 6) also belongs here.
+* `build_data`: the embedded corpus or a shard directory -> tokenizer + this DP
+  rank's training stream; `val_stream` builds a fresh, reproducible eval stream.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.config_loader import ConfigError
+from loomtrain.launcher.distributed import DistEnv, barrier
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy and torch (CPU and CUDA) RNGs; the model init has its own seed."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_topology(cfg: RunConfig, env: DistEnv):
+    from loomtrain.parallel import Topology
+
+    try:
+        return Topology(env.world_size, env.rank, cfg.parallel.tp, model_cfg=cfg.model)
+    except ValueError as exc:  # check_tp's one-line message names parallel.tp
+        raise ConfigError(str(exc)) from exc
+
+
+def build_model(cfg: RunConfig, topology, device: torch.device) -> torch.nn.Module:
+    """The full model from train.seed (identical on every rank), then sharded in place."""
+    from loomtrain.model import Transformer
+    from loomtrain.parallel import parallelize
+
+    model = Transformer(cfg.model, seed=cfg.train.seed)
+    model = parallelize(model, topology, sequence_parallel=cfg.parallel.sequence_parallel)
+    return model.to(device)
+
+
+def data_cache_dir(cfg: RunConfig) -> Path:
+    if cfg.data.cache_dir:
+        return Path(cfg.data.cache_dir)
+    return Path(cfg.run.dir).absolute().parent / ".data_cache"
+
+
+def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
+    """-> (shard_dir, tokenizer, train_stream). Rank 0 prepares the data first."""
+    from loomtrain.data_pipeline import TokenStream, prepare_data
+
+    cache = data_cache_dir(cfg)
+    quiet = (lambda *a, **k: None)
+    if env.rank == 0:
+        shard_dir, tok = prepare_data(cfg.data, cache, log=log)
+    barrier()
+    if env.rank != 0:
+        shard_dir, tok = prepare_data(cfg.data, cache, log=quiet)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: expected at least the tokenizer's vocabulary size {tok.vocab_size} "
+            f"(data.tokenizer={cfg.data.tokenizer}), got {cfg.model.vocab_size}"
+        )
+    t = cfg.train
+    stream = TokenStream(
+        shard_dir, "train", seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+        dp_rank=topology.dp_rank, dp_size=topology.dp_size, seed=t.seed,
+        prefetch=cfg.data.prefetch, expected_tokenizer_hash=tok.hash,
+    )
+    return Path(shard_dir), tok, stream
+
+
+def val_stream(cfg: RunConfig, shard_dir: Path, topology, tok):
+    """A fresh validation stream: the same batches at every evaluation."""
+    from loomtrain.data_pipeline import TokenStream
+
+    t = cfg.train
+    return TokenStream(
+        shard_dir, "val", seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+        dp_rank=topology.dp_rank, dp_size=topology.dp_size, seed=t.seed,
+        prefetch=0, expected_tokenizer_hash=tok.hash,
+    )
+
+
+def run_dir(cfg: RunConfig) -> Path:
+    return Path(os.path.expanduser(cfg.run.dir))

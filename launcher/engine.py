@@ -1,0 +1,151 @@
+"""The one place that builds the DeepSpeed engine from a RunConfig.
+
+    engine, optimizer, scheduler = build_engine(cfg, model, dp_size=..., mpu=...)
+
+* `ds_config`: the DeepSpeed config dict (batch sizes and gradient accumulation
+  derived from global batch, micro batch and data-parallel size; clipping;
+  bf16 / fp16; the ZeRO stage over the data-parallel group);
+* `param_groups`: a client `torch.optim.AdamW` with no weight decay on norms,
+  biases and embeddings (DeepSpeed's own Adam would JIT-compile for a minute);
+* `lr_lambda`: linear warmup, then cosine / linear decay to min_lr, or constant,
+  as a `torch.optim.lr_scheduler.LambdaLR` that DeepSpeed steps once per
+  optimizer step.
+
+ZeRO offload, activation checkpointing and fp16 loss-scaling details grow here
+(issue 6); keep engine construction in this file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from loomtrain.launcher.config import RunConfig
+
+# "Print every N steps" off: the loop does its own logging.
+_NEVER = 10**12
+
+
+def ds_config(cfg: RunConfig, dp_size: int) -> dict[str, Any]:
+    t, p = cfg.train, cfg.parallel
+    grad_accum = t.global_batch_size // (t.micro_batch_size * dp_size)
+    zero: dict[str, Any] = {"stage": p.zero_stage}
+    if p.offload_optimizer and p.zero_stage >= 1:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config: dict[str, Any] = {
+        "train_batch_size": t.micro_batch_size * grad_accum * dp_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "steps_per_print": _NEVER,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        # A client torch.optim.AdamW under ZeRO / offload.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {
+            "enabled": t.precision == "fp16",
+            "loss_scale": 0,  # dynamic
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+    }
+    return config
+
+
+def _no_decay_ids(model: nn.Module) -> set[int]:
+    """Norm weights, biases (every 1-D parameter) and embedding tables."""
+    ids = {id(p) for p in model.parameters() if p.ndim < 2}
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        # By type, and by the contract names, since the TP plan swaps nn.Embedding for a
+        # vocabulary-parallel module.
+        if isinstance(module, nn.Embedding) or leaf in ("tok_emb", "pos_emb"):
+            ids |= {id(p) for p in module.parameters()}
+    return ids
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    skip = _no_decay_ids(model)
+    decay, no_decay = [], []
+    for p in model.parameters():  # a tied table appears once
+        if p.requires_grad:
+            (no_decay if id(p) in skip else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
+    """Multiplier of train.lr at optimizer step `step` (0-based)."""
+    t = cfg.train
+    floor = t.min_lr / t.lr
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+        if t.lr_schedule == "cosine":
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - (1.0 - floor) * progress  # linear
+
+    return factor
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
+    t = cfg.train
+    return torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps
+    )
+
+
+def build_engine(cfg: RunConfig, model: nn.Module, dp_size: int, mpu: Any = None):
+    """-> (engine, optimizer, lr_scheduler). The process group must exist already."""
+    import deepspeed
+
+    optimizer = build_optimizer(cfg, model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        mpu=mpu,
+        config=ds_config(cfg, dp_size),
+        dist_init_required=False,
+    )
+    return engine, optimizer, scheduler
+
+
+def records_grad_norm(engine) -> bool:
+    """DeepSpeed's fp32 ZeRO-0 path clips without keeping the norm; the others keep it."""
+    return bool(engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())
+
+
+def grad_norm(model: nn.Module, mpu: Any = None) -> float:
+    """Global L2 norm of the current gradients (before clipping), over TP ranks.
+
+    Same convention as deepspeed.runtime.utils.clip_grad_norm_: a parameter
+    replicated across the TP group is counted once (on TP rank 0); sharded ones
+    (`tensor_model_parallel=True`) on every rank. DP ranks hold equal gradients
+    after DeepSpeed's all-reduce. Call at the accumulation boundary, before
+    engine.step().
+    """
+    tp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False)):
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    if mpu is not None and mpu.get_model_parallel_world_size() > 1:
+        device = next(model.parameters()).device
+        total = total.to(device)
+        torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())
+    return float(total.sqrt())

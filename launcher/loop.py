@@ -1,0 +1,248 @@
+"""THE training loop: one for the local run, torchrun and Ray workers (no Ray code here).
+
+    result = run_training(cfg)                 # in-process (tests, Ray workers)
+    result.losses                              # per-step loss, DP-averaged
+
+Each optimizer step runs grad_accum micro steps of
+`logits = engine(x); loss = loss_fn(logits, y); engine.backward(loss); engine.step()`
+(DeepSpeed scales the loss by 1/grad_accum and steps the optimizer and the LR
+schedule at the boundary). The step's reported loss is the mean over its micro
+batches, all-reduced (mean) over the data-parallel group, so it equals the
+single-process loss on the same global batch.
+
+Plug-in points: `hooks` (see loomtrain.launcher.hooks) for checkpoints and Ray;
+`components.build_model` for TP; `engine.build_engine` for ZeRO / precision;
+`weights.full_model_for_export` for consolidated final weights.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from loomtrain.launcher import components, weights
+from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.config_loader import grad_accum_steps, save_config, to_dict, validate
+from loomtrain.launcher.distributed import init_distributed
+from loomtrain.launcher.engine import build_engine, grad_norm, lr_lambda, records_grad_norm
+from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState, default_hooks
+from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, memory_bytes
+from loomtrain.model import flops_per_token as model_flops_per_token
+from loomtrain.model import param_count
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)  # steps run by this call, in order
+    steps: list[int] = field(default_factory=list)  # their step numbers (1-based)
+    evals: dict[int, float] = field(default_factory=dict)  # step -> eval/loss
+    final_dir: Path | None = None
+    state: TrainState | None = None
+    wall_s: float = 0.0
+
+
+def _dp_mean(value: torch.Tensor, ctx: TrainContext) -> float:
+    """Mean over the data-parallel group (TP ranks already agree)."""
+    if ctx.topology.dp_size > 1:
+        value = value.detach().clone().float()
+        dist.all_reduce(value, group=ctx.topology.dp_group)
+        value /= ctx.topology.dp_size
+    return float(value)
+
+
+def _to(batch, device):
+    x, y = batch
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def train_step(ctx: TrainContext, grad_accum: int) -> tuple[float, float]:
+    """One optimizer step -> (loss averaged over micro batches and DP, grad norm)."""
+    engine, device = ctx.engine, ctx.dist.device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    norm = None
+    for micro in range(grad_accum):
+        x, y = _to(next(ctx.train_stream), device)
+        logits = engine(x)
+        loss = ctx.loss_fn(logits, y)
+        engine.backward(loss)
+        if micro == grad_accum - 1 and not records_grad_norm(engine):
+            norm = grad_norm(ctx.model, engine.mpu)
+        engine.step()
+        total += loss.detach().float()
+    recorded = engine.get_global_grad_norm()
+    if recorded is not None:
+        norm = float(recorded)
+    return _dp_mean(total / grad_accum, ctx), float("nan") if norm is None else norm
+
+
+@torch.no_grad()
+def evaluate(ctx: TrainContext) -> dict[str, float]:
+    """eval/loss and eval/ppl over eval.batches micro batches of the val split per DP rank."""
+    engine, device = ctx.engine, ctx.dist.device
+    stream = components.val_stream(ctx.cfg, ctx.shard_dir, ctx.topology, ctx.tokenizer)
+    engine.eval()
+    try:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for _ in range(ctx.cfg.eval.batches):
+            x, y = _to(next(stream), device)
+            total += ctx.loss_fn(engine(x), y).float()
+    finally:
+        stream.close()
+        engine.train()
+    loss = _dp_mean(total / ctx.cfg.eval.batches, ctx)
+    return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+
+
+@torch.no_grad()
+def samples(ctx: TrainContext) -> list[str]:
+    """A few continuations of eval.prompt (every rank runs it, in step; rank 0 logs them).
+
+    Skipped where the model cannot run alone: ZeRO-3 partitions, sequence parallelism.
+    """
+    e = ctx.cfg.eval
+    if e.num_samples == 0 or e.sample_tokens == 0:
+        return []
+    if ctx.cfg.parallel.zero_stage == 3 or ctx.cfg.parallel.sequence_parallel:
+        return []
+    from loomtrain.parallel import gathered_logits
+
+    prompt = ctx.tokenizer.encode(e.prompt) or [ctx.tokenizer.eos_id]
+    room = ctx.cfg.model.max_seq_len - len(prompt)
+    if room <= 0:
+        return []
+    tokens = torch.tensor([prompt] * e.num_samples, dtype=torch.long, device=ctx.dist.device)
+    gen = torch.Generator(device=ctx.dist.device).manual_seed(ctx.cfg.train.seed + ctx.state.step)
+    with gathered_logits(ctx.model) as model:
+        out = model.generate(
+            tokens, min(e.sample_tokens, room), temperature=e.temperature,
+            top_k=e.top_k or None, generator=gen,
+        )
+    return [ctx.tokenizer.decode(row.tolist()) for row in out]
+
+
+def _is_final(step: int, cfg: RunConfig) -> bool:
+    return step == cfg.train.max_steps
+
+
+def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
+    """Train per `cfg` on this rank; every rank of the job calls it."""
+    wall_start = time.perf_counter()
+    env = init_distributed(cfg)
+    validate(cfg, env.world_size)  # batch-size rules against the real world size
+    components.seed_everything(cfg.train.seed)
+    topology = components.build_topology(cfg, env)
+    run_dir = components.run_dir(cfg)
+    if env.is_logging_rank:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+
+    ctx = TrainContext(cfg=cfg, dist=env, topology=topology, run_dir=run_dir)
+    say = print if env.is_logging_rank else (lambda *a, **k: None)
+    ctx.shard_dir, ctx.tokenizer, ctx.train_stream = components.build_data(cfg, topology, env, log=say)
+    if cfg.eval.every_steps:  # an unusable val split fails now, not at the first eval
+        components.val_stream(cfg, ctx.shard_dir, topology, ctx.tokenizer).close()
+    ctx.model = components.build_model(cfg, topology, env.device)
+    ctx.engine, ctx.optimizer, ctx.scheduler = build_engine(cfg, ctx.model, topology.dp_size, mpu=topology.mpu)
+    ctx.model = ctx.engine.module
+    from loomtrain.parallel import make_loss_fn
+
+    ctx.loss_fn = make_loss_fn(topology, cfg.model.vocab_size)
+    grad_accum = grad_accum_steps(cfg, env.world_size)
+
+    hook = HookList([*default_hooks(cfg), *hooks])
+    hook.on_train_start(ctx)  # resume happens here
+
+    t = cfg.train
+    start_step = ctx.state.step
+    ctx.metrics = MetricsLogger(
+        run_dir, t.max_steps, enabled=env.is_logging_rank, tensorboard=cfg.log.tensorboard,
+        progress=cfg.log.progress, start_step=start_step,
+    )
+    log = ctx.metrics
+    n_params = param_count(cfg.model)
+    log.message(
+        f"loomtrain: {cfg.run.name}: {n_params / 1e6:.2f} M params, world {env.world_size} "
+        f"(tp {topology.tp_size} x dp {topology.dp_size}), {env.device.type}, {t.precision}, "
+        f"zero {cfg.parallel.zero_stage}, grad_accum {grad_accum}, steps {start_step}->{t.max_steps}"
+    )
+    log.hparams(to_dict(cfg))
+    flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
+    peak = device_peak_flops(env.device, t.precision) * env.world_size  # NaN for an unknown GPU
+    tokens_per_step = t.global_batch_size * t.seq_len
+    lr_of = lr_lambda(cfg)
+
+    result = TrainResult(run_dir=run_dir, state=ctx.state)
+    ctx.engine.train()
+    loop_start, elapsed_at_start = time.perf_counter(), ctx.state.elapsed
+    while ctx.state.step < t.max_steps and not ctx.stop_requested:
+        step_start = time.perf_counter()
+        lr = t.lr * lr_of(ctx.state.step)
+        loss, norm = train_step(ctx, grad_accum)
+        step_time = time.perf_counter() - step_start
+        ctx.state.step += 1
+        ctx.state.tokens_seen += tokens_per_step
+        ctx.state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
+        step = ctx.state.step
+        tps = tokens_per_step / step_time
+        metrics: dict[str, Any] = {
+            "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
+            "mfu": flops_per_token * tps / peak,
+            "step_time_s": step_time, "mem_bytes": memory_bytes(env.device),
+            "tokens_seen": ctx.state.tokens_seen,
+        }
+        result.losses.append(loss)
+        result.steps.append(step)
+        ctx.last_metrics = metrics
+        if step % cfg.log.every_steps == 0 or _is_final(step, cfg):
+            log.log(step, metrics)
+            log.console(step, metrics, time.perf_counter() - loop_start, step - start_step)
+        if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or _is_final(step, cfg)):
+            ev = evaluate(ctx)
+            result.evals[step] = ev["eval/loss"]
+            log.log(step, ev)
+            log.message(f"eval step {step}: loss {ev['eval/loss']:.4f} | ppl {ev['eval/ppl']:.2f}")
+            for i, text in enumerate(samples(ctx)):
+                log.text(f"samples/{i}", text, step)
+                if i == 0:
+                    log.message(f"sample: {text[:200]!r}")
+            hook.on_eval_end(ctx, ev)
+            log.flush()
+        hook.on_step_end(ctx, metrics)
+
+    hook.on_train_end(ctx)
+    if ctx.state.step >= t.max_steps:
+        result.final_dir = _save_final(ctx)
+    ctx.train_stream.close()
+    result.wall_s = time.perf_counter() - wall_start
+    if ctx.state.step > start_step and result.losses:
+        log.message(
+            f"done: step {ctx.state.step}, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
+            f"{ctx.state.elapsed:.0f} s training, {result.wall_s:.0f} s total"
+        )
+    log.message(f"run directory: {run_dir.absolute()}")
+    if cfg.log.tensorboard:
+        log.message(f"TensorBoard logs: {log.tb_dir.absolute()}  (tensorboard --logdir {run_dir.absolute().parent})")
+    log.close()
+    return result
+
+
+def _save_final(ctx: TrainContext) -> Path | None:
+    try:
+        model = weights.full_model_for_export(ctx)
+    except weights.NotConsolidated as exc:
+        ctx.metrics.message(f"final weights not written: {exc}")
+        return None
+    final = ctx.run_dir / "final"
+    if ctx.dist.is_logging_rank:
+        weights.save_final(model, ctx.cfg.model, ctx.tokenizer, final)
+        ctx.metrics.message(f"final weights: {final.absolute()}")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return final

@@ -1,0 +1,244 @@
+"""Run metrics: TensorBoard + metrics.jsonl on the logging rank, console progress, MFU.
+
+Only the logging rank (global rank 0) creates a `MetricsLogger` that writes;
+other ranks get one with `enabled=False` that does nothing, so the loop calls
+it unconditionally.
+
+* `RUN_DIR/metrics.jsonl`: one JSON object per logged step (train metrics) and
+  per evaluation (`eval/loss`, `eval/ppl`), each with `step`;
+* `RUN_DIR/tb/`: the same scalars, the hyperparameters (HParams plugin), and
+  generated text samples;
+* console: a tqdm bar (step, loss, tok/s, ETA) on a terminal, plain lines
+  otherwise (`log.progress: auto | bar | plain`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
+GPU_PEAK_FLOPS: dict[str, float] = {
+    "h200": 989e12,
+    "h100 pcie": 756e12,
+    "h100": 989e12,  # SXM
+    "h800": 989e12,
+    "gh200": 989e12,
+    "b200": 2250e12,
+    "a100": 312e12,
+    "a800": 312e12,
+    "l40s": 362e12,
+    "l4": 121e12,
+    "a10": 125e12,
+    "v100": 125e12,  # fp16 tensor cores (no bf16)
+}
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """Peak for a CUDA device name like 'NVIDIA H100 80GB HBM3' (None if unknown)."""
+    low = name.lower()
+    for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):  # 'h100 pcie' before 'h100'
+        if key in low:
+            return GPU_PEAK_FLOPS[key]
+    return None
+
+
+_CPU_PEAK: dict[torch.dtype, float] = {}
+
+
+def measured_cpu_flops(dtype: torch.dtype = torch.float32, size: int = 512, seconds: float = 0.25) -> float:
+    """Matmul FLOP/s of this CPU, measured once per dtype (about a quarter second)."""
+    if dtype not in _CPU_PEAK:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        a @ b  # warm up
+        n, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or n < 2:
+            a @ b
+            n += 1
+        _CPU_PEAK[dtype] = 2 * size**3 * n / elapsed
+    return _CPU_PEAK[dtype]
+
+
+def device_peak_flops(device: torch.device, precision: str) -> float:
+    if device.type == "cuda":
+        peak = gpu_peak_flops(torch.cuda.get_device_name(device))
+        # MFU against the bf16 dense peak whatever the run's precision (the usual convention).
+        return float("nan") if peak is None else peak
+    return measured_cpu_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory allocated on this rank, or the process RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process(os.getpid()).memory_info().rss)
+
+
+def _fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def _hparams(flat: dict[str, Any]) -> dict[str, Any]:
+    """HParams accepts bool/int/float/str only."""
+    return {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in flat.items()}
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        max_steps: int,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        progress: str = "auto",
+        start_step: int = 0,
+    ) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.max_steps = max_steps
+        self.writer = None
+        self.bar = None
+        self._jsonl = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # A fresh start (start_step 0) replaces an earlier run's metrics; a resume keeps
+        # the records up to start_step and drops those of the steps it will redo.
+        path = self.run_dir / "metrics.jsonl"
+        kept = [line for line in _read_lines(path) if _step_of(line) <= start_step] if start_step else []
+        path.write_text("".join(kept))
+        self._jsonl = open(path, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard hides older events from step start_step + 1 on.
+            self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=start_step + 1)
+        use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
+        if use_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    @property
+    def tb_dir(self) -> Path:
+        return self.run_dir / "tb"
+
+    # --- writers ----------------------------------------------------------------
+    def hparams(self, config: dict[str, Any], metrics: tuple[str, ...] = ("loss", "eval/loss")) -> None:
+        """The resolved config as TensorBoard hyperparameters (in this run's own event file)."""
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        exp, ssi, sei = hparams(_hparams(flatten(config)), {m: float("nan") for m in metrics})
+        fw = self.writer._get_file_writer()
+        for summary in (exp, ssi, sei):
+            fw.add_summary(summary)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One JSON line and one TensorBoard scalar per metric."""
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(key, value, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.writer is not None:
+            # Markdown: keep code indentation visible.
+            self.writer.add_text(tag, "```\n" + text + "\n```", step)
+
+    def console(self, step: int, metrics: dict[str, float], elapsed: float, done_steps: int) -> None:
+        """Progress: a bar update on a terminal, otherwise one plain line."""
+        if not self.enabled:
+            return
+        rate = done_steps / elapsed if elapsed > 0 else float("nan")
+        eta = (self.max_steps - step) / rate if rate and rate > 0 else float("nan")
+        loss, tps = metrics.get("loss", float("nan")), metrics.get("tokens_per_s", float("nan"))
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(f"loss {loss:.4f} | {tps:,.0f} tok/s", refresh=False)
+            self.bar.refresh()
+        else:
+            print(
+                f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {metrics.get('lr', float('nan')):.2e} "
+                f"| grad_norm {metrics.get('grad_norm', float('nan')):.3f} | {tps:,.0f} tok/s "
+                f"| mfu {100 * metrics.get('mfu', float('nan')):.1f}% | ETA {_fmt_time(eta)}",
+                flush=True,
+            )
+
+    def message(self, text: str) -> None:
+        """A line on the console that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, flush=True)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+        if self._jsonl is not None:
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    return value

@@ -1,0 +1,62 @@
+"""`loomtrain train CONFIG [key=value ...] [--ray]`: resolve the config, run the loop.
+
+Locally (one process), under torchrun (`torchrun --nproc_per_node N -m loomtrain
+train CONFIG`), or with --ray on a Ray cluster (launcher/ray_train.py, issue 8).
+A bad config stops here with `loomtrain: config error: <dotted key>: ...` and
+exit status 2, before any process group, model or data exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loomtrain train",
+        description="Train a model from a YAML config. Overrides are dotted keys: train.lr=1e-3 model.n_layers=2",
+    )
+    parser.add_argument("config", help="YAML config (may `extends:` another)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.max_steps=50")
+    parser.add_argument("--ray", action="store_true", help="run the ranks as Ray Train workers (ray.* keys)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
+
+    try:
+        cfg = resolve(args.config, args.overrides)
+        # With --ray the world size is ray.num_workers; else what the launcher set (or 1).
+        validate(cfg, cfg.ray.num_workers if args.ray else env_world_size())
+    except ConfigError as exc:
+        print(f"loomtrain: config error: {exc}", file=sys.stderr)
+        return 2
+
+    if args.ray:
+        import importlib.util
+
+        if importlib.util.find_spec("loomtrain.launcher.ray_train") is None:
+            print("loomtrain: --ray is not available yet (launcher/ray_train.py, issue 8)", file=sys.stderr)
+            return 2
+        from loomtrain.launcher import ray_train
+
+        return int(ray_train.main(cfg, args) or 0)
+
+    from loomtrain.data_pipeline import DataError
+    from loomtrain.launcher.loop import run_training
+
+    try:
+        run_training(cfg)
+    except ConfigError as exc:  # rules that need the real world size or the tokenizer
+        print(f"loomtrain: config error: {exc}", file=sys.stderr)
+        return 2
+    except DataError as exc:
+        print(f"loomtrain: data error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+

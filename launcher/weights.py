@@ -1,0 +1,77 @@
+"""Final weights of a run: RUN_DIR/final/{model.safetensors, model_config.json, tokenizer}.
+
+Written at the end of training by the loop, read by `loomtrain generate`. Loading
+never unpickles anything (safetensors + JSON).
+
+Seam (issue 7): `full_model_for_export` returns a module holding the full,
+unsharded weights. Today that is the engine's own module when tp == 1 and ZeRO
+stage < 3; consolidating TP shards and ZeRO-3 partitions goes there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+
+WEIGHTS = "model.safetensors"
+MODEL_CONFIG = "model_config.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+class NotConsolidated(NotImplementedError):
+    """Full weights are not available from this rank layout (yet)."""
+
+
+def full_model_for_export(ctx) -> torch.nn.Module:
+    """The unsharded model (every rank calls this; only the logging rank writes)."""
+    if ctx.topology.tp_size > 1:
+        raise NotConsolidated("final weights at tp > 1 need TP consolidation (issue 7: checkpoint/export)")
+    if ctx.cfg.parallel.zero_stage == 3:
+        raise NotConsolidated("final weights at ZeRO-3 need the partitions gathered (issue 7)")
+    return ctx.model
+
+
+def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
+    """Write the final directory atomically (temp dir, then rename)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / WEIGHTS))  # a tied table is stored once
+    (tmp / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
+    tokenizer.save(tmp / TOKENIZER_DIR)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device = "cpu"):
+    """-> (Transformer, tokenizer) from RUN_DIR (or RUN_DIR/final)."""
+    from loomtrain.data_pipeline import load_tokenizer
+    from loomtrain.model import ModelConfig, Transformer
+
+    path = Path(run_or_final_dir)
+    if not (path / WEIGHTS).is_file():
+        path = path / "final"
+    if not (path / WEIGHTS).is_file():
+        raise FileNotFoundError(f"no {WEIGHTS} in {run_or_final_dir} or its final/ directory (did the run finish?)")
+    model_cfg = ModelConfig(**json.loads((path / MODEL_CONFIG).read_text()))
+    model = Transformer(model_cfg)
+    # Match the saved dtype (bf16 runs save bf16 weights).
+    from safetensors import safe_open
+
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        dtype = f.get_slice(next(iter(f.keys()))).get_dtype()
+    if dtype in ("BF16", "F16"):
+        model = model.to(torch.bfloat16 if dtype == "BF16" else torch.float16)
+    load_model(model, str(path / WEIGHTS), device=str(device))
+    model.reset_buffers()
+    tokenizer = load_tokenizer(str(path / TOKENIZER_DIR))
+    return model.to(device).eval(), tokenizer
