@@ -1,0 +1,117 @@
+"""Config loading: extends chains, overrides, and one-line errors naming the dotted key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loomtrain.launcher.config_loader import ConfigError, load_config, save_config, valid_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_config_loads_at_its_world_size():
+    assert load_config(CONFIGS / "tiny.yaml").model.d_model > 0
+    assert load_config(CONFIGS / "dryrun-1gpu.yaml").train.precision == "bf16"
+    big = load_config(CONFIGS / "gpt-1b.yaml", world_size=8)
+    assert (big.parallel.tp, big.ray.num_workers) == (2, 8)
+    huge = load_config(CONFIGS / "gpt-7b.yaml", world_size=32)
+    assert (huge.parallel.tp, huge.model.d_model, huge.ray.num_workers) == (8, 4096, 32)
+    # gpt-7b extends gpt-1b extends tiny: keys it does not set come from the chain.
+    assert huge.model.vocab_size == big.model.vocab_size == 32768
+
+
+def test_extends_chain_relative_paths_and_overrides(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "base.yaml", "train:\n  lr: 0.01\n  max_steps: 7\nrun:\n  name: base\n")
+    write(tmp_path / "sub" / "mid.yaml", "extends: ../base.yaml\ntrain:\n  lr: 0.02\n")
+    leaf = write(tmp_path / "sub" / "leaf.yaml", "extends: mid.yaml\nrun:\n  name: leaf\n")
+    cfg = load_config(leaf, ["train.max_steps=9", "model.n_kv_heads=2"])
+    assert cfg.train.lr == 0.02  # mid wins over base
+    assert cfg.train.max_steps == 9  # command line wins over all
+    assert cfg.run.name == "leaf" and cfg.run.dir == "runs/leaf"  # interpolation resolved
+    assert cfg.model.n_kv_heads == 2
+
+
+def test_extends_cycle_is_refused(tmp_path):
+    write(tmp_path / "a.yaml", "extends: b.yaml\n")
+    write(tmp_path / "b.yaml", "extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="extends: cycle"):
+        load_config(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.lrr=1", "train.lrr: unknown key (did you mean 'train.lr'?)"),
+        ("lr=1", "lr: unknown key (did you mean 'train.lr'?)"),
+        ("trian.lr=1", "trian.lr: unknown key (did you mean 'train.lr'?)"),
+        ("model.d_modle=64", "did you mean 'model.d_model'?"),
+        ("train.lr=abc", "train.lr: wrong type"),
+        ("train.max_steps=1.5", "train.max_steps: wrong type"),
+        ("log.tensorboard=maybe", "log.tensorboard: wrong type"),
+        ("train.precision=fp8", "train.precision: expected one of fp32, bf16, fp16, got 'fp8'"),
+        ("train.lr_schedule=step", "train.lr_schedule: expected one of cosine, linear, constant"),
+        ("log.progress=fancy", "log.progress: expected one of auto, bar, plain"),
+        ("checkpoint.resume=/no/such/ckpt", "checkpoint.resume: expected auto, never or the path"),
+        ("train.global_batch_size=20", "train.global_batch_size: expected a multiple of"),
+        ("parallel.zero_stage=4", "parallel.zero_stage: expected 0, 1, 2 or 3"),
+        ("model.n_heads=5", "model.n_heads: d_model=192 must be divisible"),
+        ("train.seq_len=4096", "train.seq_len: expected at most model.max_seq_len"),
+        ("parallel.tp=2", "parallel.tp: expected a divisor of the world size 1"),
+    ],
+)
+def test_errors_name_the_dotted_key(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS / "tiny.yaml", [override])
+    message = str(info.value)
+    assert needle in message
+    assert "\n" not in message
+
+
+def test_unknown_key_in_yaml_names_the_file(tmp_path):
+    bad = write(tmp_path / "bad.yaml", "extends: %s\ntrain:\n  warmup: 5\n" % (CONFIGS / "tiny.yaml"))
+    with pytest.raises(ConfigError, match=r"train.warmup: unknown key \(did you mean 'train.warmup_steps'\?\) \[.*bad.yaml\]"):
+        load_config(bad)
+
+
+def test_batch_rule_uses_the_world_size():
+    # 16 = micro 8 * dp 2: fine at world 2, not at world 4 (dp 4 needs a multiple of 32).
+    load_config(CONFIGS / "tiny.yaml", ["train.micro_batch_size=8", "train.global_batch_size=16"], world_size=2)
+    with pytest.raises(ConfigError, match="train.global_batch_size"):
+        load_config(CONFIGS / "tiny.yaml", ["train.micro_batch_size=8", "train.global_batch_size=16"], world_size=4)
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(CONFIGS / "tiny.yaml", ["train.lr=0.005", "model.n_layers=3"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_valid_keys_cover_every_section():
+    keys = valid_keys()
+    for key in ("model.d_model", "parallel.tp", "parallel.zero_stage", "train.precision", "train.max_steps",
+                "train.seed", "train.micro_batch_size", "train.global_batch_size", "run.dir"):
+        assert key in keys
+
+
+def test_cli_config_error_exits_2_before_any_work(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "loomtrain", "train", str(CONFIGS / "tiny.yaml"),
+         f"run.dir={tmp_path / 'run'}", "train.precison=bf16"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "loomtrain: config error: train.precison: unknown key (did you mean 'train.precision'?) [command line]"
+    )
+    assert not (tmp_path / "run").exists()
