@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -154,15 +155,21 @@ def manifest_files(directory: Path) -> list[Path]:
 
 
 def lint(paths: Iterable[Path]) -> list[Problem]:
+    problems = []
+    for path in paths:
+        stat = Path(path).stat()
+        problems += _lint_one(str(path), stat.st_mtime_ns, stat.st_size)
+    return problems
+
+
+@functools.lru_cache(maxsize=512)
+def _lint_one(path: str, mtime_ns: int, size: int) -> list[Problem]:
     from yamllint import linter
     from yamllint.config import YamlLintConfig
 
     conf = YamlLintConfig(file=str(YAMLLINT_CONFIG))
-    problems = []
-    for path in paths:
-        for p in linter.run(path.read_text(), conf, str(path)):
-            problems.append(Problem("yamllint", f"{_rel(path)}:{p.line}:{p.column}", f"{p.desc} ({p.rule})"))
-    return problems
+    return [Problem("yamllint", f"{_rel(Path(path))}:{p.line}:{p.column}", f"{p.desc} ({p.rule})")
+            for p in linter.run(Path(path).read_text(), conf, path)]
 
 
 def _rel(path: Path) -> str:
@@ -209,16 +216,23 @@ def validate_builtin(docs: Iterable[dict], version: str = K8S_VERSION) -> list[P
 
 
 def _kv(obj: dict, where: str, version: str) -> list[Problem]:
+    # The same object recurs across overlays and test cases: validate each once.
+    return list(_kv_cached(json.dumps(obj, sort_keys=True), where, version))
+
+
+@functools.lru_cache(maxsize=1024)
+def _kv_cached(text: str, where: str, version: str) -> tuple[Problem, ...]:
     import kubernetes_validate as kv
 
+    obj = json.loads(text)
     try:
         kv.validate(obj, version, strict=True)
     except kv.ValidationError as exc:
         path = ".".join(str(p) for p in exc.path)
-        return [Problem("k8s-schema", where, f"{path or '<root>'}: {exc.message}")]
+        return (Problem("k8s-schema", where, f"{path or '<root>'}: {exc.message}"),)
     except kv.SchemaNotFoundError:
-        return [Problem("k8s-schema", where, f"no schema for {obj.get('apiVersion')} {obj.get('kind')} in Kubernetes {version}")]
-    return []
+        return (Problem("k8s-schema", where, f"no schema for {obj.get('apiVersion')} {obj.get('kind')} in Kubernetes {version}"),)
+    return ()
 
 
 # --- custom resources: KubeRay CRD schemas, strict ----------------------------
@@ -340,19 +354,44 @@ def validate_custom(docs: Iterable[dict], crds: Path | None = None) -> list[Prob
 
 
 # --- all checks ----------------------------------------------------------------
-def check(directory: Path, kubectl: str | None = None, crds: Path | None = None) -> list[Problem]:
-    """Every check on one kustomization directory."""
+def check(directory: Path, kubectl: str | None = None, crds: Path | None = None, docs: list[dict] | None = None) -> list[Problem]:
+    """Every check on one kustomization directory (`docs`: its rendering, if done already)."""
     directory = Path(directory)
     problems = lint(manifest_files(directory))
-    try:
-        docs = render(directory, kubectl)
-    except RenderError as exc:
-        return problems + [Problem("render", _rel(directory), str(exc))]
+    if docs is None:
+        try:
+            docs = render(directory, kubectl)
+        except RenderError as exc:
+            return problems + [Problem("render", _rel(directory), str(exc))]
     problems += validate_builtin(docs)
     problems += validate_custom(docs, crds)
     problems += [Problem("project", w, m) for w, m in policy.project_rules(docs, REPO)]
     problems += [Problem("security", w, m) for w, m in policy.security_rules(docs)]
     return problems
+
+
+def check_many(directories: Iterable[Path], kubectl: str | None = None, crds: Path | None = None) -> dict[Path, list[Problem]]:
+    """`check` on each directory, the `kubectl kustomize` runs side by side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    directories = [Path(d) for d in directories]
+    kubectl = kubectl or find_kubectl()
+
+    def rendered(d: Path) -> list[dict] | RenderError:
+        try:
+            return render(d, kubectl)
+        except RenderError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
+        renders = list(pool.map(rendered, directories))
+    out = {}
+    for d, docs in zip(directories, renders):
+        if isinstance(docs, RenderError):
+            out[d] = lint(manifest_files(d)) + [Problem("render", _rel(d), str(docs))]
+        else:
+            out[d] = check(d, kubectl, crds, docs=docs)
+    return out
 
 
 def default_targets() -> list[Path]:
@@ -372,8 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k8s/check.py: {exc}", file=sys.stderr)
         return 2
     bad = 0
-    for target in targets:
-        problems = check(target, kubectl, crds)
+    for target, problems in check_many(targets, kubectl, crds).items():
         bad += bool(problems)
         print(f"{_rel(target)}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
         for p in problems:

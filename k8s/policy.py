@@ -12,6 +12,7 @@ scanners on PyPI (checkov and the like) do not look into.
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import tempfile
@@ -310,25 +311,35 @@ def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
     name = Path(config_path).name
     if data is None or name not in data:
         return out + [(where, f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a ConfigMap mounted at its folder in the head pod")]
+    cfg = _load_config(tuple(sorted(data.items())), name, tuple(overrides))
+    if isinstance(cfg, str):
+        return out + [(where, f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {cfg}")]
+    out += _world_size(where, name, cfg, cspec)
+    out += _run_dir(where, cfg.run.dir, cspec, by_kind)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _load_config(data: tuple[tuple[str, str], ...], name: str, overrides: tuple[str, ...]) -> Any:
+    """The RunConfig the driver will build from the mounted ConfigMap, or the
+    loader's one-line error. Uses the project's own loader, as the driver runs
+    it: the extends chain resolved inside the ConfigMap's files, then the
+    entrypoint's overrides, then validation at world size ray.num_workers."""
     try:
         from loomtrain.launcher import config_loader as cl
     except ImportError as exc:
-        return out + [(where, f"[config] cannot import loomtrain to read {name}: {exc}")]
+        return f"cannot import loomtrain to read the config: {exc}"
     with tempfile.TemporaryDirectory() as tmp:
-        for key, text in data.items():
+        for key, text in data:
             (Path(tmp) / key).write_text(text)
         try:
-            # The project's own loader, as the driver runs it: extends chain
-            # resolved inside the mounted ConfigMap, then the overrides.
             layers = cl._load_yaml(Path(tmp) / name)
             layers.append((cl._parse_overrides(overrides), "command line"))
             cfg = cl.merge_layers(layers)
             cl.validate(cfg, world_size=cfg.ray.num_workers)
         except (cl.ConfigError, ValueError) as exc:
-            return out + [(where, f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {str(exc).replace(tmp + '/', '')}")]
-    out += _world_size(where, name, cfg, cspec)
-    out += _run_dir(where, cfg.run.dir, cspec, by_kind)
-    return out
+            return str(exc).replace(tmp + "/", "")
+    return cfg
 
 
 def _ray_pods(cspec: dict) -> list[tuple[str, int, Fraction, Fraction]]:
@@ -349,7 +360,7 @@ def _ray_pods(cspec: dict) -> list[tuple[str, int, Fraction, Fraction]]:
 def _world_size(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[str, str]]:
     n, cpw, use_gpu = cfg.ray.num_workers, cfg.ray.cpus_per_worker, cfg.ray.use_gpu
     rows = [r for r in _ray_pods(cspec) if r[1] > 0]
-    shown = " + ".join(f"{c} {g} pod(s) x {int(gp)} GPU(s)" for g, c, _, gp in rows if gp) or "no GPUs"
+    shown = " + ".join(f"{c} pod(s) of group {g!r} x {int(gp)} GPU(s)" for g, c, _, gp in rows if gp) or "no GPUs"
     gpus = sum(c * gp for _, c, _, gp in rows)
     out = []
     if use_gpu:
@@ -382,6 +393,8 @@ def _run_dir(where: str, run_dir: str, cspec: dict, by_kind: dict) -> list[tuple
         for mount, claim in hits:
             claims.add((claim, str(Path("/") / Path(run_dir).relative_to(mount)) if run_dir != mount else "/"))
     for claim, rel in claims:
+        if claim not in by_kind.get("PersistentVolumeClaim", {}):
+            continue  # reported by references-resolve
         for name, dep in by_kind.get("Deployment", {}).items():
             for _, _, tpl in pod_templates(dep):
                 pod = tpl.get("spec") or {}
