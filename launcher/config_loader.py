@@ -264,6 +264,16 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         t.seq_len <= m.max_seq_len, "train.seq_len", f"at most model.max_seq_len={m.max_seq_len}", t.seq_len,
     )
     _positive("parallel.tp", p.tp)
+    try:  # heads, KV heads and FFN width must split tp ways (torch-free; loomtrain.parallel)
+        from loomtrain.parallel.topology import check_tp
+
+        check_tp(m, p.tp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check(
+        not p.sequence_parallel or t.seq_len % p.tp == 0, "train.seq_len",
+        f"a multiple of parallel.tp={p.tp} with parallel.sequence_parallel", t.seq_len,
+    )
     _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "0, 1, 2 or 3", p.zero_stage)
     _positive("parallel.timeout_s", p.timeout_s)
     _positive("eval.every_steps", cfg.eval.every_steps, allow_zero=True)

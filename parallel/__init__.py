@@ -12,9 +12,20 @@ layers (column/row/vocab-parallel layers, vocab-parallel cross-entropy), plan
 `check_tp(model_cfg, tp, world_size)` validates a config before any worker starts.
 """
 
-from loomtrain.parallel.mpu import MPU
-from loomtrain.parallel.plan import gather_full_param, gathered_logits, make_loss_fn, parallelize
-from loomtrain.parallel.topology import Topology, check_tp, padded_vocab_size
+import importlib
+
+# Names are imported on first use (PEP 562), so `loomtrain.parallel.topology.check_tp`
+# can validate a config without importing torch.
+_EXPORTS = {
+    "MPU": "mpu",
+    "Topology": "topology",
+    "check_tp": "topology",
+    "padded_vocab_size": "topology",
+    "gather_full_param": "plan",
+    "gathered_logits": "plan",
+    "make_loss_fn": "plan",
+    "parallelize": "plan",
+}
 
 __all__ = [
     "MPU",
@@ -26,3 +37,13 @@ __all__ = [
     "padded_vocab_size",
     "parallelize",
 ]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"loomtrain.parallel.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'loomtrain.parallel' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

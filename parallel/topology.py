@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
+# torch.distributed is imported where it is used, so that config validation can
+# call check_tp without importing torch.
 
 
 def _fail(msg: str) -> None:
@@ -68,6 +69,8 @@ class Topology:
     _subgroups: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        import torch.distributed as dist
+
         check_tp(self.model_cfg, self.tp, self.world_size)
         if not 0 <= self.rank < self.world_size:
             _fail(f"rank {self.rank} is outside world size {self.world_size}")
@@ -118,6 +121,8 @@ class Topology:
         if self.tp % size:
             _fail(f"parallel.tp={self.tp}: sub-group size {size} does not divide tp")
         if size not in self._subgroups:
+            import torch.distributed as dist
+
             mine = None
             if dist.is_available() and dist.is_initialized():
                 for start in range(0, self.world_size, size):
