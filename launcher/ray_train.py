@@ -1,0 +1,390 @@
+"""`loomtrain train CONFIG --ray`: every rank as a Ray Train worker (TorchTrainer, V2 API).
+
+Driver (`main`): connects to `ray.address` (else RAY_ADDRESS, else a running
+local cluster, else starts a local instance), then runs a `TorchTrainer` with
+
+* `ScalingConfig(num_workers=ray.num_workers, use_gpu=ray.use_gpu,
+  resources_per_worker={"CPU": ray.cpus_per_worker[, "GPU": 1]})`;
+* `RunConfig(storage_path=ray.storage or RUN_DIR/ray, name="ray_train",
+  failure_config=FailureConfig(max_failures=ray.max_failures, controller_failure_limit=0))`;
+* `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=ray.start_timeout_s`: a request the
+  cluster can never satisfy ends the run after that long with one clear message
+  (no controller retries), instead of waiting for ever.
+
+Workers (`train_worker`): torch.distributed is already up (gloo on CPU, nccl on
+GPU); each worker calls the SAME `run_training(cfg)` as torchrun and the local
+run, with one extra hook, `RayReportHook`. loop.py has no Ray code.
+
+Checkpoint hand-back (the decision, and why):
+  Our checkpoint protocol (checkpoint_store.py) already makes every checkpoint
+  atomic, verified and discoverable in RUN_DIR/checkpoints. Copying it into
+  Ray's storage would double the disk use and block training on the copy (the
+  Ray issues #48801, #43917). So Ray gets a *pointer*: after a step at which a
+  checkpoint was published (every rank wrote its shard, rank 0 published after
+  the barrier), all ranks call `ray.train.report(metrics, checkpoint=...)` and
+  rank 0's checkpoint is a tiny directory holding `loomtrain_pointer.json`
+  ({"path", "step"}). Our retention (checkpoint.keep_last / keep_every) owns
+  the real files; Ray keeps only the newest pointer (`CheckpointConfig(
+  num_to_keep=1)`), so Ray never deletes checkpoint data and never keeps a
+  list of its own that could point at files our retention removed.
+  On a restart, the resume source is our own scan of RUN_DIR/checkpoints (the
+  newest complete one), which also finds a checkpoint that was published but
+  not yet reported when a worker died; Ray's handed-back pointer is only
+  cross-checked and logged. With checkpoint.resume=never or =PATH, a restart
+  resumes from the newest complete checkpoint written *by this run* (manifest
+  time >= the driver's start), so a restart never throws progress away.
+
+Restart history: rank 0 appends one line per (re)start to
+RUN_DIR/ray_attempts.jsonl: {"attempt", "start_step", "ray_checkpoint_step", "time"}.
+
+Test-only fault injection, read in exactly one place (`_fault_spec`, on the
+driver, handed to the workers): LOOMTRAIN_TEST_RAY_FAULT="RANK:STEP[,RANK:STEP...]"
+makes worker RANK hard-exit (os._exit(1)) right after step STEP's checkpoint hook ran
+and before that step is reported to Ray, once per run directory (a marker file
+RUN_DIR/.test_fault_RANK_STEP keeps the restarted group from dying again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.hooks import Hooks, TrainContext
+
+RAY_RUN_NAME = "ray_train"
+POINTER_FILE = "loomtrain_pointer.json"
+ATTEMPTS_FILE = "ray_attempts.jsonl"
+FAULT_ENV = "LOOMTRAIN_TEST_RAY_FAULT"
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _is_uri(s: str) -> bool:
+    return "://" in s
+
+
+def absolutize(cfg: RunConfig) -> RunConfig:
+    """Workers run in a directory Ray chooses: make the config's paths absolute."""
+    def ab(p: str) -> str:
+        return p if (not p or _is_uri(p)) else str(Path(os.path.expanduser(p)).absolute())
+
+    run = dataclasses.replace(cfg.run, dir=ab(cfg.run.dir))
+    data = dataclasses.replace(
+        cfg.data, path=ab(cfg.data.path), cache_dir=ab(cfg.data.cache_dir),
+        tokenizer=cfg.data.tokenizer if cfg.data.tokenizer in ("byte", "bpe") else ab(cfg.data.tokenizer),
+    )
+    resume = cfg.checkpoint.resume
+    ckpt = dataclasses.replace(cfg.checkpoint, resume=resume if resume in ("auto", "never") else ab(resume))
+    return dataclasses.replace(cfg, run=run, data=data, checkpoint=ckpt)
+
+
+def storage_path(cfg: RunConfig) -> str:
+    return cfg.ray.storage or str(Path(cfg.run.dir) / "ray")
+
+
+def _fault_spec() -> str:
+    """The one place the test-only fault variable is read (see the module docstring)."""
+    return os.environ.get(FAULT_ENV, "")
+
+
+def _store(cfg: RunConfig):
+    from loomtrain.launcher.checkpoint_store import CheckpointStore
+
+    return CheckpointStore(cfg.run.dir, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every)
+
+
+def _manifest_time(path: Path) -> float:
+    try:
+        return float(json.loads((path / "manifest.json").read_text()).get("time", 0.0))
+    except (OSError, ValueError):
+        return 0.0
+
+
+def newest_complete(cfg: RunConfig, since: float | None = None) -> Path | None:
+    """Newest published checkpoint with intact manifest and sizes (written at/after `since`)."""
+    from loomtrain.launcher.checkpoint_store import verify
+
+    for _, path in reversed(_store(cfg).published()):
+        if since is not None and _manifest_time(path) < since:
+            continue
+        if verify(path, checksums=False).ok:
+            return path
+    return None
+
+
+def read_pointer(checkpoint) -> dict | None:
+    """The {"path", "step"} a Ray checkpoint of ours points at (None if not ours)."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as d:
+        p = Path(d) / POINTER_FILE
+        return json.loads(p.read_text()) if p.is_file() else None
+
+
+# ----------------------------------------------------------------- worker side
+
+
+class RayReportHook(Hooks):
+    """Reports a published checkpoint to Ray (as a pointer) with that step's metrics.
+
+    All ranks call `ray.train.report` together (it is a barrier in Ray Train V2);
+    whether a checkpoint was published at this step is rank 0's view of the
+    store, broadcast so that every rank makes the same call.
+    """
+
+    def __init__(self, cfg: RunConfig, fault: str = "", ray_step: int | None = None):
+        self.cfg = cfg
+        self.last_reported = -1
+        self.fault = fault
+        self.ray_step = ray_step
+        self.pointer_root = Path(cfg.run.dir) / "ray" / ".pointers"
+
+    # -- helpers
+    def _published_now(self, ctx: TrainContext) -> str | None:
+        from loomtrain.launcher.checkpoint import broadcast_str
+
+        found = None
+        if ctx.dist.rank == 0:
+            pub = _store(self.cfg).published()
+            if pub and pub[-1][0] == ctx.state.step and ctx.state.step > self.last_reported:
+                found = str(pub[-1][1])
+        return broadcast_str(found)
+
+    def _report(self, ctx: TrainContext, metrics: dict[str, Any], path: str | None) -> None:
+        import ray.train
+
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        clean["step"] = ctx.state.step
+        if path is None:
+            ray.train.report(clean)
+            return
+        self.last_reported = ctx.state.step
+        if ctx.dist.rank != 0:
+            ray.train.report(clean, checkpoint=None)
+            return
+        tmp = self.pointer_root / f"step_{ctx.state.step:08d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / POINTER_FILE).write_text(json.dumps({"path": path, "step": ctx.state.step}) + "\n")
+        try:
+            ray.train.report(clean, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _maybe_fault(self, ctx: TrainContext) -> None:
+        for spec in filter(None, self.fault.split(",")):
+            rank, _, step = spec.partition(":")
+            if int(rank) == ctx.dist.rank and int(step) == ctx.state.step:
+                self._fault(rank, step)
+
+    def _fault(self, rank: str, step: str) -> None:
+        marker = Path(self.cfg.run.dir) / f".test_fault_{rank}_{step}"
+        if marker.exists():
+            return
+        marker.write_text(f"{time.time()}\n")
+        print(f"loomtrain: TEST FAULT: rank {rank} hard-exits at step {step}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    # -- hooks
+    def on_train_start(self, ctx: TrainContext) -> None:
+        # Runs after the checkpoint hook resumed: ctx.state.step is where we start.
+        if ctx.dist.rank == 0:
+            shutil.rmtree(self.pointer_root, ignore_errors=True)  # leftovers of a killed report
+            path = Path(self.cfg.run.dir) / ATTEMPTS_FILE
+            previous = sum(1 for _ in open(path)) if path.exists() else 0
+            rec = {"attempt": previous + 1, "start_step": ctx.state.step,
+                   "ray_checkpoint_step": self.ray_step, "time": time.time()}
+            with open(path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        self.last_reported = ctx.state.step  # a resumed-from checkpoint is not re-reported
+
+    def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
+        self._maybe_fault(ctx)
+        path = self._published_now(ctx)
+        if path is not None:
+            self._report(ctx, metrics, path)
+
+    def on_train_end(self, ctx: TrainContext) -> None:
+        # A final checkpoint (published by the checkpoint hook's on_train_end) or,
+        # without one, the final metrics so that the driver's Result has them.
+        path = self._published_now(ctx)
+        if path is not None or ctx.state.step > self.last_reported:
+            self._report(ctx, ctx.last_metrics or {}, path)
+
+
+def train_worker(config: dict) -> None:
+    """Ray Train's per-worker function: the same run_training as everywhere else."""
+    import ray.train
+
+    from loomtrain.launcher.config_loader import config_from_dict
+    from loomtrain.launcher.loop import run_training
+
+    world = ray.train.get_context().get_world_size()
+    cfg = config_from_dict(config["cfg"], world_size=world)
+    pointer = read_pointer(ray.train.get_checkpoint())
+    ray_step = pointer["step"] if pointer else None
+    # Restart after a failure: our scan is the source of truth (it also sees a
+    # checkpoint published but not yet reported); Ray's pointer is a cross-check.
+    if cfg.checkpoint.resume != "auto":
+        mine = newest_complete(cfg, since=config["started_at"])
+        if mine is not None:
+            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(mine)))
+    if ray.train.get_context().get_world_rank() == 0 and pointer is not None:
+        found = newest_complete(cfg)
+        found_step = int(found.name.split("_")[-1]) if found else None
+        note = "" if found_step == ray_step else " (newer than Ray's: written but not yet reported)"
+        print(f"loomtrain: Ray handed back step {ray_step}; newest complete checkpoint in "
+              f"{cfg.run.dir}: step {found_step}{note}", flush=True)
+    run_training(cfg, hooks=[RayReportHook(cfg, fault=config.get("fault", ""), ray_step=ray_step)])
+
+
+# ----------------------------------------------------------------- driver side
+
+
+def _connect(cfg: RunConfig, need_cpus: int) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    # No runtime_env here: inside a Ray Job the job's own (working_dir) applies.
+    if address:
+        ray.init(address=address)
+        return
+    try:  # a cluster already running on this machine (`ray start`), as Ray itself would
+        ray.init(address="auto")
+        return
+    except ConnectionError:
+        pass
+    cpus = os.cpu_count() or 1
+    if need_cpus > cpus:
+        print(f"loomtrain: local Ray instance: {need_cpus} CPUs requested on a {cpus}-core machine "
+              "(oversubscribed: slower, but it runs)", file=sys.stderr)
+    ray.init(num_cpus=max(cpus, need_cpus), include_dashboard=False)
+
+
+def _resources(cfg: RunConfig) -> dict[str, float]:
+    res = {"CPU": float(cfg.ray.cpus_per_worker)}
+    if cfg.ray.use_gpu:
+        res["GPU"] = 1.0
+    return res
+
+
+def _startup_error(exc: BaseException) -> bool:
+    from ray.train.v2._internal.exceptions import (
+        InsufficientClusterResourcesError,
+        WorkerGroupStartupTimeoutError,
+    )
+
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (WorkerGroupStartupTimeoutError, InsufficientClusterResourcesError)):
+            return True
+        e = getattr(e, "controller_failure", None) or e.__cause__ or e.__context__
+    return "WorkerGroupStartupTimeoutError" in str(exc) or "Insufficient cluster resources" in str(exc)
+
+
+def build_trainer(cfg: RunConfig, started_at: float):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    return TorchTrainer(
+        train_loop_per_worker=train_worker,
+        train_loop_config={
+            "cfg": _to_dict(cfg), "started_at": started_at, "fault": _fault_spec(),
+        },
+        torch_config=TorchConfig(timeout_s=cfg.parallel.timeout_s),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,
+            resources_per_worker=_resources(cfg),
+        ),
+        run_config=RayRunConfig(
+            name=RAY_RUN_NAME,
+            storage_path=storage_path(cfg),
+            failure_config=FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=0),
+            checkpoint_config=CheckpointConfig(num_to_keep=1),
+        ),
+    )
+
+
+def _to_dict(cfg: RunConfig) -> dict:
+    from loomtrain.launcher.config_loader import to_dict
+
+    return to_dict(cfg)
+
+
+def run(cfg: RunConfig):
+    """Run `cfg` on Ray; returns Ray's Result. Raises RayStartError / Ray's errors."""
+    cfg = absolutize(cfg)
+    # Read by Ray Train's controller (propagated from this driver's environment).
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.ray.start_timeout_s)
+    # Our logging rank prints its own progress; Ray's print patch would echo it twice.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    need = cfg.ray.num_workers * cfg.ray.cpus_per_worker
+    _connect(cfg, need)
+    import ray
+
+    total = ray.cluster_resources()
+    want = {k: v * cfg.ray.num_workers for k, v in _resources(cfg).items()}
+    short = {k: (v, total.get(k, 0.0)) for k, v in want.items() if v > total.get(k, 0.0)}
+    if short:
+        print("loomtrain: the cluster has less than this run asks for right now "
+              f"({', '.join(f'{k}: {v:g} wanted, {h:g} there' for k, (v, h) in short.items())}); "
+              f"waiting up to ray.start_timeout_s={cfg.ray.start_timeout_s} s for it (autoscaling)",
+              file=sys.stderr)
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    print(f"loomtrain: Ray Train: {cfg.ray.num_workers} workers x {_resources(cfg)}, "
+          f"run dir {cfg.run.dir}, Ray storage {storage_path(cfg)}", flush=True)
+    trainer = build_trainer(cfg, started_at=time.time())
+    try:
+        return trainer.fit()
+    except Exception as exc:
+        if _startup_error(exc):
+            raise RayStartError(
+                f"Ray could not place {cfg.ray.num_workers} workers x {_resources(cfg)} "
+                f"within ray.start_timeout_s={cfg.ray.start_timeout_s} s; the cluster has "
+                f"{ {k: total.get(k, 0.0) for k in want} } in total. Lower ray.num_workers / "
+                "ray.cpus_per_worker / ray.use_gpu, or grow the cluster."
+            ) from exc
+        raise
+
+
+class RayStartError(RuntimeError):
+    """The worker group could not be placed on the cluster in time."""
+
+
+def main(cfg: RunConfig, args=None) -> int:
+    from ray.train import TrainingFailedError
+
+    try:
+        result = run(cfg)
+    except RayStartError as exc:
+        print(f"loomtrain: error: {exc}", file=sys.stderr)
+        return 1
+    except TrainingFailedError as exc:
+        print(f"loomtrain: Ray Train run failed: {exc}", file=sys.stderr)
+        return 1
+    pointer = read_pointer(result.checkpoint)
+    metrics = result.metrics or _last_record(Path(absolutize(cfg).run.dir) / "metrics.jsonl")
+    print(f"loomtrain: Ray Train run finished: step {metrics.get('step')}, loss {metrics.get('loss')}")
+    if pointer:
+        print(f"loomtrain: last checkpoint reported to Ray: {pointer['path']}")
+    return 0
+
+
+def _last_record(path: Path) -> dict:
+    try:
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        return {}
+    train = [r for r in lines if "loss" in r]
+    return train[-1] if train else {}
