@@ -53,7 +53,10 @@ class Attention(nn.Module):
             start = cache.length
             k, v = cache.update(k, v)
         s = k.shape[2]
-        if self.n_kv_heads != self.n_heads:
+        # Grouped KV heads: on CPU SDPA broadcasts them itself (enable_gqa, no copy); on GPUs
+        # the memory-efficient kernel (float masks: ALiBi) lacks GQA, so repeat the heads there.
+        gqa = self.n_kv_heads != self.n_heads and x.device.type == "cpu"
+        if self.n_kv_heads != self.n_heads and not gqa:
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
@@ -68,6 +71,7 @@ class Attention(nn.Module):
             else:  # new queries at positions start.. see every cached key and the new ones up to themselves
                 mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=start)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal,
+            enable_gqa=gqa,
         )
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))

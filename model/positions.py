@@ -21,7 +21,9 @@ def sinusoidal_table(max_len: int, dim: int) -> torch.Tensor:
     return table.float()
 
 
-def rope_tables(max_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    max_len: int, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each [max_len, head_dim], for the rotate-half layout (as in HF Llama / GPT-NeoX).
 
     Dimension pair (i, i + head_dim/2) is rotated by angle p * theta^(-2i/head_dim) (Su et al. 2021).
@@ -29,7 +31,7 @@ def rope_tables(max_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
