@@ -1,0 +1,131 @@
+"""Ray Train orchestration (issue 8): the same losses as torchrun, and restarts after a worker dies.
+
+4 Ray workers at TP2 x DP2, ZeRO 2, fp32 run the tiny config shrunk by overrides
+against the session's private Ray head (tests/ray_fixtures.py). The reference is
+torchrun with the same config and 4 processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = str(ROOT / "configs" / "tiny.yaml")
+STEPS, EVERY = 6, 2
+
+SHRUNK = [
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.max_seq_len=32", "train.seq_len=32", "train.micro_batch_size=2",
+    "train.global_batch_size=4", "train.warmup_steps=1", f"train.max_steps={STEPS}",
+    "parallel.tp=2", "parallel.zero_stage=2", "train.precision=fp32",
+    "data.max_files=20", "data.val_fraction=0.1", "data.prefetch=0",
+    "eval.every_steps=0", "log.progress=plain", "log.tensorboard=false",
+    f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2",
+]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ray-data-cache")
+
+
+@pytest.fixture(scope="module")
+def torchrun_losses(tmp_path_factory, data_cache) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("torchrun") / "run"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
+        env.pop(k, None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_port=0",
+        "-m", "loomtrain", "train", CONFIG, *SHRUNK, f"run.dir={run_dir}", f"data.cache_dir={data_cache}",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+def ray_cfg(ray_head, run_dir: Path, data_cache: Path, *extra: str):
+    from loomtrain.launcher.config_loader import resolve, validate
+
+    cfg = resolve(CONFIG, [
+        *SHRUNK, f"run.dir={run_dir}", f"data.cache_dir={data_cache}",
+        "ray.num_workers=4", "ray.cpus_per_worker=1", "ray.max_failures=2",
+        f"ray.address={ray_head.gcs_address}", *extra,
+    ])
+    validate(cfg, cfg.ray.num_workers)
+    return cfg
+
+
+@pytest.fixture
+def fast_ray_reports(monkeypatch):
+    # ray.train.report waits on the controller's poll interval (2 s by default).
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+
+def test_ray_tp2_dp2_zero2_matches_torchrun(ray_head, tmp_path, data_cache, torchrun_losses, fast_ray_reports):
+    from loomtrain.launcher import ray_train
+
+    cfg = ray_cfg(ray_head, tmp_path / "run", data_cache)
+    result = ray_train.run(cfg)
+    got = losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, ref in torchrun_losses.items():
+        assert got[step] == pytest.approx(ref, rel=1e-5, abs=1e-6), (step, got, torchrun_losses)
+    # The last checkpoint was handed to Ray as a pointer to our own directory.
+    pointer = ray_train.read_pointer(result.checkpoint)
+    assert pointer is not None and pointer["step"] == STEPS
+    assert Path(pointer["path"]) == tmp_path / "run" / "checkpoints" / f"step_{STEPS:08d}"
+    assert (Path(pointer["path"]) / "manifest.json").is_file()
+    # Our retention owns the files (keep_last=2); Ray keeps one small pointer dir.
+    published = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert published == [f"step_{s:08d}" for s in (STEPS - EVERY, STEPS)]
+    ray_ckpts = list((tmp_path / "run" / "ray").rglob(ray_train.POINTER_FILE))
+    assert len(ray_ckpts) == 1, ray_ckpts
+
+
+def test_ray_worker_hard_exit_restarts_from_newest_checkpoint(
+    ray_head, tmp_path, data_cache, torchrun_losses, fast_ray_reports, monkeypatch
+):
+    """Two hard exits in one run: rank 1 between checkpoints (step 3), then rank 0
+    right after step 4's checkpoint was published but before it was reported."""
+    from loomtrain.launcher import ray_train
+
+    monkeypatch.setenv(ray_train.FAULT_ENV, "1:3,0:4")
+    run_dir = tmp_path / "run"
+    cfg = ray_cfg(ray_head, run_dir, data_cache, "checkpoint.resume=never")
+    ray_train.run(cfg)
+
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got[STEPS] == pytest.approx(torchrun_losses[STEPS], rel=1e-5, abs=1e-6)
+    for step, ref in torchrun_losses.items():
+        assert got[step] == pytest.approx(ref, rel=1e-5, abs=1e-6), (step, got, torchrun_losses)
+
+    attempts = [json.loads(x) for x in (run_dir / ray_train.ATTEMPTS_FILE).read_text().splitlines()]
+    assert [a["start_step"] for a in attempts] == [0, 2, 4], attempts
+    # Died at 3 -> resumed at 2: one step redone (<= one checkpoint interval).
+    assert 3 - attempts[1]["start_step"] <= EVERY
+    # Died at 4 before reporting: Ray only knew step 2, our scan found step 4.
+    assert attempts[2]["ray_checkpoint_step"] == 2
+    # No leftovers: no temp checkpoint dirs, no pointer staging dirs.
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert not (run_dir / "ray" / ".pointers").exists() or not any((run_dir / "ray" / ".pointers").iterdir())
