@@ -8,7 +8,8 @@
 
 Files: topology (groups, checks), collectives (autograd collectives, byte counts),
 layers (column/row/vocab-parallel layers, vocab-parallel cross-entropy), plan
-(parallelize, make_loss_fn, gathered_logits, gather_full_param), mpu (for DeepSpeed).
+(parallelize, make_loss_fn, gathered_logits, gather_full_param,
+full_state_dict), mpu (for DeepSpeed).
 `check_tp(model_cfg, tp, world_size)` validates a config before any worker starts.
 """
 
@@ -21,6 +22,7 @@ _EXPORTS = {
     "Topology": "topology",
     "check_tp": "topology",
     "padded_vocab_size": "topology",
+    "full_state_dict": "plan",
     "gather_full_param": "plan",
     "gathered_logits": "plan",
     "make_loss_fn": "plan",
@@ -31,6 +33,7 @@ __all__ = [
     "MPU",
     "Topology",
     "check_tp",
+    "full_state_dict",
     "gather_full_param",
     "gathered_logits",
     "make_loss_fn",

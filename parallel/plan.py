@@ -219,3 +219,16 @@ def make_loss_fn(topology, vocab_size: int, ignore_index: int = -100):
             return vocab_parallel_cross_entropy(logits, targets, topology, vocab_size, ignore_index)
 
     return loss_fn
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, topology) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of a parallelized model, with the plain model's keys and
+    shapes (vocabulary padding dropped), on every TP rank: what `Transformer.load_state_dict`
+    takes. Resharding = full_state_dict at one tp, load into a plain model, parallelize at
+    another. Collective over the TP group (every TP rank must call it)."""
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        meta = getattr(t, "tp_meta", None)
+        out[name] = (t if meta is None else gather_full(t.detach(), meta, topology)).detach().clone()
+    return out

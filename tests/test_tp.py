@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from loomtrain.model import ModelConfig, Transformer
-from loomtrain.parallel import Topology, check_tp, make_loss_fn, parallelize
+from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, make_loss_fn, parallelize
 from loomtrain.parallel.plan import gather_full
 
 TOL = 1e-5
@@ -97,6 +97,16 @@ def _check_variant(name, overrides, topo, sp):
             spread = max(_max_diff(x, gathered[0]) for x in gathered)
             assert spread == 0.0 or spread <= 1e-7, f"{name}: replicated {pname} grads differ by {spread}"
     assert out["logits"] <= TOL and out["loss"] <= TOL, (name, sp, out)
+
+    # The consolidated state dict is the single-process one (keys, shapes, values).
+    full, ref_sd = full_state_dict(model, topo), ref.state_dict()
+    assert full.keys() == ref_sd.keys()
+    out["state_dict"] = max(_max_diff(full[k], ref_sd[k]) for k in ref_sd)
+    if not sp:  # greedy generation with the KV cache, full logits gathered
+        prompt = inputs[:, :4]
+        with torch.no_grad(), gathered_logits(model):
+            tokens = model.generate(prompt, max_new_tokens=8)
+        assert torch.equal(tokens, ref.generate(prompt, max_new_tokens=8)), f"{name}: generation differs"
     return out
 
 
