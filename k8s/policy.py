@@ -333,9 +333,7 @@ def _load_config(data: tuple[tuple[str, str], ...], name: str, overrides: tuple[
         for key, text in data:
             (Path(tmp) / key).write_text(text)
         try:
-            layers = cl._load_yaml(Path(tmp) / name)
-            layers.append((cl._parse_overrides(overrides), "command line"))
-            cfg = cl.merge_layers(layers)
+            cfg = cl.resolve(Path(tmp) / name, overrides)  # as `loomtrain train ... --ray` does
             cl.validate(cfg, world_size=cfg.ray.num_workers)
         except (cl.ConfigError, ValueError) as exc:
             return str(exc).replace(tmp + "/", "")
