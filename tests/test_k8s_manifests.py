@@ -163,35 +163,22 @@ def test_cpu_small_runs_tiny_on_two_cpu_workers(rendered, tmp_path):
     assert cfg.run.dir.startswith("/mnt/loomtrain/")
 
 
-GPT_7B_RECIPE = """\
-apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources:
-  - {gpu}
-patches:
-  - target: {{group: ray.io, version: v1, kind: RayJob, name: loomtrain-train}}
-    patch: |-
-      - op: replace
-        path: /spec/entrypoint
-        value: >-
-          loomtrain train /etc/loomtrain/configs/gpt-7b.yaml
-          run.dir=/mnt/loomtrain/runs/gpt-7b --ray
-      - {{op: replace, path: /spec/rayClusterSpec/workerGroupSpecs/0/replicas, value: {n}}}
-      - {{op: replace, path: /spec/rayClusterSpec/workerGroupSpecs/0/minReplicas, value: {n}}}
-      - {{op: replace, path: /spec/rayClusterSpec/workerGroupSpecs/0/maxReplicas, value: {n}}}
-  - target: {{group: ray.io, version: v1, kind: RayCluster, name: loomtrain}}
-    patch: |-
-      - {{op: replace, path: /spec/workerGroupSpecs/0/replicas, value: {n}}}
-      - {{op: replace, path: /spec/workerGroupSpecs/0/minReplicas, value: {n}}}
-      - {{op: replace, path: /spec/workerGroupSpecs/0/maxReplicas, value: {n}}}
-"""
+def readme_gpt_7b_recipe() -> str:
+    """The overlay the README gives for gpt-7b on the GPU overlay."""
+    readme = (REPO / "README.md").read_text()
+    m = re.search(r"```yaml\n(# my-gpt-7b/kustomization.yaml\n.*?)```", readme, re.S)
+    assert m, "README's Run on Kubernetes section lost its gpt-7b overlay"
+    return m.group(1)
 
 
 @pytest.mark.parametrize("nodes", [4, 3])
 def test_scaling_the_gpu_overlay_to_gpt_7b(tmp_path, kubectl, crds, nodes):
     """The README's recipe: gpt-7b (32 workers) needs 4 nodes of 8 GPUs; 3 are refused."""
-    (tmp_path / "kustomization.yaml").write_text(GPT_7B_RECIPE.format(gpu=os.path.relpath(K8S / "overlays" / "gpu", tmp_path), n=nodes))
-    problems = [p for p in check.check(tmp_path, kubectl, crds) if p.check != "yamllint"]
+    recipe = readme_gpt_7b_recipe()
+    assert recipe.count("value: 4}") == 6 and "  - ../k8s/overlays/gpu\n" in recipe
+    recipe = recipe.replace("../k8s/overlays/gpu", os.path.relpath(K8S / "overlays" / "gpu", tmp_path))
+    (tmp_path / "kustomization.yaml").write_text(recipe.replace("value: 4}", f"value: {nodes}}}"))
+    problems = check.check(tmp_path, kubectl, crds)
     if nodes == 4:
         assert problems == [], "\n".join(map(str, problems))
     else:
