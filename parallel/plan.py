@@ -26,6 +26,11 @@ layout; with learned or sinusoidal positions (added after the lookup, before
 `drop`) the embedding all-reduces and `drop` takes this rank's sequence slice.
 Parameters used inside the SP region (norm weights/biases, row-parallel biases)
 see only a sequence shard, so a gradient hook sums their gradients over TP.
+
+Dropout (model.dropout > 0): attention (dropout on local heads) and, under SP, the
+dropouts of the sequence-split region run under a TP-rank-specific RNG fork
+(`_fork_rng`), as Megatron's model-parallel RNG tracker does; dropouts on replicated
+activations use the global RNG, identical on every TP rank.
 """
 
 from __future__ import annotations
@@ -73,6 +78,38 @@ def _sp_grad_sync(module: nn.Module, group, tag: str) -> None:
         if p.requires_grad and not getattr(p, "tensor_model_parallel", False):
             p.sequence_parallel = True
             p.register_hook(_grad_all_reduce_hook(group, tag))
+
+
+def _fork_rng(module: nn.Module, tp_rank: int) -> None:
+    """Run `module`'s forward under a TP-rank-specific RNG (Megatron's model-parallel RNG),
+    so dropout masks differ between the shards of one tensor (attention heads; sequence
+    chunks under SP) while replicated regions keep identical masks on every TP rank.
+
+    Stateless: the fork's seed is one draw from the global CPU generator (the same on
+    all TP ranks) plus an offset per tp_rank, and the global state is restored after the
+    forward. Activation checkpointing, which restores the global RNG state before it
+    recomputes, therefore replays the same masks; resuming needs only the global state.
+    """
+    saved: list = []
+
+    def pre(mod, args):
+        if not mod.training:
+            saved.append(None)
+            return
+        seed = int(torch.randint(0, 2**62, ()))
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        saved.append((torch.get_rng_state(), cuda))
+        torch.manual_seed(seed + 2718 * (tp_rank + 1))
+
+    def post(mod, args, out):
+        state = saved.pop() if saved else None
+        if state is not None:
+            torch.set_rng_state(state[0])
+            if state[1] is not None:
+                torch.cuda.set_rng_state_all(state[1])
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
 
 
 def _shard_attention(attn, topology, cfg, sp: bool, tag: str) -> None:
@@ -142,6 +179,14 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, topology, padded_vocab=padded, output_mode=emb_mode)
     if sp and absolute_positions:
         model.drop.register_forward_pre_hook(_split_hook(group, "embedding.split"))
+
+    if cfg.dropout > 0:  # different masks per shard; replicated regions stay in step
+        if sp:
+            _fork_rng(model.drop, r)
+        for block in model.blocks:
+            _fork_rng(block.attn, r)
+            if sp:
+                _fork_rng(block.resid_drop, r)
 
     for i, block in enumerate(model.blocks):
         _shard_attention(block.attn, topology, cfg, sp, f"blocks.{i}")

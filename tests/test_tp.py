@@ -148,6 +148,66 @@ def _train_10_steps(topo, sp):
     return worst
 
 
+def _check_dropout(topo):
+    """dropout > 0: shards get different masks (attention heads, SP sequence chunks), replicated
+    activations identical masks (replicas stay equal through training), and activation
+    checkpointing replays the same masks (equal gradients with and without it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    out = {}
+    for sp in (False, True):
+        cfg = ModelConfig(**{**COMMON, "dropout": 0.2}, **VARIANTS["mqa_rope_swiglu"])
+        torch.manual_seed(5)
+        model = parallelize(Transformer(cfg, seed=0), topo, sequence_parallel=sp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loss_fn = make_loss_fn(topo, cfg.vocab_size)
+        for step in range(3):
+            batch = _tokens(cfg.vocab_size, seed=200 + step)
+            opt.zero_grad()
+            loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+            opt.step()
+        for pname, p in model.named_parameters():
+            if not hasattr(p, "tp_meta"):
+                gathered = [torch.empty_like(p) for _ in range(topo.tp_size)]
+                dist.all_gather(gathered, p.detach().contiguous(), group=topo.tp_group)
+                assert all(torch.equal(gathered[0], x) for x in gathered), f"dropout sp={sp}: replica {pname} drifted"
+
+        # Activation checkpointing of a block recomputes the same dropout masks.
+        batch = _tokens(cfg.vocab_size, seed=300)
+        grads = []
+        for use_ckpt in (False, True):
+            model.zero_grad()
+            torch.manual_seed(7)
+            blk = model.blocks[0]
+            orig = blk.forward
+            if use_ckpt:
+                blk.forward = lambda x, *a, _f=orig: checkpoint(_f, x, *a, use_reentrant=False)
+            try:
+                loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+            finally:
+                blk.forward = orig
+            grads.append([p.grad.clone() for p in model.parameters()])
+        diff = max(_max_diff(a, b) for a, b in zip(*grads))
+        assert diff == 0.0, f"dropout sp={sp}: checkpointed recompute differs by {diff}"
+        out[f"dropout/sp={sp}"] = {"ckpt_grad": diff}
+
+    # Different TP ranks draw different attention-dropout masks for their heads.
+    drop = torch.nn.Dropout(0.5)
+    from loomtrain.parallel.plan import _fork_rng
+
+    _fork_rng(drop, topo.tp_rank)
+    torch.manual_seed(11)
+    mask = drop(torch.ones(64))
+    after = torch.rand(1)
+    torch.manual_seed(11)
+    torch.randint(0, 2**62, ())
+    assert torch.equal(after, torch.rand(1)), "the fork must leave the global RNG as one draw moved it"
+    masks = [torch.empty_like(mask) for _ in range(topo.tp_size)]
+    dist.all_gather(masks, mask, group=topo.tp_group)
+    assert not torch.equal(masks[0], masks[1]), "TP ranks drew the same dropout mask"
+    return out
+
+
 def _worker(rank, world, tp, port, out_path, train):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -159,6 +219,7 @@ def _worker(rank, world, tp, port, out_path, train):
             for sp in (False, True):
                 results[f"{name}/sp={sp}"] = _check_variant(name, overrides, topo, sp)
         if train:
+            results.update(_check_dropout(topo))
             for sp in (False, True):
                 results[f"train10/sp={sp}"] = {"loss": _train_10_steps(topo, sp)}
         if rank == 0:
@@ -179,7 +240,7 @@ def test_tp_matches_single_process(tp, tmp_path):
     for key, diffs in results.items():
         print(f"  {key:32s} " + "  ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
         assert all(v <= TOL for v in diffs.values()), (key, diffs)
-    assert len(results) == 2 * len(VARIANTS) + (2 if tp == 2 else 0)
+    assert len(results) == 2 * len(VARIANTS) + (4 if tp == 2 else 0)
 
 
 # Bad tp values fail before training, with one clear line naming parallel.tp -----------
