@@ -250,12 +250,15 @@ def _split_image(image: str) -> tuple[str, str, str]:
 
 
 def _project_version(repo: Path) -> str:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
     path = repo / "pyproject.toml"
-    return tomllib.loads(path.read_text())["project"]["version"] if path.is_file() else ""
+    if not path.is_file():
+        return ""
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # 3.10: the one line needed, by hand
+        m = re.search(r'^version\s*=\s*"([^"]+)"', path.read_text(), re.M)
+        return m.group(1) if m else ""
+    return tomllib.loads(path.read_text())["project"]["version"]
 
 
 def _image_ray_version(repo: Path) -> str:
