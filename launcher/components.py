@@ -44,6 +44,10 @@ def build_model(cfg: RunConfig, topology, device: torch.device) -> torch.nn.Modu
 
     model = Transformer(cfg.model, seed=cfg.train.seed)
     model = parallelize(model, topology, sequence_parallel=cfg.parallel.sequence_parallel)
+    if cfg.parallel.activation_checkpointing:
+        from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
     return model.to(device)
 
 

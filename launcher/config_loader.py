@@ -275,6 +275,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         f"a multiple of parallel.tp={p.tp} with parallel.sequence_parallel", t.seq_len,
     )
     _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "0, 1, 2 or 3", p.zero_stage)
+    _check(
+        not p.offload_optimizer or p.zero_stage >= 2, "parallel.offload_optimizer",
+        f"false unless parallel.zero_stage is 2 or 3 (it is {p.zero_stage})", p.offload_optimizer,
+    )
     _positive("parallel.timeout_s", p.timeout_s)
     _positive("eval.every_steps", cfg.eval.every_steps, allow_zero=True)
     _positive("eval.batches", cfg.eval.batches)

@@ -17,6 +17,7 @@ Plug-in points: `hooks` (see loomtrain.launcher.hooks) for checkpoints and Ray;
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from loomtrain.launcher.distributed import init_distributed
 from loomtrain.launcher.engine import build_engine, grad_norm, lr_lambda, records_grad_norm
 from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState, default_hooks
 from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, memory_bytes
+from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard, inject
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
 
@@ -62,19 +64,23 @@ def _to(batch, device):
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def train_step(ctx: TrainContext, grad_accum: int) -> tuple[float, float]:
-    """One optimizer step -> (loss averaged over micro batches and DP, grad norm)."""
+def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = None) -> tuple[float, float]:
+    """One optimizer step -> (loss averaged over micro batches and DP, grad norm).
+    A non-finite step is skipped (see loomtrain.launcher.nonfinite); `guard` covers the
+    one path DeepSpeed does not guard itself (fp32 at ZeRO 0)."""
     engine, device = ctx.engine, ctx.dist.device
     total = torch.zeros((), dtype=torch.float32, device=device)
     norm = None
     for micro in range(grad_accum):
         x, y = _to(next(ctx.train_stream), device)
         logits = engine(x)
-        loss = ctx.loss_fn(logits, y)
+        loss = inject(ctx.loss_fn(logits, y), ctx.state.step + 1, ctx.dist.rank)  # test-only faults
         engine.backward(loss)
+        own_norm = None
         if micro == grad_accum - 1 and not records_grad_norm(engine):
-            norm = grad_norm(ctx.model, engine.mpu)
-        engine.step()
+            norm = own_norm = grad_norm(ctx.model, engine.mpu)
+        with guard.step(own_norm) if guard is not None else contextlib.nullcontext():
+            engine.step()
         total += loss.detach().float()
     recorded = engine.get_global_grad_norm()
     if recorded is not None:
@@ -179,12 +185,13 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     lr_of = lr_lambda(cfg)
 
     result = TrainResult(run_dir=run_dir, state=ctx.state)
+    guard = SkipGuard(ctx.engine, t.max_consecutive_skips, t.precision)
     ctx.engine.train()
     loop_start, elapsed_at_start = time.perf_counter(), ctx.state.elapsed
     while ctx.state.step < t.max_steps and not ctx.stop_requested:
         step_start = time.perf_counter()
         lr = t.lr * lr_of(ctx.state.step)
-        loss, norm = train_step(ctx, grad_accum)
+        loss, norm = train_step(ctx, grad_accum, guard)
         step_time = time.perf_counter() - step_start
         ctx.state.step += 1
         ctx.state.tokens_seen += tokens_per_step
@@ -195,7 +202,7 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
             "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
             "mfu": flops_per_token * tps / peak,
             "step_time_s": step_time, "mem_bytes": memory_bytes(env.device),
-            "tokens_seen": ctx.state.tokens_seen,
+            "tokens_seen": ctx.state.tokens_seen, "skipped_steps": guard.skipped_steps,
         }
         result.losses.append(loss)
         result.steps.append(step)
@@ -215,6 +222,13 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
             hook.on_eval_end(ctx, ev)
             log.flush()
         hook.on_step_end(ctx, metrics)
+        try:
+            guard.after_step(step, loss)
+        except NonFiniteError as exc:
+            log.message(f"error: {exc}")
+            log.close()
+            ctx.train_stream.close()
+            raise
 
     hook.on_train_end(ctx)
     if ctx.state.step >= t.max_steps:

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loomtrain.data_pipeline import DataError
     from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.nonfinite import NonFiniteError
 
     try:
         run_training(cfg)
@@ -58,5 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as exc:
         print(f"loomtrain: data error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteError as exc:
+        print(f"loomtrain: training stopped: {exc}", file=sys.stderr)
+        return 1
     return 0
 
