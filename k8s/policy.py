@@ -306,11 +306,11 @@ def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
         return out  # runs on a cluster chosen by clusterSelector: nothing to size here
     head = ((cspec.get("headGroupSpec") or {}).get("template") or {}).get("spec") or {}
     head_ray = (head.get("containers") or [{}])[0]
-    data, mount = None, None
+    data = None
     for path, vol in _mount_sources(head, head_ray):
         cm = (vol.get("configMap") or {}).get("name")
         if cm and str(Path(config_path).parent) == path.rstrip("/"):
-            data, mount = (by_kind.get("ConfigMap", {}).get(cm) or {}).get("data") or {}, path
+            data = (by_kind.get("ConfigMap", {}).get(cm) or {}).get("data") or {}
     name = Path(config_path).name
     if data is None or name not in data:
         return out + [(where, f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a ConfigMap mounted at its folder in the head pod")]
