@@ -93,7 +93,13 @@ def test_overlay_has_every_piece(rendered, name):
         ("v1", "ConfigMap"), ("v1", "PersistentVolumeClaim"), ("v1", "Service"), ("v1", "ServiceAccount"),
     ]
     job = one(docs, "RayJob")
-    assert shlex.split(job["spec"]["entrypoint"])[:2] == ["loomtrain", "train"]
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:2] == ["loomtrain", "train"]
+    from loomtrain.launcher.train import build_parser
+
+    args = build_parser().parse_args(argv[2:])  # the real CLI accepts it
+    assert args.ray and args.config.startswith("/etc/loomtrain/configs/")
+    assert any(o.startswith("run.dir=/mnt/loomtrain/runs/") for o in args.overrides)
     assert one(docs, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
     tb = one(docs, "Deployment")
     assert "tensorboard" in tb["spec"]["template"]["spec"]["containers"][0]["command"]
