@@ -13,7 +13,7 @@ from .cache import KVCache
 from .config import ModelConfig
 from .generate import generate
 from .norms import RMSNorm, build_norm
-from .positions import rope_tables, sinusoidal_table
+from .positions import alibi_slopes, rope_tables, sinusoidal_table
 
 
 class Transformer(nn.Module):
@@ -74,7 +74,15 @@ class Transformer(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
+        """Recompute the derived buffers (position tables, ALiBi slopes) on the parameters' device.
+        ALiBi slopes are rewritten only where a layer still holds all cfg.n_heads of them: a
+        tensor-parallel plan that slices them must (re)slice after this."""
         cfg, weight = self.cfg, self.tok_emb.weight
+        if cfg.positions == "alibi":
+            slopes = alibi_slopes(cfg.n_heads).to(weight.device, weight.dtype)
+            for block in self.blocks:
+                if block.attn.alibi_slopes is not None and block.attn.alibi_slopes.shape == slopes.shape:
+                    block.attn.alibi_slopes = slopes.clone()
         if cfg.positions == "sinusoidal":
             self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model).to(weight.device, weight.dtype)
         if cfg.positions == "rope":

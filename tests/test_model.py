@@ -215,8 +215,9 @@ def test_init_is_gpt2_style_and_deterministic():
     assert not torch.equal(model.tok_emb.weight, other["tok_emb.weight"])
 
 
-def test_meta_device_build_then_init_matches_eager():
-    cfg = tiny(positions="rope", tie_embeddings=False)
+@pytest.mark.parametrize("positions", ["rope", "alibi", "sinusoidal"])
+def test_meta_device_build_then_init_matches_eager(positions):
+    cfg = tiny(positions=positions, tie_embeddings=False)
     with torch.device("meta"):
         lazy = Transformer(cfg)
     lazy.to_empty(device="cpu")
