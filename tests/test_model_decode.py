@@ -120,7 +120,7 @@ def test_generate_stops_at_eos_and_pads_finished_rows():
 def test_sampling_filters():
     logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -5.0]])
     g = torch.Generator().manual_seed(0)
-    draws = torch.stack([sample_next(logits.expand(500, -1), 1.0, top_k=2, generator=g)])
+    draws = sample_next(logits.expand(500, -1), 1.0, top_k=2, generator=g)
     assert set(draws.unique().tolist()) == {0, 1}
     # softmax([4, 3, 2, ...]): p0 ~ 0.66, p0 + p1 ~ 0.91, so top_p 0.8 keeps tokens 0 and 1.
     draws = sample_next(logits.expand(500, -1), 1.0, top_p=0.8, generator=g)
