@@ -38,6 +38,7 @@ SECURITY_RULES = {
     "requests-equal-limits": "cpu and memory requested and limited, requests == limits for every resource",
     "cluster-ip-only": "every Service, and the Ray head service with its dashboard, ClusterIP only; no Ingress",
     "no-service-account-token": "automountServiceAccountToken: false (nothing here calls the Kubernetes API)",
+    "ray-token-auth": "every Ray cluster requires Ray's auth token (authOptions.mode: token): its dashboard runs any code it is sent",
 }
 
 # --- security policy: what is skipped, and why ---------------------------------
@@ -55,7 +56,8 @@ SKIPPED_SECURITY_RULES = {
     # Whether a NetworkPolicy has any effect depends on the cluster's CNI, and
     # Ray needs many dynamic ports between all of its pods. The exposure that
     # matters, the dashboard (which can run jobs), is kept off the network by
-    # cluster-ip-only.
+    # cluster-ip-only, and Ray's token authentication (ray-token-auth) guards it
+    # inside the cluster.
     "network-policy": "effect depends on the CNI; Ray needs dynamic all-to-all ports; dashboard is ClusterIP-only",
     # KubeRay injects its own liveness/readiness probes into Ray containers;
     # probes written here would replace them. TensorBoard has its own probes.
@@ -436,6 +438,8 @@ def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
                 out.append((where, f"[cluster-ip-only] the Ray head service is {kind}: that puts the dashboard (which runs arbitrary jobs) outside the cluster"))
             if head.get("enableIngress"):
                 out.append((where, "[cluster-ip-only] enableIngress exposes the Ray dashboard outside the cluster"))
+            if (cspec.get("authOptions") or {}).get("mode") != "token":
+                out.append((where, "[ray-token-auth] set authOptions.mode: token: without it any pod that reaches the Ray head can run code on the cluster"))
     return out
 
 
