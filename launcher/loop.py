@@ -31,7 +31,7 @@ from loomtrain.launcher import components, weights
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import grad_accum_steps, save_config, to_dict, validate
 from loomtrain.launcher.distributed import init_distributed
-from loomtrain.launcher.engine import build_engine, grad_norm, lr_lambda, records_grad_norm
+from loomtrain.launcher.engine import build_engine, grad_norm, records_grad_norm
 from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState, default_hooks
 from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, memory_bytes
 from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard, inject
@@ -182,7 +182,6 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
     peak = device_peak_flops(env.device, t.precision) * env.world_size  # NaN for an unknown GPU
     tokens_per_step = t.global_batch_size * t.seq_len
-    lr_of = lr_lambda(cfg)
 
     result = TrainResult(run_dir=run_dir, state=ctx.state)
     guard = SkipGuard(ctx.engine, t.max_consecutive_skips, t.precision)
@@ -190,7 +189,7 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     loop_start, elapsed_at_start = time.perf_counter(), ctx.state.elapsed
     while ctx.state.step < t.max_steps and not ctx.stop_requested:
         step_start = time.perf_counter()
-        lr = t.lr * lr_of(ctx.state.step)
+        lr = float(ctx.engine.get_lr()[0])  # what this step uses (the schedule steps after it)
         loss, norm = train_step(ctx, grad_accum, guard)
         step_time = time.perf_counter() - step_start
         ctx.state.step += 1

@@ -31,10 +31,23 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data_cache")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared machine the
+    OpenMP threads of several processes spin against each other."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without the rendezvous an in-process run left in it."""
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, "DS_ACCELERATOR": "cpu", **extra}
+    base = {k: v for k, v in os.environ.items() if k not in drop}
+    return {**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **extra}
 
 
 def cli(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -160,7 +173,7 @@ def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
     single = run_training(small_cfg(tmp_path / "one", data_cache, *extra)).losses
     from loomtrain.launcher.distributed import free_port
 
-    env = clean_env(OMP_NUM_THREADS="1")
+    env = clean_env()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          "-m", "loomtrain", "train", str(TINY), *SMALL, *extra,
