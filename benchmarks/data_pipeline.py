@@ -43,8 +43,8 @@ t = time.perf_counter()
 for _ in range(n):
     x, y = next(s)
 secs = time.perf_counter() - t
-s.close()
 status = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith(("RssAnon", "RssFile")))
+s.close()
 print(json.dumps({"tokens_per_s": n * seq * mb / secs, "samples_per_epoch": s.samples_per_epoch,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "anon_mb": int(status["RssAnon"].split()[0]) / 1024, "file_mb": int(status["RssFile"].split()[0]) / 1024}))
@@ -130,7 +130,7 @@ def main() -> int:
             streams[(copies, prefetch)] = s
             print(f"stream {copies:>2}x corpus, prefetch={prefetch}: {s['tokens_per_s'] / 1e6:6.2f} M tokens/s "
                   f"(seq {args.seq_len} x micro batch {args.micro_batch}, {s['samples_per_epoch']} samples/epoch); "
-                  f"RSS anonymous {s['anon_mb']:.0f} MB + mapped shard pages {s['file_mb']:.0f} MB (peak total {s['rss_mb']:.0f} MB)")
+                  f"RSS anonymous {s['anon_mb']:.0f} MB + file-backed (libraries, mapped shard pages) {s['file_mb']:.0f} MB")
     have = streams[(1, 2)]["tokens_per_s"]
     for need, how in tiny_step_consumption(args.seq_len, args.micro_batch):
         print(f"tiny-config training consumes {need:10,.0f} tokens/s ({how}); stream headroom {have / need:,.0f}x")
