@@ -1,0 +1,477 @@
+"""Training checkpoints: what goes into one, and how it is put back, at any TP x DP size.
+
+Format choice. We do not store DeepSpeed's own ZeRO partitions
+(`engine.save_checkpoint`). They only load at the same DP size; DeepSpeed's way
+out (`ds_to_universal` + `load_universal`) is an offline conversion that needs
+TP name patterns for every replicated / row-parallel parameter, knows nothing of
+our padded vocabulary or of KV heads replicated over TP ranks, and for ZeRO-3+TP
+needs extra per-parameter metadata. Instead every checkpoint is written in one
+layout-free ("consolidated") form, under our control:
+
+    model/rank_RRRRR.safetensors   full fp32 master weights, one tensor per parameter
+                                   name, vocabulary unpadded (params spread over ranks)
+    optim/rank_RRRRR.safetensors   full fp32 Adam moments "<name>/exp_avg", "<name>/exp_avg_sq"
+    model/index.json               name -> file, full shape, TP split dim
+    trainer.json                   step, tokens, time, Adam step, LR schedule, engine counters,
+                                   world layout (tp, dp, zero stage)
+    data/dp_DDDDD.json             each data-parallel rank's stream state (global position)
+    rng/rank_RRRRR.safetensors     every rank's RNG states (python, numpy, torch CPU, CUDA)
+    config.yaml, tokenizer/        the resolved config and the tokenizer
+    manifest.json                  sizes + sha256 of all of the above (checkpoint_store.py)
+
+The fp32 masters and moments are read out of whatever DeepSpeed holds (ZeRO 0-3,
+fp32 or bf16) with its `safe_get_full_*` API, gathered over the TP group with the
+`tp_meta` the TP plan attaches to each shard, and on load re-sliced for the new
+TP rank and written back with `safe_set_full_*`. The values are copied, never
+recomputed, so a resume at the same layout is bitwise exact in fp32, and a resume
+at another (tp, dp, zero stage) continues from the very same optimizer state.
+The price: a save moves every parameter through a DP all-reduce and a TP
+all-gather (one parameter at a time, so memory stays at one full parameter).
+
+Nothing here unpickles: safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from loomtrain.launcher.checkpoint_store import CheckpointStore, read_manifest, write_json_durable
+
+FORMAT = "loomtrain-consolidated-v1"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+# Distributed helpers (all no-ops in a lone process without a process group) ---------
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist() else 1
+
+
+def barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def broadcast_str(value: str | None) -> str | None:
+    """Rank 0's value on every rank."""
+    if not _dist():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# Where DeepSpeed keeps fp32 masters and optimizer state --------------------------------
+def _inner_optimizer(opt):
+    """The torch optimizer whose `.state` holds the Adam moments."""
+    return opt.optimizer if hasattr(opt, "optimizer") and isinstance(getattr(opt, "optimizer"), torch.optim.Optimizer) else opt
+
+
+def _flat_groups(opt) -> tuple[list, list] | None:
+    """(lp param lists, flat fp32 partitions) for DeepSpeed's wrapped optimizers, else None."""
+    if hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO 1/2
+        return opt.bit16_groups, opt.single_partition_of_fp32_groups
+    if hasattr(opt, "fp32_groups_flat_partition"):  # bf16 at ZeRO 0
+        return opt.bf16_groups, opt.fp32_groups_flat_partition
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO 3
+        return None, opt.fp32_partitioned_groups_flat
+    return None
+
+
+def ensure_optimizer_state(engine) -> None:
+    """Make Adam's (lazily created) state exist so it can be read or written before step 1."""
+    opt = engine.optimizer
+    inner = _inner_optimizer(opt)
+    groups = _flat_groups(opt)
+    if groups is None:
+        targets = [p for g in inner.param_groups for p in g["params"]]
+    else:
+        targets = list(groups[1])
+    for t in targets:
+        st = inner.state[t]
+        if "exp_avg" not in st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(t, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(t, memory_format=torch.preserve_format)
+    if groups is not None and groups[0] is not None:
+        from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+        for lp, flat in zip(*groups):
+            lazy_init_hp_params_optimizer_state(lp, flat, inner.state)
+        opt._hp_optimizer_states_linked = True
+
+
+def _adam_step(engine) -> float:
+    inner = _inner_optimizer(engine.optimizer)
+    for st in inner.state.values():
+        if "step" in st:
+            s = st["step"]
+            return float(s.item() if torch.is_tensor(s) else s)
+    return 0.0
+
+
+def _set_adam_step(engine, step: float) -> None:
+    inner = _inner_optimizer(engine.optimizer)
+    for st in inner.state.values():
+        if "step" in st:
+            st["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def _is_ds(p) -> bool:
+    """Held by a DeepSpeed optimizer wrapper (ZeRO 1-3, bf16): read/write via safe_*_full_*."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def _local_full_shape(p) -> tuple:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def read_local(engine, p, key: str | None) -> torch.Tensor:
+    """This TP rank's fp32 master (key None) or Adam moment of p, whole over DP (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if _is_ds(p):
+        t = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
+        return t.detach().float().cpu().reshape(_local_full_shape(p))
+    if key is None:
+        return p.detach().float().cpu().clone()
+    st = _inner_optimizer(engine.optimizer).state.get(p, {})
+    return st[key].detach().float().cpu().clone() if key in st else torch.zeros(p.shape)
+
+
+def write_local(engine, p, key: str | None, value: torch.Tensor) -> None:
+    """Set this TP rank's fp32 master / moment of p (every DP rank calls it with the same value)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    value = value.contiguous()
+    if _is_ds(p):
+        dev = p.device if not hasattr(p, "ds_tensor") else p.ds_tensor.device
+        v = value.to(dev, torch.float32)
+        if key is None:
+            safe_set_full_fp32_param(p, v)
+        else:
+            safe_set_full_optimizer_state(p, v, key)
+        if key is None and not hasattr(p, "ds_id"):
+            p.data.copy_(value.to(p.device, p.dtype))  # the low-precision / model copy
+        return
+    if key is None:
+        p.data.copy_(value.to(p.device, p.dtype))
+    else:
+        _inner_optimizer(engine.optimizer).state[p][key].copy_(value.to(p.device))
+
+
+def _set_zero3_model_weights(params_values) -> None:
+    """ZeRO-3 holds the model's (partitioned) weights apart from the fp32 masters: refresh them."""
+    import deepspeed
+
+    params = [p for p, _ in params_values]
+    if not params:
+        return
+    # Every DP rank holds the same full values; rank 0's copy is re-partitioned on exit.
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        for p, v in params_values:
+            p.data.copy_(v.to(p.device, p.dtype).reshape(p.shape))
+
+
+# Tensor-parallel gather / re-slice --------------------------------------------------
+def _tp_meta(p) -> dict | None:
+    return getattr(p, "tp_meta", None)
+
+
+def gather_tp(local: torch.Tensor, meta: dict | None, topology) -> torch.Tensor:
+    """The full, unpadded tensor from this TP group's shards (collective over the TP group)."""
+    if meta is None or topology is None or topology.tp_size == 1:
+        if meta is not None:  # tp == 1 but padded (not expected): drop padding anyway
+            return local.narrow(meta["partition_dim"], 0, meta["full_shape"][meta["partition_dim"]]).clone()
+        return local
+    tp = topology.tp_size
+    bufs = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(bufs, local.contiguous(), group=topology.tp_group)
+    idx = torch.tensor([meta["shard_index"]], dtype=torch.long)
+    idxs = [torch.empty_like(idx) for _ in range(tp)]
+    dist.all_gather(idxs, idx, group=topology.tp_group)
+    by_index = {}
+    for i, b in zip(idxs, bufs):
+        by_index.setdefault(int(i), b)
+    n = meta["num_shards"]
+    dim = meta["partition_dim"]
+    full = torch.cat([by_index[j] for j in range(n)], dim=dim)
+    return full.narrow(dim, 0, meta["full_shape"][dim]).clone()
+
+
+def shard_tp(full: torch.Tensor, meta: dict | None) -> torch.Tensor:
+    """This rank's shard of a full, unpadded tensor, as the TP plan would cut it."""
+    if meta is None:
+        return full
+    dim, padded, n, i = meta["partition_dim"], meta["padded_size"], meta["num_shards"], meta["shard_index"]
+    if padded > full.shape[dim]:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    return full.chunk(n, dim=dim)[i].contiguous()
+
+
+def named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
+    """Trainable parameters by name, each once (a tied table under its first name)."""
+    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+
+# RNG --------------------------------------------------------------------------------
+def rng_state() -> tuple[dict, dict]:
+    py = random.getstate()
+    npst = np.random.get_state()
+    meta = {
+        "python": json.dumps([py[0], list(py[1]), py[2]]),
+        "numpy": json.dumps([npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])]),
+    }
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = s
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict, meta: dict) -> None:
+    v, state, gauss = json.loads(meta["python"])
+    random.setstate((v, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = json.loads(meta["numpy"])
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        cuda = [tensors[f"cuda_{i}"] for i in range(torch.cuda.device_count()) if f"cuda_{i}" in tensors]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# Save ---------------------------------------------------------------------------------
+def layout(topology, zero_stage: int) -> dict:
+    tp = topology.tp_size if topology is not None else 1
+    dp = topology.dp_size if topology is not None else 1
+    return {"tp": tp, "dp": dp, "world_size": tp * dp, "zero_stage": int(zero_stage)}
+
+
+def save_checkpoint(store: CheckpointStore, step: int, engine, topology, *, stream=None,
+                    counters: dict | None = None, lr_scheduler=None, config_yaml: str | None = None,
+                    tokenizer=None, zero_stage: int = 0) -> Path:
+    """Every rank calls this at the same step boundary; returns the published directory."""
+    rank, world = _rank(), _world()
+    tmp = store.begin(step) if rank == 0 else store.temp_dir(step)
+    barrier()
+    written: list[str] = []
+
+    # Weights and Adam moments: every rank takes part in every gather; parameter i is
+    # written by rank i % world so the files (and the memory) are spread over ranks.
+    ensure_optimizer_state(engine)
+    weights, moments, index = {}, {}, {}
+    for i, (name, p) in enumerate(named_params(engine)):
+        meta = _tp_meta(p)
+        full = gather_tp(read_local(engine, p, None), meta, topology)
+        moms = [gather_tp(read_local(engine, p, k), meta, topology) for k in MOMENTS]
+        owner = i % world
+        if rank == owner:
+            weights[name] = full.contiguous()
+            for k, m in zip(MOMENTS, moms):
+                moments[f"{name}/{k}"] = m.contiguous()
+        index[name] = {"file": f"rank_{owner:05d}.safetensors", "shape": list(full.shape),
+                       "tp_dim": None if meta is None else meta["partition_dim"]}
+    if weights:
+        (tmp / "model").mkdir(exist_ok=True)
+        (tmp / "optim").mkdir(exist_ok=True)
+        save_file(weights, str(tmp / "model" / f"rank_{rank:05d}.safetensors"), metadata={"format": FORMAT})
+        save_file(moments, str(tmp / "optim" / f"rank_{rank:05d}.safetensors"), metadata={"format": FORMAT})
+        written += [f"model/rank_{rank:05d}.safetensors", f"optim/rank_{rank:05d}.safetensors"]
+
+    # RNG: every rank.
+    (tmp / "rng").mkdir(exist_ok=True)
+    tensors, meta = rng_state()
+    save_file(tensors, str(tmp / "rng" / f"rank_{rank:05d}.safetensors"), metadata=meta)
+    written.append(f"rng/rank_{rank:05d}.safetensors")
+
+    # Data position: the first rank of each TP group speaks for its DP rank.
+    if stream is not None and (topology is None or topology.tp_rank == 0):
+        dp_rank = topology.dp_rank if topology is not None else 0
+        rel = f"data/dp_{dp_rank:05d}.json"
+        write_json_durable(tmp / rel, stream.state_dict())
+        written.append(rel)
+
+    adam_step = _adam_step(engine)
+    if rank == 0:
+        write_json_durable(tmp / "model" / "index.json", {"format": FORMAT, "params": index})
+        written.append("model/index.json")
+        sched = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler", None)
+        inner = _inner_optimizer(engine.optimizer)
+        trainer = {
+            "format": FORMAT,
+            "step": int(step),
+            "counters": dict(counters or {}),
+            "adam_step": adam_step,
+            "lr_scheduler": _jsonable(sched.state_dict()) if sched is not None and hasattr(sched, "state_dict") else None,
+            "param_groups": [{k: v for k, v in g.items() if k != "params" and _is_plain(v)} for g in inner.param_groups],
+            "engine": {k: int(getattr(engine, k, 0) or 0) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")},
+            "layout": layout(topology, zero_stage),
+        }
+        write_json_durable(tmp / "trainer.json", trainer)
+        written.append("trainer.json")
+        if config_yaml is not None:
+            (tmp / "config.yaml").write_text(config_yaml)
+            written.append("config.yaml")
+        if tokenizer is not None and hasattr(tokenizer, "save"):
+            (tmp / "tokenizer").mkdir(exist_ok=True)
+            tokenizer.save(str(tmp / "tokenizer"))
+            written += [str(p.relative_to(tmp)) for p in sorted((tmp / "tokenizer").rglob("*")) if p.is_file()]
+    store.add_part(tmp, rank, written)
+    barrier()
+    path = None
+    if rank == 0:
+        path = store.publish(tmp, step, {"layout": layout(topology, zero_stage), "checkpoint_format": FORMAT})
+    barrier()
+    return store.final_dir(step) if path is None else path
+
+
+def _is_plain(v) -> bool:
+    return isinstance(v, (int, float, str, bool, type(None))) or (
+        isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str, bool)) for x in v))
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if torch.is_tensor(obj):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, (np.generic,)):
+        return obj.item()
+    if isinstance(obj, (int, float, str, bool, type(None))):
+        return obj
+    return None  # e.g. lr_lambdas functions: rebuilt from the config, not stored
+
+
+# Load ---------------------------------------------------------------------------------
+class ConsolidatedReader:
+    """Read tensors by name from a checkpoint's model/ and optim/ files (safetensors only)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.index = json.loads((self.path / "model" / "index.json").read_text())["params"]
+
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def get(self, name: str, key: str | None = None) -> torch.Tensor:
+        sub, tensor_name = ("model", name) if key is None else ("optim", f"{name}/{key}")
+        with safe_open(str(self.path / sub / self.index[name]["file"]), framework="pt") as f:
+            return f.get_tensor(tensor_name)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for file in sorted({v["file"] for v in self.index.values()}):
+            with safe_open(str(self.path / "model" / file), framework="pt") as f:
+                for k in f.keys():
+                    out[k] = f.get_tensor(k)
+        return out
+
+
+def load_checkpoint(path: str | os.PathLike, engine, topology, *, stream=None, lr_scheduler=None,
+                    zero_stage: int = 0) -> dict:
+    """Put a checkpoint back into a freshly built engine at any (tp, dp, zero stage).
+
+    Every rank calls it after deepspeed.initialize. Returns trainer.json (step, counters, ...).
+    """
+    path = Path(path)
+    trainer = json.loads((path / "trainer.json").read_text())
+    reader = ConsolidatedReader(path)
+    params = named_params(engine)
+    missing = [n for n, _ in params if n not in reader.index]
+    extra = [n for n in reader.index if n not in dict(params)]
+    if missing or extra:
+        raise ValueError(f"checkpoint {path}: parameters do not match the model "
+                         f"(missing {missing[:5]}, unexpected {extra[:5]}); was it saved with another model config?")
+    ensure_optimizer_state(engine)
+    z3 = []
+    for name, p in params:
+        meta = _tp_meta(p)
+        full = reader.get(name)
+        want = list(reader.index[name]["shape"])
+        local = shard_tp(full, meta)
+        if tuple(local.shape) != _local_full_shape(p):
+            raise ValueError(f"checkpoint {path}: {name} has full shape {want}, which does not fit this "
+                             f"model's shard {tuple(_local_full_shape(p))}")
+        write_local(engine, p, None, local)
+        if hasattr(p, "ds_id"):
+            z3.append((p, local))
+        for k in MOMENTS:
+            write_local(engine, p, k, shard_tp(reader.get(name, k), meta))
+    _set_zero3_model_weights(z3)
+    _set_adam_step(engine, trainer["adam_step"])
+
+    inner = _inner_optimizer(engine.optimizer)
+    for g, saved in zip(inner.param_groups, trainer.get("param_groups", [])):
+        for k, v in saved.items():
+            if k in g and k != "params":
+                g[k] = tuple(v) if isinstance(g[k], tuple) else v
+    sched = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler", None)
+    if sched is not None and trainer.get("lr_scheduler") is not None:
+        state = dict(trainer["lr_scheduler"])
+        current = sched.state_dict()
+        for k in list(state):
+            if current.get(k) is None and state[k] is None:
+                state.pop(k)
+            elif k not in current:
+                state.pop(k)
+        if "lr_lambdas" in current:
+            state["lr_lambdas"] = current["lr_lambdas"]
+        sched.load_state_dict(state)
+    for k, v in trainer.get("engine", {}).items():
+        if hasattr(engine, k) and k != "micro_steps":
+            setattr(engine, k, v)
+    if hasattr(engine, "micro_steps"):
+        # Micro steps count in this layout's gradient accumulation (it changes with DP size);
+        # a saved count from another layout would put the accumulation boundary mid-step.
+        engine.micro_steps = int(getattr(engine, "global_steps", 0)) * int(engine.gradient_accumulation_steps())
+
+    # RNG: same rank's file when the world is the same size, else rank 0's seeds skewed by rank
+    rank = _rank()
+    rng_file = path / "rng" / f"rank_{rank:05d}.safetensors"
+    if trainer["layout"]["world_size"] == _world() and rng_file.exists():
+        with safe_open(str(rng_file), framework="pt") as f:
+            set_rng_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
+
+    if stream is not None:
+        dp_rank = topology.dp_rank if topology is not None else 0
+        own = path / "data" / f"dp_{dp_rank:05d}.json"
+        same_dp = trainer["layout"]["dp"] == (topology.dp_size if topology is not None else 1)
+        src = own if same_dp and own.exists() else path / "data" / "dp_00000.json"
+        if src.exists():
+            stream.load_state_dict(json.loads(src.read_text()))
+    barrier()
+    return trainer
+
+
+def log0(msg: str) -> None:
+    if _rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+__all__ = [
+    "ConsolidatedReader", "save_checkpoint", "load_checkpoint", "read_manifest", "broadcast_str",
+    "gather_tp", "shard_tp", "time",
+]
