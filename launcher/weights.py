@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file
 
 WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
@@ -43,7 +43,12 @@ def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.P
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / WEIGHTS))  # a tied table is stored once
+    # Copies, not the live tensors: at ZeRO 1-2 every parameter is a view into DeepSpeed's
+    # flat buffer, which safetensors refuses to write. A tied table is stored once.
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.tok_emb.weight:
+        state.pop("lm_head.weight")
+    save_file(state, str(tmp / WEIGHTS))
     (tmp / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
     tokenizer.save(tmp / TOKENIZER_DIR)
     if out_dir.exists():
