@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -171,18 +172,26 @@ class TokenStream:
     def _start(self) -> None:
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(target=self._produce, args=(self._position, self._stop, self._queue),
+        # The thread holds only a weak reference, so a stream dropped without
+        # close() is still collected (and its thread stopped by __del__).
+        self._thread = threading.Thread(target=TokenStream._produce,
+                                        args=(weakref.ref(self), self._position, self.round_size, self._stop, self._queue),
                                         name=f"TokenStream-prefetch-dp{self.dp_rank}", daemon=True)
         self._thread.start()
 
-    def _produce(self, position: int, stop: threading.Event, q: queue.Queue) -> None:
+    @staticmethod
+    def _produce(ref, position: int, step: int, stop: threading.Event, q: queue.Queue) -> None:
         # Batches are a pure function of position, so producing them ahead in a
         # thread cannot change what the consumer sees.
         while not stop.is_set():
+            stream = ref()
+            if stream is None:
+                return
             try:
-                item = (position, self._batch(position))
+                item = (position, stream._batch(position))
             except BaseException as exc:  # hand the error to the consumer
                 item = (position, exc)
+            del stream
             while not stop.is_set():
                 try:
                     q.put(item, timeout=0.1)
@@ -191,14 +200,14 @@ class TokenStream:
                     continue
             if isinstance(item[1], BaseException):
                 return
-            position += self.round_size
+            position += step
 
     def _halt(self) -> None:
-        if self._thread is not None:
+        thread, self._thread, self._queue = self._thread, None, None
+        if thread is not None:
             self._stop.set()
-            self._thread.join()
-            self._thread = None
-            self._queue = None
+            if thread is not threading.current_thread():
+                thread.join()
 
     def close(self) -> None:
         self._halt()

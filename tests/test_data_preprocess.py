@@ -97,7 +97,9 @@ def test_preprocess_cli_txt_jsonl_parquet(tmp_path):
 def test_preprocess_bpe_and_stream(tmp_path):
     write_inputs(tmp_path)
     out = tmp_path / "bpe"
-    assert pp.main(["--input", str(tmp_path / "*.jsonl"), "--output", str(out), "--tokenizer", "bpe",
+    from loomtrain.launcher.cli import main as cli_main
+
+    assert cli_main(["preprocess", "--input", str(tmp_path / "*.jsonl"), "--output", str(out), "--tokenizer", "bpe",
                     "--bpe-vocab-size", "280", "--val-fraction", "0", "--no-progress"]) == 0
     tok = load_tokenizer(out)
     assert tok.vocab_size == 280

@@ -152,3 +152,28 @@ def test_seeded_permutation_is_a_permutation(n):
     assert np.array_equal(perm, SeededPermutation(n, seed=11, epoch=2)(np.arange(n)))
     if n >= 17:
         assert not np.array_equal(perm, SeededPermutation(n, seed=11, epoch=3)(np.arange(n)))
+
+
+def test_dropped_stream_stops_its_prefetch_thread(tmp_path):
+    import gc
+    import threading
+
+    shard_dir = make_shards(tmp_path, 20)
+    s = TokenStream(shard_dir, seq_len=T, micro_batch_size=2, prefetch=2)
+    next(s)
+    thread = s._thread
+    assert thread.is_alive()
+    del s
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith("TokenStream-prefetch") and t is thread]
+
+
+def test_errors_in_the_prefetch_thread_reach_the_consumer(tmp_path):
+    shard_dir = make_shards(tmp_path, 20)
+    s = TokenStream(shard_dir, seq_len=T, micro_batch_size=2, prefetch=2)
+    s.shards.arrays = []  # simulate a failure while reading
+    with pytest.raises(IndexError):
+        next(s)
+    s.close()
