@@ -111,6 +111,9 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
                     preprocess_files(
                         files, tmp, run_tok or data_cfg.tokenizer, val_fraction=data_cfg.val_fraction,
                         seed=data_cfg.split_seed, bpe_vocab_size=data_cfg.bpe_vocab_size, progress=False,
+                        # In-process: no worker pool spawned from inside a training (or Ray) worker;
+                        # the whole stdlib (~32 M byte tokens) takes a few seconds this way.
+                        workers=1,
                         sources=[f"stdlib:{sysconfig.get_paths()['stdlib']} ({len(files)} files)"], log=log,
                     )
                     if shard_dir.exists():  # an incomplete leftover (no index.json)

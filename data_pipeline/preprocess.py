@@ -5,15 +5,15 @@ whole .txt (or any other text) file. Every document ends with EOS.
 
 Streaming with bounded memory: the main process reads inputs in work units of
 ~4 MiB (text files are cut at newlines, so a huge file is one document spread
-over several units; Parquet is read batch by batch), at most 2 x workers + 2
-units are in flight, and finished tokens go straight to the shard files.
-Workers (spawned processes, default: all cores) decode, parse and tokenize;
-results are consumed in input order, so the output does not depend on the
-number of workers. Inputs smaller than a few units are done in-process (a
-worker pool costs more than it saves there).
+over several units; with BPE, merges never span such a cut; Parquet is read
+batch by batch), at most 2 x workers + 2 units are in flight, and finished
+tokens go straight to the shard files. Workers (spawned processes, default:
+all cores) decode, parse and tokenize; results are consumed in input order, so
+the output does not depend on the number of workers. Inputs under 16 MiB (byte
+tokenizer) or 256 KiB (BPE) are done in-process: a pool costs more there.
 
 Validation split, by documents, deterministic: documents are numbered in input
-order (globs expanded and sorted); consecutive documents i with
+order (globs in the order given, each one's matches sorted); consecutive documents i with
 floor(i * val_fraction) == j form stratum j, and one document per stratum,
 chosen by a generator seeded with (seed, j), goes to "val". So exactly
 floor(n * val_fraction) (+1 at most) documents go to val, spread evenly over
