@@ -17,6 +17,9 @@ since a ring all-reduce is a reduce-scatter followed by an all-gather. Two colum
   wire:   bytes each rank sends with a ring algorithm on p ranks; theory
           4 * 2(p-1)/p * b*s*h per layer with or without SP
 
+The step total is also compared with `loomtrain plan`'s prediction
+(loomtrain.launcher.memory_model.tp_comm_bytes_per_microbatch).
+
 "layers" are the collectives tagged blocks.N.{attn,ffn}_{in,out}; everything else
 (embedding, lm_head input, vocab-parallel cross-entropy, SP norm-gradient sums,
 replicated-KV gradient sums) is listed under "outside the layers".
@@ -50,7 +53,7 @@ def _worker(rank, tp, port, args, queue):
 
     topo = Topology(tp, rank, tp)
     results = {}
-    for positions in ("rope", "learned"):
+    for positions in ("rope", "learned", "sinusoidal"):
         cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                           n_kv_heads=args.kv_heads, max_seq_len=args.seq, positions=positions,
                           norm="rmsnorm", activation="swiglu", tie_embeddings=True)
@@ -73,6 +76,12 @@ def report(tp: int, results: dict, args) -> list[str]:
     L = args.layers
     lines = [f"\n== tp={tp}  b={args.batch} s={args.seq} h={args.d_model} layers={L} "
              f"(b*s*h*4 bytes = {bsh_bytes / 2**20:.3f} MiB) =="]
+    from loomtrain.launcher.memory_model import tp_comm_bytes_per_microbatch
+    from loomtrain.model import ModelConfig
+
+    plan_cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=L, n_heads=args.heads,
+                           n_kv_heads=args.kv_heads, max_seq_len=args.seq)
+    plan_w = tp_comm_bytes_per_microbatch(plan_cfg, args.seq, args.batch, tp, "fp32")[1]
     for (positions, sp), stats in results.items():
         layer = defaultdict(float)  # (phase, col) -> bytes
         outside = defaultdict(lambda: [0, 0, 0.0])
@@ -104,7 +113,9 @@ def report(tp: int, results: dict, args) -> list[str]:
                      f"{theory_wire / 2**20:.3f} MiB; measured/theory = {meas_w / theory_wire:.3f}")
         total_w = layer[("fwd", "wire")] + layer[("bwd", "wire")] + sum(o[2] for o in outside.values())
         lines.append(f"   step total wire bytes/rank: {total_w / 2**20:.3f} MiB = "
-                     f"{total_w / (L * theory_wire):.3f} x (layers x Megatron per-layer); outside the layers:")
+                     f"{total_w / (L * theory_wire):.3f} x (layers x Megatron per-layer); "
+                     f"`loomtrain plan` predicts {plan_w / 2**20:.3f} MiB (measured/plan = {total_w / plan_w:.3f})")
+        lines.append("   outside the layers:")
         for (tag, op, phase), (calls, nbytes, wire) in sorted(outside.items()):
             lines.append(f"     {tag:18s} {phase} {calls:2d}x {op:14s} tensor {nbytes / 2**20:8.4f} MiB  "
                          f"wire {wire / 2**20:8.4f} MiB  ({nbytes / bsh_bytes:.3f} b*s*h)")

@@ -20,10 +20,11 @@ the same, as in Megatron-LM with a fused QKV. One hook per attention/FFN instead
 collective per wq/wk/wv/up/gate keeps it so although the model has separate Linears.
 
 Sequence parallelism: between the row-parallel output and the next column-parallel
-input (residual adds, norms, dropout) activations are [B, T/tp, D]. With RoPE, ALiBi
-or no positions the embedding's partial sums are reduce-scattered straight into that
-layout; with learned or sinusoidal positions (added after the lookup, before
-`drop`) the embedding all-reduces and `drop` takes this rank's sequence slice.
+input (residual adds, norms, dropout) activations are [B, T/tp, D]. The embedding's
+partial sums are reduce-scattered straight into that layout (learned positions:
+pos_emb's output is cut to this rank's positions); with sinusoidal positions, a table
+added inside the model's forward, the embedding all-reduces and `drop` takes this
+rank's sequence slice.
 Parameters used inside the SP region (norm weights/biases, row-parallel biases)
 see only a sequence shard, so a gradient hook sums their gradients over TP.
 
@@ -173,12 +174,19 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
     padded = topology.padded_vocab(cfg.vocab_size)
     tied = model.lm_head.weight is model.tok_emb.weight
 
-    absolute_positions = model.pos_emb is not None or getattr(model, "pos_table", None) is not None \
-        or cfg.positions in ("learned", "sinusoidal")
-    emb_mode = "reduce_scatter_seq" if sp and not absolute_positions else "all_reduce"
+    # SP: the embedding's partial sums are reduce-scattered straight into [B, T/tp, D];
+    # learned positions are cut to this rank's positions by a hook on pos_emb (its
+    # gradient, from local positions only, summed over TP). The sinusoidal table is
+    # indexed inside the model's forward, where no hook reaches: there the embedding
+    # all-reduces and `drop` takes this rank's slice.
+    table = cfg.positions == "sinusoidal" or getattr(model, "pos_table", None) is not None
+    emb_mode = "reduce_scatter_seq" if sp and not table else "all_reduce"
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, topology, padded_vocab=padded, output_mode=emb_mode)
-    if sp and absolute_positions:
+    if sp and table:
         model.drop.register_forward_pre_hook(_split_hook(group, "embedding.split"))
+    if sp and model.pos_emb is not None:
+        model.pos_emb.register_forward_hook(lambda mod, args, out: C._split(out, out.dim() - 2, group))
+        _sp_grad_sync(model.pos_emb, group, "pos_emb.sp_grad")
 
     if cfg.dropout > 0:  # different masks per shard; replicated regions stay in step
         if sp:
