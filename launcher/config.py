@@ -93,6 +93,9 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_every: int = 0  # also keep every M-th step's checkpoint (0 = none)
     resume: str = "auto"  # auto | never | PATH
+    # Save and exit cleanly after this step (0 = never): splits a run across scheduler
+    # jobs with a time limit (Megatron's --exit-interval); a later start resumes.
+    stop_at_step: int = 0
 
 
 @dataclass

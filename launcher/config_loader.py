@@ -290,6 +290,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     _positive("checkpoint.keep_every", cfg.checkpoint.keep_every, allow_zero=True)
+    _positive("checkpoint.stop_at_step", cfg.checkpoint.stop_at_step, allow_zero=True)
     _check(0.0 <= cfg.data.val_fraction < 1.0, "data.val_fraction", "a number in [0, 1)", cfg.data.val_fraction)
     _positive("data.max_files", cfg.data.max_files, allow_zero=True)
     _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
