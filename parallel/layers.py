@@ -22,6 +22,7 @@ replicas stay identical.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -190,7 +191,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if pad_from < n_local:  # padded vocabulary entries never win
             logits[:, pad_from:] = float("-inf")
         logits_max = logits.max(dim=-1).values
-        C.all_reduce(logits_max, group, "cross_entropy", "fwd", op=C.dist.ReduceOp.MAX)
+        C.all_reduce(logits_max, group, "cross_entropy", "fwd", op=dist.ReduceOp.MAX)
         logits.sub_(logits_max.unsqueeze(-1))
 
         valid = targets != ignore_index

@@ -61,7 +61,7 @@ class Topology:
     world_size: int
     rank: int
     tp: int = 1
-    model_cfg: object = None
+    model_cfg: object = field(default=None, repr=False)
     tp_group: object = field(default=None, init=False, repr=False)
     dp_group: object = field(default=None, init=False, repr=False)
     tp_ranks: list = field(default_factory=list, init=False)
@@ -74,9 +74,7 @@ class Topology:
         check_tp(self.model_cfg, self.tp, self.world_size)
         if not 0 <= self.rank < self.world_size:
             _fail(f"rank {self.rank} is outside world size {self.world_size}")
-        t, d = self.tp, self.world_size // self.tp
-        tp_groups = [list(range(g * t, (g + 1) * t)) for g in range(d)]
-        dp_groups = [list(range(i, self.world_size, t)) for i in range(t)]
+        tp_groups, dp_groups = self.layout(self.world_size, self.tp)
         self.tp_ranks = tp_groups[self.dp_rank]
         self.dp_ranks = dp_groups[self.tp_rank]
         if dist.is_available() and dist.is_initialized():
@@ -96,6 +94,13 @@ class Topology:
                     self.dp_group = g
         elif self.world_size > 1:
             _fail(f"Topology(world_size={self.world_size}) needs torch.distributed initialised first")
+
+    @staticmethod
+    def layout(world_size: int, tp: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(TP groups, DP groups) as lists of global ranks, in creation order."""
+        tp_groups = [list(range(g * tp, (g + 1) * tp)) for g in range(world_size // tp)]
+        dp_groups = [list(range(i, world_size, tp)) for i in range(tp)]
+        return tp_groups, dp_groups
 
     # Ranks and sizes --------------------------------------------------------
     @property

@@ -214,6 +214,13 @@ def _worker(rank, world, tp, port, out_path, train):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         topo = Topology(world, rank, tp)
+        mpu = topo.mpu  # what deepspeed.initialize(mpu=...) reads
+        assert mpu.get_model_parallel_world_size() == mpu.get_tensor_model_parallel_world_size() == tp
+        assert dist.get_world_size(mpu.get_model_parallel_group()) == tp
+        assert mpu.get_model_parallel_rank() == rank % tp and mpu.get_data_parallel_rank() == rank // tp
+        assert mpu.get_data_parallel_world_size() == dist.get_world_size(mpu.get_data_parallel_group()) == 1
+        assert mpu.get_data_parallel_group_ranks() == [rank] and mpu.get_tensor_model_parallel_src_rank() == 0
+        assert not hasattr(mpu, "initialize_sequence_parallel")  # that would mean Ulysses SP to DeepSpeed
         results = {}
         for name, overrides in VARIANTS.items():
             for sp in (False, True):
@@ -269,6 +276,13 @@ def test_good_tp_values_pass_and_vocab_is_padded():
     from loomtrain.parallel import padded_vocab_size
 
     assert [padded_vocab_size(51, t) for t in (1, 2, 4, 8)] == [51, 52, 52, 56]
+
+
+def test_topology_layout():
+    tp_groups, dp_groups = Topology.layout(8, 2)
+    assert tp_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert Topology.layout(8, 8) == ([list(range(8))], [[r] for r in range(8)])
 
 
 def test_topology_layout_single_process():
