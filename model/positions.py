@@ -36,6 +36,9 @@ def rope_tables(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, T, head_dim] by the tables cos/sin [T, head_dim] (already sliced to x's positions)."""
+    # The tables may be kept in fp32 while activations run in bf16/fp16 (DeepSpeed casts
+    # parameters, not every buffer): rotate in the activations' dtype so q, k and v agree.
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
