@@ -178,6 +178,11 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
         f"(tp {topology.tp_size} x dp {topology.dp_size}), {env.device.type}, {t.precision}, "
         f"zero {cfg.parallel.zero_stage}, grad_accum {grad_accum}, steps {start_step}->{t.max_steps}"
     )
+    if start_step >= t.max_steps:
+        log.message(
+            f"nothing to train: {run_dir} is already at step {start_step} (train.max_steps={t.max_steps}); "
+            f"raise train.max_steps to continue, or pick another run.dir / checkpoint.resume=never"
+        )
     log.hparams(to_dict(cfg))
     flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
     peak = device_peak_flops(env.device, t.precision) * env.world_size  # NaN for an unknown GPU
