@@ -48,7 +48,10 @@ def build_model(cfg: RunConfig, topology, device: torch.device) -> torch.nn.Modu
         from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
-    return model.to(device)
+    # DeepSpeed casts parameters to bf16/fp16 but not buffers; the RoPE / sinusoidal
+    # tables must follow or they promote activations back to fp32.
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    return model.to(device=device, dtype=dtype)
 
 
 def data_cache_dir(cfg: RunConfig) -> Path:
