@@ -7,6 +7,8 @@ variant through the real loop (DeepSpeed engine, data stream per DP rank, clippi
 * fp32, same global batch (8 sequences of 32 tokens; one process accumulates 2 micro
   batches of 4): TP2 x DP2 at ZeRO 0-3 and DP4 at ZeRO 2 follow the single-process
   losses for 10 steps within 1e-5.
+* the same with the optimizer offloaded to the CPU (ZeRO 2 and 3, client torch AdamW) and
+  with activation checkpointing per block (ZeRO 1);
 * bf16: TP2 x DP2 at ZeRO 1 against one bf16 ZeRO-1 process within BF16_TOL (see there).
 * after step 1 each rank's measured params / grads / optimizer states at TP2 x DP2 equal
   the ZeRO paper's split of DeepSpeed's bytes per parameter, and `plan`'s model-state
@@ -43,6 +45,9 @@ VARIANTS_4 = {
     "z2": [*TP2, "parallel.zero_stage=2"],
     "z3": [*TP2, "parallel.zero_stage=3"],
     "dp4_z2": ["parallel.zero_stage=2", "train.micro_batch_size=2"],
+    "z2_offload": [*TP2, "parallel.zero_stage=2", "parallel.offload_optimizer=true"],
+    "z3_offload": [*TP2, "parallel.zero_stage=3", "parallel.offload_optimizer=true"],
+    "z1_ckpt": [*TP2, "parallel.zero_stage=1", "parallel.activation_checkpointing=true"],
     "bf16_z1": [*TP2, "parallel.zero_stage=1", "train.precision=bf16"],
     "nan_z2": [*TP2, "parallel.zero_stage=2", "env:2,4-5", "train.max_consecutive_skips=2", "train.max_steps=6"],
 }
@@ -104,7 +109,7 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("name", ["z0", "z1", "z2", "z3", "dp4_z2"])
+@pytest.mark.parametrize("name", ["z0", "z1", "z2", "z3", "dp4_z2", "z2_offload", "z3_offload", "z1_ckpt"])
 def test_fp32_follows_single_process(runs, name):
     ref, got = _losses(runs / "ref"), _losses(runs / name)
     diff = _max_diff(ref, got)
