@@ -1,0 +1,143 @@
+"""Shared pieces of the CPU benchmarks: the benchmark model, one training step, timing helpers.
+
+The scripts put this folder on sys.path themselves (it is where they live), so
+`import common` works from any working directory.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# The issue's shape: d_model 256, 4 layers, 8 heads, vocab 8192, seq 256, batch 8;
+# Llama flavour (RMSNorm, SwiGLU, RoPE, untied, no biases).
+SHAPE = dict(vocab=8192, d_model=256, layers=4, heads=8, seq=256, batch=8)
+TINY = dict(vocab=512, d_model=64, layers=2, heads=4, seq=32, batch=2)
+
+
+def loomtrain_config(shape: dict):
+    from loomtrain.model import ModelConfig
+
+    return ModelConfig(
+        vocab_size=shape["vocab"], d_model=shape["d_model"], n_layers=shape["layers"],
+        n_heads=shape["heads"], max_seq_len=shape["seq"], norm="rmsnorm", activation="swiglu",
+        positions="rope", tie_embeddings=False, bias=False, dropout=0.0, norm_eps=1e-5,
+    )
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def batch(shape: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"] + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def train_step(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    params: list[torch.nn.Parameter],
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    bf16: bool,
+    clip: float | None = None,
+) -> torch.Tensor:
+    """forward, cross-entropy, backward, (clip), AdamW step: the same for every contender."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = forward(x)
+    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.3) -> float:
+    """FLOP/s of a square [size x size] @ [size x size] matmul, run for about `seconds`."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b
+    n, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return n * 2 * size**3 / elapsed
+
+
+def timed(fn: Callable[[], object], steps: int) -> float:
+    """Seconds per call of fn, over `steps` calls."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - start) / steps
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def profile(fn: Callable[[], object], steps: int, title: str, rows: int = 18) -> None:
+    """torch.profiler table (self CPU time) over `steps` calls of fn."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+    print(f"\n--- profile: {title} ({steps} steps, sorted by self CPU time) ---")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
+
+
+# The real loop path: a RunConfig -> DeepSpeed engine + TrainContext --------------------------
+def engine_context(cfg, model=None, run_dir: str = "/tmp/loomtrain-bench"):
+    """The pieces loomtrain.launcher.loop.run_training builds before its first step (the
+    process group, topology, model, engine via launcher/engine.py's build_engine, loss) as a
+    TrainContext, so `loop.train_step(ctx, grad_accum, guard)` runs exactly the loop's step.
+    `model`: an already built model to use instead of components.build_model's."""
+    from pathlib import Path
+
+    from loomtrain.launcher import components
+    from loomtrain.launcher.distributed import init_distributed
+    from loomtrain.launcher.engine import build_engine
+    from loomtrain.launcher.hooks import TrainContext
+    from loomtrain.parallel import make_loss_fn
+
+    env = init_distributed(cfg)
+    topology = components.build_topology(cfg, env)
+    if model is None:
+        model = components.build_model(cfg, topology, env.device)
+    ctx = TrainContext(cfg=cfg, dist=env, topology=topology, run_dir=Path(run_dir))
+    ctx.engine, ctx.optimizer, ctx.scheduler = build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
+    ctx.model = ctx.engine.module
+    ctx.loss_fn = make_loss_fn(topology, cfg.model.vocab_size)
+    ctx.engine.train()
+    return ctx
+
+
+class RepeatBatch:
+    """A stand-in for the token stream: the same (inputs, targets) batch forever."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.x, self.y
+
+    def close(self) -> None:
+        pass
