@@ -33,7 +33,7 @@ from loomtrain.launcher.config_loader import grad_accum_steps, save_config, to_d
 from loomtrain.launcher.distributed import init_distributed
 from loomtrain.launcher.engine import build_engine, grad_norm, records_grad_norm
 from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState, default_hooks
-from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, memory_bytes
+from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, memory_bytes, mfu
 from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard, inject
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
@@ -204,7 +204,7 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
         tps = tokens_per_step / step_time
         metrics: dict[str, Any] = {
             "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
-            "mfu": flops_per_token * tps / peak,
+            "mfu": mfu(flops_per_token, tps, peak),
             "step_time_s": step_time, "mem_bytes": memory_bytes(env.device),
             "tokens_seen": ctx.state.tokens_seen, "skipped_steps": guard.skipped_steps,
         }

@@ -81,6 +81,12 @@ def device_peak_flops(device: torch.device, precision: str) -> float:
     return measured_cpu_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
 
 
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: model FLOPs per token (loomtrain.model.flops, PaLM appendix B)
+    x tokens/s / peak FLOP/s (summed over the devices that produced those tokens)."""
+    return flops_per_token * tokens_per_s / peak_flops
+
+
 def memory_bytes(device: torch.device) -> int:
     """Peak CUDA memory allocated on this rank, or the process RSS on CPU."""
     if device.type == "cuda":
