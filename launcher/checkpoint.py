@@ -140,6 +140,18 @@ def _is_ds(p) -> bool:
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
+def _master_of(engine, p):
+    """The fp32 master of a plain (non-ZeRO) parameter: itself, or the per-parameter fp32
+    copy DeepSpeed's unfused low-precision wrapper keeps (bf16/fp16 at ZeRO 0)."""
+    opt = engine.optimizer
+    if hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):
+        for lp_group, hp_group in zip(opt.fp16_groups, opt.fp32_groups):
+            for lp, hp in zip(lp_group, hp_group):
+                if lp is p:
+                    return hp
+    return p
+
+
 def _local_full_shape(p) -> tuple:
     return tuple(getattr(p, "ds_shape", p.shape))
 
@@ -151,9 +163,10 @@ def read_local(engine, p, key: str | None) -> torch.Tensor:
     if _is_ds(p):
         t = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
         return t.detach().float().cpu().reshape(_local_full_shape(p))
+    hp = _master_of(engine, p)
     if key is None:
-        return p.detach().float().cpu().clone()
-    st = _inner_optimizer(engine.optimizer).state.get(p, {})
+        return hp.detach().float().cpu().clone()
+    st = _inner_optimizer(engine.optimizer).state.get(hp, {})
     return st[key].detach().float().cpu().clone() if key in st else torch.zeros(p.shape)
 
 
@@ -172,10 +185,13 @@ def write_local(engine, p, key: str | None, value: torch.Tensor) -> None:
         if key is None and not hasattr(p, "ds_id"):
             p.data.copy_(value.to(p.device, p.dtype))  # the low-precision / model copy
         return
+    hp = _master_of(engine, p)
     if key is None:
         p.data.copy_(value.to(p.device, p.dtype))
+        if hp is not p:
+            hp.data.copy_(value.to(hp.device, hp.dtype))
     else:
-        _inner_optimizer(engine.optimizer).state[p][key].copy_(value.to(p.device))
+        _inner_optimizer(engine.optimizer).state[hp][key].copy_(value.to(hp.device))
 
 
 def _set_zero3_model_weights(params_values) -> None:
@@ -232,6 +248,18 @@ def shard_tp(full: torch.Tensor, meta: dict | None) -> torch.Tensor:
 def named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
     """Trainable parameters by name, each once (a tied table under its first name)."""
     return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def consolidated_weights(engine, topology, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Full, unpadded fp32 master weights by name on rank `dst` (None elsewhere).
+
+    Collective: every rank calls it. Used for the final weights at tp > 1 / ZeRO-3."""
+    out = {} if _rank() == dst else None
+    for name, p in named_params(engine):
+        full = gather_tp(read_local(engine, p, None), _tp_meta(p), topology)
+        if out is not None:
+            out[name] = full
+    return out
 
 
 # RNG --------------------------------------------------------------------------------

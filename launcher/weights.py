@@ -29,12 +29,25 @@ class NotConsolidated(NotImplementedError):
 
 
 def full_model_for_export(ctx) -> torch.nn.Module:
-    """The unsharded model (every rank calls this; only the logging rank writes)."""
-    if ctx.topology.tp_size > 1:
-        raise NotConsolidated("final weights at tp > 1 need TP consolidation (issue 7: checkpoint/export)")
-    if ctx.cfg.parallel.zero_stage == 3:
-        raise NotConsolidated("final weights at ZeRO-3 need the partitions gathered (issue 7)")
-    return ctx.model
+    """The unsharded model (every rank calls this; only the logging rank writes).
+
+    At tp > 1 or ZeRO-3 the fp32 masters are gathered (TP shards joined, vocabulary
+    unpadded, ZeRO partitions collected) into a fresh full model on the logging rank;
+    the other ranks get their own shard back (they do not write)."""
+    if ctx.topology.tp_size == 1 and ctx.cfg.parallel.zero_stage != 3:
+        return ctx.model
+    from loomtrain.launcher.checkpoint import consolidated_weights
+    from loomtrain.model import Transformer
+
+    full = consolidated_weights(ctx.engine, ctx.topology, dst=0)
+    if full is None:
+        return ctx.model
+    model = Transformer(ctx.cfg.model)
+    missing, unexpected = model.load_state_dict(full, strict=False)
+    tied = ["lm_head.weight"] if ctx.cfg.model.tie_embeddings else []
+    if unexpected or sorted(missing) != tied:
+        raise NotConsolidated(f"consolidated weights do not match the model: missing {missing}, unexpected {unexpected}")
+    return model.eval()
 
 
 def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
