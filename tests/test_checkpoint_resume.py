@@ -192,3 +192,22 @@ def test_tp2_dp2_checkpoint_resumes_at_another_layout(tmp_path, cache, straight4
     assert data_position(ckpt(run, STEPS)) == {STEPS * GLOBAL_BATCH}
     layout = json.loads((ckpt(run, STEPS) / "trainer.json").read_text())["layout"]
     assert (layout["tp"], layout["dp"]) == (tp, nproc // tp)
+
+
+@pytest.mark.slow
+def test_tp2_run_final_weights_and_hf_export_are_consolidated(tmp_path, straight4):
+    """The TP2 x DP2 run's final weights (gathered from shards) and its HF export agree."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from loomtrain.launcher import export
+    from loomtrain.launcher.weights import load_final
+
+    model, _ = load_final(straight4)
+    assert model.tok_emb.weight.shape[0] == 259  # vocabulary unpadded
+    out = tmp_path / "hf"
+    assert export.main([str(straight4), "--format", "hf", "--output", str(out)]) == 0  # from step_00000020
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 259, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(tokens).logits - model(tokens)).abs().max().item() < 1e-4
