@@ -104,7 +104,9 @@ class RayConfig:
     use_gpu: bool = False
     cpus_per_worker: int = 1
     max_failures: int = 3
-    address: str = ""  # "" = a running cluster if any, else a local instance
+    # "" = $RAY_ADDRESS if set, else a new local instance; "auto" = the cluster
+    # running on this machine; else HOST:PORT (GCS) or ray://HOST:10001.
+    address: str = ""
     # A request the cluster can never satisfy fails after this long.
     start_timeout_s: int = 120
     # Ray Train's storage (its run state and our checkpoint pointers):

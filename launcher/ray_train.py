@@ -1,7 +1,8 @@
 """`loomtrain train CONFIG --ray`: every rank as a Ray Train worker (TorchTrainer, V2 API).
 
-Driver (`main`): connects to `ray.address` (else RAY_ADDRESS, else a running
-local cluster, else starts a local instance), then runs a `TorchTrainer` with
+Driver (`main`): connects to `ray.address` (else RAY_ADDRESS; `auto` = the
+cluster running on this machine); with neither it starts a local Ray instance
+sized to the request. Then it runs a `TorchTrainer` with
 
 * `ScalingConfig(num_workers=ray.num_workers, use_gpu=ray.use_gpu,
   resources_per_worker={"CPU": ray.cpus_per_worker[, "GPU": 1]})`;
@@ -256,19 +257,14 @@ def _connect(cfg: RunConfig, need_cpus: int) -> None:
         return
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     # No runtime_env here: inside a Ray Job the job's own (working_dir) applies.
-    if address:
+    if address:  # "auto" = the cluster `ray start` runs on this machine
         ray.init(address=address)
         return
-    try:  # a cluster already running on this machine (`ray start`), as Ray itself would
-        ray.init(address="auto")
-        return
-    except ConnectionError:
-        pass
     cpus = os.cpu_count() or 1
     if need_cpus > cpus:
         print(f"loomtrain: local Ray instance: {need_cpus} CPUs requested on a {cpus}-core machine "
               "(oversubscribed: slower, but it runs)", file=sys.stderr)
-    ray.init(num_cpus=max(cpus, need_cpus), include_dashboard=False)
+    ray.init(num_cpus=max(cpus, need_cpus))
 
 
 def _resources(cfg: RunConfig) -> dict[str, float]:

@@ -107,7 +107,7 @@ def start_ray_head(num_cpus: int = HEAD_CPUS, timeout_s: float = 120.0) -> RayHe
 
 def stop_ray_head(head: RayHead) -> None:
     """Kill the head's process group (ours only) and remove its temp dir."""
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(head.pgid, sig)
         except ProcessLookupError:

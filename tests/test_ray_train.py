@@ -53,7 +53,7 @@ def torchrun_losses(tmp_path_factory, data_cache) -> dict[int, float]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
         env.pop(k, None)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_port=0",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
         "-m", "loomtrain", "train", CONFIG, *SHRUNK, f"run.dir={run_dir}", f"data.cache_dir={data_cache}",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
