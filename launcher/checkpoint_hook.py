@@ -4,7 +4,9 @@
     checkpoint.keep_last     keep the newest N published checkpoints (0: all)
     checkpoint.keep_every    also keep every M-th step's checkpoint (0: none)
     checkpoint.resume        auto (newest complete one in RUN_DIR/checkpoints, if any) |
-                             never | PATH (a checkpoint directory, or a run directory)
+                             never (earlier checkpoints in RUN_DIR are moved aside to
+                             checkpoints/superseded-TIME/, not deleted) |
+                             PATH (a checkpoint directory, or a run directory)
     checkpoint.stop_at_step  save and exit cleanly after this step (0: never)
 
 SIGTERM (preemption, `kill`, torchrun forwarding it) only sets a flag; at the next step
@@ -71,6 +73,8 @@ class CheckpointHook(Hooks):
         found, error = None, None
         if ctx.dist.rank == 0:
             self.store.clean_temp()
+            if c.resume == "never":
+                self.store.set_aside()
             try:
                 path = self.store.resolve_resume(c.resume)
                 found = None if path is None else str(path)

@@ -238,6 +238,23 @@ class CheckpointStore:
                 self.log(f"checkpoint: removed leftover {p} (interrupted write)")
         return removed
 
+    def set_aside(self) -> Path | None:
+        """Move every published checkpoint (and `latest`) into checkpoints/superseded-TIME/:
+        a fresh start (checkpoint.resume=never) neither resumes from them later nor lets
+        retention mix them with its own. Nothing is deleted."""
+        pub = self.published()
+        if not pub:
+            return None
+        dest = self.root / time.strftime("superseded-%Y%m%d-%H%M%S")
+        dest.mkdir(parents=True, exist_ok=True)
+        for _, path in pub:
+            os.rename(path, dest / path.name)
+        if (self.root / LATEST).exists():
+            os.replace(self.root / LATEST, dest / LATEST)
+        fsync_path(self.root)
+        self.log(f"checkpoint: checkpoint.resume=never: moved {len(pub)} earlier checkpoint(s) to {dest}")
+        return dest
+
     def apply_retention(self) -> list[Path]:
         """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step."""
         pub = self.published()

@@ -151,6 +151,34 @@ def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, cache, straight1
     assert [got[s] for s in range(16, STEPS + 1)] == [want[s] for s in range(16, STEPS + 1)]
 
 
+def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, cache):
+    run = tmp_path / "term"
+    run.parent.mkdir(parents=True, exist_ok=True)
+    # a long run (so it is still going when the signal lands), no periodic checkpoints
+    proc = subprocess.Popen(train_cmd(run, cache, "train.max_steps=100000", "checkpoint.every_steps=0"),
+                            cwd=run.parent, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("step 3/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out += proc.stdout.readlines()
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(out)
+    assert rc == 0, text[-3000:]
+    saved = [l for l in out if "[SIGTERM]" in l]
+    assert len(saved) == 1, text[-3000:]
+    step = int(saved[0].split("checkpoint: step ")[1].split()[0])
+    assert step >= 3 and (run / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
+    assert not (run / "final").exists()
+    assert max(losses(run)) == step
+
+
 # TP2 x DP2, ZeRO 2 ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def straight4(tmp_path_factory, cache) -> Path:

@@ -127,3 +127,16 @@ def test_pause_hook_only_at_named_step(tmp_path, monkeypatch):
     save(store, 20)
     assert time.time() - t >= 0.3
     assert os.environ[checkpoint_store.TEST_PAUSE_ENV] == "20:0.3"
+
+
+def test_set_aside_for_a_fresh_start(tmp_path):
+    logs = []
+    store = CheckpointStore(tmp_path, keep_last=0, log=logs.append)
+    save(store, 10)
+    save(store, 20)
+    dest = store.set_aside()
+    assert store.published() == [] and store.find_resumable() is None and store.latest_pointer() is None
+    assert sorted(p.name for p in dest.iterdir()) == ["latest", "step_00000010", "step_00000020"]
+    assert "moved 2" in logs[-1]
+    save(store, 5)
+    assert [s for s, _ in store.published()] == [5]
