@@ -135,6 +135,28 @@ def stage_project(dest_root: Path, config: str) -> str:
         return cfg.name
 
 
+# Keys naming files that may exist only on the cluster: not checked here.
+CLUSTER_PATH_KEYS = ("data.tokenizer", "data.path", "checkpoint.resume")
+
+
+def _check_config(config: str, overrides: list[str]) -> None:
+    """A bad config stops here, before anything is uploaded or started."""
+    from loomtrain.launcher.config_loader import ConfigError, resolve, validate
+
+    if not Path(config).is_file():
+        raise JobsError(f"config file not found: {config}")
+    try:
+        cfg = resolve(config, overrides)
+    except ConfigError as e:
+        raise JobsError(f"config error: {e}") from None
+    try:
+        validate(cfg, cfg.ray.num_workers)
+    except ConfigError as e:
+        if not str(e).startswith(CLUSTER_PATH_KEYS):
+            raise JobsError(f"config error: {e}") from None
+        print(f"loomtrain: note: not checked here (a cluster path?): {e}", file=sys.stderr)
+
+
 def build_entrypoint(config_in_job: str, overrides: list[str]) -> str:
     args = ["python", "-m", "loomtrain", "train", config_in_job, *overrides, "--ray"]
     return " ".join(shlex.quote(a) for a in args)
@@ -158,6 +180,7 @@ def submit(args) -> int:
             raise JobsError(f"--env {kv!r} is not KEY=VALUE")
         k, v = kv.split("=", 1)
         env_vars[k] = v
+    _check_config(args.config, args.overrides)
     client = make_client(args.address)
     _warn_relative_run_dir(args.overrides)
     with tempfile.TemporaryDirectory(prefix="loomtrain-submit-") as tmp:

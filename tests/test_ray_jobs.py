@@ -97,6 +97,10 @@ def test_unknown_job_and_unreachable_address_are_clear_errors(ray_head, capsys, 
     assert rc == 1 and "cannot reach the Ray dashboard" in err, err
     assert time.monotonic() - t0 < 10
 
+    # A bad config is refused before anything is uploaded.
+    rc, _, err = jobs(capsys, "submit", str(ROOT / CONFIG), "train.bogus=1", "--address", ray_head.dashboard_url)
+    assert rc == 1 and "train.bogus" in err and "config error" in err, err
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     rc, _, err = jobs(capsys, "stop", "x")
     assert rc == 1 and "--address" in err and "RAY_ADDRESS" in err, err
