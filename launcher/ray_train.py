@@ -84,7 +84,8 @@ def absolutize(cfg: RunConfig) -> RunConfig:
     )
     resume = cfg.checkpoint.resume
     ckpt = dataclasses.replace(cfg.checkpoint, resume=resume if resume in ("auto", "never") else ab(resume))
-    return dataclasses.replace(cfg, run=run, data=data, checkpoint=ckpt)
+    ray_ = dataclasses.replace(cfg.ray, storage=ab(cfg.ray.storage))
+    return dataclasses.replace(cfg, run=run, data=data, checkpoint=ckpt, ray=ray_)
 
 
 def storage_path(cfg: RunConfig) -> str:
@@ -200,7 +201,7 @@ class RayReportHook(Hooks):
         if ctx.dist.rank == 0:
             shutil.rmtree(self.pointer_root, ignore_errors=True)  # leftovers of a killed report
             path = Path(self.cfg.run.dir) / ATTEMPTS_FILE
-            previous = sum(1 for _ in open(path)) if path.exists() else 0
+            previous = len(path.read_text().splitlines()) if path.exists() else 0
             rec = {"attempt": previous + 1, "start_step": ctx.state.step,
                    "ray_checkpoint_step": self.ray_step, "time": time.time()}
             with open(path, "a") as f:
