@@ -9,8 +9,8 @@
 The address is the cluster's dashboard (`http://HEAD:8265`), from --address or
 else the RAY_ADDRESS environment variable.
 
-What `submit` ships: this project's source, copied (without .venv, runs/,
-.git, caches) into a staging directory as the package folder `loomtrain/`,
+What `submit` ships: this project's source (in a git checkout the files git
+sees, .gitignore honoured; never .venv, runs/, .git or caches), copied into a staging directory as the package folder `loomtrain/`,
 which becomes the job's `working_dir`. Ray unpacks it on every node and puts
 it first on every job process' PYTHONPATH, so the driver and each Ray Train
 worker import exactly the code that was submitted, even where an older
@@ -27,10 +27,12 @@ ignores the header.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -119,10 +121,32 @@ def _call(what: str, job: str, fn, *args):
 # ----------------------------------------------------------------- submit
 
 
+def _project_files() -> list[str]:
+    """Files to ship: in a git checkout what git sees (tracked + untracked, .gitignore
+    honoured); else everything. EXCLUDE applies in both cases."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(PROJECT_ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            capture_output=True, check=True, timeout=30,
+        ).stdout.decode()
+        files = [f for f in out.split("\0") if f]
+    except (OSError, subprocess.SubprocessError):
+        files = [str(p.relative_to(PROJECT_ROOT)) for p in PROJECT_ROOT.rglob("*")]
+    keep = []
+    for rel in files:
+        if any(fnmatch.fnmatch(part, pat) for part in Path(rel).parts for pat in EXCLUDE):
+            continue
+        if (PROJECT_ROOT / rel).is_file():
+            keep.append(rel)
+    return keep
+
+
 def stage_project(dest_root: Path, config: str) -> str:
     """Copy the project to dest_root/loomtrain; return CONFIG's path inside dest_root."""
     pkg = dest_root / "loomtrain"
-    shutil.copytree(PROJECT_ROOT, pkg, ignore=shutil.ignore_patterns(*EXCLUDE), symlinks=False)
+    for rel in _project_files():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(PROJECT_ROOT / rel, pkg / rel)
     cfg = Path(config).resolve()
     if not cfg.is_file():
         raise JobsError(f"config file not found: {config}")

@@ -81,6 +81,9 @@ def test_submit_status_logs_stop_round_trip(ray_head, tmp_path, capsys):
     assert rc == 0 and "STOPPED" in out, out
     rc, out, _ = jobs(capsys, "status", job_id, *addr)
     assert rc == 0 and f"{job_id}: STOPPED" in out, out
+    # --follow on a finished job prints its logs and ends with its final state.
+    rc, out, err = jobs(capsys, "logs", job_id, *addr, "--follow")
+    assert rc == 1 and "loomtrain: Ray Train" in out and "STOPPED" in err, (out[-2000:], err)
 
 
 def test_unknown_job_and_unreachable_address_are_clear_errors(ray_head, capsys, monkeypatch):
