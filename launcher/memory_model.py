@@ -71,9 +71,10 @@ DEVICES: dict[str, Device] = {
 # Assumed model-FLOPs utilization for the step-time prediction: between torchtitan's
 # 33-39% (Llama-3 8B, 8 x H100) and Megatron-LM's up to 47% (ANCHORS.md).
 DEFAULT_MFU = 0.40
-# CUDA context, NCCL buffers, DeepSpeed's bucket buffers and allocator fragmentation:
-# a fixed allowance, not derived (typical observed values are 1-3 GiB).
-RESERVE_GIB = 2.0
+# CUDA context, NCCL buffers and allocator fragmentation on a GPU: a fixed allowance, not
+# derived (typically ~1 GiB). DeepSpeed's own working buffers are computed (ds_buffers).
+RESERVE_GIB = 1.0
+DS_BUCKET_ELEMS = 500_000_000  # DeepSpeed's default reduce / all-reduce bucket (elements)
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -218,6 +219,27 @@ def model_state_bytes(n_rank: int, stage: int, dp: int, precision: str, offload:
     return ModelStates(params, grads, optim, offloaded, (p_b, g_b, o_b))
 
 
+def ds_buffers(n_rank: int, stage: int, dp: int, precision: str, offload: bool = False,
+               bucket_elems: int = DS_BUCKET_ELEMS) -> tuple[float, float]:
+    """(reduce bucket, fp32 gradient copy) bytes DeepSpeed allocates besides the model states.
+
+    The ZeRO paper counts such constant-size buffers as residual states, not model states.
+    Stages 1-3 allocate a contiguous reduce bucket of `reduce_bucket_size` elements in the
+    gradient dtype (in full, even for a smaller model); stage 0 flattens gradients into
+    all-reduce buckets of up to that size. In mixed precision the optimizer step works on
+    an fp32 copy of the (partitioned) gradients: 4 B/param / dp at stages 1-3, 4 B/param at
+    stage 0 (DeepSpeed's bf16/fp16 optimizer); with offload that copy is in host memory.
+    """
+    g = _DTYPE_BYTES[precision]
+    bucket = g * (bucket_elems if stage >= 1 else min(bucket_elems, n_rank))
+    fp32_grads = 0.0
+    if precision != "fp32" or stage >= 1:
+        fp32_grads = 4 * n_rank / (dp if stage >= 1 else 1)
+    if offload:
+        fp32_grads = 0.0
+    return float(bucket), fp32_grads
+
+
 # ---------------------------------------------------------------------- activations
 @dataclass
 class Activations:
@@ -300,7 +322,9 @@ class Plan:
     analytic_params: int
     states: ModelStates
     activations: Activations
-    reserve: float
+    reserve: float  # CUDA context / NCCL allowance (GPU only)
+    ds_bucket: float
+    ds_fp32_grads: float
     total_per_rank: float
     device: Device
     fits: bool
@@ -320,6 +344,17 @@ class Plan:
         d = asdict(self)
         d["states"]["total"] = self.states.total
         return d
+
+
+def _bucket_elems(run: Any, dp: int) -> int:
+    """reduce_bucket_size from the DeepSpeed config the engine will use (DeepSpeed's default)."""
+    try:
+        from loomtrain.launcher.engine import ds_config
+
+        zero = ds_config(run, dp).get("zero_optimization", {})
+        return int(zero.get("reduce_bucket_size", DS_BUCKET_ELEMS))
+    except ImportError:  # pragma: no cover
+        return DS_BUCKET_ELEMS
 
 
 def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT_MFU, model: Any = None) -> Plan:
@@ -345,7 +380,8 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
     acts = activation_bytes(cfg, tr.seq_len, tr.micro_batch_size, tp, prec,
                             par.sequence_parallel, par.activation_checkpointing)
     reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
-    total = states.total + acts.total + reserve
+    bucket, fp32_grads = ds_buffers(pc.per_rank, stage, dp, prec, par.offload_optimizer, _bucket_elems(run, dp))
+    total = states.total + acts.total + reserve + bucket + fp32_grads
     tokens = tr.global_batch_size * tr.seq_len
     if hasattr(model, "flops_per_token"):
         fpt = float(model.flops_per_token(tr.seq_len))
@@ -365,7 +401,7 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
         world_size=world_size, tp=tp, dp=dp, zero_stage=stage, precision=prec, grad_accum=accum,
         micro_batch=tr.micro_batch_size, seq_len=tr.seq_len, tokens_per_step=tokens,
         params=pc, analytic_params=analytic_param_count(cfg), states=states, activations=acts,
-        reserve=reserve, total_per_rank=total, device=dev,
+        reserve=reserve, ds_bucket=bucket, ds_fp32_grads=fp32_grads, total_per_rank=total, device=dev,
         fits=dev.memory_gib * GiB >= total, flops_per_token=fpt, hw_flops_per_token=hw,
         flops_per_step=fpt * tokens, tp_comm_payload=payload * accum, tp_comm_sent=sent * accum,
         dp_comm_sent=dp_comm_bytes_per_step(pc.per_rank, stage, dp, prec), assumed_mfu=mfu,

@@ -53,7 +53,9 @@ def format_plan(p: mm.Plan, config: str = "") -> str:
         f"  model states                                       {_gib(st.total)}",
         f"  activations, micro-batch {p.micro_batch:<4}                      {_gib(act.total)}"
         f"   ({act.variant}; eager attention {act.eager_total / GiB:.2f})",
-        f"  reserve (CUDA context, NCCL, DS buffers)           {_gib(p.reserve)}",
+        f"  DeepSpeed reduce bucket                            {_gib(p.ds_bucket)}",
+        f"  fp32 gradient copy in the optimizer step           {_gib(p.ds_fp32_grads)}",
+        f"  CUDA context, NCCL (allowance)                     {_gib(p.reserve)}",
         f"  total                                              {_gib(p.total_per_rank)}"
         f"   of {p.device.memory_gib:.1f} GiB",
         "",

@@ -1,0 +1,337 @@
+"""`loomtrain dryrun CONFIG [--steps N] [--world-size W] [--gpu NAME] [key=value ...]`
+
+Runs exactly one rank of a cluster config on this machine (its GPU, else the CPU) and
+prints what it measured next to `plan`'s prediction, as a table.
+
+One rank's shard, without its peers: the full-size model is built on the meta device
+(accelerate's `init_empty_weights`: no memory), then the real TP plan
+(`loomtrain.parallel.parallelize`) shards it for TP rank 0 of `parallel.tp` through a
+stand-alone topology whose TP group is None, which loomtrain's collectives treat as a
+group of one (every TP all-reduce / all-gather is the identity). So the modules,
+shapes, dtypes and parameter attributes are exactly one cluster rank's; only the
+communication is missing (the TP bytes `plan` predicts are not moved). The shard is
+then materialized on the local device with `to_empty` and initialised (N(0, init_std)
+matrices, unit norms, zero biases), and trained through the real DeepSpeed engine
+(`engine.build_engine`) at the config's ZeRO stage and precision with dp = 1 and one
+micro-batch per step, on random tokens. With dp = 1 ZeRO divides nothing, so the
+table has three columns: plan for one rank of the cluster, plan for this dry run
+(the same rank at dp = 1), and the measurement, which checks the arithmetic that the
+cluster column extrapolates.
+
+On a GPU, accelerate's `find_executable_batch_size` then searches the largest
+micro-batch that fits (from --max-micro down); on a CPU the table reports plan's
+estimate from free host memory instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loomtrain.launcher import memory_model as mm
+
+GiB = mm.GiB
+
+
+@dataclass
+class OneRankTopology:
+    """TP rank `tp_rank` of a tp-way group, alone (no process group, dp = 1).
+
+    Duck-types loomtrain.parallel.Topology for `parallelize` and `make_loss_fn`; a TP
+    group of None makes every collective in loomtrain.parallel.collectives the identity.
+    """
+
+    tp: int
+    tp_rank: int = 0
+    tp_group: object = None
+    dp_group: object = None
+    dp_size: int = 1
+    dp_rank: int = 0
+    tp_ranks: list = field(default_factory=list)
+    dp_ranks: list = field(default_factory=list)
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+    @property
+    def rank(self) -> int:
+        return self.tp_rank
+
+    def tp_subgroup(self, size: int):
+        return None
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        from loomtrain.parallel import padded_vocab_size
+
+        return padded_vocab_size(vocab_size, self.tp)
+
+
+@torch.no_grad()
+def _init_shard(model: torch.nn.Module, std: float, n_layers: int) -> None:
+    """The model's own scheme (Transformer.init_weights): N(0, std), residual outputs
+    (attn.wo, ffn.down) std / sqrt(2 * n_layers), unit norms, zero biases."""
+    for name, p in model.named_parameters():
+        if name.endswith(("attn.wo.weight", "ffn.down.weight")):
+            p.normal_(0.0, std / math.sqrt(2 * n_layers))
+        elif p.ndim >= 2:
+            p.normal_(0.0, std)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.fill_(1.0)
+
+
+def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Module:
+    """One TP rank's shard of the cluster model, materialized on `device` only."""
+    from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
+    from loomtrain.parallel import parallelize
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
+    model = mm.build_meta_model(cfg.model)
+    parallelize(model, OneRankTopology(cfg.parallel.tp, tp_rank), sequence_parallel=cfg.parallel.sequence_parallel)
+    # to_empty also empties real buffers (ALiBi slopes, already sliced for this rank): keep them.
+    buffers = {n: b.clone() for n, b in model.named_buffers() if b is not None and b.device.type != "meta"}
+    model.to(dtype=dtype)  # still on meta: the shard is allocated once, in the training dtype
+    model.to_empty(device=device)
+    for name, value in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        getattr(model.get_submodule(owner) if owner else model, leaf).copy_(value)
+    _init_shard(model, cfg.model.init_std, cfg.model.n_layers)
+    model.reset_buffers()  # RoPE / sinusoidal tables
+    if cfg.parallel.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return model.to(dtype=dtype)  # the position tables follow
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Measured:
+    states: dict
+    step_times: list[float]
+    peak_bytes: int  # device peak (CUDA) or peak RSS growth (CPU)
+    largest_micro: int | None = None
+    micro_note: str = ""
+    skipped: int = 0  # steps DeepSpeed skipped (non-finite gradients)
+
+
+def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0) -> Measured:
+    from loomtrain.launcher.engine import build_engine
+    from loomtrain.launcher.memory_measure import GradPeak, measure
+    from loomtrain.parallel import make_loss_fn
+
+    t = cfg.train
+    topo = OneRankTopology(cfg.parallel.tp)
+    base_rss = _rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_rank_shard(cfg, device)
+    engine, _, _ = build_engine(cfg, model, dp_size=1)
+    loss_fn = make_loss_fn(topo, cfg.model.vocab_size)
+    peak = GradPeak(engine)
+    gen = torch.Generator(device="cpu").manual_seed(t.seed)
+
+    def one_step(micro: int) -> float:
+        tokens = torch.randint(0, cfg.model.vocab_size, (micro, t.seq_len + 1), generator=gen).to(device)
+        _sync(device)
+        start = time.perf_counter()
+        loss = loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
+        engine.backward(loss)
+        peak.sample()
+        engine.step()
+        _sync(device)
+        return time.perf_counter() - start
+
+    times = []
+    states = None
+    for i in range(steps):
+        times.append(one_step(t.micro_batch_size))
+        if i == 0:
+            states = measure(engine, peak)
+            peak.remove()
+    if device.type == "cuda":
+        peak_bytes = int(torch.cuda.max_memory_allocated(device))
+    else:
+        peak_bytes = _peak_rss() - base_rss
+    result = Measured(states, times, peak_bytes, skipped=int(engine.skipped_steps))
+    if device.type == "cuda" and search_from:
+        from accelerate.utils import find_executable_batch_size
+
+        @find_executable_batch_size(starting_batch_size=search_from)
+        def largest(batch_size: int) -> int:
+            one_step(batch_size)
+            return batch_size
+
+        try:
+            result.largest_micro = largest()
+            result.micro_note = f"largest that fits, searched down from {search_from}"
+        except RuntimeError as exc:
+            result.micro_note = f"search failed: {exc}"
+    return result
+
+
+def _local_device(cfg) -> torch.device:
+    if cfg.train.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _local_peak_flops(device: torch.device, precision: str) -> float:
+    from loomtrain.launcher.metrics import device_peak_flops
+
+    return device_peak_flops(device, precision)
+
+
+def _row(label: str, *cells: str) -> str:
+    return f"  {label:<34}" + "".join(f"{c:>22}" for c in cells)
+
+
+def _t(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 \
+        else f"{seconds * 1e6:.3g} us"
+
+
+def _g(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x / GiB:.3f} GiB" if abs(x) >= GiB else f"{x / 2**20:.2f} MiB"
+
+
+def format_table(cfg, cluster: mm.Plan, local: mm.Plan, meas: Measured, device: torch.device,
+                 local_peak: float, mfu: float, cpu_micro_estimate: int | None) -> str:
+    t = cfg.train
+    st = meas.states
+    tokens = t.micro_batch_size * t.seq_len
+    # One micro-batch step of this rank: 1/tp of the model FLOPs (TP splits every matmul).
+    flops_rank = cluster.flops_per_token * tokens / cluster.tp
+    hw_rank = cluster.hw_flops_per_token * tokens / cluster.tp
+    cluster_peak = (cluster.device.fp32_tflops if t.precision == "fp32" else cluster.device.bf16_tflops) * 1e12
+    steps = meas.step_times[1:] or meas.step_times
+    measured_t = statistics.median(steps)
+    plan_local_t = hw_rank / (local_peak * mfu) if local_peak and math.isfinite(local_peak) else float("nan")
+    plan_cluster_t = hw_rank / (cluster_peak * mfu)
+    act_meas = None
+    if device.type == "cuda":
+        act_meas = meas.peak_bytes - st["model_states"] - st["buffers"]
+    peak_label = "peak allocated (CUDA)" if device.type == "cuda" else "peak RSS growth (CPU)"
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    head = (f"dryrun: one rank of {cluster.world_size} = tp {cluster.tp} x dp {cluster.dp}, ZeRO-{cluster.zero_stage}, "
+            f"{t.precision}, micro-batch {t.micro_batch_size} x seq {t.seq_len}, "
+            f"{cluster.params.per_rank / 1e6:,.1f} M params on this rank; measured on {dev_name}")
+    lines = [
+        head,
+        "",
+        _row("", "plan: cluster rank", "plan: this dry run", "measured here"),
+        _row("", f"{cluster.device.name[:20]}", f"dp 1, {device.type}", f"dp 1, {device.type}"),
+        _row("parameters", _g(cluster.states.params), _g(local.states.params), _g(st["params"])),
+        _row("gradients (peak)", _g(cluster.states.grads), _g(local.states.grads), _g(st["grads"])),
+        _row("optimizer states", _g(cluster.states.optimizer), _g(local.states.optimizer), _g(st["optimizer"])),
+        _row("model states", _g(cluster.states.total), _g(local.states.total), _g(st["model_states"])),
+        _row("DeepSpeed reduce bucket", _g(cluster.ds_bucket), _g(local.ds_bucket), _g(st["buffers"])),
+        _row("activations, 1 micro-batch", _g(cluster.activations.total), _g(local.activations.total), _g(act_meas)),
+        _row(peak_label if device.type == "cuda" else "total / " + peak_label,
+             _g(cluster.total_per_rank), _g(local.total_per_rank - local.reserve), _g(meas.peak_bytes)),
+        _row("time per micro-batch step", _t(plan_cluster_t), _t(plan_local_t), _t(measured_t)),
+        _row("tokens/s (this rank)", f"{tokens / plan_cluster_t:,.0f}", f"{tokens / plan_local_t:,.0f}"
+             if math.isfinite(plan_local_t) else "-", f"{tokens / measured_t:,.0f}"),
+        _row("MFU", f"{mfu:.0%} (assumed)", f"{mfu:.0%} (assumed)",
+             f"{flops_rank / measured_t / local_peak:.1%}" if math.isfinite(local_peak) else "-"),
+        "",
+        f"cluster step: {cluster.grad_accum} micro-batches x {plan_cluster_t:.3f} s -> {cluster.step_time_s:.2f} s "
+        f"predicted ({cluster.tokens_per_s:,.0f} tokens/s over {cluster.world_size} ranks); "
+        + ("fits" if cluster.fits else "WILL NOT FIT") + f" in {cluster.device.memory_gib:.1f} GiB "
+        f"({cluster.total_per_rank / GiB:.2f} GiB per rank)",
+        f"local peak {local_peak / 1e12:.3g} TFLOP/s ({'measured matmul' if device.type == 'cpu' else 'datasheet'}); "
+        f"steps timed: {', '.join(f'{x:.3f}' for x in meas.step_times)} s (first = warm-up, excluded); "
+        "the measured step includes the optimizer step, which the cluster amortizes over "
+        f"{cluster.grad_accum} micro-batches, and no TP/DP communication.",
+    ]
+    if meas.skipped:
+        lines.append(f"WARNING: {meas.skipped} of {len(meas.step_times)} steps were skipped (non-finite gradients); "
+                     "Adam's states exist only after an applied step.")
+    if meas.largest_micro is not None or meas.micro_note:
+        lines.append(f"largest micro-batch on this {device.type}: {meas.largest_micro} ({meas.micro_note})")
+    elif cpu_micro_estimate is not None:
+        lines.append(f"largest micro-batch on this host (plan's estimate from free memory; no search on CPU): "
+                     f"{cpu_micro_estimate}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="loomtrain dryrun", description=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides (they apply to the plan columns too)")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps to run (default 3; the first is warm-up)")
+    ap.add_argument("--world-size", type=int, default=None, help="cluster ranks (default: ray.num_workers)")
+    ap.add_argument("--gpu", default="h100", choices=sorted(mm.DEVICES), help="cluster GPU for the plan column")
+    ap.add_argument("--mfu", type=float, default=mm.DEFAULT_MFU, help="assumed MFU for the predictions")
+    ap.add_argument("--max-micro", type=int, default=0,
+                    help="GPU only: search the largest micro-batch from this size down (0 = 4 x micro)")
+    args = ap.parse_intermixed_args(argv)
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
+
+    from loomtrain.launcher.config_loader import ConfigError, load_config
+    from loomtrain.launcher.plan import _default_world
+
+    try:
+        world = args.world_size or _default_world(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, world_size=world)
+        cluster = mm.make_plan(cfg, world, args.gpu, args.mfu)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"loomtrain dryrun: {exc}", file=sys.stderr)
+        return 2
+    # This machine: the same rank at dp = 1, one micro-batch per optimizer step.
+    cfg.train.global_batch_size = cfg.train.micro_batch_size
+    device = _local_device(cfg)
+    local_gpu = "cpu" if device.type == "cpu" else args.gpu
+    local = mm.make_plan(cfg, cfg.parallel.tp, local_gpu, args.mfu)
+
+    from loomtrain.launcher.distributed import init_distributed
+
+    init_distributed(cfg)
+    search_from = args.max_micro or 4 * cfg.train.micro_batch_size
+    meas = run_steps(cfg, device, args.steps, search_from if device.type == "cuda" else 0)
+    cpu_estimate = None
+    if device.type == "cpu":
+        import psutil
+
+        per_sample = local.activations.total / cfg.train.micro_batch_size
+        room = psutil.virtual_memory().available + meas.peak_bytes - local.states.total
+        cpu_estimate = max(0, int(room // per_sample))
+    peak = _local_peak_flops(device, cfg.train.precision)
+    print(format_table(cfg, cluster, local, meas, device, peak, args.mfu, cpu_estimate))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
