@@ -1,0 +1,235 @@
+"""Where DeepSpeed keeps a parameter's fp32 master and Adam moments, and how a tensor-parallel
+shard is joined into the full tensor and cut again for another TP size.
+
+Used by checkpoint.py (save / load at any layout) and weights.py (final weights at tp > 1).
+
+    read_local(engine, p, key)        this TP rank's fp32 master (key None) or Adam moment
+                                      ("exp_avg", "exp_avg_sq") of p, whole over DP
+    write_local(engine, p, key, v)    the reverse (every DP rank passes the same value)
+    gather_tp(local, p.tp_meta, topo) the full, unpadded tensor from the TP group's shards
+    shard_tp(full, p.tp_meta)         this rank's shard, cut the way the TP plan cuts it
+
+DeepSpeed's holders, all reached through `deepspeed.utils.safe_{get,set}_full_*` where it
+has them: ZeRO 1/2 (flat fp32 partitions, `_hp_mapping`), bf16 at ZeRO 0 (BF16_Optimizer,
+also `_hp_mapping`, or the unfused wrapper's per-parameter fp32 copies), ZeRO 3 (`ds_id`),
+and fp32 at ZeRO 0 (the parameter itself, the client optimizer's state). Adam's state
+is created lazily at the first step, so `ensure_optimizer_state` creates it (zeros, step
+0: exactly what AdamW would create) before anything is read or written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+# Distributed helpers (all no-ops in a lone process without a process group) ---------
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist() else 1
+
+
+def barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def broadcast_str(value: str | None) -> str | None:
+    """Rank 0's value on every rank."""
+    if not _dist():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# Where DeepSpeed keeps fp32 masters and optimizer state --------------------------------
+def _inner_optimizer(opt):
+    """The torch optimizer whose `.state` holds the Adam moments."""
+    return opt.optimizer if hasattr(opt, "optimizer") and isinstance(getattr(opt, "optimizer"), torch.optim.Optimizer) else opt
+
+
+def _flat_groups(opt) -> tuple[list, list] | None:
+    """(lp param lists, flat fp32 partitions) for DeepSpeed's wrapped optimizers, else None."""
+    if hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO 1/2
+        return opt.bit16_groups, opt.single_partition_of_fp32_groups
+    if hasattr(opt, "fp32_groups_flat_partition"):  # bf16 at ZeRO 0
+        return opt.bf16_groups, opt.fp32_groups_flat_partition
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO 3
+        return None, opt.fp32_partitioned_groups_flat
+    return None
+
+
+def ensure_optimizer_state(engine) -> None:
+    """Make Adam's (lazily created) state exist so it can be read or written before step 1."""
+    opt = engine.optimizer
+    inner = _inner_optimizer(opt)
+    groups = _flat_groups(opt)
+    if groups is None:
+        targets = [p for g in inner.param_groups for p in g["params"]]
+    else:
+        targets = list(groups[1])
+    for t in targets:
+        st = inner.state[t]
+        if "exp_avg" not in st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(t, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(t, memory_format=torch.preserve_format)
+    if groups is not None and groups[0] is not None:
+        from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+        for lp, flat in zip(*groups):
+            lazy_init_hp_params_optimizer_state(lp, flat, inner.state)
+        opt._hp_optimizer_states_linked = True
+
+
+def _adam_step(engine) -> float:
+    inner = _inner_optimizer(engine.optimizer)
+    for st in inner.state.values():
+        if "step" in st:
+            s = st["step"]
+            return float(s.item() if torch.is_tensor(s) else s)
+    return 0.0
+
+
+def _set_adam_step(engine, step: float) -> None:
+    inner = _inner_optimizer(engine.optimizer)
+    for st in inner.state.values():
+        if "step" in st:
+            st["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def _is_ds(p) -> bool:
+    """Held by a DeepSpeed optimizer wrapper (ZeRO 1-3, bf16): read/write via safe_*_full_*."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def _master_of(engine, p):
+    """The fp32 master of a plain (non-ZeRO) parameter: itself, or the per-parameter fp32
+    copy DeepSpeed's unfused low-precision wrapper keeps (bf16/fp16 at ZeRO 0)."""
+    opt = engine.optimizer
+    if hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):
+        for lp_group, hp_group in zip(opt.fp16_groups, opt.fp32_groups):
+            for lp, hp in zip(lp_group, hp_group):
+                if lp is p:
+                    return hp
+    return p
+
+
+def _local_full_shape(p) -> tuple:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def read_local(engine, p, key: str | None) -> torch.Tensor:
+    """This TP rank's fp32 master (key None) or Adam moment of p, whole over DP (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if _is_ds(p):
+        t = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
+        return t.detach().float().cpu().reshape(_local_full_shape(p))
+    hp = _master_of(engine, p)
+    if key is None:
+        return hp.detach().float().cpu().clone()
+    st = _inner_optimizer(engine.optimizer).state.get(hp, {})
+    return st[key].detach().float().cpu().clone() if key in st else torch.zeros(p.shape)
+
+
+def write_local(engine, p, key: str | None, value: torch.Tensor) -> None:
+    """Set this TP rank's fp32 master / moment of p (every DP rank calls it with the same value)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    value = value.contiguous()
+    if _is_ds(p):
+        dev = p.device if not hasattr(p, "ds_tensor") else p.ds_tensor.device
+        v = value.to(dev, torch.float32)
+        if key is None:
+            safe_set_full_fp32_param(p, v)
+        else:
+            safe_set_full_optimizer_state(p, v, key)
+        if key is None and not hasattr(p, "ds_id"):
+            p.data.copy_(value.to(p.device, p.dtype))  # the low-precision / model copy
+        return
+    hp = _master_of(engine, p)
+    if key is None:
+        p.data.copy_(value.to(p.device, p.dtype))
+        if hp is not p:
+            hp.data.copy_(value.to(hp.device, hp.dtype))
+    else:
+        _inner_optimizer(engine.optimizer).state[hp][key].copy_(value.to(hp.device))
+
+
+def _set_zero3_model_weights(params_values) -> None:
+    """ZeRO-3 holds the model's (partitioned) weights apart from the fp32 masters: refresh them."""
+    import deepspeed
+
+    params = [p for p, _ in params_values]
+    if not params:
+        return
+    # Every DP rank holds the same full values; rank 0's copy is re-partitioned on exit.
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        for p, v in params_values:
+            p.data.copy_(v.to(p.device, p.dtype).reshape(p.shape))
+
+
+# Tensor-parallel gather / re-slice --------------------------------------------------
+def _tp_meta(p) -> dict | None:
+    return getattr(p, "tp_meta", None)
+
+
+def gather_tp(local: torch.Tensor, meta: dict | None, topology) -> torch.Tensor:
+    """The full, unpadded tensor from this TP group's shards (collective over the TP group)."""
+    if meta is None or topology is None or topology.tp_size == 1:
+        if meta is not None:  # tp == 1 but padded (not expected): drop padding anyway
+            return local.narrow(meta["partition_dim"], 0, meta["full_shape"][meta["partition_dim"]]).clone()
+        return local
+    tp = topology.tp_size
+    bufs = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(bufs, local.contiguous(), group=topology.tp_group)
+    idx = torch.tensor([meta["shard_index"]], dtype=torch.long)
+    idxs = [torch.empty_like(idx) for _ in range(tp)]
+    dist.all_gather(idxs, idx, group=topology.tp_group)
+    by_index = {}
+    for i, b in zip(idxs, bufs):
+        by_index.setdefault(int(i), b)
+    n = meta["num_shards"]
+    dim = meta["partition_dim"]
+    full = torch.cat([by_index[j] for j in range(n)], dim=dim)
+    return full.narrow(dim, 0, meta["full_shape"][dim]).clone()
+
+
+def shard_tp(full: torch.Tensor, meta: dict | None) -> torch.Tensor:
+    """This rank's shard of a full, unpadded tensor, as the TP plan would cut it."""
+    if meta is None:
+        return full
+    dim, padded, n, i = meta["partition_dim"], meta["padded_size"], meta["num_shards"], meta["shard_index"]
+    if padded > full.shape[dim]:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    return full.chunk(n, dim=dim)[i].contiguous()
+
+
+def named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
+    """Trainable parameters by name, each once (a tied table under its first name)."""
+    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def consolidated_weights(engine, topology, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Full, unpadded fp32 master weights by name on rank `dst` (None elsewhere).
+
+    Collective: every rank calls it. Used for the final weights at tp > 1 / ZeRO-3."""
+    out = {} if _rank() == dst else None
+    for name, p in named_params(engine):
+        full = gather_tp(read_local(engine, p, None), _tp_meta(p), topology)
+        if out is not None:
+            out[name] = full
+    return out
