@@ -27,7 +27,9 @@ Checkpoint hand-back (the decision, and why):
   ({"path", "step"}). Our retention (checkpoint.keep_last / keep_every) owns
   the real files; Ray keeps only the newest pointer (`CheckpointConfig(
   num_to_keep=1)`), so Ray never deletes checkpoint data and never keeps a
-  list of its own that could point at files our retention removed.
+  list of its own that could point at files our retention removed. A pointer
+  uploaded by a worker that died before Ray registered it is removed at the
+  next (re)start (`clean_orphan_pointers`).
   On a restart, the resume source is our own scan of RUN_DIR/checkpoints (the
   newest complete one), which also finds a checkpoint that was published but
   not yet reported when a worker died; Ray's handed-back pointer is only
@@ -131,6 +133,32 @@ def read_pointer(checkpoint) -> dict | None:
         return json.loads(p.read_text()) if p.is_file() else None
 
 
+def clean_orphan_pointers(cfg: RunConfig, keep) -> list[str]:
+    """Remove pointer dirs in Ray's storage that Ray never registered.
+
+    A worker that dies right after `report` can leave an uploaded pointer dir the
+    controller never learnt of; Ray's retention would never delete it. With
+    num_to_keep=1 the only registered one is the checkpoint Ray hands back
+    (`keep`), so at a (re)start every other `checkpoint_*` dir of our Ray run is
+    such an orphan. Called on rank 0 before any report of this attempt.
+    """
+    import pyarrow.fs as pafs
+
+    try:
+        fs, root = pafs.FileSystem.from_uri(storage_path(cfg))
+        infos = fs.get_file_info(pafs.FileSelector(f"{root.rstrip('/')}/{RAY_RUN_NAME}", allow_not_found=True))
+    except (OSError, ValueError):
+        return []
+    keep_name = Path(keep.path).name if keep is not None else None
+    removed = []
+    for info in infos:
+        if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_") \
+                and info.base_name != keep_name:
+            fs.delete_dir(info.path)
+            removed.append(info.path)
+    return removed
+
+
 # ----------------------------------------------------------------- worker side
 
 
@@ -231,8 +259,12 @@ def train_worker(config: dict) -> None:
 
     world = ray.train.get_context().get_world_size()
     cfg = config_from_dict(config["cfg"], world_size=world)
-    pointer = read_pointer(ray.train.get_checkpoint())
+    handed_back = ray.train.get_checkpoint()
+    pointer = read_pointer(handed_back)
     ray_step = pointer["step"] if pointer else None
+    if ray.train.get_context().get_world_rank() == 0:
+        for path in clean_orphan_pointers(cfg, handed_back):
+            print(f"loomtrain: removed unregistered Ray checkpoint pointer {path}", flush=True)
     # Restart after a failure: our scan is the source of truth (it also sees a
     # checkpoint published but not yet reported); Ray's pointer is a cross-check.
     if cfg.checkpoint.resume != "auto":
