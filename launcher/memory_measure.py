@@ -19,7 +19,8 @@ their alignment padding, which is real memory).
   sampled after each parameter's gradient is accumulated and at the end of backward.
   ZeRO-1 reduces only at the end of backward, so its peak holds the full gradients
   (the ZeRO paper's stage-1 figure) although only a partition survives it.
-* buffers: DeepSpeed's reduce buckets (`ipg_buckets`): constant-size communication
+* buffers: DeepSpeed's reduce buckets (`ipg_buckets`, the larger of now and the peak
+  sampled during backward, since stages 1-2 free them after the step): constant-size communication
   buffers, which the ZeRO paper counts as residual states, not model states.
   Gradients that live inside a bucket are counted here, not under grads.
 """
@@ -98,6 +99,7 @@ class GradPeak:
     def __init__(self, engine: Any):
         self.engine = engine
         self.peak = 0
+        self.bucket_peak = 0  # stages 1-2 free their reduce bucket after the step
         self._handles = [p.register_post_accumulate_grad_hook(lambda _p: self.sample())
                          for p in engine.module.parameters() if p.requires_grad]
 
@@ -106,6 +108,7 @@ class GradPeak:
         buckets = _storages(_bucket_tensors(opt))
         live = {k: v for k, v in _storages(_grad_tensors(self.engine)).items() if k not in buckets}
         self.peak = max(self.peak, sum(live.values()))
+        self.bucket_peak = max(self.bucket_peak, sum(buckets.values()))
 
     def reset(self) -> None:
         self.peak = 0
@@ -123,7 +126,8 @@ def measure(engine: Any, grad_peak: GradPeak | None = None) -> dict[str, int]:
     params = _storages(_params(engine))
     opt_st = {k: v for k, v in _storages(_optimizer_tensors(engine)).items() if k not in params}
     buckets = _storages(_bucket_tensors(engine.optimizer))
-    out = dict(params=sum(params.values()), optimizer=sum(opt_st.values()), buffers=sum(buckets.values()))
+    out = dict(params=sum(params.values()), optimizer=sum(opt_st.values()),
+               buffers=max(sum(buckets.values()), grad_peak.bucket_peak if grad_peak is not None else 0))
     if grad_peak is not None:
         out["grads"] = grad_peak.peak
     out["model_states"] = out["params"] + out["optimizer"] + out.get("grads", 0)
