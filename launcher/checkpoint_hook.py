@@ -90,8 +90,13 @@ class CheckpointHook(Hooks):
         if found is None:
             return
         t0 = time.perf_counter()
-        trainer = load_checkpoint(found, ctx.engine, ctx.topology, stream=ctx.train_stream,
-                                  lr_scheduler=ctx.scheduler, zero_stage=self.cfg.parallel.zero_stage)
+        try:
+            trainer = load_checkpoint(found, ctx.engine, ctx.topology, stream=ctx.train_stream,
+                                      lr_scheduler=ctx.scheduler, zero_stage=self.cfg.parallel.zero_stage)
+        except ValueError as exc:  # another model shape: the same verdict on every rank
+            from loomtrain.launcher.config_loader import ConfigError
+
+            raise ConfigError(f"checkpoint.resume={c.resume}: {exc}") from exc
         state = trainer.get("counters", {}).get("state")
         if state:
             ctx.state.load_state_dict(state)

@@ -133,6 +133,15 @@ def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path, cache, straig
     assert [got[s] for s in range(6, STEPS + 1)] == [want[s] for s in range(6, STEPS + 1)]
 
 
+def test_resume_with_another_model_shape_is_a_config_error(tmp_path, cache, straight1):
+    proc = subprocess.run(train_cmd(tmp_path / "other", cache, "model.d_model=32",
+                                    f"checkpoint.resume={ckpt(straight1, 20)}"),
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=clean_env())
+    assert proc.returncode == 2
+    err = [l for l in proc.stderr.splitlines() if l.startswith("loomtrain: config error")]
+    assert len(err) == 1 and "checkpoint.resume=" in err[0] and "tok_emb.weight" in err[0], proc.stderr[-2000:]
+
+
 def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, cache, straight1):
     import shutil
 
