@@ -117,8 +117,8 @@ def save_checkpoint(store: CheckpointStore, step: int, engine, topology, *, stre
     weights, moments, index = {}, {}, {}
     for i, (name, p) in enumerate(named_params(engine)):
         meta = _tp_meta(p)
-        full = gather_tp(read_local(engine, p, None), meta, topology)
-        moms = [gather_tp(read_local(engine, p, k), meta, topology) for k in MOMENTS]
+        full = gather_tp(read_local(engine, p, None), meta, topology).cpu()
+        moms = [gather_tp(read_local(engine, p, k), meta, topology).cpu() for k in MOMENTS]
         owner = i % world
         if rank == owner:
             weights[name] = full.contiguous()

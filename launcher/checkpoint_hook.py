@@ -58,7 +58,7 @@ class CheckpointHook(Hooks):
     def _term_agreed(self, ctx: TrainContext) -> bool:
         flag = self._term
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.dist.device)  # NCCL: on the GPU
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flag = bool(t.item())
         return flag

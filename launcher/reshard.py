@@ -130,17 +130,19 @@ def _local_full_shape(p) -> tuple:
 
 
 def read_local(engine, p, key: str | None) -> torch.Tensor:
-    """This TP rank's fp32 master (key None) or Adam moment of p, whole over DP (collective)."""
+    """This TP rank's fp32 master (key None) or Adam moment of p, whole over DP (collective).
+
+    On the parameter's device (NCCL gathers need CUDA tensors); callers move it to the CPU."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     if _is_ds(p):
         t = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
-        return t.detach().float().cpu().reshape(_local_full_shape(p))
+        return t.detach().float().reshape(_local_full_shape(p))
     hp = _master_of(engine, p)
     if key is None:
-        return hp.detach().float().cpu().clone()
+        return hp.detach().float().clone()
     st = _inner_optimizer(engine.optimizer).state.get(hp, {})
-    return st[key].detach().float().cpu().clone() if key in st else torch.zeros(p.shape)
+    return st[key].detach().float().clone() if key in st else torch.zeros(p.shape, device=hp.device)
 
 
 def write_local(engine, p, key: str | None, value: torch.Tensor) -> None:
@@ -194,7 +196,7 @@ def gather_tp(local: torch.Tensor, meta: dict | None, topology) -> torch.Tensor:
     tp = topology.tp_size
     bufs = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(bufs, local.contiguous(), group=topology.tp_group)
-    idx = torch.tensor([meta["shard_index"]], dtype=torch.long)
+    idx = torch.tensor([meta["shard_index"]], dtype=torch.long, device=local.device)
     idxs = [torch.empty_like(idx) for _ in range(tp)]
     dist.all_gather(idxs, idx, group=topology.tp_group)
     by_index = {}
@@ -231,5 +233,5 @@ def consolidated_weights(engine, topology, dst: int = 0) -> dict[str, torch.Tens
     for name, p in named_params(engine):
         full = gather_tp(read_local(engine, p, None), _tp_meta(p), topology)
         if out is not None:
-            out[name] = full
+            out[name] = full.cpu()
     return out
