@@ -160,6 +160,7 @@ def save_checkpoint(store: CheckpointStore, step: int, engine, topology, *, stre
             "lr_scheduler": _jsonable(sched.state_dict()) if sched is not None and hasattr(sched, "state_dict") else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params" and _is_plain(v)} for g in inner.param_groups],
             "engine": {k: int(getattr(engine, k, 0) or 0) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")},
+            "loss_scaler": _loss_scaler_state(engine),
             "layout": layout(topology, zero_stage),
         }
         write_json_durable(tmp / "trainer.json", trainer)
@@ -178,6 +179,24 @@ def save_checkpoint(store: CheckpointStore, step: int, engine, topology, *, stre
         path = store.publish(tmp, step, {"layout": layout(topology, zero_stage), "checkpoint_format": FORMAT})
     barrier()
     return store.final_dir(step) if path is None else path
+
+
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _loss_scaler_state(engine) -> dict | None:
+    """fp16's dynamic loss scale (so a resume does not restart it from 2^16); None otherwise."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None:
+        return None
+    out = {}
+    for k in _SCALER_FIELDS:
+        v = getattr(scaler, k, None)
+        if torch.is_tensor(v):
+            v = v.item()
+        if isinstance(v, (int, float)) or v is None:
+            out[k] = v
+    return out
 
 
 def _is_plain(v) -> bool:
@@ -277,6 +296,11 @@ def load_checkpoint(path: str | os.PathLike, engine, topology, *, stream=None, l
     for k, v in trainer.get("engine", {}).items():
         if hasattr(engine, k) and k != "micro_steps":
             setattr(engine, k, v)
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None and trainer.get("loss_scaler"):
+        for k, v in trainer["loss_scaler"].items():
+            if hasattr(scaler, k) and not torch.is_tensor(getattr(scaler, k)):
+                setattr(scaler, k, v)
     if hasattr(engine, "micro_steps"):
         # Micro steps count in this layout's gradient accumulation (it changes with DP size);
         # a saved count from another layout would put the accumulation boundary mid-step.
