@@ -191,8 +191,8 @@ def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0) -> Me
         try:
             result.largest_micro = largest()
             result.micro_note = f"largest that fits, searched down from {search_from}"
-        except RuntimeError as exc:
-            result.micro_note = f"search failed: {exc}"
+        except Exception as exc:  # noqa: BLE001 - e.g. DeepSpeed state left broken by an OOM
+            result.micro_note = f"search stopped: {type(exc).__name__}: {str(exc)[:200]}"
     return result
 
 

@@ -134,12 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _default_world(config: str, overrides: list[str]) -> int:
     """The config's ray.num_workers (checked against tp and the batch sizes afterwards)."""
-    from pathlib import Path
+    from loomtrain.launcher.config_loader import resolve
 
-    from loomtrain.launcher.config_loader import _load_yaml, _parse_overrides, merge_layers
-
-    layers = _load_yaml(Path(config)) + [(_parse_overrides(overrides), "command line")]
-    return merge_layers(layers).ray.num_workers
+    return resolve(config, overrides).ray.num_workers
 
 
 if __name__ == "__main__":
