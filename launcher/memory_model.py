@@ -397,7 +397,7 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
     notes = []
     if prec == "bf16" and stage == 0:
         notes.append("bf16 at ZeRO-0 runs DeepSpeed's FP16_UnfusedOptimizer, whose first AdamW update differs "
-                     "from a plain fp32-master AdamW in ~57% of elements here (ZeRO 1-3 match it exactly); "
+                     "from a plain fp32-master AdamW in ~57% of elements here (ZeRO-1 matches it exactly); "
                      "prefer parallel.zero_stage >= 1 (at dp=1 it holds the same bytes)")
     if cfg.vocab_size % tp:
         notes.append(f"vocab {cfg.vocab_size} padded to {padded_vocab(cfg.vocab_size, tp)} for tp={tp}")
