@@ -1,6 +1,7 @@
 """Checkpoint/resume through the real CLI (`loomtrain train`, torchrun for 4 ranks):
 
-* 20 steps straight == 10 steps, exit, resume, 10 steps (bitwise, CPU fp32):
+* 20 steps straight == 10 steps, exit, the same command again (auto resume), 10 steps
+  (bitwise, CPU fp32):
   one process (ZeRO 0) and TP2 x DP2 at ZeRO 2;
 * the TP2 x DP2 checkpoint resumed at (tp1, dp1), (tp2, dp1), (tp1, dp4): losses within
   1e-5 of the uninterrupted run and the data position exactly where it was;
@@ -193,28 +194,39 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, cache):
 def straight4(tmp_path_factory, cache) -> Path:
     run = tmp_path_factory.mktemp("tp2dp2") / "straight"
     train(run, cache, "parallel.tp=2", "parallel.zero_stage=2", "checkpoint.every_steps=10", nproc=4)
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
+    return run
+
+
+@pytest.fixture(scope="module")
+def split4(tmp_path_factory, cache) -> Path:
+    """TP2 x DP2 ZeRO 2: 10 steps, process exit, the same command again resumes 10 more."""
+    run = tmp_path_factory.mktemp("tp2dp2") / "split"
+    common = ("parallel.tp=2", "parallel.zero_stage=2", "checkpoint.every_steps=10")
+    train(run, cache, *common, "checkpoint.stop_at_step=10", nproc=4)
+    assert sorted(losses(run)) == list(range(1, 11))
+    out = train(run, cache, *common, nproc=4)
+    assert f"resumed from {ckpt(run, 10)}" in out.stdout + out.stderr
     return run
 
 
 @pytest.mark.slow
-def test_tp2_dp2_zero2_resume_is_exact(tmp_path, cache, straight4):
-    run = tmp_path / "resumed"
-    run.parent.mkdir(parents=True, exist_ok=True)
-    out = train(run, cache, "parallel.tp=2", "parallel.zero_stage=2", "checkpoint.every_steps=10",
-                f"checkpoint.resume={ckpt(straight4, 10)}", nproc=4)
-    assert f"resumed from {ckpt(straight4, 10)}" in out.stdout + out.stderr
-    want, got = losses(straight4), losses(run)
-    assert sorted(got) == list(range(11, STEPS + 1))
-    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
-    assert data_position(ckpt(run, STEPS)) == {STEPS * GLOBAL_BATCH}
+def test_tp2_dp2_zero2_20_straight_equals_10_exit_resume_10(straight4, split4):
+    want, got = losses(straight4), losses(split4)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]  # bitwise
+    assert data_position(ckpt(split4, 10)) == {10 * GLOBAL_BATCH}
+    assert data_position(ckpt(split4, STEPS)) == {STEPS * GLOBAL_BATCH}
+    assert len(list((ckpt(split4, STEPS) / "data").glob("dp_*.json"))) == 2  # one per DP rank
+    assert len(list((ckpt(split4, STEPS) / "rng").glob("rank_*.safetensors"))) == 4  # one per rank
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,nproc,zero", [(1, 1, 0), (2, 2, 1), (1, 4, 2)], ids=["tp1dp1", "tp2dp1", "tp1dp4"])
-def test_tp2_dp2_checkpoint_resumes_at_another_layout(tmp_path, cache, straight4, tp, nproc, zero):
+def test_tp2_dp2_checkpoint_resumes_at_another_layout(tmp_path, cache, straight4, split4, tp, nproc, zero):
     run = tmp_path / "resharded"
     run.parent.mkdir(parents=True, exist_ok=True)
-    src = ckpt(straight4, 10)
+    src = ckpt(split4, 10)  # written by a TP2 x DP2 process that then exited
     assert json.loads((src / "trainer.json").read_text())["layout"] == {"tp": 2, "dp": 2, "world_size": 4, "zero_stage": 2}
     out = train(run, cache, f"parallel.tp={tp}", f"parallel.zero_stage={zero}", "checkpoint.every_steps=10",
                 f"checkpoint.resume={src}", nproc=nproc)
