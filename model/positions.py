@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 def sinusoidal_table(max_len: int, dim: int) -> torch.Tensor:
@@ -34,14 +35,42 @@ def rope_tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, head_dim] by the tables cos/sin [T, head_dim] (already sliced to x's positions)."""
-    # The tables may be kept in fp32 while activations run in bf16/fp16 (DeepSpeed casts
-    # parameters, not every buffer): rotate in the activations' dtype so q, k and v agree.
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """Pair (i, i + half) rotated by +angle (sign 1) or -angle (sign -1); tables [T, head_dim]."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half].contiguous(), sin[..., :half].contiguous()  # [T, half]: small
+    if sign < 0:
+        return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class _Rope(torch.autograd.Function):
+    """The backward of a rotation is the rotation by the opposite angle: one pass each way,
+    instead of autograd's walk back through neg / cat / two products / sum (which also
+    zero-fills and adds the two half-gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, 1.0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1.0), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, head_dim] by the tables cos/sin [T, head_dim] (already sliced to x's positions).
+
+    Rotate-half layout: x_i' = x_i cos - x_{i+h} sin, x_{i+h}' = x_{i+h} cos + x_i sin
+    (cos/sin hold each angle twice, at i and i + h, as rope_tables builds them).
+    """
+    if cos.requires_grad or sin.requires_grad:  # tables are buffers; keep autograd's path if not
+        return _rotate(x, cos, sin, 1.0)
+    return _Rope.apply(x, cos, sin)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
