@@ -6,7 +6,7 @@
 The same architecture in both (RMSNorm, SwiGLU, RoPE, untied embeddings, no
 biases; d_model 256, 4 layers, 8 heads, vocab 8192, seq 256, batch 8, the same
 FFN width), the same training step (forward, cross-entropy in fp32, backward,
-torch AdamW step; bf16 = torch.autocast for both), SDPA attention in both.
+fused torch AdamW step; bf16 = torch.autocast for both), SDPA attention in both.
 
 On a shared machine absolute numbers drift with the others' load, so the two
 models are measured ALTERNATELY: many short rounds, each timing a few steps of
@@ -63,7 +63,7 @@ def contenders(shape: dict, bf16: bool):
         ("hf", hf, lambda t, m=hf: m(input_ids=t, use_cache=False).logits),
     ):
         params = list(model.parameters())
-        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)  # as launcher/engine.py
         steps[name] = (lambda f=fwd, p=params, o=opt: common.train_step(f, p, o, x, y, bf16))
     return steps, flops_per_token(mcfg, shape["seq"]), n_lt, mcfg.ffn_dim
 
