@@ -125,10 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per model")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test of the script)")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="glibc: no mmap/unmap of large blocks (see common.keep_freed_memory); both models")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.keep_freed_memory and not common.keep_freed_memory():
+        print("note: --keep-freed-memory: mallopt not available, running with the default allocator")
     shape = common.TINY if args.tiny else common.SHAPE
-    print(f"torch {torch.__version__}, {args.threads} threads, shape {shape}")
+    print(f"torch {torch.__version__}, {args.threads} threads, shape {shape}, "
+          f"allocator {'keep-freed-memory' if args.keep_freed_memory else 'default'}")
     results = [run(p, shape, args.rounds, args.steps_per_round, args.profile) for p in args.precision]
     print("\nsummary")
     for r in results:
