@@ -68,6 +68,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Rotate-half layout: x_i' = x_i cos - x_{i+h} sin, x_{i+h}' = x_{i+h} cos + x_i sin
     (cos/sin hold each angle twice, at i and i + h, as rope_tables builds them).
     """
+    # The tables may be kept in fp32 while activations run in bf16/fp16 (DeepSpeed casts
+    # parameters, not every buffer): rotate in the activations' dtype so q, k and v agree.
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if cos.requires_grad or sin.requires_grad:  # tables are buffers; keep autograd's path if not
         return _rotate(x, cos, sin, 1.0)
     return _Rope.apply(x, cos, sin)
