@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    from loomtrain.launcher import components, loop
+    from loomtrain.launcher import loop
     from loomtrain.launcher.metrics import gpu_peak_flops, measured_cpu_flops, mfu
     from loomtrain.launcher.nonfinite import SkipGuard
     from loomtrain.model import Transformer, flops_per_token, param_count
