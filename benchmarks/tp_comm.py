@@ -18,7 +18,7 @@ since a ring all-reduce is a reduce-scatter followed by an all-gather. Two colum
           4 * 2(p-1)/p * b*s*h per layer with or without SP
 
 The step total is also compared with `loomtrain plan`'s prediction
-(loomtrain.launcher.memory_model.tp_comm_bytes_per_microbatch).
+(loomtrain.launcher.planning.memory_model.tp_comm_bytes_per_microbatch).
 
 "layers" are the collectives tagged blocks.N.{attn,ffn}_{in,out}; everything else
 (embedding, lm_head input, vocab-parallel cross-entropy, SP norm-gradient sums,
@@ -76,7 +76,7 @@ def report(tp: int, results: dict, args) -> list[str]:
     L = args.layers
     lines = [f"\n== tp={tp}  b={args.batch} s={args.seq} h={args.d_model} layers={L} "
              f"(b*s*h*4 bytes = {bsh_bytes / 2**20:.3f} MiB) =="]
-    from loomtrain.launcher.memory_model import tp_comm_bytes_per_microbatch
+    from loomtrain.launcher.planning.memory_model import tp_comm_bytes_per_microbatch
     from loomtrain.model import ModelConfig
 
     plan_cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=L, n_heads=args.heads,

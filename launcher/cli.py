@@ -14,13 +14,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("loomtrain.launcher.train", "train a model from a YAML config (locally, under torchrun, or --ray)"),
     "preprocess": ("loomtrain.data_pipeline.preprocess", "tokenize text/JSONL/Parquet into token shards"),
     "generate": ("loomtrain.launcher.generate", "continue a prompt with a trained run's weights"),
-    "plan": ("loomtrain.launcher.plan", "predict memory, FLOPs and step time per rank for a config"),
-    "dryrun": ("loomtrain.launcher.dryrun", "run one cluster rank's shard on this machine, measured against plan"),
-    "export": ("loomtrain.launcher.export", "export a run's weights to Hugging Face format"),
-    "submit": ("loomtrain.launcher.jobs", "submit a config as a Ray job to a cluster"),
-    "status": ("loomtrain.launcher.jobs", "show a Ray job's status"),
-    "logs": ("loomtrain.launcher.jobs", "print (or --follow) a Ray job's logs"),
-    "stop": ("loomtrain.launcher.jobs", "stop a Ray job"),
+    "plan": ("loomtrain.launcher.planning.plan", "predict memory, FLOPs and step time per rank for a config"),
+    "dryrun": ("loomtrain.launcher.planning.dryrun", "run one cluster rank's shard on this machine, measured against plan"),
+    "export": ("loomtrain.launcher.checkpoints.export", "export a run's weights to Hugging Face format"),
+    "submit": ("loomtrain.launcher.cluster.jobs", "submit a config as a Ray job to a cluster"),
+    "status": ("loomtrain.launcher.cluster.jobs", "show a Ray job's status"),
+    "logs": ("loomtrain.launcher.cluster.jobs", "print (or --follow) a Ray job's logs"),
+    "stop": ("loomtrain.launcher.cluster.jobs", "stop a Ray job"),
 }
 
 

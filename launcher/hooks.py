@@ -113,6 +113,6 @@ def default_hooks(cfg) -> list[Hooks]:
     end and on SIGTERM; resume per checkpoint.resume). Launcher-specific hooks (Ray's
     report hook) are passed to run_training by that launcher instead.
     """
-    from loomtrain.launcher.checkpoint_hook import CheckpointHook
+    from loomtrain.launcher.checkpoints.hook import CheckpointHook
 
     return [CheckpointHook(cfg)]

@@ -1,7 +1,7 @@
 """`loomtrain train CONFIG [key=value ...] [--ray]`: resolve the config, run the loop.
 
 Locally (one process), under torchrun (`torchrun --nproc_per_node N -m loomtrain
-train CONFIG`), or with --ray on a Ray cluster (launcher/ray_train.py, issue 8).
+train CONFIG`), or with --ray on a Ray cluster (launcher/cluster/ray_train.py).
 A bad config stops here with `loomtrain: config error: <dotted key>: ...` and
 exit status 2, before any process group, model or data exists.
 """
@@ -38,12 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.ray:
-        import importlib.util
-
-        if importlib.util.find_spec("loomtrain.launcher.ray_train") is None:
-            print("loomtrain: --ray is not available yet (launcher/ray_train.py, issue 8)", file=sys.stderr)
-            return 2
-        from loomtrain.launcher import ray_train
+        from loomtrain.launcher.cluster import ray_train
 
         return int(ray_train.main(cfg, args) or 0)
 

@@ -36,7 +36,7 @@ def full_model_for_export(ctx) -> torch.nn.Module:
     the other ranks get their own shard back (they do not write)."""
     if ctx.topology.tp_size == 1 and ctx.cfg.parallel.zero_stage != 3:
         return ctx.model
-    from loomtrain.launcher.checkpoint import consolidated_weights
+    from loomtrain.launcher.checkpoints.state import consolidated_weights
     from loomtrain.model import Transformer
 
     full = consolidated_weights(ctx.engine, ctx.topology, dst=0)

@@ -40,8 +40,8 @@ def worker(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from loomtrain.launcher.checkpoint import load_checkpoint, save_checkpoint
-    from loomtrain.launcher.checkpoint_store import CheckpointStore
+    from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint
+    from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.config import RunConfig
     from loomtrain.launcher.distributed import init_distributed
     from loomtrain.model import ModelConfig, Transformer

@@ -249,7 +249,7 @@ def test_tp2_run_final_weights_and_hf_export_are_consolidated(tmp_path, straight
     import torch
 
     transformers = pytest.importorskip("transformers")
-    from loomtrain.launcher import export
+    from loomtrain.launcher.checkpoints import export
     from loomtrain.launcher.weights import load_final
 
     model, _ = load_final(straight4)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from loomtrain.launcher.checkpoint_store import (
+from loomtrain.launcher.checkpoints.store import (
     LATEST,
     MANIFEST,
     CheckpointStore,
@@ -116,7 +116,7 @@ def test_resolve_resume_modes(tmp_path):
 def test_pause_hook_only_at_named_step(tmp_path, monkeypatch):
     import time
 
-    from loomtrain.launcher import checkpoint_store
+    from loomtrain.launcher.checkpoints import store as checkpoint_store
 
     monkeypatch.setenv(checkpoint_store.TEST_PAUSE_ENV, "20:0.3")
     store = CheckpointStore(tmp_path, keep_last=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loomtrain.launcher import export
+from loomtrain.launcher.checkpoints import export
 from loomtrain.launcher.weights import save_final
 from loomtrain.model import ModelConfig, Transformer
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loomtrain.launcher import memory_model as mm
+from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.config_loader import load_config
-from loomtrain.launcher.dryrun import OneRankTopology, build_rank_shard
+from loomtrain.launcher.planning.dryrun import OneRankTopology, build_rank_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT1B = ROOT / "configs" / "gpt-1b.yaml"

@@ -28,7 +28,7 @@ SMALL = [
 
 
 def jobs(capsys, *argv: str) -> tuple[int, str, str]:
-    from loomtrain.launcher import jobs as jobs_mod
+    from loomtrain.launcher.cluster import jobs as jobs_mod
 
     capsys.readouterr()
     rc = jobs_mod.main(list(argv))

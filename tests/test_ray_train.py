@@ -82,7 +82,7 @@ def fast_ray_reports(monkeypatch):
 
 
 def test_ray_tp2_dp2_zero2_matches_torchrun(ray_head, tmp_path, data_cache, torchrun_losses, fast_ray_reports):
-    from loomtrain.launcher import ray_train
+    from loomtrain.launcher.cluster import ray_train
 
     cfg = ray_cfg(ray_head, tmp_path / "run", data_cache)
     result = ray_train.run(cfg)
@@ -107,7 +107,7 @@ def test_ray_worker_hard_exit_restarts_from_newest_checkpoint(
 ):
     """Two hard exits in one run: rank 1 between checkpoints (step 3), then rank 0
     right after step 4's checkpoint was published but before it was reported."""
-    from loomtrain.launcher import ray_train
+    from loomtrain.launcher.cluster import ray_train
 
     monkeypatch.setenv(ray_train.FAULT_ENV, "1:3,0:4")
     run_dir = tmp_path / "run"
@@ -142,7 +142,7 @@ def test_unregistered_pointer_dirs_are_removed_and_ours_are_kept(tmp_path):
     """No cluster needed: what a restart does to Ray's storage directory."""
     from types import SimpleNamespace
 
-    from loomtrain.launcher import ray_train
+    from loomtrain.launcher.cluster import ray_train
     from loomtrain.launcher.config_loader import resolve
 
     cfg = ray_train.absolutize(resolve(CONFIG, [f"run.dir={tmp_path / 'run'}"]))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from loomtrain.launcher import memory_model as mm
+from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.config_loader import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

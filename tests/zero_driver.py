@@ -8,7 +8,7 @@ in the same process group, so a test pays for process start-up and the DeepSpeed
 once. A variant argument `env:STEPS` sets the test-only fault knob
 (LOOMTRAIN_TEST_NONFINITE_STEPS) for that variant; a NonFiniteError that stops it is
 written to OUT/NAME/stopped.txt. After the first optimizer step a hook measures what this rank holds
-(loomtrain.launcher.memory_measure) and writes OUT/NAME/memory.rank{R}.json.
+(loomtrain.launcher.planning.memory_measure) and writes OUT/NAME/memory.rank{R}.json.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.hooks import Hooks
 from loomtrain.launcher.loop import run_training
-from loomtrain.launcher.memory_measure import GradPeak, measure
+from loomtrain.launcher.planning.memory_measure import GradPeak, measure
 from loomtrain.launcher.nonfinite import FAULT_ENV, NonFiniteError
 
 

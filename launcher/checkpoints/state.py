@@ -43,8 +43,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from loomtrain.launcher.checkpoint_store import CheckpointStore, write_json_durable
-from loomtrain.launcher.reshard import (  # noqa: F401  (broadcast_str, consolidated_weights: re-exported)
+from loomtrain.launcher.checkpoints.store import CheckpointStore, write_json_durable
+from loomtrain.launcher.checkpoints.reshard import (  # noqa: F401  (broadcast_str, consolidated_weights: re-exported)
     MOMENTS,
     _adam_step,
     _inner_optimizer,

@@ -51,8 +51,8 @@ def _model_config_from_yaml(path: Path):
 
 def load_source(src: str | Path) -> tuple[dict[str, torch.Tensor], object, Path | None, str]:
     """-> (full fp32 weights by loomtrain name, ModelConfig, tokenizer dir or None, description)."""
-    from loomtrain.launcher.checkpoint import ConsolidatedReader
-    from loomtrain.launcher.checkpoint_store import MANIFEST, CheckpointStore, verify
+    from loomtrain.launcher.checkpoints.state import ConsolidatedReader
+    from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
     from loomtrain.launcher.weights import MODEL_CONFIG, TOKENIZER_DIR, WEIGHTS
 
     src = Path(src)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loomtrain.launcher import memory_model as mm
+from loomtrain.launcher.planning import memory_model as mm
 
 GiB = mm.GiB
 
@@ -143,7 +143,7 @@ class Measured:
 
 def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0) -> Measured:
     from loomtrain.launcher.engine import build_engine
-    from loomtrain.launcher.memory_measure import GradPeak, measure
+    from loomtrain.launcher.planning.memory_measure import GradPeak, measure
     from loomtrain.parallel import make_loss_fn
 
     t = cfg.train
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps must be at least 1")
 
     from loomtrain.launcher.config_loader import ConfigError, load_config
-    from loomtrain.launcher.plan import _default_world
+    from loomtrain.launcher.planning.plan import _default_world
 
     try:
         world = args.world_size or _default_world(args.config, args.overrides)

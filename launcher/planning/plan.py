@@ -5,7 +5,7 @@ and optimizer states at the configured ZeRO stage and TP, activations, FLOPs per
 step, TP/DP communication per step, and step time / tokens/s / MFU on the named
 GPU at an assumed MFU. The model is built full-size on the meta device (accelerate's
 `init_empty_weights`), so a 70 B config is counted without allocating its weights.
-The arithmetic and its sources are in `loomtrain.launcher.memory_model`.
+The arithmetic and its sources are in `loomtrain.launcher.planning.memory_model`.
 
 Exit status: 0 when the config fits, 1 when it will not fit, 2 on a bad config.
 """
@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from loomtrain.launcher import memory_model as mm
+from loomtrain.launcher.planning import memory_model as mm
 
 GiB = mm.GiB
 

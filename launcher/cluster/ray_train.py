@@ -100,7 +100,7 @@ def _fault_spec() -> str:
 
 
 def _store(cfg: RunConfig):
-    from loomtrain.launcher.checkpoint_store import CheckpointStore
+    from loomtrain.launcher.checkpoints.store import CheckpointStore
 
     return CheckpointStore(cfg.run.dir, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every)
 
@@ -114,7 +114,7 @@ def _manifest_time(path: Path) -> float:
 
 def newest_complete(cfg: RunConfig, since: float | None = None) -> Path | None:
     """Newest published checkpoint with intact manifest and sizes (written at/after `since`)."""
-    from loomtrain.launcher.checkpoint_store import verify
+    from loomtrain.launcher.checkpoints.store import verify
 
     for _, path in reversed(_store(cfg).published()):
         if since is not None and _manifest_time(path) < since:
@@ -179,7 +179,7 @@ class RayReportHook(Hooks):
 
     # -- helpers
     def _published_now(self, ctx: TrainContext) -> str | None:
-        from loomtrain.launcher.checkpoint import broadcast_str
+        from loomtrain.launcher.checkpoints.state import broadcast_str
 
         found = None
         if ctx.dist.rank == 0:

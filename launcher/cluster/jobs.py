@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # launcher/cluster/jobs.py -> repo root
 # Never shipped: environments, run outputs, VCS data, caches, build output.
 EXCLUDE = (".venv", "venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
            "build", "dist", "*.pyc", ".data_cache", ".mypy_cache", ".ruff_cache")

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loomtrain.launcher.checkpoint import barrier, broadcast_str, load_checkpoint, save_checkpoint
-from loomtrain.launcher.checkpoint_store import CheckpointStore
+from loomtrain.launcher.checkpoints.state import barrier, broadcast_str, load_checkpoint, save_checkpoint
+from loomtrain.launcher.checkpoints.store import CheckpointStore
 from loomtrain.launcher.hooks import Hooks, TrainContext
 
 
