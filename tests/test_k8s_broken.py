@@ -10,29 +10,15 @@ findings, which would hide a check that no longer bites).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-K8S = REPO / "k8s"
+from k8s_support import K8S, REPO, check
+
 BROKEN = K8S / "tests" / "broken"
 CASES = sorted(p for p in BROKEN.iterdir() if (p / "kustomization.yaml").is_file())
 
-
-def load_check():
-    name = "loomtrain_k8s_check"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, K8S / "check.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-check = load_check()
 
 
 def expectations(case: Path) -> list[tuple[str, str]]:

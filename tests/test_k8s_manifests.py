@@ -11,31 +11,16 @@ $LOOMTRAIN_KUBERAY_CRDS, default ../shared/kuberay-crds/.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-K8S = REPO / "k8s"
+from k8s_support import K8S, REPO, check
 
-
-def load_check():
-    name = "loomtrain_k8s_check"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, K8S / "check.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-check = load_check()
 TARGETS = {"base": K8S / "base", "cpu-small": K8S / "overlays" / "cpu-small", "gpu": K8S / "overlays" / "gpu"}
 
 
