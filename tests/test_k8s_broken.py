@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from k8s_support import K8S, REPO, check
+from k8s_support import K8S, check
 
 BROKEN = K8S / "tests" / "broken"
 CASES = sorted(p for p in BROKEN.iterdir() if (p / "kustomization.yaml").is_file())
