@@ -300,13 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         ap.error("--steps must be at least 1")
 
-    from loomtrain.launcher.config_loader import ConfigError, load_config
-    from loomtrain.launcher.planning.plan import _default_world
+    from loomtrain.launcher.config_loader import ConfigError
+    from loomtrain.launcher.planning.plan import load_plan
 
     try:
-        world = args.world_size or _default_world(args.config, args.overrides)
-        cfg = load_config(args.config, args.overrides, world_size=world)
-        cluster = mm.make_plan(cfg, world, args.gpu, args.mfu)
+        cfg, cluster = load_plan(args.config, args.overrides, args.world_size, args.gpu, args.mfu)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"loomtrain dryrun: {exc}", file=sys.stderr)
         return 2

@@ -116,12 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_intermixed_args(argv)
 
-    from loomtrain.launcher.config_loader import ConfigError, load_config
+    from loomtrain.launcher.config_loader import ConfigError
 
     try:
-        world = args.world_size or _default_world(args.config, args.overrides)
-        run = load_config(args.config, args.overrides, world_size=world)
-        p = mm.make_plan(run, world, args.gpu, args.mfu)
+        _, p = load_plan(args.config, args.overrides, args.world_size, args.gpu, args.mfu)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"loomtrain plan: {exc}", file=sys.stderr)
         return 2
@@ -130,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_plan(p, args.config))
     return 0 if p.fits else 1
+
+
+def load_plan(config: str, overrides: list[str], world_size: int | None, gpu: str, mfu: float):
+    """(RunConfig validated at its world size, its Plan); the world size defaults to the
+    config's ray.num_workers. Shared by `plan` and `dryrun`; raises ConfigError,
+    ValueError or FileNotFoundError for bad input."""
+    from loomtrain.launcher.config_loader import load_config
+
+    world = world_size or _default_world(config, overrides)
+    run = load_config(config, overrides, world_size=world)
+    return run, mm.make_plan(run, world, gpu, mfu)
 
 
 def _default_world(config: str, overrides: list[str]) -> int:
