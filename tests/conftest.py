@@ -4,4 +4,19 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a test module (use via pytestmark): tiny models gain nothing
+    from a second thread, and on a shared 2-core machine OpenMP threads only spin."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 from ray_fixtures import ray_head  # noqa: E402,F401  (session-scoped private Ray head, issue 8)

@@ -33,13 +33,8 @@ def variant(i, placement, norm, activation, positions, heads) -> ModelConfig:
     )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads; on a shared 2-core box they only spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models gain nothing from threads; on a shared 2-core box they only spin.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("i,placement,norm,activation,positions,heads", [(i, *c) for i, c in enumerate(ALL)])

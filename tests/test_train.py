@@ -31,16 +31,8 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data_cache")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a shared machine the
-    OpenMP threads of several processes spin against each other."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models gain nothing from threads; on a shared 2-core box they only spin.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
