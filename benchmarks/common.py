@@ -44,7 +44,7 @@ def batch(shape: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_step(
-    forward: Callable[[torch.Tensor], torch.Tensor],
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     params: list[torch.nn.Parameter],
     opt: torch.optim.Optimizer,
     x: torch.Tensor,
@@ -52,10 +52,10 @@ def train_step(
     bf16: bool,
     clip: float | None = None,
 ) -> torch.Tensor:
-    """forward, cross-entropy, backward, (clip), AdamW step: the same for every contender."""
+    """loss_of(x, y) (forward + float32 cross-entropy, each contender its own way), backward,
+    (clip), AdamW step: the same for every contender."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logits = forward(x)
-    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+        loss = loss_of(x, y)
     loss.backward()
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(params, clip)
@@ -104,7 +104,7 @@ def profile(fn: Callable[[], object], steps: int, title: str, rows: int = 18) ->
 # The real loop path: a RunConfig -> DeepSpeed engine + TrainContext --------------------------
 def engine_context(cfg, model=None, run_dir: str = "/tmp/loomtrain-bench"):
     """The pieces loomtrain.launcher.loop.run_training builds before its first step (the
-    process group, topology, model, engine via launcher/engine.py's build_engine, loss) as a
+    process group, topology, model, engine via launcher/engine.py's build_engine) as a
     TrainContext, so `loop.train_step(ctx, grad_accum, guard)` runs exactly the loop's step.
     `model`: an already built model to use instead of components.build_model's."""
     from pathlib import Path
@@ -113,7 +113,6 @@ def engine_context(cfg, model=None, run_dir: str = "/tmp/loomtrain-bench"):
     from loomtrain.launcher.distributed import init_distributed
     from loomtrain.launcher.engine import build_engine
     from loomtrain.launcher.hooks import TrainContext
-    from loomtrain.parallel import make_loss_fn
 
     env = init_distributed(cfg)
     topology = components.build_topology(cfg, env)
@@ -122,7 +121,6 @@ def engine_context(cfg, model=None, run_dir: str = "/tmp/loomtrain-bench"):
     ctx = TrainContext(cfg=cfg, dist=env, topology=topology, run_dir=Path(run_dir))
     ctx.engine, ctx.optimizer, ctx.scheduler = build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
     ctx.model = ctx.engine.module
-    ctx.loss_fn = make_loss_fn(topology, cfg.model.vocab_size)
     ctx.engine.train()
     return ctx
 

@@ -7,6 +7,9 @@ The same architecture in both (RMSNorm, SwiGLU, RoPE, untied embeddings, no
 biases; d_model 256, 4 layers, 8 heads, vocab 8192, seq 256, batch 8, the same
 FFN width), the same training step (forward, cross-entropy in fp32, backward,
 fused torch AdamW step; bf16 = torch.autocast for both), SDPA attention in both.
+Each computes its loss its own way: HF as `labels=` does (logits, upcast to float32,
+cross-entropy), loomtrain as its training loop does (`model(x, targets=y)`: the output
+layer and the loss fused chunk by chunk, loomtrain.model.loss).
 
 On a shared machine absolute numbers drift with the others' load, so the two
 models are measured ALTERNATELY: many short rounds, each timing a few steps of
@@ -45,6 +48,13 @@ def build_hf(shape: dict, ffn: int) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def hf_loss(hf: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """What `LlamaForCausalLM(input_ids, labels=...)` computes (logits upcast to float32,
+    cross-entropy), on inputs and targets already shifted."""
+    logits = hf(input_ids=x, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+
+
 def contenders(shape: dict, bf16: bool):
     from loomtrain.model import Transformer, flops_per_token
 
@@ -58,13 +68,13 @@ def contenders(shape: dict, bf16: bool):
         raise SystemExit(f"parameter counts differ: loomtrain {n_lt:,} vs HF {n_hf:,}")
     x, y = common.batch(shape)
     steps = {}
-    for name, model, fwd in (
-        ("loomtrain", lt, lt),
-        ("hf", hf, lambda t, m=hf: m(input_ids=t, use_cache=False).logits),
+    for name, model, loss_of in (
+        ("loomtrain", lt, lambda t, y: lt(t, targets=y)),  # as launcher/loop.py: fused output layer + loss
+        ("hf", hf, lambda t, y: hf_loss(hf, t, y)),
     ):
         params = list(model.parameters())
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)  # as launcher/engine.py
-        steps[name] = (lambda f=fwd, p=params, o=opt: common.train_step(f, p, o, x, y, bf16))
+        steps[name] = (lambda f=loss_of, p=params, o=opt: common.train_step(f, p, o, x, y, bf16))
     return steps, flops_per_token(mcfg, shape["seq"]), n_lt, mcfg.ffn_dim
 
 

@@ -57,7 +57,6 @@ class TrainContext:
     engine: Any = None  # deepspeed.DeepSpeedEngine
     optimizer: Any = None
     scheduler: Any = None
-    loss_fn: Any = None
     tokenizer: Any = None
     shard_dir: Path | None = None
     train_stream: Any = None  # TokenStream for this DP rank (state_dict / load_state_dict)

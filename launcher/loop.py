@@ -4,7 +4,8 @@
     result.losses                              # per-step loss, DP-averaged
 
 Each optimizer step runs grad_accum micro steps of
-`logits = engine(x); loss = loss_fn(logits, y); engine.backward(loss); engine.step()`
+`loss = engine(x, targets=y); engine.backward(loss); engine.step()` (the model's output
+layer computes the loss, see loomtrain.model.loss)
 (DeepSpeed scales the loss by 1/grad_accum and steps the optimizer and the LR
 schedule at the boundary). The step's reported loss is the mean over its micro
 batches, all-reduced (mean) over the data-parallel group, so it equals the
@@ -73,8 +74,7 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
     norm = None
     for micro in range(grad_accum):
         x, y = _to(next(ctx.train_stream), device)
-        logits = engine(x)
-        loss = inject(ctx.loss_fn(logits, y), ctx.state.step + 1, ctx.dist.rank)  # test-only faults
+        loss = inject(engine(x, targets=y), ctx.state.step + 1, ctx.dist.rank)  # test-only faults
         engine.backward(loss)
         own_norm = None
         if micro == grad_accum - 1 and not records_grad_norm(engine):
@@ -98,7 +98,7 @@ def evaluate(ctx: TrainContext) -> dict[str, float]:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for _ in range(ctx.cfg.eval.batches):
             x, y = _to(next(stream), device)
-            total += ctx.loss_fn(engine(x), y).float()
+            total += engine(x, targets=y).float()
     finally:
         stream.close()
         engine.train()
@@ -157,9 +157,6 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     ctx.model = components.build_model(cfg, topology, env.device)
     ctx.engine, ctx.optimizer, ctx.scheduler = build_engine(cfg, ctx.model, topology.dp_size, mpu=topology.mpu)
     ctx.model = ctx.engine.module
-    from loomtrain.parallel import make_loss_fn
-
-    ctx.loss_fn = make_loss_fn(topology, cfg.model.vocab_size)
     grad_accum = grad_accum_steps(cfg, env.world_size)
 
     hook = HookList([*default_hooks(cfg), *hooks])

@@ -3,10 +3,12 @@
     from loomtrain.model import ModelConfig, Transformer
     model = Transformer(ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4), seed=0)
     logits = model(tokens)                       # [B, T] -> [B, T, vocab]
+    loss = model(tokens, targets=next_tokens)    # mean cross-entropy, logits never held
     out = model.generate(prompt, max_new_tokens=20)  # greedy; prompt + new tokens
 
 Files: config (ModelConfig), norms, positions (sinusoidal, RoPE, ALiBi), attention,
-feedforward, block, transformer, cache (KVCache), generate, flops (closed-form
+feedforward, block, loss (LMHead: logits or a chunked fused cross-entropy),
+transformer, cache (KVCache), generate, flops (closed-form
 parameter count and PaLM training FLOPs).
 """
 
@@ -17,6 +19,7 @@ from .config import ModelConfig
 from .feedforward import FeedForward
 from .flops import flops_per_token, param_count
 from .generate import sample_next
+from .loss import LMHead, linear_cross_entropy
 from .norms import RMSNorm, build_norm
 from .transformer import Transformer
 
@@ -25,11 +28,13 @@ __all__ = [
     "Block",
     "FeedForward",
     "KVCache",
+    "LMHead",
     "ModelConfig",
     "RMSNorm",
     "Transformer",
     "build_norm",
     "flops_per_token",
+    "linear_cross_entropy",
     "param_count",
     "sample_next",
 ]

@@ -12,12 +12,15 @@ from .block import Block
 from .cache import KVCache
 from .config import ModelConfig
 from .generate import generate
+from .loss import LMHead
 from .norms import RMSNorm, build_norm
 from .positions import alibi_slopes, rope_tables, sinusoidal_table
 
 
 class Transformer(nn.Module):
-    """Transformer(cfg)(tokens [B, T]) -> logits [B, T, vocab_size].
+    """Transformer(cfg)(tokens [B, T]) -> logits [B, T, vocab_size];
+    Transformer(cfg)(tokens, targets=next_tokens) -> mean cross-entropy (float32 scalar),
+    computed without materialising the logits (see loomtrain.model.loss).
 
     Module names are a contract with the tensor-parallel plan: tok_emb, pos_emb
     (learned positions, else None), drop, blocks, norm, lm_head. Sinusoidal and
@@ -40,7 +43,7 @@ class Transformer(nn.Module):
             self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
         else:
             self.norm = nn.Identity()
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.register_buffer("pos_table", None, persistent=False)
@@ -99,9 +102,11 @@ class Transformer(nn.Module):
                 f"(positions={self.cfg.positions})"
             )
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]. With a cache, tokens are the new ones and their
-        positions continue from cache.length; the cache is extended in place."""
+        positions continue from cache.length; the cache is extended in place. With targets
+        [B, T] (-100 = ignore) -> the mean cross-entropy instead of the logits."""
         t = tokens.shape[1]
         start = 0 if cache is None else cache.length
         self.check_length(start + t)
@@ -116,7 +121,9 @@ class Transformer(nn.Module):
             rope = (self.rope_cos[start : start + t], self.rope_sin[start : start + t])
         for i, block in enumerate(self.blocks):
             x = block(x, rope, None if cache is None else cache[i])
-        return self.lm_head(self.norm(x))
+        if targets is None:
+            return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x), targets)
 
     # Inference ----------------------------------------------------------------
     def new_cache(self, capacity: int | None = None) -> KVCache:

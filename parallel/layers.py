@@ -230,3 +230,20 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, to
     losses = _VocabParallelCrossEntropy.apply(flat, t, topology.tp_group, start, vocab_size, ignore_index)
     n_valid = (t != ignore_index).sum().clamp(min=1)
     return losses.sum() / n_valid
+
+
+class VocabParallelLMHead(ColumnParallelLinear):
+    """The tensor-parallel `LMHead`: column-parallel over the (padded) vocabulary, so
+    forward(x) gives this rank's logits [..., V_padded/tp] and forward(x, targets) the mean
+    cross-entropy by `vocab_parallel_cross_entropy` (the full logits are never gathered)."""
+
+    def __init__(self, linear: nn.Linear, topology, **kwargs):
+        super().__init__(linear, topology, **kwargs)
+        self.topology = topology
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(x)
+        if targets is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, targets, self.topology, self.full_out_features)
+

@@ -12,7 +12,8 @@ where one collective serves several layers:
     attn.n_heads, n_kv_heads, alibi_slopes    set to the local heads
     ffn (pre-hook)     input: copy_to_tp  | SP: all-gather
     ffn.up/gate        column-parallel;  ffn.down  row-parallel
-    lm_head            column-parallel, output kept sharded: logits [B, T, vocab_padded / tp]
+    lm_head            column-parallel, output kept sharded: logits [B, T, vocab_padded / tp];
+                       with targets, vocab-parallel cross-entropy over those shards
                        (tied: the same Parameter as tok_emb's shard)
 
 So per layer: forward 2 all-reduces (SP: 2 all-gathers + 2 reduce-scatters), backward
@@ -46,6 +47,7 @@ from loomtrain.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    VocabParallelLMHead,
     vocab_parallel_cross_entropy,
 )
 from loomtrain.parallel.topology import check_tp
@@ -208,7 +210,7 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
     if sp:
         _sp_grad_sync(model.norm, group, "norm.sp_grad")
 
-    model.lm_head = ColumnParallelLinear(
+    model.lm_head = VocabParallelLMHead(
         model.lm_head, topology, shard_index=r, num_shards=tp, padded_out=padded,
         input_mode="gather_seq" if sp else "copy", tag="lm_head_in",
         weight=model.tok_emb.weight if tied else None,

@@ -45,7 +45,7 @@ GiB = mm.GiB
 class OneRankTopology:
     """TP rank `tp_rank` of a tp-way group, alone (no process group, dp = 1).
 
-    Duck-types loomtrain.parallel.Topology for `parallelize` and `make_loss_fn`; a TP
+    Duck-types loomtrain.parallel.Topology for `parallelize` (and its vocab-parallel loss); a TP
     group of None makes every collective in loomtrain.parallel.collectives the identity.
     """
 
@@ -144,16 +144,13 @@ class Measured:
 def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0) -> Measured:
     from loomtrain.launcher.engine import build_engine
     from loomtrain.launcher.planning.memory_measure import GradPeak, measure
-    from loomtrain.parallel import make_loss_fn
 
     t = cfg.train
-    topo = OneRankTopology(cfg.parallel.tp)
     base_rss = _rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_rank_shard(cfg, device)
     engine, _, _ = build_engine(cfg, model, dp_size=1)
-    loss_fn = make_loss_fn(topo, cfg.model.vocab_size)
     peak = GradPeak(engine)
     gen = torch.Generator(device="cpu").manual_seed(t.seed)
 
@@ -161,7 +158,7 @@ def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0) -> Me
         tokens = torch.randint(0, cfg.model.vocab_size, (micro, t.seq_len + 1), generator=gen).to(device)
         _sync(device)
         start = time.perf_counter()
-        loss = loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
+        loss = engine(tokens[:, :-1], targets=tokens[:, 1:])
         engine.backward(loss)
         peak.sample()
         engine.step()
