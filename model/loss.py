@@ -7,7 +7,7 @@ micro batch, ~8 GB. `linear_cross_entropy` instead walks the tokens in chunks an
 per chunk, computes the logits, the loss and the gradients of the hidden states and
 the weight at once (as Liger-Kernel's fused linear cross-entropy does): the same
 FLOPs (one forward and two backward matmuls), one chunk of logits alive at a time,
-and on CPU the chunk stays in cache instead of being mapped and unmapped per step.
+and on CPU no logits-sized block is mapped and unmapped every step.
 
 Gradients are kept unnormalised (sum over tokens of softmax - one-hot) until
 backward multiplies them by grad_output / n_valid: in fp16 the per-token gradients
@@ -21,16 +21,17 @@ from torch import nn
 
 IGNORE_INDEX = -100
 
-# Bytes of float32 logits per chunk. CPU: small enough to stay in cache and below
-# glibc's mmap threshold (32 MiB); GPU: large enough that each chunk's matmuls keep
-# the tensor cores busy (a few thousand tokens at a 50k vocabulary).
+# Bytes of float32 logits per chunk. CPU: 8-16 MiB measured fastest (2-core EPYC,
+# benchmarks/cpu_vs_hf.py) and under glibc's 32 MiB mmap threshold, so the chunk's
+# memory is reused rather than mapped and unmapped; GPU: large enough that each chunk's matmuls keep
+# the tensor cores busy (1,334 tokens at a 50k vocabulary: ~0.3 TFLOP per matmul at d 2048).
 _CHUNK_BYTES = {"cpu": 16 << 20}
-_CHUNK_BYTES_DEFAULT = 1 << 30
+_CHUNK_BYTES_DEFAULT = 256 << 20
 
 
-def chunk_rows(vocab_size: int, device: torch.device) -> int:
-    """Tokens per chunk for a vocabulary of vocab_size on this device type."""
-    budget = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES_DEFAULT)
+def chunk_rows(vocab_size: int, device_type: str) -> int:
+    """Tokens per chunk for a vocabulary of vocab_size on this device type ("cpu", "cuda")."""
+    budget = _CHUNK_BYTES.get(device_type, _CHUNK_BYTES_DEFAULT)
     return max(64, budget // (4 * vocab_size))
 
 
@@ -99,7 +100,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     flat_t = targets.reshape(-1)
     if flat_t.shape[0] != flat_h.shape[0]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape)}")
-    rows = rows or chunk_rows(weight.shape[0], hidden.device)
+    rows = rows or chunk_rows(weight.shape[0], hidden.device.type)
     dtype = _compute_dtype(flat_h)
     grads = torch.is_grad_enabled()
     with torch.autocast(flat_h.device.type, enabled=False):

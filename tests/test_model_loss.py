@@ -84,10 +84,9 @@ def test_no_grad_computes_only_the_loss():
 
 
 def test_chunk_rows_bounded_by_a_memory_budget():
-    cpu = torch.device("cpu")
-    assert chunk_rows(8192, cpu) * 8192 * 4 <= 16 << 20
-    assert chunk_rows(10**7, cpu) == 64  # never fewer rows than that
-    assert chunk_rows(50304, torch.device("cuda")) > chunk_rows(50304, cpu)
+    assert chunk_rows(8192, "cpu") * 8192 * 4 <= 16 << 20
+    assert chunk_rows(10**7, "cpu") == 64  # never fewer rows than that
+    assert chunk_rows(50304, "cuda") > chunk_rows(50304, "cpu")
 
 
 def test_lm_head_gives_logits_without_targets_and_the_loss_with_them():

@@ -132,3 +132,17 @@ def test_cli_dispatch():
                           "--world-size", "1", "--gpu", "cpu"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "FITS" in out.stdout
+
+
+def test_output_layer_at_tp1_is_the_fused_loss_working_set_not_the_logits():
+    # tp = 1: loomtrain.model.loss keeps one chunk of logits, grad of the hidden states
+    # and the weight's fp32 gradient; tp > 1 keeps this rank's logits (+ fp32 copy).
+    cfg = ModelConfig(vocab_size=50304, d_model=2048, n_layers=1, n_heads=16, max_seq_len=2048)
+    s, b, v, h = 2048, 8, 50304, 2048
+    from loomtrain.model.loss import chunk_rows
+
+    rows = chunk_rows(v, "cuda")
+    assert mm.output_layer_bytes(cfg, s, b, 1, "bf16") == rows * v * 6 + s * b * h * 2 + v * h * 4
+    assert mm.output_layer_bytes(cfg, s, b, 1, "bf16") < s * b * v * 6 / 4  # vs 9.9 GB of logits
+    assert mm.output_layer_bytes(cfg, s, b, 2, "bf16") == s * b * (v // 2) * 6
+    assert mm.output_layer_bytes(cfg, s, b, 1, "fp32", "cpu") == chunk_rows(v, "cpu") * v * 4 + s * b * h * 4 + v * h * 4

@@ -25,8 +25,10 @@ Sources, so that a reader can check each number:
   parallelism the 10*s*b*h of norm inputs, QKV/MLP inputs and dropout masks are
   replicated over TP (eq. 4); with it everything is divided by tp (eq. 5). Full
   activation checkpointing keeps only each block's input (2*s*b*h per layer, /tp with
-  SP) plus one block's working set during its recomputation. The output layer adds
-  s*b*V/tp logits in the compute dtype plus an fp32 copy for the loss.
+  SP) plus one block's working set during its recomputation. The output layer with
+  tp > 1 adds s*b*V/tp logits in the compute dtype plus an fp32 copy for the loss;
+  at tp = 1 it is loomtrain.model.loss's fused chunked loss: one chunk of logits (both
+  dtypes), the hidden states' gradient (s*b*h) and the weight's fp32 gradient (V*h*4).
 * FLOPs (PaLM, Chowdhery et al. 2022, appendix B): 6*N + 12*L*d*s per token, N the
   parameters that take part in matmuls (everything but the embedding lookups; the
   output projection counts even when tied). Full recomputation runs the forward twice:
@@ -46,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from loomtrain.model.config import ModelConfig
+from loomtrain.model.loss import chunk_rows
 
 GiB = 1024**3
 
@@ -245,14 +248,26 @@ def ds_buffers(n_rank: int, stage: int, dp: int, precision: str, offload: bool =
 class Activations:
     per_layer: float  # one transformer block, one micro-batch, as stored for backward
     layers: float  # all blocks (checkpointed: inputs + one block's working set)
-    output: float  # logits + fp32 loss copy
+    output: float  # output layer + loss working set, final norm
     total: float
     eager_total: float  # same with an s x s attention matrix (no flash kernel)
     variant: str
 
 
+def output_layer_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str,
+                       device_type: str = "cuda") -> float:
+    """What the output layer and the loss hold between forward and backward (peak)."""
+    p, tokens = _DTYPE_BYTES[precision], seq * micro
+    logit_bytes = p + (4 if p != 4 else 0)  # compute dtype + the float32 copy for the loss
+    if tp > 1:  # vocab-parallel: this rank's whole logits
+        return tokens * (padded_vocab(cfg.vocab_size, tp) // tp) * logit_bytes
+    rows = min(tokens, chunk_rows(cfg.vocab_size, device_type))
+    return rows * cfg.vocab_size * logit_bytes + tokens * cfg.d_model * p + cfg.vocab_size * cfg.d_model * 4
+
+
 def activation_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str,
-                     sequence_parallel: bool = False, checkpointing: bool = False) -> Activations:
+                     sequence_parallel: bool = False, checkpointing: bool = False,
+                     device_type: str = "cuda") -> Activations:
     s, b, h, a, L = seq, micro, cfg.d_model, cfg.n_heads, cfg.n_layers
     p = _DTYPE_BYTES[precision]
     f = cfg.ffn_dim
@@ -271,8 +286,7 @@ def activation_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precision:
         layers, layers_eager = inputs + per_layer, inputs + per_layer_eager
     else:
         layers, layers_eager = L * per_layer, L * per_layer_eager
-    v_local = padded_vocab(cfg.vocab_size, tp) // tp
-    output = s * b * v_local * (p + 4) + s * b * h * p * 2 / rep_div  # logits + fp32; final norm
+    output = output_layer_bytes(cfg, s, b, tp, precision, device_type) + s * b * h * p * 2 / rep_div  # + final norm
     return Activations(per_layer, layers, output, layers + output, layers_eager + output,
                        "flash/SDPA (no s x s scores)" + (", full recompute" if checkpointing else ""))
 
@@ -378,7 +392,8 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
     pc = count_params(model, tp)
     states = model_state_bytes(pc.per_rank, stage, dp, prec, par.offload_optimizer)
     acts = activation_bytes(cfg, tr.seq_len, tr.micro_batch_size, tp, prec,
-                            par.sequence_parallel, par.activation_checkpointing)
+                            par.sequence_parallel, par.activation_checkpointing,
+                            "cpu" if gpu == "cpu" else "cuda")
     reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
     bucket, fp32_grads = ds_buffers(pc.per_rank, stage, dp, prec, par.offload_optimizer, _bucket_elems(run, dp))
     total = states.total + acts.total + reserve + bucket + fp32_grads
