@@ -59,15 +59,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s, e in _chunks(hidden.shape[0], rows):
             h, t, ok = hidden[s:e], safe_t[s:e], valid[s:e]
             logits = (h @ weight.t()).to(loss_dtype)
-            lse = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, t[:, None]).squeeze(1)
-            total += ((lse - target_logit) * ok).sum()
+            row_max = logits.amax(dim=-1, keepdim=True)
+            probs = logits.sub_(row_max).exp_()  # one exp pass serves the loss and the gradient
+            sum_exp = probs.sum(dim=-1)
+            total += ((row_max.squeeze(1) + sum_exp.log() - target_logit) * ok).sum()
             if grad_h is None and grad_w is None:
                 continue
-            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            grad[torch.arange(e - s, device=grad.device), t] -= 1.0
-            grad.mul_(ok[:, None])  # ignored tokens contribute nothing
-            grad = grad.to(hidden.dtype)
+            probs.mul_((ok / sum_exp)[:, None])  # softmax; ignored tokens contribute nothing
+            probs[torch.arange(e - s, device=probs.device), t] -= ok.to(probs.dtype)
+            grad = probs.to(hidden.dtype)
             if grad_h is not None:
                 torch.matmul(grad, weight, out=grad_h[s:e])
             if grad_w is not None:
