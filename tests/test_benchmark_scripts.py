@@ -1,0 +1,40 @@
+"""The benchmark scripts run (their --tiny shapes) and print the figures they promise."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([*args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "script, args, expected",
+    [
+        ("cpu_vs_hf.py", ["--rounds", "1", "--threads", "1"], ["ratio loomtrain/HF", "of matmul FLOP/s"]),
+        ("engine_overhead.py", ["--rounds", "1", "--threads", "1"], ["ratio engine/plain"]),
+        ("output_layer.py", ["--threads", "1"], ["same results", "speed vs plain"]),
+        ("gpu_bench.py", ["--steps", "2", "--warmup", "1"], ["tokens/s", "MFU", "process RSS"]),
+    ],
+)
+def test_script_runs_tiny_and_prints_its_figures(script, args, expected):
+    proc = _run(sys.executable, f"benchmarks/{script}", "--tiny", *args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for text in expected:
+        assert text in proc.stdout, f"{script}: {text!r} missing from\n{proc.stdout[-2000:]}"
+
+
+def test_gpu_sh_without_a_gpu_says_so_and_exits_2():
+    if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0:
+        pytest.skip("this machine has a GPU: gpu.sh would run the real benchmark")
+    proc = _run("bash", "benchmarks/gpu.sh", timeout=60)
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
+    assert "no CUDA device" in proc.stderr
