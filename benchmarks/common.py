@@ -12,7 +12,6 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 # The shape: d_model 256, 4 layers, 8 heads, vocab 8192, seq 256, batch 8;
 # Llama flavour (RMSNorm, SwiGLU, RoPE, untied, no biases).

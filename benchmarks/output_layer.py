@@ -11,7 +11,7 @@ each needs above its inputs: on CUDA the measured peak (max_memory_allocated); o
 where no allocator statistics exist, the closed form of what each holds (plain: logits,
 their float32 copy below fp32, the float32 log-softmax and its gradient; fused: one
 chunk of logits in both dtypes, the hidden states' gradient, the weight's float32
-gradient). The plain path is what `make_loss_fn` at tp 1 computes on top of `nn.Linear`.
+gradient). The plain path is `nn.Linear` then `cross_entropy` on float32 logits, as HF's `labels=` does.
 First checks that all give the same loss and gradients.
 """
 

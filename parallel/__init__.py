@@ -2,13 +2,13 @@
 
     topo = Topology(world_size, rank, tp)          # after torch.distributed is initialised
     model = parallelize(model, topo, sequence_parallel=False)   # in place; no-op at tp 1
-    loss_fn = make_loss_fn(topo, vocab_size)       # fn(logits, targets) -> scalar
+    loss = model(x, targets=y)                     # vocab-parallel loss, logits never gathered
     engine, *_ = deepspeed.initialize(model=model, ..., mpu=topo.mpu)
     stream = ...(dp_rank=topo.dp_rank, dp_size=topo.dp_size)   # TP ranks see the same data
 
 Files: topology (groups, checks), collectives (autograd collectives, byte counts),
 layers (column/row/vocab-parallel layers, vocab-parallel cross-entropy), plan
-(parallelize, make_loss_fn, gathered_logits, gather_full_param,
+(parallelize, gathered_logits, gather_full_param,
 full_state_dict), mpu (for DeepSpeed).
 `check_tp(model_cfg, tp, world_size)` validates a config before any worker starts.
 """
@@ -25,7 +25,6 @@ _EXPORTS = {
     "full_state_dict": "plan",
     "gather_full_param": "plan",
     "gathered_logits": "plan",
-    "make_loss_fn": "plan",
     "parallelize": "plan",
 }
 
@@ -36,7 +35,6 @@ __all__ = [
     "full_state_dict",
     "gather_full_param",
     "gathered_logits",
-    "make_loss_fn",
     "padded_vocab_size",
     "parallelize",
 ]

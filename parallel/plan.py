@@ -48,7 +48,6 @@ from loomtrain.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelLMHead,
-    vocab_parallel_cross_entropy,
 )
 from loomtrain.parallel.topology import check_tp
 
@@ -252,28 +251,6 @@ def gather_full(t: torch.Tensor, meta: dict, topology) -> torch.Tensor:
         parts = parts[:: tp // n]
     full = torch.cat(parts, dim=dim)
     return full.narrow(dim, 0, meta["full_shape"][dim])
-
-
-def make_loss_fn(topology, vocab_size: int, ignore_index: int = -100):
-    """fn(logits, targets) -> mean cross-entropy (float32 scalar).
-
-    tp == 1: plain cross-entropy over logits [..., vocab_size]. tp > 1: vocab-parallel
-    cross-entropy over this rank's logits [..., vocab_padded / tp]; the full logits are
-    never gathered and padded vocabulary entries are masked out.
-    """
-    if topology.tp_size == 1:
-
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=ignore_index
-            )
-
-    else:
-
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return vocab_parallel_cross_entropy(logits, targets, topology, vocab_size, ignore_index)
-
-    return loss_fn
 
 
 @torch.no_grad()

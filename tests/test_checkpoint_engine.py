@@ -45,7 +45,7 @@ def worker(argv: list[str]) -> None:
     from loomtrain.launcher.config import RunConfig
     from loomtrain.launcher.distributed import init_distributed
     from loomtrain.model import ModelConfig, Transformer
-    from loomtrain.parallel import Topology, make_loss_fn, parallelize
+    from loomtrain.parallel import Topology, parallelize
 
     import deepspeed
 
@@ -57,7 +57,6 @@ def worker(argv: list[str]) -> None:
                        norm="rmsnorm", activation="swiglu", positions="rope", tie_embeddings=bool(a.tied))
     topo = Topology(env.world_size, env.rank, a.tp, model_cfg=mcfg)
     model = parallelize(Transformer(mcfg, seed=1), topo)
-    loss_fn = make_loss_fn(topo, mcfg.vocab_size)
     ga = GLOBAL_BATCH // (MICRO * topo.dp_size)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -100,7 +99,7 @@ def worker(argv: list[str]) -> None:
         for _ in range(ga):
             x, y, ids = stream.next()
             seen += ids
-            loss = loss_fn(engine(x), y)
+            loss = engine(x, targets=y)
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()

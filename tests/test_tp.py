@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from loomtrain.model import ModelConfig, Transformer
-from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, make_loss_fn, parallelize
+from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, parallelize
 from loomtrain.parallel.plan import gather_full
 
 TOL = 1e-5
@@ -71,9 +71,10 @@ def _check_variant(name, overrides, topo, sp):
     ref_loss = F.cross_entropy(ref_logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
     ref_loss.backward()
 
-    logits = model(inputs)
+    with torch.no_grad():
+        logits = model(inputs)
     assert logits.shape == (BATCH, SEQ, topo.padded_vocab(cfg.vocab_size) // topo.tp_size), logits.shape
-    loss = make_loss_fn(topo, cfg.vocab_size)(logits, targets)
+    loss = model(inputs, targets=targets)  # the training path: vocab-parallel cross-entropy
     loss.backward()
 
     full_logits = _gather_logits(logits, topo, cfg.vocab_size)
@@ -123,14 +124,13 @@ def _train_10_steps(topo, sp):
     model = parallelize(copy.deepcopy(ref), topo, sequence_parallel=sp)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    loss_fn = make_loss_fn(topo, cfg.vocab_size)
     worst = 0.0
     losses = []
     for step in range(10):
         batch = _tokens(cfg.vocab_size, seed=100 + step, batch=4, seq=16)
         x, y = batch[:, :-1], batch[:, 1:]
         ref_loss = F.cross_entropy(ref(x).reshape(-1, cfg.vocab_size), y.reshape(-1))
-        loss = loss_fn(model(x), y)
+        loss = model(x, targets=y)
         for o, l in ((opt_ref, ref_loss), (opt, loss)):
             o.zero_grad()
             l.backward()
@@ -160,11 +160,10 @@ def _check_dropout(topo):
         torch.manual_seed(5)
         model = parallelize(Transformer(cfg, seed=0), topo, sequence_parallel=sp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loss_fn = make_loss_fn(topo, cfg.vocab_size)
         for step in range(3):
             batch = _tokens(cfg.vocab_size, seed=200 + step)
             opt.zero_grad()
-            loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+            model(batch[:, :-1], targets=batch[:, 1:]).backward()
             opt.step()
         for pname, p in model.named_parameters():
             if not hasattr(p, "tp_meta"):
@@ -183,7 +182,7 @@ def _check_dropout(topo):
             if use_ckpt:
                 blk.forward = lambda x, *a, _f=orig: checkpoint(_f, x, *a, use_reentrant=False)
             try:
-                loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+                model(batch[:, :-1], targets=batch[:, 1:]).backward()
             finally:
                 blk.forward = orig
             grads.append([p.grad.clone() for p in model.parameters()])
