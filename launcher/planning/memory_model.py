@@ -258,11 +258,11 @@ def output_layer_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precisio
                        device_type: str = "cuda") -> float:
     """What the output layer and the loss hold between forward and backward (peak)."""
     p, tokens = _DTYPE_BYTES[precision], seq * micro
-    logit_bytes = p + (4 if p != 4 else 0)  # compute dtype + the float32 copy for the loss
-    if tp > 1:  # vocab-parallel: this rank's whole logits
-        return tokens * (padded_vocab(cfg.vocab_size, tp) // tp) * logit_bytes
+    if tp > 1:  # vocab-parallel: this rank's logits and the loss's float32 working copy
+        return tokens * (padded_vocab(cfg.vocab_size, tp) // tp) * (p + 4)
     rows = min(tokens, chunk_rows(cfg.vocab_size, device_type))
-    return rows * cfg.vocab_size * logit_bytes + tokens * cfg.d_model * p + cfg.vocab_size * cfg.d_model * 4
+    chunk = rows * cfg.vocab_size * (p + (4 if p != 4 else 0))  # compute dtype (+ float32 copy)
+    return chunk + tokens * cfg.d_model * p + cfg.vocab_size * cfg.d_model * 4
 
 
 def activation_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str,
