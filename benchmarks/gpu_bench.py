@@ -8,8 +8,8 @@ seq 2048, RMSNorm/SwiGLU/RoPE, untied: 1.34 B parameters) on one device (tp 1), 
 under the DeepSpeed engine built by launcher/engine.py, one step = launcher/loop.py's
 `train_step` on a fixed random batch (data loading is not measured). SDPA runs its
 flash kernel (--attn flash, the default, insists on it; --attn auto lets torch choose).
---compile compiles each transformer block (torch.compile, names unchanged); --ac
-checkpoints each block's activations (parallel.activation_checkpointing).
+--compile compiles each transformer block (parallel.compile: torch.compile, names
+unchanged); --ac checkpoints each block's activations (parallel.activation_checkpointing).
 
 Prints tokens/s, MFU (model FLOPs per token x tokens/s / the GPU's dense bf16 peak from
 loomtrain.launcher.metrics.GPU_PEAK_FLOPS) and peak memory. Exits 2 with a message when
@@ -42,7 +42,7 @@ def run_config(args):
 
     over = [
         "parallel.tp=1", f"parallel.zero_stage={args.zero}", "ray.num_workers=1",
-        f"parallel.activation_checkpointing={str(args.ac).lower()}",
+        f"parallel.activation_checkpointing={str(args.ac).lower()}", f"parallel.compile={str(args.compile).lower()}",
         f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
         f"train.precision={args.precision}", f"train.device={'cpu' if args.tiny else 'cuda'}",
         "train.warmup_steps=1", "run.dir=/tmp/loomtrain-bench/gpu",
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    from loomtrain.launcher import loop
+    from loomtrain.launcher import components, loop
     from loomtrain.launcher.metrics import gpu_peak_flops, measured_cpu_flops, mfu
     from loomtrain.launcher.nonfinite import SkipGuard
     from loomtrain.model import Transformer, flops_per_token, param_count
@@ -113,13 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     # first would take longer than the benchmark), then as components.build_model does.
     with torch.device(device):
         model = Transformer(cfg.model, seed=cfg.train.seed)
-    if cfg.parallel.activation_checkpointing:
-        from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model)
-    if args.compile:
-        for block in model.blocks:
-            block.compile()
+    components.apply_block_options(model, cfg)  # parallel.activation_checkpointing / .compile
     ctx = common.engine_context(cfg, model=model)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t = cfg.train

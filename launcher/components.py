@@ -44,14 +44,28 @@ def build_model(cfg: RunConfig, topology, device: torch.device) -> torch.nn.Modu
 
     model = Transformer(cfg.model, seed=cfg.train.seed)
     model = parallelize(model, topology, sequence_parallel=cfg.parallel.sequence_parallel)
-    if cfg.parallel.activation_checkpointing:
-        from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model)
+    apply_block_options(model, cfg)
     # DeepSpeed casts parameters to bf16/fp16 but not buffers; the RoPE / sinusoidal
     # tables must follow or they promote activations back to fp32.
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
     return model.to(device=device, dtype=dtype)
+
+
+def apply_block_options(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
+    """parallel.activation_checkpointing, then parallel.compile, on every block (in place).
+
+    Both act per block, as torchtitan applies them, and leave parameter names alone:
+    `block.compile()` (nn.Module.compile) rather than `torch.compile(model)`, whose
+    `_orig_mod.` prefix breaks checkpoint resumes (nanoGPT #325). Per block, one graph
+    serves every layer, and the output layer's chunked loss loop stays eager."""
+    if cfg.parallel.activation_checkpointing:
+        from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+    if cfg.parallel.compile:
+        for block in model.blocks:
+            block.compile()
+    return model
 
 
 def data_cache_dir(cfg: RunConfig) -> Path:

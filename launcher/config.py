@@ -43,6 +43,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
+    # torch.compile each transformer block (parameter names, so checkpoints, unchanged)
+    compile: bool = False
     # Collective timeout: a hung rank fails the run instead of hanging it.
     timeout_s: int = 600
 

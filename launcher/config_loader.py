@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -279,6 +280,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         not p.offload_optimizer or p.zero_stage >= 2, "parallel.offload_optimizer",
         f"false unless parallel.zero_stage is 2 or 3 (it is {p.zero_stage})", p.offload_optimizer,
     )
+    _check(
+        not p.compile or (t.device != "cpu" and _cuda_available()) or _cxx_available(), "parallel.compile",
+        "false on a CPU without a C++ compiler (torch.compile's CPU backend builds with $CXX or g++)", p.compile,
+    )
     _positive("parallel.timeout_s", p.timeout_s)
     _positive("eval.every_steps", cfg.eval.every_steps, allow_zero=True)
     _positive("eval.batches", cfg.eval.batches)
@@ -308,6 +313,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         f"a multiple of train.micro_batch_size * dp_size = {t.micro_batch_size} * {dp}",
         t.global_batch_size,
     )
+
+
+def _cxx_available() -> bool:
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
 
 
 def _cuda_available() -> bool:

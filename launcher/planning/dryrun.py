@@ -96,7 +96,7 @@ def _init_shard(model: torch.nn.Module, std: float, n_layers: int) -> None:
 
 def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Module:
     """One TP rank's shard of the cluster model, materialized on `device` only."""
-    from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
+    from loomtrain.launcher.components import apply_block_options
     from loomtrain.parallel import parallelize
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
@@ -111,8 +111,7 @@ def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Mo
         getattr(model.get_submodule(owner) if owner else model, leaf).copy_(value)
     _init_shard(model, cfg.model.init_std, cfg.model.n_layers)
     model.reset_buffers()  # RoPE / sinusoidal tables
-    if cfg.parallel.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_block_options(model, cfg)
     return model.to(dtype=dtype)  # the position tables follow
 
 
