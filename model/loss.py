@@ -22,9 +22,10 @@ from torch import nn
 IGNORE_INDEX = -100
 
 # Bytes of float32 logits per chunk. CPU: 8-16 MiB measured fastest (2-core EPYC,
-# benchmarks/cpu_vs_hf.py) and under glibc's 32 MiB mmap threshold, so the chunk's
-# memory is reused rather than mapped and unmapped; GPU: large enough that each chunk's matmuls keep
-# the tensor cores busy (1,334 tokens at a 50k vocabulary: ~0.3 TFLOP per matmul at d 2048).
+# benchmarks/output_layer.py) and under glibc's 32 MiB mmap threshold, so the chunk's
+# memory is reused rather than mapped and unmapped. GPU: large enough that each chunk's
+# matmuls keep the tensor cores busy (1,334 tokens at a 50k vocabulary: ~0.3 TFLOP per
+# matmul at d 2048).
 _CHUNK_BYTES = {"cpu": 16 << 20}
 _CHUNK_BYTES_DEFAULT = 256 << 20
 
@@ -77,26 +78,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:  # bf16/fp16 matmul, accumulated over chunks in float32
                     grad_w += grad.t() @ h
         n_valid = valid.sum().clamp(min=1).to(loss_dtype)
-        ctx.save_for_backward(n_valid, *(g for g in (grad_h, grad_w) if g is not None))
-        ctx.has = (grad_h is not None, grad_w is not None)
+        ctx.save_for_backward(n_valid, grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
-        n_valid, *saved = ctx.saved_tensors
+        n_valid, grad_h, grad_w = ctx.saved_tensors
         scale = grad_loss.to(n_valid.dtype) / n_valid
-        out = []
-        for has, dtype in zip(ctx.has, ctx.dtypes):
-            out.append((saved.pop(0).to(scale.dtype) * scale).to(dtype) if has else None)
-        return out[0], out[1], None, None, None, None
+
+        def scaled(grad, dtype):
+            return None if grad is None else (grad.to(scale.dtype) * scale).to(dtype)
+
+        return scaled(grad_h, ctx.dtypes[0]), scaled(grad_w, ctx.dtypes[1]), None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          rows: int | None = None) -> torch.Tensor:
-    """Mean cross-entropy (a float32 scalar; float64 for float64 inputs) of logits = hidden @ weight.T against targets,
-    computed chunk by chunk; equals `cross_entropy((hidden @ weight.T).float(), targets,
-    ignore_index=-100)` in value and gradients. hidden [..., D], targets [...]."""
+    """Mean cross-entropy of logits = hidden @ weight.T against targets, computed chunk by
+    chunk: equals `cross_entropy((hidden @ weight.T).float(), targets, ignore_index=-100)`
+    in value and gradients. A float32 scalar (float64 for float64 inputs).
+    hidden [..., D], weight [V, D], targets [...]; rows: tokens per chunk (default by device)."""
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1)
     if flat_t.shape[0] != flat_h.shape[0]:

@@ -129,20 +129,14 @@ def run(tmp_path, nproc, *args, name="out"):
     if nproc == 1:
         cmd = [sys.executable, str(HERE)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_port()), str(HERE)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               str(HERE)]  # --standalone: torchrun binds a free port itself, no pick-then-bind race
     cmd += [*map(str, args), "--run-dir", str(tmp_path / "run"), "--out", str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     r = json.loads(out.read_text())
     r["losses"] = {int(k): v for k, v in r["losses"].items()}
     return r
-
-
-def _port():
-    from loomtrain.launcher.distributed import free_port
-
-    return free_port()
 
 
 def ckpt(tmp_path, step):

@@ -43,11 +43,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def train_cmd(run_dir: Path, cache: Path, *overrides: str, nproc: int = 1) -> list[str]:
     head = [sys.executable, "-m", "loomtrain"]
-    if nproc > 1:
-        from loomtrain.launcher.distributed import free_port
-
-        head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(free_port()), "-m", "loomtrain"]
+    if nproc > 1:  # --standalone: torchrun binds a free port itself, no pick-then-bind race
+        head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                "-m", "loomtrain"]
     return [*head, "train", str(TINY), *SMALL, f"run.dir={run_dir}", f"data.cache_dir={cache}", *overrides]
 
 

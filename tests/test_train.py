@@ -163,11 +163,11 @@ def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
 
     extra = ["train.max_steps=4", "eval.every_steps=0", "log.tensorboard=false"]
     single = run_training(small_cfg(tmp_path / "one", data_cache, *extra)).losses
-    from loomtrain.launcher.distributed import free_port
-
     env = clean_env()
+    # --standalone: torchrun binds its own free port at once (a port picked here first could
+    # be taken by another process, e.g. a Ray worker of the shared test cluster, before use)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "loomtrain", "train", str(TINY), *SMALL, *extra,
          f"run.dir={tmp_path / 'two'}", f"data.cache_dir={data_cache}"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
