@@ -10,9 +10,10 @@
 # important first, each under its own time limit and skipped when the remaining budget
 # (GPU_SESSION_BUDGET seconds, default 540) cannot hold it:
 #   eager      benchmarks/gpu.sh: the 1.34 B model, bf16, DeepSpeed ZeRO-1, flash SDPA
-#   compile    the same with torch.compile per block
+#   tests      tests/test_gpu.py: the fused loss on CUDA (same numbers, less memory), bf16
+#              training, fp16 training with DeepSpeed's dynamic loss scaling
+#   compile    the eager benchmark with torch.compile per block (parallel.compile)
 #   loss       benchmarks/output_layer.py at that model's output layer (fused vs plain)
-#   fp16       configs/tiny.yaml trained in fp16 on the GPU: DeepSpeed's dynamic loss scaling
 #   mb8        the eager benchmark at micro batch 8
 #   ac         compile + activation checkpointing at micro batch 16
 # and prints a summary line per step (rc, the figures line).
@@ -47,15 +48,14 @@ step() {  # step NAME LIMIT_S CMD...
   timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   tail -n 3 "$out/$name.log"
-  summary+=("$name: rc=$rc | $(grep -E 'tokens/s|speed vs plain|done: step' "$out/$name.log" | tail -n 3 | tr '\n' ' ')")
+  summary+=("$name: rc=$rc | $(grep -E 'tokens/s|speed vs plain|done: step|passed|failed|skipped' "$out/$name.log" | tail -n 3 | tr '\n' ' ')")
 }
 
 step eager 150 bash benchmarks/gpu.sh
+step tests 150 env DS_ACCELERATOR=cuda "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu.py
 step compile 210 bash benchmarks/gpu.sh --compile
 step loss 60 "$PYTHON" benchmarks/output_layer.py --device cuda --precision bf16 --tokens 16384 \
   --d-model 2048 --vocab 32768 --rows 512 4096
-step fp16 90 "$PYTHON" -m loomtrain train configs/tiny.yaml train.precision=fp16 train.device=cuda \
-  train.max_steps=100 run.dir=/tmp/gpu-session-fp16 eval.every_steps=50 checkpoint.every_steps=0
 step mb8 90 bash benchmarks/gpu.sh --micro-batch 8
 step ac 150 bash benchmarks/gpu.sh --compile --ac --micro-batch 16
 
