@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import shutil
 from pathlib import Path
@@ -122,6 +123,14 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
             raise ConfigError(f"{item!r}: expected an override of the form section.key=value")
         if key.startswith("extends"):
             raise ConfigError("extends: not allowed as an override; put it in the YAML file")
+    for item in items:  # a value YAML cannot parse (`ray.address=[::1]:6379`) names its override
+        try:
+            OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException:
+            pass
+        except Exception as exc:  # yaml's own errors
+            raise ConfigError(f"{item.partition('=')[0]}: cannot parse the value of {item!r} "
+                              f"({_first_line(exc)}); quote it: key='value'") from None
     try:
         return OmegaConf.from_dotlist(items)
     except OmegaConfBaseException as exc:
@@ -253,7 +262,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         "byte, bpe or the path of an existing tokenizer.json", tok,
     )
     _check(bool(cfg.run.dir), "run.dir", "a directory path", cfg.run.dir)
-    # numbers
+    # numbers: inf/nan pass `> 0` and min/max checks, then poison the run (nan fails them
+    # with a less helpful message); every float knob must be a finite number.
+    for key, value in _float_leaves(cfg):
+        _check(math.isfinite(value), key, "a finite number", value)
     for key in ("max_steps", "seq_len", "micro_batch_size", "global_batch_size", "lr"):
         _positive(f"train.{key}", getattr(t, key))
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eps", "max_consecutive_skips"):
@@ -302,6 +314,12 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _positive("ray.num_workers", cfg.ray.num_workers)
     _positive("ray.cpus_per_worker", cfg.ray.cpus_per_worker)
     _positive("ray.max_failures", cfg.ray.max_failures, allow_zero=True)
+    try:  # Ray's own parser would fail later with a traceback, or hang resolving the host
+        from loomtrain.launcher.cluster.addresses import check_ray_address
+
+        check_ray_address(cfg.ray.address)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     # cross-field: world size, tp, dp and the batch sizes
     _check(
         world_size % p.tp == 0, "parallel.tp", f"a divisor of the world size {world_size}", p.tp,
@@ -313,6 +331,15 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         f"a multiple of train.micro_batch_size * dp_size = {t.micro_batch_size} * {dp}",
         t.global_batch_size,
     )
+
+
+def _float_leaves(obj: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _float_leaves(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}", value
 
 
 def _cxx_available() -> bool:

@@ -7,7 +7,11 @@ the prompt followed by its continuation. Temperature 0 is greedy.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
+
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,23 +23,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     return p
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The first bad sampling argument as one line, or None (before any file is read)."""
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        return f"--temperature: expected a finite number >= 0 (0 = greedy), got {args.temperature}"
+    if args.top_p is not None and not (0.0 < args.top_p <= 1.0):  # also refuses nan
+        return f"--top-p: expected a number in (0, 1], got {args.top_p}"
+    if args.top_k is not None and args.top_k < 1:
+        return f"--top-k: expected at least 1, got {args.top_k}"
+    if args.max_new_tokens < 0:
+        return f"--max-new-tokens: expected at least 0, got {args.max_new_tokens}"
+    if args.device not in DEVICES and not re.fullmatch(r"cuda:\d+", args.device):
+        return f"--device: expected one of {', '.join(DEVICES)} (or cuda:N), got {args.device!r}"
+    return None
+
+
+def pick_device(requested: str) -> str:
+    """auto -> cuda when there is one; an explicit cuda without CUDA is a ValueError."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {requested}: this machine has no usable CUDA device "
+                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu")
+    return requested
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    bad = check_args(args)
+    if bad:
+        print(f"loomtrain generate: {bad}", file=sys.stderr)
+        return 2
     import torch
 
-    from loomtrain.launcher.weights import load_final
+    from loomtrain.launcher.weights import FinalWeightsError, load_final
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
+        device = pick_device(args.device)
         model, tok = load_final(args.run_dir, device=device)
-    except FileNotFoundError as exc:
-        print(f"loomtrain: {exc}", file=sys.stderr)
+    except (FileNotFoundError, FinalWeightsError, ValueError) as exc:
+        print(f"loomtrain generate: {exc}", file=sys.stderr)
         return 2
     ids = tok.encode(args.prompt) or [tok.eos_id]
     room = model.cfg.max_seq_len - len(ids)

@@ -70,26 +70,59 @@ def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.P
     return out_dir
 
 
+class FinalWeightsError(ValueError):
+    """RUN_DIR/final is missing a file or holds a corrupt one (one line naming it)."""
+
+
+def _final_dir(run_or_final_dir: str | os.PathLike) -> Path:
+    path = Path(run_or_final_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"no such run directory: {run_or_final_dir}")
+    if (path / WEIGHTS).exists() or (path / MODEL_CONFIG).exists():
+        return path
+    if not (path / "final").is_dir():
+        raise FileNotFoundError(f"no final/ directory in {run_or_final_dir} (did the run finish?)")
+    return path / "final"
+
+
 def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device = "cpu"):
-    """-> (Transformer, tokenizer) from RUN_DIR (or RUN_DIR/final)."""
+    """-> (Transformer, tokenizer) from RUN_DIR (or RUN_DIR/final).
+
+    A missing or corrupt file raises FinalWeightsError naming it (a run killed while
+    an older loomtrain wrote final/, a copy cut short, a disk error), never a
+    safetensors / JSON traceback."""
+    from safetensors import SafetensorError, safe_open
+
     from loomtrain.data_pipeline import load_tokenizer
     from loomtrain.model import ModelConfig, Transformer
 
-    path = Path(run_or_final_dir)
-    if not (path / WEIGHTS).is_file():
-        path = path / "final"
-    if not (path / WEIGHTS).is_file():
-        raise FileNotFoundError(f"no {WEIGHTS} in {run_or_final_dir} or its final/ directory (did the run finish?)")
-    model_cfg = ModelConfig(**json.loads((path / MODEL_CONFIG).read_text()))
-    model = Transformer(model_cfg)
-    # Match the saved dtype (bf16 runs save bf16 weights).
-    from safetensors import safe_open
+    path = _final_dir(run_or_final_dir)
+    def broken(name: str, why: str) -> FinalWeightsError:
+        return FinalWeightsError(
+            f"{path / name}: {why}: the final weights are incomplete or corrupt; run the same "
+            "`loomtrain train` command again to rewrite final/ from the newest checkpoint")
 
-    with safe_open(str(path / WEIGHTS), framework="pt") as f:
-        dtype = f.get_slice(next(iter(f.keys()))).get_dtype()
-    if dtype in ("BF16", "F16"):
-        model = model.to(torch.bfloat16 if dtype == "BF16" else torch.float16)
-    load_model(model, str(path / WEIGHTS), device=str(device))
+    for name in (WEIGHTS, MODEL_CONFIG, TOKENIZER_DIR):
+        if not (path / name).exists():
+            raise broken(name, "missing")
+    try:
+        model_cfg = ModelConfig(**json.loads((path / MODEL_CONFIG).read_text()))
+    except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, unknown keys, bad values
+        raise broken(MODEL_CONFIG, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    model = Transformer(model_cfg)
+    try:
+        # Match the saved dtype (bf16 runs save bf16 weights).
+        with safe_open(str(path / WEIGHTS), framework="pt") as f:
+            dtype = f.get_slice(next(iter(f.keys()))).get_dtype()
+        if dtype in ("BF16", "F16"):
+            model = model.to(torch.bfloat16 if dtype == "BF16" else torch.float16)
+        load_model(model, str(path / WEIGHTS), device=str(device))
+    except (SafetensorError, OSError, StopIteration, RuntimeError) as exc:
+        # RuntimeError: tensors missing or of another shape than model_config.json says.
+        raise broken(WEIGHTS, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     model.reset_buffers()
-    tokenizer = load_tokenizer(str(path / TOKENIZER_DIR))
+    try:
+        tokenizer = load_tokenizer(str(path / TOKENIZER_DIR))
+    except Exception as exc:  # the tokenizers library raises its own types
+        raise broken(TOKENIZER_DIR, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     return model.to(device).eval(), tokenizer

@@ -1,7 +1,7 @@
 """Ray Jobs glue: `loomtrain submit | status | logs | stop`.
 
     loomtrain submit CONFIG [key=value ...] [--address URL] [--submission-id ID]
-                     [--env KEY=VALUE ...] [--follow]
+                     [--env KEY=VALUE ...] [--follow] [--dry-run]
     loomtrain status JOB [--address URL]
     loomtrain logs   JOB [--address URL] [--follow]
     loomtrain stop   JOB [--address URL] [--wait]
@@ -9,9 +9,12 @@
 The address is the cluster's dashboard (`http://HEAD:8265`), from --address or
 else the RAY_ADDRESS environment variable.
 
-What `submit` ships: this project's source (in a git checkout the files git
-sees, .gitignore honoured; never .venv, runs/, .git or caches), copied into a staging directory as the package folder `loomtrain/`,
-which becomes the job's `working_dir`. Ray unpacks it on every node and puts
+What `submit` ships (launcher/cluster/packaging.py): the package's own `*.py`
+files and the config named (with the files it `extends:`), nothing else: no
+`.env`, keys, credentials, kubeconfigs, runs/, exports or data, and no symbolic
+link is followed. `--dry-run` prints that list with sizes and contacts no
+cluster. The files are copied into a staging directory as the package folder
+`loomtrain/`, which becomes the job's `working_dir`. Ray unpacks it on every node and puts
 it first on every job process' PYTHONPATH, so the driver and each Ray Train
 worker import exactly the code that was submitted, even where an older
 loomtrain is installed in the image. The entrypoint is
@@ -27,22 +30,20 @@ ignores the header.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import os
 import shlex
-import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from loomtrain.launcher.cluster.addresses import AddressError, dashboard_url
+from loomtrain.launcher.cluster.packaging import PackagingError, format_listing, plan_shipment, stage
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # launcher/cluster/jobs.py -> repo root
 # Never shipped: environments, run outputs, VCS data, caches, build output.
-EXCLUDE = (".venv", "venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
-           "build", "dist", "*.pyc", ".data_cache", ".mypy_cache", ".ruff_cache")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 CONNECT_TIMEOUT_S = 5.0
 
@@ -67,12 +68,14 @@ def _enable_token_auth_if_available() -> None:
 
 
 def resolve_address(address: str | None) -> str:
+    what = "--address" if address else "RAY_ADDRESS"
     address = address or os.environ.get("RAY_ADDRESS", "")
     if not address:
         raise JobsError("no cluster address: pass --address http://HEAD:8265 or set RAY_ADDRESS")
-    if "://" not in address:
-        address = f"http://{address}"
-    return address.rstrip("/")
+    try:
+        return dashboard_url(address, what)
+    except AddressError as e:
+        raise JobsError(str(e)) from None
 
 
 def _check_reachable(address: str) -> None:
@@ -121,42 +124,18 @@ def _call(what: str, job: str, fn, *args):
 # ----------------------------------------------------------------- submit
 
 
-def _project_files() -> list[str]:
-    """Files to ship: in a git checkout what git sees (tracked + untracked, .gitignore
-    honoured); else everything. EXCLUDE applies in both cases."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(PROJECT_ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            capture_output=True, check=True, timeout=30,
-        ).stdout.decode()
-        files = [f for f in out.split("\0") if f]
-    except (OSError, subprocess.SubprocessError):
-        files = [str(p.relative_to(PROJECT_ROOT)) for p in PROJECT_ROOT.rglob("*")]
-    keep = []
-    for rel in files:
-        if any(fnmatch.fnmatch(part, pat) for part in Path(rel).parts for pat in EXCLUDE):
-            continue
-        if (PROJECT_ROOT / rel).is_file():
-            keep.append(rel)
-    return keep
+def stage_project(dest_root: Path, config: str, root: Path = PROJECT_ROOT) -> str:
+    """Copy what ships (see packaging.py) under dest_root; return CONFIG's path inside it."""
+    entries, _, config_in_job = _plan(config, root)
+    stage(entries, dest_root)
+    return config_in_job
 
 
-def stage_project(dest_root: Path, config: str) -> str:
-    """Copy the project to dest_root/loomtrain; return CONFIG's path inside dest_root."""
-    pkg = dest_root / "loomtrain"
-    for rel in _project_files():
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(PROJECT_ROOT / rel, pkg / rel)
-    cfg = Path(config).resolve()
-    if not cfg.is_file():
-        raise JobsError(f"config file not found: {config}")
+def _plan(config: str, root: Path = PROJECT_ROOT):
     try:
-        return str(Path("loomtrain") / cfg.relative_to(PROJECT_ROOT))
-    except ValueError:
-        # A config outside the project: ship it (its `extends:` must then be
-        # absolute or point into the project).
-        shutil.copy2(cfg, dest_root / cfg.name)
-        return cfg.name
+        return plan_shipment(config, root)
+    except PackagingError as e:
+        raise JobsError(str(e)) from None
 
 
 # Keys naming files that may exist only on the cluster: not checked here.
@@ -205,6 +184,12 @@ def submit(args) -> int:
         k, v = kv.split("=", 1)
         env_vars[k] = v
     _check_config(args.config, args.overrides)
+    if args.dry_run:
+        entries, left_out, config_in_job = _plan(args.config)
+        print(format_listing(entries, left_out))
+        print(f"loomtrain: dry run: nothing submitted; the entrypoint would be "
+              f"{build_entrypoint(config_in_job, args.overrides)}", file=sys.stderr)
+        return 0
     client = make_client(args.address)
     _warn_relative_run_dir(args.overrides)
     with tempfile.TemporaryDirectory(prefix="loomtrain-submit-") as tmp:
@@ -310,6 +295,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                        help="environment variable for the job (repeatable)")
         p.add_argument("--follow", action="store_true", help="stream the logs until the job ends")
+        p.add_argument("--dry-run", action="store_true",
+                       help="list the files that would be shipped, with sizes; submit nothing")
     else:
         p.add_argument("job", help="job (submission) id printed by `loomtrain submit`")
     if command == "logs":

@@ -1,0 +1,108 @@
+"""`loomtrain submit` ships the package's Python files and the configs named, never a secret.
+
+A copy of this checkout is salted with fake secrets (keys, .env files, credentials,
+kubeconfig, Ray token), run outputs, exports, data and symbolic links; then
+`submit --dry-run` (the real CLI, importing the copy) lists what would ship, and
+`stage_project` (the function `submit` uploads from) stages it. No fake secret and
+no byte of one may be in either; the staged package must still import.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loomtrain.launcher.cluster import jobs
+from loomtrain.launcher.cluster.packaging import plan_shipment
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = "FAKE-SECRET-7f3a"
+SECRETS = [
+    ".env", ".env.production", "id_rsa", "id_rsa.pub", "server.pem", "tls.key", ".netrc", "kubeconfig",
+    "kubeconfig.yaml", "gcp-credentials.json", "secrets.yaml", ".aws/credentials", ".aws/config",
+    ".ray/auth_token", ".ssh/id_ed25519", "configs/secrets.yaml", "launcher/.env",
+    "launcher/cluster/credentials.py", "model/secrets_local.py", "runs/tiny/checkpoints/step_00000001/x.py",
+    "runs/tiny/metrics.jsonl", "exports/hf/model.safetensors", "data/corpus.jsonl", "data_pipeline/data/notes.py",
+    "notes.txt",
+]
+
+
+@pytest.fixture(scope="module")
+def salted(tmp_path_factory) -> Path:
+    """A copy of the checkout (no .git) with fake secrets, outputs and links planted in it."""
+    base = tmp_path_factory.mktemp("checkout")
+    tree = base / "loomtrain"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "runs", "tests"))
+    for rel in SECRETS:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(f"{MARK} {rel}\n")
+    outside = base / "home-aws-credentials"
+    outside.write_text(f"{MARK} outside\n")
+    os.symlink(outside, tree / "model" / "linked_secret.py")  # a link inside the package
+    os.symlink(tree / "runs", tree / "parallel" / "runs_link")  # a linked folder
+    (tree / "runs" / "__init__.py").write_text(f"# {MARK}\n")
+    return tree
+
+
+def _shipped_names(listing: str) -> list[str]:
+    rows = [line.split() for line in listing.splitlines() if line[:1] == " " or line[:1].isdigit()]
+    return [r[1] for r in rows if len(r) == 2]
+
+
+def test_dry_run_lists_package_and_named_configs_with_sizes_and_no_secret(salted):
+    pkg_path = salted.parent / "pkgpath"
+    pkg_path.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(salted.parent)}  # imports the salted copy itself
+    proc = subprocess.run(
+        [sys.executable, "-m", "loomtrain", "submit", "configs/tiny.yaml", "train.max_steps=5", "--dry-run"],
+        cwd=salted, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = _shipped_names(proc.stdout)
+    assert "loomtrain/launcher/loop.py" in names and "loomtrain/configs/tiny.yaml" in names, proc.stdout
+    assert "loomtrain/__main__.py" in names
+    for name in names:
+        assert name.endswith(".py") or name == "loomtrain/configs/tiny.yaml", name
+        assert MARK not in (salted.parent / name).read_text(), name
+    for rel in SECRETS:
+        assert f"loomtrain/{rel}" not in names
+    assert not any("linked" in n or "runs" in n for n in names)
+    size = {line.split()[1]: int(line.split()[0].replace(",", "")) for line in proc.stdout.splitlines()
+            if len(line.split()) == 2 and line.split()[0].replace(",", "").isdigit()}
+    assert size["loomtrain/launcher/loop.py"] == (salted / "launcher" / "loop.py").stat().st_size
+    assert "total: " in proc.stdout and "symbolic link" in proc.stdout
+    assert "--ray" in proc.stderr and "nothing submitted" in proc.stderr
+
+
+def test_staged_working_dir_holds_no_secret_and_imports(salted, tmp_path):
+    stage = tmp_path / "stage"
+    config_in_job = jobs.stage_project(stage, str(salted / "configs" / "tiny.yaml"), root=salted)
+    assert config_in_job == "loomtrain/configs/tiny.yaml"
+    files = [p for p in stage.rglob("*") if not p.is_dir()]
+    assert files and not any(p.is_symlink() for p in files)
+    for p in files:
+        assert MARK.encode() not in p.read_bytes(), p
+    rel = {str(p.relative_to(stage)) for p in files}
+    entries, _, _ = plan_shipment(salted / "configs" / "tiny.yaml", salted)
+    assert rel == {e.dest for e in entries}
+    proc = subprocess.run([sys.executable, "-c", "import loomtrain.launcher.cluster.ray_train, loomtrain.launcher.loop"],
+                          env={**os.environ, "PYTHONPATH": str(stage)}, cwd=stage, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_extends_chain_ships_and_a_secret_named_config_is_refused(salted, tmp_path):
+    (salted / "configs" / "mine.yaml").write_text("extends: tiny.yaml\ntrain:\n  max_steps: 3\n")
+    entries, _, cfg = plan_shipment(salted / "configs" / "mine.yaml", salted)
+    dests = {e.dest for e in entries}
+    assert cfg == "loomtrain/configs/mine.yaml" and "loomtrain/configs/tiny.yaml" in dests
+    secret_cfg = tmp_path / "prod.env"
+    secret_cfg.write_text("train:\n  max_steps: 3\n")
+    with pytest.raises(Exception, match=r"refusing to ship config .*prod\.env"):
+        jobs.stage_project(tmp_path / "stage", str(secret_cfg), root=salted)
+    assert not (tmp_path / "stage").exists()
