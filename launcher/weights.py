@@ -52,16 +52,22 @@ def full_model_for_export(ctx) -> torch.nn.Module:
 
 def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
     """Write the final directory atomically (temp dir, then rename)."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     # Copies, not the live tensors: at ZeRO 1-2 every parameter is a view into DeepSpeed's
     # flat buffer, which safetensors refuses to write. A tied table is stored once.
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.tok_emb.weight:
         state.pop("lm_head.weight")
-    save_file(state, str(tmp / WEIGHTS))
+    return write_final(state, model_cfg, tokenizer, out_dir)
+
+
+def write_final(state: dict[str, torch.Tensor], model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
+    """The final directory from full tensors by loomtrain name (a tied output layer left out),
+    atomically (temp dir, then rename). `loomtrain import` writes through this too."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS))
     (tmp / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
     tokenizer.save(tmp / TOKENIZER_DIR)
     if out_dir.exists():

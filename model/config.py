@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+# gelu is the exact (erf) GELU; gelu_tanh its tanh approximation, which GPT-2 was trained with.
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 
 

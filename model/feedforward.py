@@ -1,4 +1,4 @@
-"""Position-wise feed-forward network: down(act(up(x))) for ReLU/GELU, down(silu(gate(x)) * up(x)) for SwiGLU."""
+"""Position-wise feed-forward network: down(act(up(x))) for ReLU/GELU (exact or tanh), down(silu(gate(x)) * up(x)) for SwiGLU."""
 
 from __future__ import annotations
 
@@ -24,4 +24,6 @@ class FeedForward(nn.Module):
             return self.down(F.silu(self.gate(x)) * self.up(x))
         if self.activation == "relu":
             return self.down(F.relu(self.up(x)))
+        if self.activation == "gelu_tanh":
+            return self.down(F.gelu(self.up(x), approximate="tanh"))
         return self.down(F.gelu(self.up(x)))  # exact (erf) GELU

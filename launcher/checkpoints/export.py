@@ -10,7 +10,7 @@ field that does not fit):
   * Llama-style  (pre-norm, rmsnorm, swiglu, rope)        -> LlamaForCausalLM
     loomtrain's RoPE already uses the rotate-half layout of HF Llama (dimension i is
     paired with i + head_dim/2), so q/k weights are copied without a permutation.
-  * GPT-2-style  (pre-norm, layernorm, gelu|relu, learned) -> GPT2LMHeadModel
+  * GPT-2-style  (pre-norm, layernorm, gelu|gelu_tanh|relu, learned) -> GPT2LMHeadModel
     GPT-2's Conv1D stores weights as [in, out]: every linear is transposed, and
     q/k/v are fused into c_attn; biases the model does not have are written as zeros.
 
@@ -33,6 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMATS = ("hf",)
+# loomtrain activation -> GPT-2's activation_function computing the same function
+HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 
 
 class ExportError(ValueError):
@@ -104,7 +106,7 @@ def hf_architecture(cfg) -> str:
         arch = "GPT-2"
         need("norm_placement", ("pre",), arch)
         need("norm", ("layernorm",), arch)
-        need("activation", ("gelu", "relu"), arch)
+        need("activation", ("gelu", "gelu_tanh", "relu"), arch)
         if cfg.kv_heads != cfg.n_heads:
             raise ExportError(f"model.n_kv_heads={cfg.n_kv_heads}: GPT-2 has no grouped-query attention "
                               f"(needs n_kv_heads == n_heads = {cfg.n_heads})")
@@ -184,7 +186,8 @@ def to_gpt2(w: dict[str, torch.Tensor], cfg, eos_id: int | None) -> tuple[dict, 
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": cfg.vocab_size, "n_embd": d, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
         "n_inner": cfg.ffn_dim, "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len,
-        "activation_function": cfg.activation,  # "gelu" is the exact erf GELU, as in loomtrain
+        # "gelu" is the exact erf GELU, as in loomtrain; gelu_pytorch_tanh is F.gelu(approximate="tanh")
+        "activation_function": HF_ACTIVATION[cfg.activation],
         "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
