@@ -38,12 +38,17 @@ def build_topology(cfg: RunConfig, env: DistEnv):
 
 
 def build_model(cfg: RunConfig, topology, device: torch.device) -> torch.nn.Module:
-    """The full model from train.seed (identical on every rank), then sharded in place."""
+    """The full model from train.seed (identical on every rank), then sharded in place; with
+    model.init_from, its weights then replace the random ones (an optimizer starts fresh)."""
     from loomtrain.model import Transformer
     from loomtrain.parallel import parallelize
 
     model = Transformer(cfg.model, seed=cfg.train.seed)
     model = parallelize(model, topology, sequence_parallel=cfg.parallel.sequence_parallel)
+    if cfg.model.init_from:  # the random init is replaced: each rank reads only its TP slice
+        from loomtrain.launcher.checkpoints.weight_source import init_from
+
+        init_from(model, cfg.model, log=print if topology.rank == 0 else (lambda *a: None))
     apply_block_options(model, cfg)
     # DeepSpeed casts parameters to bf16/fp16 but not buffers; the RoPE / sinusoidal
     # tables must follow or they promote activations back to fp32.

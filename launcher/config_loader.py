@@ -258,10 +258,14 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     )
     tok = cfg.data.tokenizer
     _check(
-        tok in BUILTIN_TOKENIZERS or Path(tok).is_file(), "data.tokenizer",
-        "byte, bpe or the path of an existing tokenizer.json", tok,
+        tok in BUILTIN_TOKENIZERS or Path(tok).is_file() or (Path(tok) / "tokenizer.json").is_file(),
+        "data.tokenizer",
+        "byte, bpe, the path of an existing tokenizer.json or a directory holding one "
+        "(a Hugging Face model or tokenizer directory)", tok,
     )
     _check(bool(cfg.run.dir), "run.dir", "a directory path", cfg.run.dir)
+    if m.init_from:
+        _check_init_from(cfg)
     # numbers: inf/nan pass `> 0` and min/max checks, then poison the run (nan fails them
     # with a less helpful message); every float knob must be a finite number.
     for key, value in _float_leaves(cfg):
@@ -340,6 +344,21 @@ def _float_leaves(obj: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
             yield from _float_leaves(value, f"{prefix}{f.name}.")
         elif isinstance(value, float):
             yield f"{prefix}{f.name}", value
+
+
+def _check_init_from(cfg: RunConfig) -> None:
+    """model.init_from exists, is not the run's own final/ (which the run's end replaces), and
+    holds a model with the shapes model.* gives."""
+    src = Path(cfg.model.init_from).expanduser()
+    _check(src.is_dir(), "model.init_from",
+           "a run's final/ directory, a run directory or a Hugging Face model directory", cfg.model.init_from)
+    own = Path(cfg.run.dir).expanduser().absolute()
+    _check(src.absolute() not in (own, own / "final"), "model.init_from",
+           f"weights outside run.dir={cfg.run.dir} (the run's end replaces its final/; give the new run "
+           f"its own run.dir)", cfg.model.init_from)
+    from loomtrain.launcher.checkpoints.weight_source import open_matching
+
+    open_matching(cfg.model)
 
 
 def _cxx_available() -> bool:

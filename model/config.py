@@ -33,6 +33,10 @@ class ModelConfig:
     dropout: float = 0.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Initial weights instead of a random init: a run's final/ (or the run directory), a
+    # `loomtrain import` output, or a Hugging Face model directory. Read only when a run
+    # starts at step 0 (a resume reads its checkpoint); the optimizer starts fresh.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -19,7 +19,8 @@ pickled .bin files are refused and never opened.
 Written: RUN_DIR/final/ (what a finished run leaves: model.safetensors, model_config.json,
 tokenizer/tokenizer.json, the source's tensors in their own dtype) and RUN_DIR/config.yaml
 (a full run config: the model section from config.json, data.tokenizer the imported
-tokenizer), so `loomtrain generate RUN_DIR` works.
+tokenizer, model.init_from these weights), so `loomtrain generate RUN_DIR` works and
+`loomtrain train RUN_DIR/config.yaml run.dir=NEW_DIR data.path=...` continues training.
 """
 
 from __future__ import annotations
@@ -230,13 +231,13 @@ def _load_tokenizer(source: WeightSource, src: Path):
 
 
 def write_run_config(out: Path, model_cfg, tokenizer_file: Path) -> Path:
-    """RUN_DIR/config.yaml: a run of this model with this tokenizer."""
+    """RUN_DIR/config.yaml: a run that starts from these weights with this tokenizer."""
     from loomtrain.launcher.config import DataConfig, RunConfig, RunSection, TrainConfig
     from loomtrain.launcher.config_loader import save_config
 
     run = RunConfig(
         run=RunSection(name=out.name, dir=str(out)),
-        model=dataclasses.replace(model_cfg),
+        model=dataclasses.replace(model_cfg, init_from=str(out / "final")),
         data=DataConfig(tokenizer=str(tokenizer_file)),
         train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)),
     )

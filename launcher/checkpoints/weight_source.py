@@ -10,7 +10,7 @@ of directory are sources (`open_source`):
   * a Hugging Face model directory (config.json + safetensors), mapped by hf_import.
 
 Reading goes through `safe_open(...).get_slice`, so a tensor-parallel rank reads only its own
-rows or columns of each tensor, and nothing is ever unpickled.
+rows or columns of each tensor (`load_into`), and nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -188,3 +188,91 @@ def check_complete(source: WeightSource) -> None:
         if got != shape:
             raise WeightSourceError(f"{source.description}: {ref.key} has shape {list(got)}, "
                                     f"the model config gives {name} the shape {list(shape)}")
+
+
+# model.init_from ---------------------------------------------------------------------------
+# Fields that decide which tensors a model has and their shapes, or what the weights mean.
+# Others (rope_theta, norm_eps, dropout, max_seq_len without learned positions) may differ:
+# changing them is how one fine-tunes for a longer context or another regularisation.
+_MUST_MATCH = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "norm",
+               "norm_placement", "activation", "positions", "bias", "tie_embeddings")
+
+
+def _effective(cfg, field: str):
+    if field == "n_kv_heads":
+        return cfg.kv_heads
+    if field == "ffn_hidden":
+        return cfg.ffn_dim
+    return getattr(cfg, field)
+
+
+def check_matches(source: WeightSource, cfg) -> None:
+    """Refuse a source whose model differs from `cfg` (model.*), naming the field and both values."""
+    fields = list(_MUST_MATCH) + (["max_seq_len"] if cfg.positions == "learned" else [])
+    for field in fields:
+        theirs, ours = _effective(source.model_cfg, field), _effective(cfg, field)
+        if theirs != ours:
+            raise WeightSourceError(
+                f"model.{field}: the config has {ours!r}, but model.init_from={cfg.init_from} "
+                f"({source.description}) has {theirs!r}"
+            )
+
+
+def _local_range(meta: dict) -> tuple[int, int, int, int]:
+    """-> (dim, lo, hi, size): this shard is entries [lo, hi) of the full tensor along dim, zero
+    padded to `size` (the vocabulary padding of the last shard)."""
+    dim, n, i = meta["partition_dim"], meta["num_shards"], meta["shard_index"]
+    size = meta["padded_size"] // n
+    full = meta["full_shape"][dim]
+    lo = min(i * size, full)
+    return dim, lo, min(lo + size, full), size
+
+
+@torch.no_grad()
+def load_into(model: torch.nn.Module, source: WeightSource) -> None:
+    """Copy the source's weights into a (possibly tensor-parallel) model's parameters in place.
+    A sharded parameter (`tp_meta`, set by the TP plan) reads only its own slice."""
+    for name, p in model.named_parameters():
+        if name not in source.refs:
+            raise WeightSourceError(f"{source.description}: no tensor for loomtrain's {name}")
+        meta = getattr(p, "tp_meta", None)
+        full = tuple(meta["full_shape"]) if meta is not None else tuple(p.shape)
+        got = source.shape(name)
+        if got != full:
+            raise WeightSourceError(f"{source.description}: {source.refs[name].key} has shape {list(got)}, "
+                                    f"the model's {name} has {list(full)}")
+        if meta is None:
+            p.copy_(source.read(name))
+            continue
+        dim, lo, hi, size = _local_range(meta)
+        if hi == lo:  # a shard of vocabulary padding only
+            p.zero_()
+            continue
+        local = source.read(name, dim, lo, hi)
+        if hi - lo < size:
+            pad = list(local.shape)
+            pad[dim] = size - (hi - lo)
+            local = torch.cat([local, local.new_zeros(pad)], dim=dim)
+        p.copy_(local)
+
+
+def open_matching(cfg) -> WeightSource:
+    """The source model.init_from names, checked against model.*: a one-line ConfigError naming
+    the field otherwise (the launcher's validation calls this before any worker starts)."""
+    from loomtrain.launcher.config_loader import ConfigError
+
+    try:
+        source = open_source(cfg.init_from)
+        check_matches(source, cfg)
+        check_complete(source)
+    except WeightSourceError as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith("model.") else f"model.init_from: {msg}") from None
+    return source
+
+
+def init_from(model: torch.nn.Module, cfg, log=print) -> None:
+    """Load model.init_from into a freshly built (possibly tensor-parallel) model, in place."""
+    source = open_matching(cfg)
+    load_into(model, source)
+    log(f"model.init_from: weights from {source.description}")

@@ -1,0 +1,67 @@
+"""Tiny Hugging Face models saved as transformers saves them, with a BPE tokenizer trained
+here with `tokenizers` (for the import and init_from tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nimport sys\nprint(os.getcwd(), sys.argv)\n",
+] * 4
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A small byte-level BPE trained here with `tokenizers` (<|endoftext|> as EOS)."""
+    from loomtrain.data_pipeline.tokenizer import train_bpe
+
+    return train_bpe(iter(TEXT), vocab_size=300)._tok
+
+
+def save_tokenizer(tok, directory):
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                                bos_token="<|endoftext|>")
+    fast.save_pretrained(str(directory))
+    assert (directory / "tokenizer.json").is_file()
+
+
+def spread(model, seed: int):
+    """Weights well away from the init (norms, biases included) so greedy choices are clear-cut
+    and a swapped or transposed tensor changes the text."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p + (0.3 if p.ndim == 1 else 0.15) * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def tiny_llama(directory, tok, vocab_size=None, **extra):
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab_size or tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
+        max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos, **extra,
+    )
+    torch.manual_seed(0)
+    model = spread(transformers.LlamaForCausalLM(cfg), 1)
+    model.save_pretrained(str(directory), max_shard_size="100KB")  # sharded: an index and several files
+    save_tokenizer(tok, directory)
+    return model
+
+
+def tiny_gpt2(directory, tok):
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = transformers.GPT2Config(  # activation gelu_new, dropout 0.1, tied: GPT-2's own defaults
+        vocab_size=tok.get_vocab_size(), n_embd=64, n_layer=2, n_head=4, n_positions=64,
+        bos_token_id=eos, eos_token_id=eos,
+    )
+    torch.manual_seed(0)
+    model = spread(transformers.GPT2LMHeadModel(cfg), 2)
+    model.save_pretrained(str(directory))
+    save_tokenizer(tok, directory)
+    return model
