@@ -213,8 +213,8 @@ def check_matches(source: WeightSource, cfg) -> None:
         theirs, ours = _effective(source.model_cfg, field), _effective(cfg, field)
         if theirs != ours:
             raise WeightSourceError(
-                f"model.{field}: the config has {ours!r}, but model.init_from={cfg.init_from} "
-                f"({source.description}) has {theirs!r}"
+                f"model.{field}: the config has {ours!r}, but the weights in "
+                f"model.init_from={cfg.init_from} have {theirs!r}"
             )
 
 
@@ -275,4 +275,4 @@ def init_from(model: torch.nn.Module, cfg, log=print) -> None:
     """Load model.init_from into a freshly built (possibly tensor-parallel) model, in place."""
     source = open_matching(cfg)
     load_into(model, source)
-    log(f"model.init_from: weights from {source.description}")
+    log(f"model.init_from: starting from {source.description}")
