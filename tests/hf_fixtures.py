@@ -41,12 +41,14 @@ def spread(model, seed: int):
 
 
 def tiny_llama(directory, tok, vocab_size=None, **extra):
+    """GQA 4/2, rope_theta 500000, untied, saved in shards; `extra` overrides LlamaConfig fields."""
     eos = tok.token_to_id("<|endoftext|>")
-    cfg = transformers.LlamaConfig(
+    fields = dict(
         vocab_size=vocab_size or tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
-        max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos, **extra,
+        max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos,
     )
+    cfg = transformers.LlamaConfig(**{**fields, **extra})
     torch.manual_seed(0)
     model = spread(transformers.LlamaForCausalLM(cfg), 1)
     model.save_pretrained(str(directory), max_shard_size="100KB")  # sharded: an index and several files

@@ -8,9 +8,10 @@ import json
 
 import pytest
 import torch
-from hf_fixtures import bpe, tiny_gpt2, tiny_llama  # noqa: F401  (bpe: a fixture)
+import transformers
 from safetensors import safe_open
 
+from hf_fixtures import bpe, tiny_gpt2, tiny_llama  # noqa: F401  (bpe: a fixture)
 from loomtrain.launcher import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,6 +74,11 @@ def test_gpt2_import_generates_like_transformers_and_exports_bitwise(tmp_path, c
     run = import_generate_export(tmp_path, capsys, model, bpe, src)
     cfg = json.loads((run / "final" / "model_config.json").read_text())
     assert (cfg["activation"], cfg["positions"], cfg["bias"], cfg["tie_embeddings"]) == ("gelu_tanh", "learned", True, True)
+    # exported as activation_function gelu_pytorch_tanh: transformers computes the same logits
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (back(tokens).logits - model(tokens).logits).abs().max().item() < 1e-4
 
 
 def refusal(capsys, src, tmp_path) -> str:
@@ -103,3 +109,56 @@ def test_pickled_weights_are_refused_without_being_read(tmp_path, capsys, bpe):
     (src / "pytorch_model.bin").write_bytes(b"not a pickle: opening it would fail loudly")
     err = refusal(capsys, src, tmp_path)
     assert "pytorch_model.bin" in err and "safetensors" in err
+
+
+def loomtrain_logits(run, tokens):
+    from loomtrain.launcher.weights import load_final
+
+    model, _ = load_final(run)
+    with torch.no_grad():
+        return model(tokens)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(num_key_value_heads=1, tie_word_embeddings=True),  # MQA, tied
+    dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),  # MHA with biases
+])
+def test_llama_variants_give_transformers_logits(tmp_path, bpe, variant):
+    model = tiny_llama(tmp_path / "hf", bpe, **variant)
+    assert cli.main(["import", "--format", "hf", str(tmp_path / "hf"), "--output", str(tmp_path / "run")]) == 0
+    tokens = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert (loomtrain_logits(tmp_path / "run", tokens) - theirs).abs().max().item() < 1e-4
+
+
+def test_gpt2_saved_without_prefix_and_with_mask_buffers(tmp_path, bpe):
+    """Checkpoints saved from GPT2Model (the original gpt2 upload) name tensors without
+    `transformer.` and carry the causal-mask buffers attn.bias / attn.masked_bias."""
+    from safetensors.torch import save_file
+
+    model = tiny_gpt2(tmp_path / "hf", bpe)
+    src = tensors(tmp_path / "hf")
+    bare = {k.removeprefix("transformer."): v for k, v in src.items()}
+    for i in range(2):
+        bare[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))
+        bare[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(bare, str(tmp_path / "hf" / "model.safetensors"))
+    assert cli.main(["import", "--format", "hf", str(tmp_path / "hf"), "--output", str(tmp_path / "run")]) == 0
+    tokens = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert (loomtrain_logits(tmp_path / "run", tokens) - theirs).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("field, value", [
+    ("sliding_window", 4096), ("num_local_experts", 8), ("quantization_config", {"quant_method": "awq"}),
+    ("hidden_act", "gelu"), ("head_dim", 32), ("architectures", ["MistralForCausalLM"]),
+])
+def test_unrepresentable_fields_are_refused_by_name(tmp_path, capsys, bpe, field, value):
+    src = tmp_path / "hf"
+    tiny_llama(src, bpe)
+    config = json.loads((src / "config.json").read_text())
+    config[field] = value
+    (src / "config.json").write_text(json.dumps(config))
+    assert refusal(capsys, src, tmp_path).startswith(f"loomtrain import: {src / 'config.json'}: {field}=")
