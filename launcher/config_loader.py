@@ -264,8 +264,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         "(a Hugging Face model or tokenizer directory)", tok,
     )
     _check(bool(cfg.run.dir), "run.dir", "a directory path", cfg.run.dir)
-    if m.init_from:
-        _check_init_from(cfg)
     # numbers: inf/nan pass `> 0` and min/max checks, then poison the run (nan fails them
     # with a less helpful message); every float knob must be a finite number.
     for key, value in _float_leaves(cfg):
@@ -335,6 +333,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         f"a multiple of train.micro_batch_size * dp_size = {t.micro_batch_size} * {dp}",
         t.global_batch_size,
     )
+    if m.init_from:  # last: it reads the weights' config (and may name a path only a cluster has)
+        _check_init_from(cfg)
 
 
 def _float_leaves(obj: Any, prefix: str = "") -> Iterable[tuple[str, float]]:

@@ -54,6 +54,14 @@ def test_imported_config_needs_its_own_run_dir_and_takes_an_hf_tokenizer_dir(imp
     assert cfg.model.init_from == str(run / "final") and cfg.model.n_kv_heads == 2
 
 
+def test_submit_leaves_a_cluster_only_init_from_to_the_cluster(imported, capsys):
+    from loomtrain.launcher.cluster.jobs import _check_config
+
+    _, _, run = imported
+    _check_config(str(run / "config.yaml"), ["run.dir=/mnt/shared/runs/ft", "model.init_from=/mnt/shared/hf/llama"])
+    assert "not checked here (a cluster path?): model.init_from" in capsys.readouterr().err
+
+
 def _train(cmd: list[str]) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

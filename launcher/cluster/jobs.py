@@ -139,7 +139,7 @@ def _plan(config: str, root: Path = PROJECT_ROOT):
 
 
 # Keys naming files that may exist only on the cluster: not checked here.
-CLUSTER_PATH_KEYS = ("data.tokenizer", "data.path", "checkpoint.resume")
+CLUSTER_PATH_KEYS = ("data.tokenizer", "data.path", "checkpoint.resume", "model.init_from")
 
 
 def _check_config(config: str, overrides: list[str]) -> None:
