@@ -45,7 +45,8 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     # torch.compile each transformer block (parameter names, so checkpoints, unchanged)
     compile: bool = False
-    # Collective timeout: a hung rank fails the run instead of hanging it.
+    # No progress for this long = a hang: every rank dumps its stacks into its log and
+    # the run ends naming the stuck rank (the collective timeout is set a minute above).
     timeout_s: int = 600
 
 
@@ -87,6 +88,12 @@ class LogConfig:
     every_steps: int = 1
     tensorboard: bool = True
     progress: str = "auto"  # auto | bar | plain
+    # [START, END]: torch.profiler traces of these steps into RUN_DIR/profile/ ([] = off).
+    profile_steps: list[int] = field(default_factory=list)
+    # Global ranks that profile ([] = every rank): one slow rank is what you look for.
+    profile_ranks: list[int] = field(default_factory=list)
+    # On CUDA, a memory snapshot (for pytorch.org/memory_viz) after this step (0 = none).
+    memory_snapshot_step: int = 0
 
 
 @dataclass
@@ -98,6 +105,8 @@ class CheckpointConfig:
     # Save and exit cleanly after this step (0 = never): splits a run across scheduler
     # jobs with a time limit (Megatron's --exit-interval); a later start resumes.
     stop_at_step: int = 0
+    # Limit for one checkpoint's I/O: the hang watchdog allows a save this long.
+    timeout_s: int = 1800
 
 
 @dataclass

@@ -310,6 +310,15 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     _positive("checkpoint.keep_every", cfg.checkpoint.keep_every, allow_zero=True)
     _positive("checkpoint.stop_at_step", cfg.checkpoint.stop_at_step, allow_zero=True)
+    _positive("checkpoint.timeout_s", cfg.checkpoint.timeout_s)
+    ps = list(cfg.log.profile_steps)
+    _check(
+        not ps or (len(ps) == 2 and 1 <= ps[0] <= ps[1]), "log.profile_steps",
+        "[] or [START, END] with 1 <= START <= END", ps,
+    )
+    _check(all(r >= 0 for r in cfg.log.profile_ranks), "log.profile_ranks", "global ranks (>= 0)",
+           list(cfg.log.profile_ranks))
+    _positive("log.memory_snapshot_step", cfg.log.memory_snapshot_step, allow_zero=True)
     _check(0.0 <= cfg.data.val_fraction < 1.0, "data.val_fraction", "a number in [0, 1)", cfg.data.val_fraction)
     _positive("data.max_files", cfg.data.max_files, allow_zero=True)
     _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)

@@ -9,8 +9,14 @@ Three ways a rank can arrive here, and what we do:
 * a lone process (`loomtrain train ...` on a laptop): pick a free port on
   127.0.0.1 and act as rank 0 of 1 (no MPI discovery).
 
-gloo on CPU, nccl on CUDA; `LOCAL_RANK` picks the GPU. The collective timeout is
-`parallel.timeout_s`, so a hung rank fails the run instead of hanging it.
+gloo on CPU, nccl on CUDA; `LOCAL_RANK` picks the GPU. A hung rank is found by the
+loop's watchdog after `parallel.timeout_s` (loomtrain.launcher.watchdog); the
+collective timeout is a margin above that, so the watchdog's report (which rank,
+where) comes first and the library's timeout is only the backstop.
+
+On CUDA the NCCL flight recorder is on unless the environment says otherwise: the
+last collectives of every rank are kept in a ring buffer and dumped on a timeout to
+RUN_DIR/logs/nccl_trace_rank_N (read with `python -m torch.distributed.flight_recorder.fr_trace`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 
 import torch
@@ -65,13 +72,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def collective_timeout_s(cfg: RunConfig) -> int:
+    """The process group's timeout: above the watchdog's, so that the watchdog reports first."""
+    from loomtrain.launcher.watchdog import HANG_REPORT_MARGIN_S
+
+    return cfg.parallel.timeout_s + HANG_REPORT_MARGIN_S
+
+
+def flight_recorder_env(run_dir: str | os.PathLike) -> dict[str, str]:
+    """NCCL flight recorder: a ring buffer of recent collectives, dumped into the rank logs'
+    folder when a collective times out (set before the NCCL process group exists)."""
+    prefix = str(Path(run_dir).absolute() / "logs" / "nccl_trace_rank_")
+    return {  # the TORCH_FR_* names, and the TORCH_NCCL_* ones older releases read
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
+
+
 def init_distributed(cfg: RunConfig) -> DistEnv:
     """Set up (or adopt) the default process group and this rank's device."""
-    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    timeout = timedelta(seconds=collective_timeout_s(cfg))
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     device = select_device(cfg.train.device, local_rank)
     prepare_accelerator_env(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        from loomtrain.launcher import components
+
+        for key, value in flight_recorder_env(components.run_dir(cfg)).items():
+            os.environ.setdefault(key, value)
+        (components.run_dir(cfg) / "logs").mkdir(parents=True, exist_ok=True)
 
     if dist.is_available() and dist.is_initialized():
         launcher = "existing"

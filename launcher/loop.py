@@ -31,11 +31,16 @@ import torch.distributed as dist
 from loomtrain.launcher import components, weights
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import grad_accum_steps, save_config, to_dict, validate
-from loomtrain.launcher.distributed import init_distributed
+from loomtrain.launcher.distributed import barrier, init_distributed
 from loomtrain.launcher.engine import build_engine, grad_norm, records_grad_norm
 from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState, default_hooks
-from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, memory_bytes, mfu
+from loomtrain.launcher.faults import Faults
+from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, gather_rank_stats, memory_bytes, mfu
 from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard, inject
+from loomtrain.launcher.profiling import StepProfiler
+from loomtrain.launcher.ranklog import RankLog, logs_dir
+from loomtrain.launcher.stopping import StopRequest, signal_name
+from loomtrain.launcher.watchdog import Watchdog
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
 
@@ -49,6 +54,7 @@ class TrainResult:
     final_dir: Path | None = None
     state: TrainState | None = None
     wall_s: float = 0.0
+    stopped_by: int = 0  # the signal that stopped the run early (0: it was not stopped)
 
 
 def _dp_mean(value: torch.Tensor, ctx: TrainContext) -> float:
@@ -66,14 +72,19 @@ def _to(batch, device):
 
 
 def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = None) -> tuple[float, float]:
-    """One optimizer step -> (loss averaged over micro batches and DP, grad norm).
+    """One optimizer step -> (loss averaged over micro batches and DP, grad norm); the
+    seconds this rank waited for data go to ctx.extras["data_wait_s"].
     A non-finite step is skipped (see loomtrain.launcher.nonfinite); `guard` covers the
     one path DeepSpeed does not guard itself (fp32 at ZeRO 0)."""
     engine, device = ctx.engine, ctx.dist.device
     total = torch.zeros((), dtype=torch.float32, device=device)
     norm = None
+    data_wait = 0.0
     for micro in range(grad_accum):
-        x, y = _to(next(ctx.train_stream), device)
+        t0 = time.perf_counter()
+        batch = next(ctx.train_stream)
+        data_wait += time.perf_counter() - t0
+        x, y = _to(batch, device)
         loss = inject(engine(x, targets=y), ctx.state.step + 1, ctx.dist.rank)  # test-only faults
         engine.backward(loss)
         own_norm = None
@@ -85,6 +96,7 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
     recorded = engine.get_global_grad_norm()
     if recorded is not None:
         norm = float(recorded)
+    ctx.extras["data_wait_s"] = data_wait
     return _dp_mean(total / grad_accum, ctx), float("nan") if norm is None else norm
 
 
@@ -138,17 +150,35 @@ def _is_final(step: int, cfg: RunConfig) -> bool:
 
 
 def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
-    """Train per `cfg` on this rank; every rank of the job calls it."""
+    """Train per `cfg` on this rank; every rank of the job calls it.
+
+    Everything this rank prints from here on is also appended to RUN_DIR/logs/rank_NNNNN.log
+    (loomtrain.launcher.ranklog); a watchdog ends the run with one line naming the stuck
+    rank when a step makes no progress for parallel.timeout_s (loomtrain.launcher.watchdog);
+    SIGTERM / SIGINT / SIGHUP save a checkpoint and stop (loomtrain.launcher.stopping)."""
     wall_start = time.perf_counter()
     env = init_distributed(cfg)
     validate(cfg, env.world_size)  # batch-size rules against the real world size
-    components.seed_everything(cfg.train.seed)
-    topology = components.build_topology(cfg, env)
     run_dir = components.run_dir(cfg)
     if env.is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+    barrier()  # the rank logs go into the directory rank 0 just made
+    rank_log = RankLog(run_dir, env.rank, env.world_size, env.launcher).install()
+    stop = StopRequest(run_dir, watch_file=env.is_logging_rank).install()
+    if env.is_logging_rank:
+        stop.clear_file()  # a request left by an earlier run is not for this one
+    try:
+        return _train(cfg, env, run_dir, list(hooks), stop, rank_log, wall_start)
+    finally:
+        stop.uninstall()
+        rank_log.close()
 
+
+def _train(cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopRequest,
+           rank_log: RankLog, wall_start: float) -> TrainResult:
+    components.seed_everything(cfg.train.seed)
+    topology = components.build_topology(cfg, env)
     ctx = TrainContext(cfg=cfg, dist=env, topology=topology, run_dir=run_dir)
     say = print if env.is_logging_rank else (lambda *a, **k: None)
     ctx.shard_dir, ctx.tokenizer, ctx.train_stream = components.build_data(cfg, topology, env, log=say)
@@ -187,56 +217,87 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
 
     result = TrainResult(run_dir=run_dir, state=ctx.state)
     guard = SkipGuard(ctx.engine, t.max_consecutive_skips, t.precision)
-    ctx.engine.train()
-    loop_start, elapsed_at_start = time.perf_counter(), ctx.state.elapsed
-    while ctx.state.step < t.max_steps and not ctx.stop_requested:
-        step_start = time.perf_counter()
-        lr = float(ctx.engine.get_lr()[0])  # what this step uses (the schedule steps after it)
-        loss, norm = train_step(ctx, grad_accum, guard)
-        step_time = time.perf_counter() - step_start
-        ctx.state.step += 1
-        ctx.state.tokens_seen += tokens_per_step
-        ctx.state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
-        step = ctx.state.step
-        tps = tokens_per_step / step_time
-        metrics: dict[str, Any] = {
-            "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
-            "mfu": mfu(flops_per_token, tps, peak),
-            "step_time_s": step_time, "mem_bytes": memory_bytes(env.device),
-            "tokens_seen": ctx.state.tokens_seen, "skipped_steps": guard.skipped_steps,
-        }
-        result.losses.append(loss)
-        result.steps.append(step)
-        ctx.last_metrics = metrics
-        if step % cfg.log.every_steps == 0 or _is_final(step, cfg):
-            log.log(step, metrics)
-            log.console(step, metrics, time.perf_counter() - loop_start, step - start_step)
-        if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or _is_final(step, cfg)):
-            ev = evaluate(ctx)
-            result.evals[step] = ev["eval/loss"]
-            log.log(step, ev)
-            log.message(f"eval step {step}: loss {ev['eval/loss']:.4f} | ppl {ev['eval/ppl']:.2f}")
-            for i, text in enumerate(samples(ctx)):
-                log.text(f"samples/{i}", text, step)
-                if i == 0:
-                    log.message(f"sample: {text[:200]!r}")
-            hook.on_eval_end(ctx, ev)
-            log.flush()
-        hook.on_step_end(ctx, metrics)
-        try:
-            guard.after_step(step, loss)
-        except NonFiniteError as exc:
-            log.message(f"error: {exc}")
-            log.close()
-            ctx.train_stream.close()
-            raise
-
-    hook.on_train_end(ctx)
-    if ctx.state.step >= t.max_steps:
-        result.final_dir = _save_final(ctx)
+    faults = Faults.from_env()  # test-only; NO_FAULTS in a real run
+    profiler = StepProfiler(cfg, env.rank, run_dir, env.device)
+    dog = Watchdog(run_dir, env.rank, env.world_size, cfg.parallel.timeout_s, cfg.checkpoint.timeout_s,
+                   rank_log=rank_log).start()
+    try:
+        ctx.engine.train()
+        loop_start, elapsed_at_start = time.perf_counter(), ctx.state.elapsed
+        while ctx.state.step < t.max_steps and not ctx.stop_requested:
+            step_start = time.perf_counter()
+            profiler.before_step(ctx.state.step + 1)
+            lr = float(ctx.engine.get_lr()[0])  # what this step uses (the schedule steps after it)
+            loss, norm = train_step(ctx, grad_accum, guard)
+            if faults.active:
+                faults.during_step(env.rank, ctx.state.step + 1)
+            step_time = time.perf_counter() - step_start
+            ctx.state.step += 1
+            ctx.state.tokens_seen += tokens_per_step
+            ctx.state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
+            step = ctx.state.step
+            dog.beat(step)
+            tps = tokens_per_step / step_time
+            metrics: dict[str, Any] = {
+                "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
+                "mfu": mfu(flops_per_token, tps, peak),
+                "step_time_s": step_time, "mem_bytes": memory_bytes(env.device),
+                "tokens_seen": ctx.state.tokens_seen, "skipped_steps": guard.skipped_steps,
+            }
+            result.losses.append(loss)
+            result.steps.append(step)
+            ctx.last_metrics = metrics
+            if step % cfg.log.every_steps == 0 or _is_final(step, cfg):
+                # every rank, same step: the job-wide straggler figures (one small all-gather)
+                metrics.update(gather_rank_stats(step_time, ctx.extras.get("data_wait_s", 0.0),
+                                                 metrics["mem_bytes"], env.device))
+                log.log(step, metrics)
+                log.console(step, metrics, time.perf_counter() - loop_start, step - start_step)
+            table = profiler.after_step(step)
+            if table is not None:
+                log.text("profile/top_ops", "```\n" + table + "\n```", step, raw=True)
+            if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or _is_final(step, cfg)):
+                ev = evaluate(ctx)
+                result.evals[step] = ev["eval/loss"]
+                log.log(step, ev)
+                log.message(f"eval step {step}: loss {ev['eval/loss']:.4f} | ppl {ev['eval/ppl']:.2f}")
+                for i, text in enumerate(samples(ctx)):
+                    log.text(f"samples/{i}", text, step)
+                    if i == 0:
+                        log.message(f"sample: {text[:200]!r}")
+                hook.on_eval_end(ctx, ev)
+                log.flush()
+                dog.beat(step, "eval")
+            signum = stop.agree(env.device)  # every rank, same step: one tiny all-reduce
+            if signum:
+                ctx.stop_requested = True
+                ctx.extras["stop_signal"] = signum
+            hook.on_step_end(ctx, metrics)
+            dog.beat(step)
+            if faults.active:
+                faults.after_step(env.rank, step, run_dir)
+            try:
+                guard.after_step(step, loss)
+            except NonFiniteError as exc:
+                log.message(f"error: {exc}")
+                log.close()
+                ctx.train_stream.close()
+                raise
+        profiler.finish(ctx.state.step)
+        hook.on_train_end(ctx)
+        if ctx.state.step >= t.max_steps:
+            result.final_dir = _save_final(ctx)
+    finally:
+        dog.stop()
     ctx.train_stream.close()
     result.wall_s = time.perf_counter() - wall_start
-    if ctx.state.step > start_step and result.losses:
+    result.stopped_by = ctx.extras.get("stop_signal", 0)
+    if result.stopped_by:
+        if env.is_logging_rank:
+            stop.clear_file()
+        log.message(f"loomtrain: {signal_name(result.stopped_by)}: stopped at step {ctx.state.step} "
+                    f"(checkpoint saved); the same command resumes from it")
+    elif ctx.state.step > start_step and result.losses:
         log.message(
             f"done: step {ctx.state.step}, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
             f"{ctx.state.elapsed:.0f} s training, {result.wall_s:.0f} s total"
@@ -244,6 +305,7 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     log.message(f"run directory: {run_dir.absolute()}")
     if cfg.log.tensorboard:
         log.message(f"TensorBoard logs: {log.tb_dir.absolute()}  (tensorboard --logdir {run_dir.absolute().parent})")
+    log.message(f"rank logs: {logs_dir(run_dir).absolute()}/")
     log.close()
     return result
 

@@ -6,10 +6,22 @@ it unconditionally.
 
 * `RUN_DIR/metrics.jsonl`: one JSON object per logged step (train metrics) and
   per evaluation (`eval/loss`, `eval/ppl`), each with `step`;
-* `RUN_DIR/tb/`: the same scalars, the hyperparameters (HParams plugin), and
-  generated text samples;
+* TensorBoard event files in RUN_DIR itself, so that `tensorboard --logdir runs/`
+  lists each run under its own name: the same scalars under grouped tags
+  (`train/loss`, `perf/tokens_per_s`, `memory/mem_bytes`, ...; see `tb_tag`), the
+  hyperparameters (HParams plugin), generated text samples and the profiler's
+  top-ops table;
 * console: a tqdm bar (step, loss, tok/s, ETA) on a terminal, plain lines
-  otherwise (`log.progress: auto | bar | plain`).
+  otherwise (`log.progress: auto | bar | plain`); a line names the slowest rank
+  when its step took more than 1.2 x the median over ranks.
+
+Stragglers: at each log step `gather_rank_stats` (one all-gather of three numbers
+per rank) collects every rank's step time, data wait and memory, so the logged
+`step_time_max_s / step_time_min_s / slowest_rank / data_wait_max_s /
+mem_bytes_max / mem_rank_max` describe the whole job, not rank 0 alone. A rank's
+step time is measured up to the end of its own work in the step; the time it then
+waits for the others (in this gather) is not in it, so the latest rank shows the
+largest time.
 """
 
 from __future__ import annotations
@@ -96,6 +108,53 @@ def memory_bytes(device: torch.device) -> int:
     return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
+# metrics.jsonl key -> TensorBoard tag (keys that already hold a "/" keep it).
+_TB_GROUPS = {
+    "loss": "train", "lr": "train", "grad_norm": "train", "tokens_seen": "train", "skipped_steps": "train",
+    "tokens_per_s": "perf", "mfu": "perf", "step_time_s": "perf", "step_time_max_s": "perf",
+    "step_time_min_s": "perf", "step_time_median_s": "perf", "slowest_rank": "perf",
+    "data_wait_max_s": "perf", "mem_bytes": "memory", "mem_bytes_max": "memory", "mem_rank_max": "memory",
+}
+STRAGGLER_RATIO = 1.2  # the console names the slowest rank above this x the median
+
+
+def tb_tag(key: str) -> str:
+    """`loss` -> `train/loss`, `mfu` -> `perf/mfu`, `mem_bytes` -> `memory/mem_bytes`."""
+    if "/" in key:
+        return key
+    return f"{_TB_GROUPS.get(key, 'train')}/{key}"
+
+
+def gather_rank_stats(step_time: float, data_wait: float, mem_bytes: int, device: torch.device) -> dict[str, float]:
+    """Every rank's (step time, data wait, memory) -> the job-wide figures (same on all ranks).
+
+    One all-gather of 3 float64 per rank; every rank of the job must call it at the same step.
+    """
+    import torch.distributed as dist
+
+    mine = torch.tensor([step_time, data_wait, float(mem_bytes)], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        table = torch.stack(parts).cpu()
+    else:
+        table = mine.cpu().unsqueeze(0)
+    times, waits, mems = table[:, 0], table[:, 1], table[:, 2]
+    return {
+        "step_time_max_s": float(times.max()), "step_time_min_s": float(times.min()),
+        "step_time_median_s": float(times.median()), "slowest_rank": int(times.argmax()),
+        "data_wait_max_s": float(waits.max()), "mem_bytes_max": int(mems.max()), "mem_rank_max": int(mems.argmax()),
+    }
+
+
+def straggler_note(metrics: dict[str, Any]) -> str:
+    """' | slowest rank R: X s (median Y s)' when one rank lags, else ''."""
+    slow, median = metrics.get("step_time_max_s"), metrics.get("step_time_median_s")
+    if slow is None or median is None or not median > 0 or slow <= STRAGGLER_RATIO * median:
+        return ""
+    return f" | slowest rank {metrics['slowest_rank']}: {slow:.3f} s (median {median:.3f} s)"
+
+
 def _fmt_time(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
@@ -158,10 +217,12 @@ class MetricsLogger:
 
     @property
     def tb_dir(self) -> Path:
-        return self.run_dir / "tb"
+        """The run directory itself: TensorBoard names a run after the folder holding its
+        event files, so `tensorboard --logdir runs/` shows `NAME`, not `NAME/tb`."""
+        return self.run_dir
 
     # --- writers ----------------------------------------------------------------
-    def hparams(self, config: dict[str, Any], metrics: tuple[str, ...] = ("loss", "eval/loss")) -> None:
+    def hparams(self, config: dict[str, Any], metrics: tuple[str, ...] = ("train/loss", "eval/loss")) -> None:
         """The resolved config as TensorBoard hyperparameters (in this run's own event file)."""
         if self.writer is None:
             return
@@ -181,12 +242,12 @@ class MetricsLogger:
         if self.writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(key, value, step)
+                    self.writer.add_scalar(tb_tag(key), value, step)
 
-    def text(self, tag: str, text: str, step: int) -> None:
+    def text(self, tag: str, text: str, step: int, raw: bool = False) -> None:
+        """Markdown text; unless `raw`, fenced as code so that its indentation stays visible."""
         if self.writer is not None:
-            # Markdown: keep code indentation visible.
-            self.writer.add_text(tag, "```\n" + text + "\n```", step)
+            self.writer.add_text(tag, text if raw else "```\n" + text + "\n```", step)
 
     def console(self, step: int, metrics: dict[str, float], elapsed: float, done_steps: int) -> None:
         """Progress: a bar update on a terminal, otherwise one plain line."""
@@ -197,13 +258,14 @@ class MetricsLogger:
         loss, tps = metrics.get("loss", float("nan")), metrics.get("tokens_per_s", float("nan"))
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix_str(f"loss {loss:.4f} | {tps:,.0f} tok/s", refresh=False)
+            self.bar.set_postfix_str(f"loss {loss:.4f} | {tps:,.0f} tok/s" + straggler_note(metrics), refresh=False)
             self.bar.refresh()
         else:
             print(
                 f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {metrics.get('lr', float('nan')):.2e} "
                 f"| grad_norm {metrics.get('grad_norm', float('nan')):.3f} | {tps:,.0f} tok/s "
-                f"| mfu {100 * metrics.get('mfu', float('nan')):.1f}% | ETA {_fmt_time(eta)}",
+                f"| mfu {100 * metrics.get('mfu', float('nan')):.1f}% | ETA {_fmt_time(eta)}"
+                + straggler_note(metrics),
                 flush=True,
             )
 

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from loomtrain.launcher.nonfinite import NonFiniteError
 
     try:
-        run_training(cfg)
+        result = run_training(cfg)
     except ConfigError as exc:  # rules that need the real world size or the tokenizer
         print(f"loomtrain: config error: {exc}", file=sys.stderr)
         return 2
@@ -57,5 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as exc:
         print(f"loomtrain: training stopped: {exc}", file=sys.stderr)
         return 1
-    return 0
+    from loomtrain.launcher.stopping import exit_code
+
+    return exit_code(result.stopped_by)  # SIGTERM: 0; Ctrl-C: 130; SIGHUP: 129
 

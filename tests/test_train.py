@@ -24,6 +24,9 @@ SMALL = [
 ]
 TRAIN_TAGS = {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "mem_bytes"}
 EVAL_TAGS = {"eval/loss", "eval/ppl"}
+# TensorBoard groups the same metrics (metrics.jsonl keeps the plain keys above).
+TB_TAGS = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "perf/step_time_s",
+           "memory/mem_bytes", "perf/step_time_max_s", "perf/slowest_rank", "memory/mem_bytes_max"}
 
 
 @pytest.fixture(scope="module")
@@ -76,22 +79,27 @@ def test_cli_run_writes_metrics_jsonl(cli_run):
     assert evals[-1]["eval/ppl"] == pytest.approx(2.718281828 ** evals[-1]["eval/loss"], rel=1e-6)
     # the run directory and TensorBoard location are printed; the resolved config is saved
     assert f"run directory: {run_dir}" in proc.stdout
-    assert f"TensorBoard logs: {run_dir / 'tb'}" in proc.stdout
+    assert f"TensorBoard logs: {run_dir}  (tensorboard --logdir {run_dir.parent})" in proc.stdout
     assert load_config(run_dir / "config.yaml").train.max_steps == 4
 
 
 def test_cli_run_writes_tensorboard_events(cli_run):
+    """Grouped tags, and `tensorboard --logdir runs/` shows the run under its own name."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
     run_dir, _ = cli_run
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     tags = acc.Tags()
-    assert TRAIN_TAGS | EVAL_TAGS <= set(tags["scalars"])
-    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]
+    assert TB_TAGS | EVAL_TAGS <= set(tags["scalars"]), tags["scalars"]
+    assert not TRAIN_TAGS & set(tags["scalars"])  # no ungrouped duplicates
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
     assert [e.step for e in acc.Scalars("eval/loss")] == [2, 4]
     assert any(t.startswith("samples/") for t in tags["tensors"])  # text samples
     assert acc.PluginTagToContent("hparams")  # the resolved config as hyperparameters
+    runs = EventMultiplexer().AddRunsFromDirectory(str(run_dir.parent)).Runs()
+    assert set(runs) == {run_dir.name}, runs  # "small", not "small/tb"
 
 
 def test_generate_on_the_saved_run(cli_run):

@@ -9,28 +9,26 @@
                              PATH (a checkpoint directory, or a run directory)
     checkpoint.stop_at_step  save and exit cleanly after this step (0: never)
 
-SIGTERM (preemption, `kill`, torchrun forwarding it) only sets a flag; at the next step
-boundary every rank agrees on it (one tiny all-reduce per step, so a signal that
-reaches the ranks at different steps still stops them at the same one), the hook
-saves, and the loop ends cleanly. A second SIGTERM is not special: the save is
-atomic, so killing the process during it loses nothing already published.
+A stop request (SIGTERM, SIGINT, SIGHUP, `loomtrain stop`; see
+loomtrain.launcher.stopping) reaches this hook as `ctx.stop_requested` with the signal
+in `ctx.extras["stop_signal"]`, the same on every rank at the same step: the hook
+saves, and the loop ends cleanly. Killing the process during the save loses nothing
+already published (the save is atomic). Saves run under the watchdog's
+`checkpoint.timeout_s` limit, not the step's.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from loomtrain.launcher.checkpoints.state import barrier, broadcast_str, load_checkpoint, save_checkpoint
 from loomtrain.launcher.checkpoints.store import CheckpointStore
 from loomtrain.launcher.hooks import Hooks, TrainContext
+from loomtrain.launcher.watchdog import io_phase
 
 
 class CheckpointHook(Hooks):
@@ -39,29 +37,6 @@ class CheckpointHook(Hooks):
         self.store: CheckpointStore | None = None
         self.last_saved = -1
         self.resumed_from: Path | None = None
-        self._term = False
-        self._old_handler = None
-
-    # Signals -------------------------------------------------------------------------
-    def _on_sigterm(self, signum, frame) -> None:
-        self._term = True
-
-    def _install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _uninstall(self) -> None:
-        if self._old_handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._old_handler)
-            self._old_handler = None
-
-    def _term_agreed(self, ctx: TrainContext) -> bool:
-        flag = self._term
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.dist.device)  # NCCL: on the GPU
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag
 
     # Hooks -----------------------------------------------------------------------------
     def on_train_start(self, ctx: TrainContext) -> None:
@@ -69,7 +44,6 @@ class CheckpointHook(Hooks):
         say = ctx.metrics.message if ctx.metrics is not None else (lambda m: print(m, file=sys.stderr, flush=True))
         log = say if ctx.dist.rank == 0 else (lambda m: None)
         self.store = CheckpointStore(ctx.run_dir, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
-        self._install()
         found, error = None, None
         if ctx.dist.rank == 0:
             self.store.clean_temp()
@@ -112,31 +86,30 @@ class CheckpointHook(Hooks):
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
         every = self.cfg.checkpoint.every_steps
         step = ctx.state.step
-        term = self._term_agreed(ctx)
+        signum = ctx.extras.get("stop_signal", 0) if ctx.stop_requested else 0
         stop_at = self.cfg.checkpoint.stop_at_step
-        stop = term or (stop_at > 0 and step == stop_at)
+        stop = ctx.stop_requested or (stop_at > 0 and step == stop_at)
         if stop:
             ctx.stop_requested = True
         if stop or (every and step % every == 0):
-            self.save(ctx, reason="SIGTERM" if term else ("checkpoint.stop_at_step" if stop else ""))
+            reason = signal.Signals(signum).name if signum else ("checkpoint.stop_at_step" if stop else "")
+            self.save(ctx, reason=reason)
 
     def on_train_end(self, ctx: TrainContext) -> None:
-        try:
-            if ctx.state.step != self.last_saved and ctx.state.step > 0:
-                self.save(ctx, reason="end")
-        finally:
-            self._uninstall()
+        if ctx.state.step != self.last_saved and ctx.state.step > 0:
+            self.save(ctx, reason="end")
 
     # Saving -----------------------------------------------------------------------------
     def save(self, ctx: TrainContext, reason: str = "") -> Path:
         from loomtrain.launcher.config_loader import to_yaml
 
         t0 = time.perf_counter()
-        path = save_checkpoint(
-            self.store, ctx.state.step, ctx.engine, ctx.topology, stream=ctx.train_stream,
-            counters={"state": ctx.state.state_dict()}, lr_scheduler=ctx.scheduler,
-            config_yaml=to_yaml(self.cfg), tokenizer=ctx.tokenizer, zero_stage=self.cfg.parallel.zero_stage,
-        )
+        with io_phase("checkpoint save"):
+            path = save_checkpoint(
+                self.store, ctx.state.step, ctx.engine, ctx.topology, stream=ctx.train_stream,
+                counters={"state": ctx.state.state_dict()}, lr_scheduler=ctx.scheduler,
+                config_yaml=to_yaml(self.cfg), tokenizer=ctx.tokenizer, zero_stage=self.cfg.parallel.zero_stage,
+            )
         self.last_saved = ctx.state.step
         if ctx.dist.rank == 0:
             msg = f"checkpoint: step {ctx.state.step} -> {path} ({time.perf_counter() - t0:.1f} s)"

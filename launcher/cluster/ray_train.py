@@ -38,10 +38,24 @@ Checkpoint hand-back (the decision, and why):
   time >= the driver's start), so a restart never throws progress away.
 
 Restart history: rank 0 appends one line per (re)start to
-RUN_DIR/ray_attempts.jsonl: {"attempt", "start_step", "ray_checkpoint_step", "time"}.
+RUN_DIR/ray_attempts.jsonl: {"attempt", "start_step", "ray_checkpoint_step", "time"}, and
+from the second attempt on "previous_end": why the attempt before it ended (the hang
+watchdog's one line when it ended that attempt, else "a worker process died").
 
-Test-only fault injection, read in exactly one place (`_fault_spec`, on the
-driver, handed to the workers): LOOMTRAIN_TEST_RAY_FAULT="RANK:STEP[,RANK:STEP...]"
+Hangs: every worker runs the loop's watchdog (loomtrain.launcher.watchdog). When a
+worker stops making progress, the live workers dump their stacks into
+RUN_DIR/logs/rank_NNNNN.log, the lowest live one SIGKILLs stuck workers on its host
+(a stopped process is killed, not waited for) and they all exit: Ray sees the worker
+group fail and restarts it from the newest checkpoint (ray.max_failures).
+
+Stopping: SIGTERM, SIGINT or SIGHUP to the driver (`loomtrain stop` of a Ray job sends
+SIGTERM to it) writes RUN_DIR/STOP; rank 0 sees it within a second, every rank saves a
+checkpoint at the next step and the run ends; the driver then exits like a local run
+(SIGTERM 0, SIGINT 130, SIGHUP 129; loomtrain.launcher.stopping).
+
+Test-only faults of the loop (loomtrain.launcher.faults: SIGSTOP, delays, signals)
+are handed to the workers the same way. Test-only fault injection, read in exactly
+one place (`_fault_spec`, on the driver, handed to the workers): LOOMTRAIN_TEST_RAY_FAULT="RANK:STEP[,RANK:STEP...]"
 makes worker RANK hard-exit (os._exit(1)) right after step STEP's checkpoint hook ran
 and before that step is reported to Ray, once per run directory (a marker file
 RUN_DIR/.test_fault_RANK_STEP keeps the restarted group from dying again).
@@ -232,6 +246,8 @@ class RayReportHook(Hooks):
             previous = len(path.read_text().splitlines()) if path.exists() else 0
             rec = {"attempt": previous + 1, "start_step": ctx.state.step,
                    "ray_checkpoint_step": self.ray_step, "time": time.time()}
+            if previous:
+                rec["previous_end"] = _previous_end(path)
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         self.last_reported = ctx.state.step  # a resumed-from checkpoint is not re-reported
@@ -250,9 +266,28 @@ class RayReportHook(Hooks):
             self._report(ctx, ctx.last_metrics or {}, path)
 
 
+def _previous_end(attempts: Path) -> str:
+    """Why the last attempt ended: the hang watchdog's line when it ended it, else a death."""
+    from loomtrain.launcher.ranklog import logs_dir
+
+    try:
+        last_start = json.loads(attempts.read_text().splitlines()[-1])["time"]
+        hang = json.loads((logs_dir(attempts.parent) / "hang.json").read_text())
+        if hang["time"] >= last_start:
+            return hang["line"]
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    return f"a worker process died (see {logs_dir(attempts.parent)}/rank_*.log)"
+
+
 def train_worker(config: dict) -> None:
     """Ray Train's per-worker function: the same run_training as everywhere else."""
     import ray.train
+
+    from loomtrain.launcher.faults import FAULTS_ENV
+
+    if config.get("test_faults"):
+        os.environ[FAULTS_ENV] = config["test_faults"]
 
     from loomtrain.launcher.config_loader import config_from_dict
     from loomtrain.launcher.loop import run_training
@@ -323,6 +358,8 @@ def _startup_error(exc: BaseException) -> bool:
 
 
 def build_trainer(cfg: RunConfig, started_at: float):
+    from loomtrain.launcher.distributed import collective_timeout_s
+    from loomtrain.launcher.faults import spec_from_env
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -330,8 +367,9 @@ def build_trainer(cfg: RunConfig, started_at: float):
         train_loop_per_worker=train_worker,
         train_loop_config={
             "cfg": _to_dict(cfg), "started_at": started_at, "fault": _fault_spec(),
+            "test_faults": spec_from_env(),
         },
-        torch_config=TorchConfig(timeout_s=cfg.parallel.timeout_s),
+        torch_config=TorchConfig(timeout_s=collective_timeout_s(cfg)),
         scaling_config=ScalingConfig(
             num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,
             resources_per_worker=_resources(cfg),
@@ -391,9 +429,24 @@ class RayStartError(RuntimeError):
     """The worker group could not be placed on the cluster in time."""
 
 
+def _pass_stop_to_workers(run_dir: str):
+    """Driver: a signal becomes RUN_DIR/STOP, which the workers' rank 0 watches."""
+    from loomtrain.launcher.stopping import StopRequest, request_stop, signal_name
+
+    def forward(signum: int) -> None:
+        request_stop(run_dir, signum)
+        print(f"loomtrain: {signal_name(signum)}: asking the workers to save a checkpoint and stop",
+              file=sys.stderr, flush=True)
+
+    return StopRequest(on_signal=forward).install()
+
+
 def main(cfg: RunConfig, args=None) -> int:
     from ray.train import TrainingFailedError
 
+    from loomtrain.launcher.stopping import exit_code
+
+    stop = _pass_stop_to_workers(absolutize(cfg).run.dir)
     try:
         result = run(cfg)
     except RayStartError as exc:
@@ -402,12 +455,17 @@ def main(cfg: RunConfig, args=None) -> int:
     except TrainingFailedError as exc:
         print(f"loomtrain: Ray Train run failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        stop.uninstall()
     pointer = read_pointer(result.checkpoint)
     metrics = result.metrics or _last_record(Path(absolutize(cfg).run.dir) / "metrics.jsonl")
-    print(f"loomtrain: Ray Train run finished: step {metrics.get('step')}, loss {metrics.get('loss')}")
+    if stop.signum:
+        print(f"loomtrain: stopped at step {metrics.get('step')} (checkpoint saved)")
+    else:
+        print(f"loomtrain: Ray Train run finished: step {metrics.get('step')}, loss {metrics.get('loss')}")
     if pointer:
         print(f"loomtrain: last checkpoint reported to Ray: {pointer['path']}")
-    return 0
+    return exit_code(stop.signum)
 
 
 def _last_record(path: Path) -> dict:

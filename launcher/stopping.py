@@ -1,0 +1,130 @@
+"""Stop requests: a signal (or `loomtrain stop`) saves a checkpoint at the next step and exits.
+
+    SIGTERM   preemption, `kill`, torchrun / Ray / Kubernetes shutting the job down -> exit 0
+    SIGINT    Ctrl-C                                                                 -> exit 130
+    SIGHUP    the terminal went away                                                 -> exit 129
+
+A handler only records the signal. At every step boundary the ranks agree on it
+(`StopRequest.agree`: one tiny all-reduce, so ranks that got the signal at different
+steps still stop at the same one); the checkpoint hook then saves, the loop ends, and
+rank 0 prints `stopped at step N (checkpoint saved)`. SIGTERM exits 0 because a
+scheduler that preempts a job asked for exactly that; Ctrl-C and SIGHUP exit
+128 + signal number, so a script can tell an interrupted run from a finished one (0)
+and from a failure (1, 2, 3). A second Ctrl-C exits at once (130), without saving.
+
+`loomtrain stop` on Ray and SIGTERM/SIGINT to the Ray driver reach the workers through
+a file, RUN_DIR/STOP (its text: the signal's name), that rank 0 looks for at most
+once a second; the run removes it when it starts and when it stops.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+STOP_FILE = "STOP"
+SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+POLL_S = 1.0
+
+
+def exit_code(signum: int) -> int:
+    """0 for SIGTERM (a requested shutdown), 128 + signum for an interrupt."""
+    return 0 if signum in (0, signal.SIGTERM) else 128 + signum
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def request_stop(run_dir: str | os.PathLike, signum: int = signal.SIGTERM) -> Path:
+    """Ask a running job (every rank, wherever it runs) to save and stop, through its run dir."""
+    path = Path(run_dir) / STOP_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{STOP_FILE}.tmp")
+    tmp.write_text(signal_name(signum) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+class StopRequest:
+    def __init__(self, run_dir: str | os.PathLike | None = None, watch_file: bool = False,
+                 on_signal=None) -> None:
+        self.signum = 0
+        self.on_signal = on_signal  # called with the first signal (the Ray driver passes it on)
+        self.stop_file = Path(run_dir) / STOP_FILE if run_dir is not None else None
+        self.watch_file = watch_file and self.stop_file is not None
+        self._next_poll = 0.0
+        self._old: dict[int, object] = {}
+
+    # --- handlers (main thread only: Python delivers signals there) --------------------
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is not None:
+                self._old[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, old in self._old.items():
+            signal.signal(signum, old)
+        self._old.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            sys.stderr.write("\nloomtrain: second Ctrl-C: exiting now, without a checkpoint\n")
+            sys.stderr.flush()
+            os._exit(exit_code(signal.SIGINT))
+        if not self.signum:
+            self.signum = signum
+            if self.on_signal is not None:
+                self.on_signal(signum)
+            if signum == signal.SIGINT:
+                sys.stderr.write("\nloomtrain: Ctrl-C: saving a checkpoint at the end of this step "
+                                 "(Ctrl-C again to exit at once)\n")
+                sys.stderr.flush()
+
+    # --- the stop file ---------------------------------------------------------------------
+    def clear_file(self) -> None:
+        if self.stop_file is not None:
+            try:
+                self.stop_file.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _from_file(self) -> int:
+        now = time.monotonic()
+        if not self.watch_file or now < self._next_poll:
+            return 0
+        self._next_poll = now + POLL_S
+        try:
+            name = self.stop_file.read_text().strip()
+        except OSError:
+            return 0
+        return int(getattr(signal, name, signal.SIGTERM))
+
+    # --- at a step boundary ---------------------------------------------------------------
+    def pending(self) -> int:
+        if not self.signum:
+            self.signum = self._from_file()
+        return self.signum
+
+    def agree(self, device) -> int:
+        """The signal every rank stops for (0: none); all ranks call it at the same step."""
+        import torch
+        import torch.distributed as dist
+
+        signum = self.pending()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([signum], dtype=torch.int32, device=device)  # NCCL: on the GPU
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            signum = int(t.item())
+        self.signum = signum
+        return signum

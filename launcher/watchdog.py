@@ -1,0 +1,259 @@
+"""Hang detection: a watchdog thread per rank, heartbeats in RUN_DIR, one line that names the stuck rank.
+
+Each rank runs `Watchdog` (a daemon thread). The loop calls `beat(step)` after every
+step; `io_phase("checkpoint save")` around checkpoint I/O swaps the limit for
+`checkpoint.timeout_s` (a slow save is not a hang, and a hang is not excused as a save).
+Every `interval` seconds the thread writes this rank's heartbeat,
+RUN_DIR/logs/heartbeats/rank_NNNNN.json: host, pid, last completed step, phase, the
+function its main thread is in, and a beat counter.
+
+When a rank has made no progress for its limit (`parallel.timeout_s`; 3x that for the
+first step of an attempt, which compiles and sets up communicators), its watchdog
+
+1. dumps every thread's Python stack (faulthandler) into its rank log;
+2. keeps beating for two intervals and reads every rank's heartbeat twice: a rank
+   whose beat counter did not move is stopped, dead or wedged (its watchdog cannot
+   run); the stuck ranks are those, else the ranks behind the others' step, else the
+   ranks not waiting in a collective;
+3. on the lowest live rank, prints one line (console, its log and rank 0's log):
+   `loomtrain: hang: rank N (host H, pid P) did not reach step S; ranks ... waited in
+   FUNCTION; stacks in RUN_DIR/logs/`, records it in RUN_DIR/logs/hang.json (the
+   next Ray attempt says why the previous one ended), and SIGKILLs stuck ranks on
+   its own host that no longer beat (a stopped process would otherwise hold the
+   launcher's shutdown for its SIGTERM grace);
+4. ends its process with exit status HANG_EXIT_CODE.
+
+The process group's own timeout is set HANG_REPORT_MARGIN_S above parallel.timeout_s
+(loomtrain.launcher.distributed), so this report comes before a library traceback.
+Heartbeats are files (not the torch.distributed store) because the store lives in
+one process, which may be the stuck one; RUN_DIR is shared by all ranks anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from loomtrain.launcher.ranklog import logs_dir, rank_log_path
+
+HANG_EXIT_CODE = 3
+HANG_REPORT_MARGIN_S = 60  # process-group timeout above parallel.timeout_s
+FIRST_STEP_FACTOR = 3
+
+_current: "Watchdog | None" = None
+
+
+def heartbeat_path(run_dir, rank: int) -> Path:
+    return logs_dir(run_dir) / "heartbeats" / f"rank_{rank:05d}.json"
+
+
+def where(thread_id: int | None = None) -> str:
+    """The function a thread is in now, e.g. 'all_reduce (from _dp_mean, loop.py:62)'."""
+    frame = sys._current_frames().get(thread_id or threading.main_thread().ident)
+    if frame is None:
+        return "?"
+    inner, ours = frame.f_code.co_name, None
+    f = frame
+    while f is not None:
+        if "loomtrain" in f.f_code.co_filename or "/launcher/" in f.f_code.co_filename:
+            ours = f"{f.f_code.co_name}, {Path(f.f_code.co_filename).name}:{f.f_lineno}"
+            break
+        f = f.f_back
+    return inner if ours is None or ours.startswith(inner + ",") else f"{inner} (from {ours})"
+
+
+def _in_collective(func: str) -> bool:
+    return any(k in func for k in ("all_reduce", "all_gather", "broadcast", "barrier", "reduce_scatter",
+                                   "wait", "report", "gather", "send", "recv"))
+
+
+@contextlib.contextmanager
+def io_phase(name: str):
+    """Around checkpoint I/O: the limit is checkpoint.timeout_s, and finishing is progress."""
+    dog = _current
+    if dog is None:
+        yield
+        return
+    with dog.phase(name, dog.io_timeout_s):
+        yield
+
+
+class Watchdog:
+    def __init__(self, run_dir, rank: int, world_size: int, timeout_s: float, io_timeout_s: float,
+                 rank_log=None, interval_s: float | None = None) -> None:
+        self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
+        self.timeout_s, self.io_timeout_s = float(timeout_s), float(io_timeout_s)
+        self.interval = interval_s or min(5.0, max(0.5, timeout_s / 10))
+        self.rank_log = rank_log
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.step, self.phase_name = 0, "first step"
+        self.limit = self.timeout_s * FIRST_STEP_FACTOR
+        self.progress_at = time.monotonic()
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loomtrain-watchdog", daemon=True)
+        self._main = threading.current_thread().ident  # the training thread (not main under Ray)
+        self.exit = os._exit  # a seam for unit tests
+
+    # --- called by the loop (main thread): attribute writes only ----------------------
+    def beat(self, step: int, phase: str = "step") -> None:
+        self.step, self.phase_name, self.limit = step, phase, self.timeout_s
+        self.progress_at = time.monotonic()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, limit: float):
+        before = (self.phase_name, self.limit)
+        self.phase_name, self.limit, self.progress_at = name, limit, time.monotonic()
+        try:
+            yield
+        finally:
+            self.phase_name, self.limit = before
+            self.progress_at = time.monotonic()
+
+    def start(self) -> "Watchdog":
+        global _current
+        self._write_heartbeat()
+        self._thread.start()
+        _current = self
+        return self
+
+    def stop(self) -> None:
+        global _current
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.interval + 1)
+        if _current is self:
+            _current = None
+
+    # --- the thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._write_heartbeat()
+                if time.monotonic() - self.progress_at > self.limit:
+                    self._on_hang()
+            except Exception as exc:  # the watchdog must never be what kills a run
+                print(f"loomtrain: watchdog error on rank {self.rank}: {exc!r}", file=sys.stderr, flush=True)
+
+    def _record(self, hung: bool = False) -> dict:
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "step": self.step,
+                "phase": self.phase_name, "where": where(self._main), "beats": self.beats,
+                "hung": hung, "time": time.time()}
+
+    def _write_heartbeat(self, hung: bool = False) -> None:
+        self.beats += 1
+        path = heartbeat_path(self.run_dir, self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{self.pid}.tmp")
+        tmp.write_text(json.dumps(self._record(hung)))
+        os.replace(tmp, path)
+
+    def _read_all(self) -> dict[int, dict]:
+        out = {}
+        for r in range(self.world_size):
+            try:
+                out[r] = json.loads(heartbeat_path(self.run_dir, r).read_text())
+            except (OSError, ValueError):
+                pass
+        return out
+
+    def _on_hang(self) -> None:
+        waited = time.monotonic() - self.progress_at
+        func = where(self._main)
+        self._log(f"loomtrain: watchdog: rank {self.rank} made no progress for {waited:.0f} s "
+                  f"(limit {self.limit:.0f} s) after step {self.step}, in {self.phase_name}, waiting in {func}; "
+                  f"all threads' stacks:")
+        self._dump_stacks()
+        self._write_heartbeat(hung=True)
+        first = self._read_all()
+        for _ in range(2):
+            time.sleep(self.interval + 0.2)
+            self._write_heartbeat(hung=True)
+        second = self._read_all()
+        stale = {r for r in range(self.world_size)
+                 if r not in second or (r in first and first[r].get("beats") == second[r].get("beats"))}
+        stale.discard(self.rank)
+        live = [r for r in range(self.world_size) if r not in stale]
+        stuck = sorted(stale) or _behind(second, live) or _not_in_collective(second, live) or live
+        line = _hang_line(self.run_dir, stuck, [r for r in live if r not in stuck], second)
+        if live and live[0] == self.rank:
+            print(line, file=sys.stderr, flush=True)
+            if self.rank != 0:
+                _append(rank_log_path(self.run_dir, 0), line)
+            _write_json(logs_dir(self.run_dir) / "hang.json", {"line": line, "time": time.time(), "stuck": stuck})
+            self._kill_local(stale, second)
+        else:
+            self._log(line)
+        if self.rank_log is not None:
+            self.rank_log.close()
+        self.exit(HANG_EXIT_CODE)
+
+    def _log(self, text: str) -> None:
+        if self.rank_log is not None:
+            self.rank_log.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def _dump_stacks(self) -> None:
+        if self.rank_log is not None and not self.rank_log.file.closed:
+            self.rank_log.file.flush()
+            faulthandler.dump_traceback(file=self.rank_log.file, all_threads=True)
+            self.rank_log.file.flush()
+        else:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    def _kill_local(self, stale: set[int], beats: dict[int, dict]) -> None:
+        for r in stale:
+            rec = beats.get(r)
+            if rec and rec.get("host") == self.host and rec.get("pid") not in (None, self.pid):
+                with contextlib.suppress(OSError):
+                    os.kill(int(rec["pid"]), signal.SIGKILL)
+
+
+def _behind(beats: dict[int, dict], live: list[int]) -> list[int]:
+    steps = {r: beats[r]["step"] for r in live if r in beats}
+    if not steps or len(set(steps.values())) == 1:
+        return []
+    low = min(steps.values())
+    return sorted(r for r, s in steps.items() if s == low)
+
+
+def _not_in_collective(beats: dict[int, dict], live: list[int]) -> list[int]:
+    return sorted(r for r in live if r in beats and not _in_collective(beats[r].get("where", "")))
+
+
+def _hang_line(run_dir: Path, stuck: list[int], waiting: list[int], beats: dict[int, dict]) -> str:
+    def who(r: int) -> str:
+        rec = beats.get(r, {})
+        return f"rank {r} (host {rec.get('host', '?')}, pid {rec.get('pid', '?')})"
+
+    # The step the waiting ranks are in (a stopped rank's own heartbeat may predate its last steps).
+    done = [beats[r]["step"] for r in waiting if r in beats] or [beats.get(r, {}).get("step", 0) for r in stuck]
+    step = min(done, default=0) + 1
+    places: dict[str, list[int]] = {}
+    for r in waiting:
+        places.setdefault(beats.get(r, {}).get("where", "?"), []).append(r)
+    waited = "; ".join(f"ranks {', '.join(map(str, rs))} waited in {f}" for f, rs in places.items()) \
+        or "no other rank was waiting"
+    return (f"loomtrain: hang: {', '.join(who(r) for r in stuck)} did not reach step {step}; {waited}; "
+            f"stacks in {logs_dir(run_dir)}/")
+
+
+def _append(path: Path, line: str) -> None:
+    with contextlib.suppress(OSError), open(path, "a") as f:
+        f.write(line + "\n")
+
+
+def _write_json(path: Path, record: dict) -> None:
+    with contextlib.suppress(OSError):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, path)

@@ -1,0 +1,128 @@
+"""What an on-call engineer reads: TensorBoard per run, profiler traces, per-rank logs, stop signals.
+
+In-process runs of the tiny config (one rank); the multi-rank paths (hangs, stragglers,
+SIGTERM under torchrun and Ray) are in tests/test_hangs_and_signals.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from loomtrain.launcher.config_loader import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+SMALL = [
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
+    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8", "train.warmup_steps=2",
+    "data.max_files=20", "data.val_fraction=0.1", "eval.every_steps=0", "eval.num_samples=0",
+    "log.progress=plain", "checkpoint.every_steps=0",
+]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """runs/a (4 steps, then resumed to 5) and runs/b (4 steps, steps 2-3 profiled)."""
+    from loomtrain.launcher.loop import run_training
+
+    root = tmp_path_factory.mktemp("monitoring") / "runs"
+    cache = root.parent / "cache"
+
+    def cfg(name, *extra):
+        return load_config(TINY, [*SMALL, f"run.name={name}", f"run.dir={root / name}",
+                                  f"data.cache_dir={cache}", *extra])
+
+    run_training(cfg("a", "train.max_steps=4"))
+    run_training(cfg("b", "train.max_steps=4", "log.profile_steps=[2,3]"))
+    resumed = run_training(cfg("a", "train.max_steps=5"))
+    assert resumed.steps == [5]
+    return root
+
+
+def test_each_run_is_one_tensorboard_run_with_grouped_tags(two_runs):
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0}).AddRunsFromDirectory(str(two_runs))
+    mux.Reload()
+    assert set(mux.Runs()) == {"a", "b"}  # `tensorboard --logdir runs/` shows a and b
+    scalars = set(mux.GetAccumulator("a").Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "perf/step_time_s",
+            "memory/mem_bytes", "perf/step_time_max_s", "perf/step_time_min_s", "perf/slowest_rank",
+            "perf/data_wait_max_s", "memory/mem_bytes_max", "memory/mem_rank_max"} <= scalars
+    assert [e.step for e in mux.Scalars("a", "train/loss")] == [1, 2, 3, 4, 5]  # across the resume
+    # metrics.jsonl keeps its plain keys, now with the job-wide straggler figures
+    rec = json.loads((two_runs / "a" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"loss", "lr", "step_time_s", "mem_bytes", "step_time_max_s", "slowest_rank",
+            "data_wait_max_s", "mem_bytes_max", "mem_rank_max"} <= set(rec)
+    assert rec["slowest_rank"] == 0 and rec["mem_rank_max"] == 0
+
+
+def test_profiler_writes_chrome_traces_and_a_top_ops_table(two_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    prof = two_runs / "b" / "profile" / "rank_00000"
+    traces = list(prof.glob("*.json"))
+    assert [t.name for t in traces] == ["trace_steps_2-3.json"]
+    trace = json.loads(traces[0].read_text())
+    assert trace["traceEvents"] and any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    assert "aten::" in (prof / "top_ops_steps_2-3.txt").read_text()
+    acc = EventAccumulator(str(two_runs / "b"), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert "profile/top_ops/text_summary" in acc.Tags()["tensors"]
+    text = acc.Tensors("profile/top_ops/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "aten::" in text and "steps 2-3" in text
+    assert not (two_runs / "a" / "profile").exists()  # off unless asked for
+
+
+def test_rank_log_is_appended_across_restarts(two_runs):
+    log = (two_runs / "a" / "logs" / "rank_00000.log").read_text()
+    headers = [line for line in log.splitlines() if line.startswith("=== loomtrain attempt")]
+    assert len(headers) == 2 and headers[0].startswith("=== loomtrain attempt 1:")
+    assert headers[1].startswith("=== loomtrain attempt 2:") and f"pid {os.getpid()}" in headers[1]
+    assert "step 4/4" in log and "step 5/5" in log  # rank 0's console lines, both attempts
+
+
+def test_signal_exit_codes_and_stop_file(tmp_path):
+    from loomtrain.launcher import stopping
+
+    assert stopping.exit_code(signal.SIGTERM) == 0
+    assert stopping.exit_code(signal.SIGINT) == 130 and stopping.exit_code(signal.SIGHUP) == 129
+    stop = stopping.StopRequest(tmp_path, watch_file=True).install()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.pending() == signal.SIGHUP
+    finally:
+        stop.uninstall()
+    other = stopping.StopRequest(tmp_path, watch_file=True)
+    stopping.request_stop(tmp_path, signal.SIGINT)  # what the Ray driver does on Ctrl-C
+    assert other.pending() == signal.SIGINT
+    other.clear_file()
+    assert not (tmp_path / stopping.STOP_FILE).exists()
+
+
+def test_second_ctrl_c_exits_at_once_with_130():
+    script = textwrap.dedent("""
+        import os, signal, time
+        from loomtrain.launcher.stopping import StopRequest
+        stop = StopRequest().install()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.pending() == signal.SIGINT   # the first one only asks for a checkpoint
+        print("first handled", flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+        print("not reached", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert "first handled" in proc.stdout and "not reached" not in proc.stdout
+    assert "second Ctrl-C" in proc.stderr
