@@ -52,6 +52,7 @@ _EXPORTS = {
     "TokenStream": "loomtrain.data_pipeline.stream",
     "stream_from_config": "loomtrain.data_pipeline.stream",
     "prepare_data": "loomtrain.data_pipeline.corpus",
+    "prepare_sources": "loomtrain.data_pipeline.corpus",
     "stdlib_files": "loomtrain.data_pipeline.corpus",
     "verify_shards": "loomtrain.data_pipeline.corpus",
     "load_tokenizer": "loomtrain.data_pipeline.tokenizer",

@@ -62,7 +62,9 @@ def verify_shards(shard_dir, expected_tokenizer_hash: str | None) -> dict:
     check_tokenizer_hash(index, shard_dir, expected_tokenizer_hash)
     for split in SPLITS:
         if split in index["splits"]:
-            ShardSet(shard_dir, split).close()
+            shards = ShardSet(shard_dir, split)
+            shards.check_ids()
+            shards.close()
     return index
 
 
@@ -120,8 +122,37 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
                         shutil.rmtree(shard_dir)
                     os.replace(tmp, shard_dir)
                 finally:
-                    if tmp.exists():
-                        shutil.rmtree(tmp, ignore_errors=True)
+                    from loomtrain.data_pipeline.staging import partial_dir
+
+                    for leftover in (tmp, partial_dir(tmp)):  # a private build: nothing to resume
+                        if leftover.exists():
+                            shutil.rmtree(leftover, ignore_errors=True)
     tok = run_tok or load_tokenizer(shard_dir)
     verify_shards(shard_dir, tok.hash)
     return shard_dir, tok
+
+
+def prepare_sources(data_cfg, cache_dir=None, *, log=None) -> tuple[Path | list[tuple[Path, float]], Tokenizer]:
+    """A run's data: -> (what TokenStream reads, tokenizer): one shard directory
+    (data.path or the embedded corpus, via prepare_data), or for data.sources the
+    list [(shard_dir, weight), ...], every directory checked and all made by one tokenizer."""
+    if not data_cfg.sources:
+        return prepare_data(data_cfg, cache_dir, log=log)
+    dirs = [Path(src.path) for src in data_cfg.sources]
+    indexes = []
+    for i, d in enumerate(dirs):
+        try:
+            indexes.append(read_index(d))
+        except DataError as exc:
+            raise DataError(f"data.sources[{i}].path: {exc}") from None
+    if data_cfg.tokenizer == "bpe":
+        tok, whose = load_tokenizer(dirs[0]), f"data.sources[0] ({dirs[0]})"
+    else:
+        tok, whose = load_tokenizer(data_cfg.tokenizer), f"data.tokenizer={data_cfg.tokenizer}"
+    for i, (d, index) in enumerate(zip(dirs, indexes)):
+        found = index["tokenizer"]["hash"]
+        if found != tok.hash:
+            raise DataError(f"data.sources[{i}] ({d}) was made by tokenizer {found} ({index['tokenizer'].get('name')}), "
+                            f"but {whose} is tokenizer {tok.hash}; all sources must share one tokenizer")
+        verify_shards(d, tok.hash)
+    return [(d, float(src.weight)) for d, src in zip(dirs, data_cfg.sources)], tok

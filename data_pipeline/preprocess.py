@@ -37,6 +37,7 @@ import numpy as np
 from loomtrain.data_pipeline.shards import (
     FORMAT, INDEX, SPLITS, VERSION, DataError, SplitWriter, atomic_write_json, token_dtype,
 )
+from loomtrain.data_pipeline.staging import Parts, check_output, clear_assembly, open_partial, publish
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
 UNIT_BYTES = 4 << 20
@@ -217,11 +218,11 @@ def _tokenize_unit(unit):
 
 
 def _ordered_results(units, tokenizer, text_field, skip_bad_lines, workers):
-    """Yield (unit nbytes, result) in input order with at most 2*workers+2 units in flight."""
+    """Yield (unit's file, unit nbytes, result) in input order with at most 2*workers+2 units in flight."""
     if workers <= 1:
         _init_worker(tokenizer, text_field, skip_bad_lines)
         for unit in units:
-            yield unit[6], _tokenize_unit(unit)
+            yield unit[1], unit[6], _tokenize_unit(unit)
         return
     import multiprocessing as mp
 
@@ -230,13 +231,13 @@ def _ordered_results(units, tokenizer, text_field, skip_bad_lines, workers):
                                        initargs=(tokenizer, text_field, skip_bad_lines)) as pool:
         pending: deque = deque()
         for unit in units:
-            pending.append((unit[6], pool.apply_async(_tokenize_unit, (unit,))))
+            pending.append((unit[1], unit[6], pool.apply_async(_tokenize_unit, (unit,))))
             if len(pending) >= 2 * workers + 2:
-                nbytes, res = pending.popleft()
-                yield nbytes, res.get()
+                path, nbytes, res = pending.popleft()
+                yield path, nbytes, res.get()
         while pending:
-            nbytes, res = pending.popleft()
-            yield nbytes, res.get()
+            path, nbytes, res = pending.popleft()
+            yield path, nbytes, res.get()
 
 
 # The validation split ---------------------------------------------------------
@@ -272,91 +273,214 @@ class ValSplit:
 
 
 # The driver ---------------------------------------------------------------
-def preprocess_files(files: list[Path], output: str | os.PathLike, tokenizer="byte", *, text_field: str = "text",
-                     val_fraction: float = 0.01, seed: int = 0, workers: int | None = None,
-                     skip_bad_lines: bool = False, bpe_vocab_size: int = 4096, progress: bool = True,
-                     shard_tokens: int = DEFAULT_SHARD_TOKENS, sources: list[str] | None = None,
-                     log=print) -> dict:
-    """Tokenize `files` into a shard directory; returns the index. `tokenizer` is
-    "byte", "bpe" (trained here on the same files), a tokenizer.json path, or a tokenizer object."""
-    from tqdm import tqdm
+def tokenize_file(path: str, tokenizer, text_field: str, skip_bad_lines: bool) -> list:
+    """One input file's unit results, in order (a Ray task: the file is read where it runs)."""
+    _init_worker(tokenizer, text_field, skip_bad_lines)
+    return [_tokenize_unit(unit) for unit in iter_units([Path(path)], text_field)]
 
-    if not files:
-        raise DataError("no input files")
-    workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
-    splitter = ValSplit(val_fraction, seed)
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    old_index = out / INDEX
-    if old_index.exists():
-        old_index.unlink()  # the directory is incomplete until the new index lands
-    total_bytes = sum(p.stat().st_size for p in files)
-    t0 = time.perf_counter()
 
+def _zero_stats() -> dict:
+    return {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
+
+
+def bpe_sample(files: list[Path], text_field: str, sample_bytes: int):
+    """Documents to train BPE on: all of them, or (sample_bytes > 0) from each file in
+    input order its share of sample_bytes by size, from its start: deterministic."""
+    total = max(1, sum(p.stat().st_size for p in files))
+    for path in files:
+        budget = -(-sample_bytes * path.stat().st_size // total) if sample_bytes else None
+        unit_bytes = min(UNIT_BYTES, max(budget, 1 << 16)) if budget else None
+        for unit in iter_units([path], text_field, unit_bytes):
+            for text in unit_texts(unit, text_field, True)[0]:
+                if budget is not None:
+                    raw = text.encode("utf-8", errors="replace")
+                    if len(raw) > budget:
+                        text = raw[:budget].decode("utf-8", errors="ignore")
+                    budget -= len(raw)
+                yield text
+                if budget is not None and budget <= 0:
+                    break
+            if budget is not None and budget <= 0:
+                break
+
+
+def _tokenizer_key(tokenizer, bpe_vocab_size: int, bpe_sample_bytes: int):
+    """What the parts depend on about the tokenizer (a rerun with another one starts afresh)."""
+    if isinstance(tokenizer, str) and tokenizer == "bpe":
+        return {"bpe_vocab_size": bpe_vocab_size, "bpe_sample_bytes": bpe_sample_bytes}
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    return tokenizer.hash
+
+
+def _work_tokenizer(work: Path, resumed: bool, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes,
+                    progress, log):
+    """The job's tokenizer, saved in the work folder first (so a rerun reuses a trained BPE)."""
+    if resumed and (work / "tokenizer.json").is_file():
+        return load_tokenizer(work)
     if isinstance(tokenizer, str) and tokenizer == "bpe":
         if log:
-            log(f"training a byte-level BPE (vocab {bpe_vocab_size}) on {len(files)} files ...")
-        texts = (t for u in iter_units(files, text_field) for t in unit_texts(u, text_field, True)[0])
-        tokenizer = train_bpe(texts, bpe_vocab_size, show_progress=progress and sys.stderr.isatty())
+            sample = f" ({bpe_sample_bytes:,} sampled bytes)" if bpe_sample_bytes else ""
+            log(f"training a byte-level BPE (vocab {bpe_vocab_size}) on {len(files)} files{sample} ...")
+        tokenizer = train_bpe(bpe_sample(files, text_field, bpe_sample_bytes), bpe_vocab_size,
+                              show_progress=progress and sys.stderr.isatty())
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
-    # Starting a pool (~1 s) only pays off for bigger inputs; BPE encodes ~100x slower than bytes.
-    if total_bytes < (4 * UNIT_BYTES if isinstance(tokenizer, ByteTokenizer) else UNIT_BYTES // 16):
-        workers = 1
-    dtype = token_dtype(tokenizer.vocab_size)
-    writers = {s: SplitWriter(out, s, dtype, shard_tokens) for s in SPLITS}
-    stats = {"files": len(files), "bytes": total_bytes, "bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
-    doc, current = 0, None
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", disable=not progress, file=sys.stderr)
+    tokenizer.save(work)
+    return tokenizer
+
+
+def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar) -> None:
+    """Input files `todo` -> their parts, streaming units through the worker pool in input order."""
+    pending = iter(todo)
+    current = {"i": None, "writer": None, "stats": None}
+    index_of = {str(files[i]): i for i in todo}
+
+    def advance(to) -> None:  # finish the current file and any with no units before `to`
+        while current["i"] != to:
+            if current["writer"] is not None:
+                current["writer"].finish(current["stats"])
+                current["writer"] = None
+            nxt = next(pending, None)
+            if nxt is None:
+                current["i"] = None
+                return
+            current.update(i=nxt, writer=parts.writer(nxt), stats=_zero_stats())
+
+    units = iter_units([files[i] for i in todo], text_field)
     try:
-        units = iter_units(files, text_field)
-        for nbytes, (tokens, lengths, cont, _open, st) in _ordered_results(units, tokenizer, text_field, skip_bad_lines, workers):
+        for unit_path, nbytes, (tokens, lengths, cont, open_, st) in _ordered_results(
+                units, tokenizer, text_field, skip_bad_lines, workers):
+            advance(index_of[unit_path])
+            for k, v in st.items():
+                current["stats"][k] += v
+            current["writer"].add(tokens, lengths, cont, open_)
+            bar.update(nbytes)
+        advance(None)
+    except BaseException:
+        if current["writer"] is not None:
+            current["writer"].abort()
+        raise
+
+
+def _assemble(work: Path, parts: Parts, files, tokenizer, splitter: ValSplit, shard_tokens: int) -> tuple[dict, dict]:
+    """Parts -> shards, in input order; documents numbered across files for the val split."""
+    clear_assembly(work)
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {s: SplitWriter(work, s, dtype, shard_tokens) for s in SPLITS}
+    stats, doc = _zero_stats(), 0
+    try:
+        for i in range(len(files)):
+            tokens, lengths, st = parts.read(i)
             for k, v in st.items():
                 stats[k] += v
-            offset = 0
-            for i, n in enumerate(lengths):
-                if not (i == 0 and cont):
-                    current = writers["val" if splitter.is_val(doc) else "train"]
-                    current.start_doc()
-                    doc += 1
-                current.write(tokens[offset:offset + n])
-                offset += n
-            bar.update(nbytes)
+            is_val = np.array([splitter.is_val(doc + j) for j in range(len(lengths))], dtype=bool)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            cuts = [0, *(np.flatnonzero(np.diff(is_val)) + 1).tolist(), len(lengths)]
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                if b > a:
+                    writers["val" if is_val[a] else "train"].write_docs(tokens[offsets[a]:offsets[b]], lengths[a:b])
+            doc += len(lengths)
+            del tokens
     except BaseException:
         for w in writers.values():
             w.abort()
         raise
-    finally:
-        bar.close()
-    splits = {s: w.close() for s, w in writers.items()}
+    return {s: w.close() for s, w in writers.items()}, {**stats, "documents": doc}
+
+
+def preprocess_files(files: list[Path], output: str | os.PathLike, tokenizer="byte", *, text_field: str = "text",
+                     val_fraction: float = 0.01, seed: int = 0, workers: int | None = None,
+                     skip_bad_lines: bool = False, bpe_vocab_size: int = 4096, bpe_sample_bytes: int = 0,
+                     progress: bool = True, shard_tokens: int = DEFAULT_SHARD_TOKENS, sources: list[str] | None = None,
+                     overwrite: bool = False, use_ray: bool = False, ray_address: str | None = None,
+                     log=print) -> dict:
+    """Tokenize `files` into the shard directory `output`; returns the index (plus a
+    "run" entry, not written: seconds, workers, files resumed). `tokenizer` is "byte",
+    "bpe" (trained here on the same files), a tokenizer.json path, or a tokenizer object.
+    Works in OUTPUT.partial/ and publishes it with a rename (see staging.py); with
+    use_ray, input files are tokenized as Ray tasks, and the result is the same."""
+    from tqdm import tqdm
+
+    if not files:
+        raise DataError("no input files")
+    if not isinstance(shard_tokens, int) or shard_tokens <= 0:
+        raise DataError(f"--shard-tokens: expected a positive number of tokens per shard file, got {shard_tokens}")
+    if bpe_sample_bytes < 0:
+        raise DataError(f"--bpe-sample-bytes: expected >= 0 (0 = all the input), got {bpe_sample_bytes}")
+    splitter = ValSplit(val_fraction, seed)
+    out = Path(output)
+    check_output(out, overwrite)
+    t0 = time.perf_counter()
+    try:
+        sizes = [p.stat() for p in files]
+    except OSError as exc:
+        raise DataError(f"input {exc.filename}: {exc.strerror}") from None
+    total_bytes = sum(st.st_size for st in sizes)
+    job = {"inputs": [[str(p.resolve()), st.st_size, st.st_mtime_ns] for p, st in zip(files, sizes)],
+           "tokenizer": _tokenizer_key(tokenizer, bpe_vocab_size, bpe_sample_bytes),
+           "text_field": text_field, "skip_bad_lines": bool(skip_bad_lines)}
+    work, resumed = open_partial(out, job, log)
+    tokenizer = _work_tokenizer(work, resumed, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes,
+                                progress, log)
+    parts = Parts(work, token_dtype(tokenizer.vocab_size))
+    todo = [i for i in range(len(files)) if not parts.done(i)]
+    if resumed and log:
+        log(f"preprocess: resuming {work}: {len(files) - len(todo)} of {len(files)} input files already done")
+    if use_ray:
+        from loomtrain.launcher.cluster.preprocess_tasks import tokenize_on_ray
+
+        def write_part(i: int, results: list) -> None:
+            writer, stats = parts.writer(i), _zero_stats()
+            for tokens, lengths, cont, open_, st in results:
+                for k, v in st.items():
+                    stats[k] += v
+                writer.add(tokens, lengths, cont, open_)
+            writer.finish(stats)
+
+        workers = tokenize_on_ray([(i, str(files[i])) for i in todo], tokenizer, text_field, skip_bad_lines,
+                                  address=ray_address, max_in_flight=workers, on_file=write_part, log=log)
+    else:
+        workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
+        # Starting a pool (~1 s) only pays off for bigger inputs; BPE encodes ~100x slower than bytes.
+        todo_bytes = sum(sizes[i].st_size for i in todo)
+        if todo_bytes < (4 * UNIT_BYTES if isinstance(tokenizer, ByteTokenizer) else UNIT_BYTES // 16):
+            workers = 1
+        bar = tqdm(total=total_bytes, initial=total_bytes - todo_bytes, unit="B", unit_scale=True, desc="preprocess",
+                   disable=not progress, file=sys.stderr)
+        try:
+            _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar)
+        finally:
+            bar.close()
+    splits, stats = _assemble(work, parts, files, tokenizer, splitter, shard_tokens)
     if splits["train"]["num_tokens"] == 0 and splits["val"]["num_tokens"] == 0:
         raise DataError(f"inputs hold no text: {', '.join(sources or [str(p) for p in files[:3]])}")
-    tokenizer.save(out)
+    dtype = token_dtype(tokenizer.vocab_size)
+    # Nothing here depends on timing, workers or Ray: the same inputs give the same bytes.
     index = {
         "format": FORMAT, "version": VERSION, "dtype": dtype.name,
         "tokenizer": {"hash": tokenizer.hash, "name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
                       "eos_id": tokenizer.eos_id, "file": "tokenizer.json"},
         "splits": splits,
         "split": {"val_fraction": val_fraction, "seed": seed, "method": "one document per stratum floor(i*f)"},
-        "stats": {**stats, "documents": doc, "seconds": round(time.perf_counter() - t0, 3), "workers": workers},
+        "stats": {"files": len(files), "bytes": total_bytes, **stats},
         "sources": sources or [str(p) for p in files],
     }
-    atomic_write_json(out / INDEX, index)
-    keep = {sh["file"] for s in splits.values() for sh in s["shards"]}
-    for stale in out.glob("*_[0-9][0-9][0-9][0-9][0-9].bin"):
-        if stale.name not in keep:
-            stale.unlink()
+    atomic_write_json(work / INDEX, index)
+    publish(work, out)
+    run = {"seconds": round(time.perf_counter() - t0, 3), "workers": workers, "ray": bool(use_ray),
+           "resumed_files": len(files) - len(todo)}
     if log:
         n_tok = sum(s["num_tokens"] for s in splits.values())
-        secs = index["stats"]["seconds"]
+        secs, doc = run["seconds"], stats["documents"]
         log(f"preprocess: {len(files)} files, {doc} documents, {n_tok:,} tokens "
             f"(train {splits['train']['num_tokens']:,} / val {splits['val']['num_tokens']:,}) in {secs:.2f}s "
-            f"({n_tok / max(secs, 1e-9):,.0f} tokens/s, {workers} worker(s)) -> {out}"
+            f"({n_tok / max(secs, 1e-9):,.0f} tokens/s, {workers} worker(s){' on Ray' if use_ray else ''}) -> {out}"
             + (f"; skipped {stats['bad_lines']} bad lines" if stats["bad_lines"] else "")
             + (f"; replaced {stats['replaced_chars']} invalid UTF-8 sequences" if stats["replaced_chars"] else ""))
         if val_fraction > 0 and splits["val"]["num_docs"] == 0:
             log(f"preprocess: warning: val split is empty ({doc} documents x val_fraction {val_fraction} < 1)")
-    return index
+    return {**index, "run": run}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -371,22 +495,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction)
     p.add_argument("--seed", type=int, default=d.split_seed, help="validation split seed")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workers", type=int, default=None,
+                   help="tokenizing processes (default: all cores), or with --ray Ray tasks in flight (default: the cluster's CPUs)")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines instead of failing")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    p.add_argument("--bpe-sample-bytes", type=int, default=0, metavar="N",
+                   help="train BPE on a deterministic sample of about N bytes (each file's share, from its start); 0 = all")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --output that is not an earlier preprocess output")
+    p.add_argument("--ray", action="store_true", help="tokenize input files as Ray tasks across a cluster")
+    p.add_argument("--address", default=None,
+                   help="with --ray: the cluster (HOST:PORT, 'auto', or ray://HOST:10001); default $RAY_ADDRESS, else a local instance")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.address is not None and not args.ray:
+        parser.error("--address needs --ray")
     try:
         files = expand_inputs(args.input)
         preprocess_files(
             files, args.output, args.tokenizer, text_field=args.text_field, val_fraction=args.val_fraction,
             seed=args.seed, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-            bpe_vocab_size=args.bpe_vocab_size, progress=not args.no_progress, shard_tokens=args.shard_tokens,
-            sources=args.input,
+            bpe_vocab_size=args.bpe_vocab_size, bpe_sample_bytes=args.bpe_sample_bytes, progress=not args.no_progress,
+            shard_tokens=args.shard_tokens, sources=args.input, overwrite=args.overwrite, use_ray=args.ray,
+            ray_address=args.address,
         )
     except DataError as exc:
         print(f"loomtrain preprocess: error: {exc}", file=sys.stderr)

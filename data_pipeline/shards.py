@@ -97,6 +97,13 @@ class SplitWriter:
             if self._file_tokens >= self.shard_tokens:
                 self._finish_file()
 
+    def write_docs(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Whole documents at once: `lengths` (tokens each) cover `tokens`."""
+        starts = self.num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
+        self._docs.write(starts.astype("<u8").tobytes())
+        self.num_docs += len(lengths)
+        self.write(tokens)
+
     def close(self) -> dict:
         self._finish_file()
         self._docs.close()
@@ -127,7 +134,33 @@ def read_index(shard_dir: str | os.PathLike) -> dict:
         raise DataError(f"{path} is not a loomtrain shard index (format {index.get('format') if isinstance(index, dict) else None!r})")
     if index.get("version") != VERSION:
         raise DataError(f"{path}: shard format version {index.get('version')} is not supported (this code reads {VERSION})")
+    _check_index_keys(index, path)
     return index
+
+
+def _check_index_keys(index: dict, path: Path) -> None:
+    """Every key the readers use is present, so a damaged index is one line naming the key, not a KeyError."""
+    def need(obj, key: str, dotted: str, kind):
+        if not isinstance(obj, dict) or key not in obj:
+            raise DataError(f"{path} is missing the key {dotted!r} (not a complete shard index; re-run `loomtrain preprocess`)")
+        if not isinstance(obj[key], kind) or isinstance(obj[key], bool):
+            raise DataError(f"{path}: key {dotted!r} is {obj[key]!r}, expected a {kind.__name__}")
+        return obj[key]
+
+    dtype = need(index, "dtype", "dtype", str)
+    if dtype not in ("uint16", "uint32"):
+        raise DataError(f"{path}: key 'dtype' is {dtype!r}, expected uint16 or uint32")
+    tok = need(index, "tokenizer", "tokenizer", dict)
+    need(tok, "hash", "tokenizer.hash", str)
+    need(tok, "vocab_size", "tokenizer.vocab_size", int)
+    need(tok, "eos_id", "tokenizer.eos_id", int)
+    for split, info in need(index, "splits", "splits", dict).items():
+        if not isinstance(info, dict):
+            raise DataError(f"{path}: key 'splits.{split}' is {info!r}, expected a dict")
+        need(info, "num_tokens", f"splits.{split}.num_tokens", int)
+        for i, shard in enumerate(need(info, "shards", f"splits.{split}.shards", list)):
+            need(shard, "file", f"splits.{split}.shards[{i}].file", str)
+            need(shard, "num_tokens", f"splits.{split}.shards[{i}].num_tokens", int)
 
 
 def check_tokenizer_hash(index: dict, shard_dir, expected: str | None) -> None:
@@ -152,8 +185,12 @@ class ShardSet:
         self.dtype = np.dtype(self.index["dtype"])
         self.tokenizer_hash = self.index["tokenizer"]["hash"]
         self.eos_id = self.index["tokenizer"]["eos_id"]
+        self.vocab_size = self.index["tokenizer"]["vocab_size"]
+        # Ids the dtype can hold but the vocabulary cannot are checked on every read.
+        self._check_ids = np.iinfo(self.dtype).max >= self.vocab_size
         info = self.index["splits"][split]
         self.arrays: list[np.ndarray] = []
+        self.files: list[Path] = []
         for shard in info["shards"]:
             path = self.dir / shard["file"]
             expected = shard["num_tokens"] * self.dtype.itemsize
@@ -165,6 +202,7 @@ class ShardSet:
                 )
             if shard["num_tokens"]:
                 self.arrays.append(np.memmap(path, dtype="<" + self.dtype.str[1:], mode="r"))
+                self.files.append(path)
         sizes = np.array([a.size for a in self.arrays], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.starts[-1])
@@ -177,17 +215,35 @@ class ShardSet:
             raise IndexError(f"token range [{start}, {start + length}) outside split of {self.num_tokens}")
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         offset = start - int(self.starts[i])
-        arr = self.arrays[i]
-        if offset + length <= arr.size:
-            return np.array(arr[offset:offset + length])
         parts, need = [], length
         while need:
             arr = self.arrays[i]
             take = min(need, arr.size - offset)
-            parts.append(np.asarray(arr[offset:offset + take]))
+            part = np.array(arr[offset:offset + take])
+            if self._check_ids and take and int(part.max()) >= self.vocab_size:
+                bad = int(np.flatnonzero(part >= self.vocab_size)[0])
+                raise self._bad_id(i, offset + bad, int(part[bad]))
+            parts.append(part)
             need -= take
             i, offset = i + 1, 0
-        return np.concatenate(parts)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def check_ids(self, chunk_tokens: int = 1 << 24) -> None:
+        """Scan the whole split for ids >= the vocabulary size (DataError naming file and offset)."""
+        if not self._check_ids:
+            return
+        for i, arr in enumerate(self.arrays):
+            for lo in range(0, arr.size, chunk_tokens):
+                part = arr[lo:lo + chunk_tokens]
+                if int(part.max()) >= self.vocab_size:
+                    bad = lo + int(np.flatnonzero(np.asarray(part) >= self.vocab_size)[0])
+                    raise self._bad_id(i, bad, int(arr[bad]))
+
+    def _bad_id(self, i: int, offset: int, token: int) -> DataError:
+        return DataError(
+            f"{self.files[i]}: token id {token} at token offset {offset} (byte {offset * self.dtype.itemsize}) "
+            f"is >= the vocabulary size {self.vocab_size}; the shard is corrupt or was made by another tokenizer"
+        )
 
     def close(self) -> None:
         # Drop the maps; numpy unmaps each file when its last view is gone

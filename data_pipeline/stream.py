@@ -15,6 +15,12 @@ With micro batch m and DP size d, round k is global positions
 with global batch G = m*d*grad_accum reads positions [s*G, (s+1)*G) whatever d
 is, and the state (global position, seed) can be loaded under another d when
 the position is a multiple of m*d.
+
+Mixtures (several shard directories with weights): a `Blend` maps global
+position P to one source k and a position p_k inside it, deterministically;
+source k's epochs then wrap on their own exactly as above (epoch p_k // S_k,
+sample perm_{k,epoch}(p_k % S_k)), so every sample of a source is read at most
+once per epoch of that source, and the round/DP/resume rules are unchanged.
 """
 
 from __future__ import annotations
@@ -52,13 +58,15 @@ class SeededPermutation:
 
     ROUNDS = 6
 
-    def __init__(self, n: int, seed: int, epoch: int):
+    def __init__(self, n: int, seed: int, epoch: int, source: int = 0):
         self.n = int(n)
         bits = max(2, (self.n - 1).bit_length())
         bits += bits % 2
         self.half = np.uint64(bits // 2)
         self.mask = np.uint64((1 << (bits // 2)) - 1)
-        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), 0x10047])
+        # Source 0 keeps the one-source key, so a one-source stream is unchanged by mixtures.
+        key = [int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch), 0x10047] + ([int(source)] if source else [])
+        rng = np.random.default_rng(key)
         self.keys = rng.integers(0, 2**63, size=self.ROUNDS, dtype=np.uint64)
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
@@ -76,11 +84,73 @@ class SeededPermutation:
         return x.astype(np.int64)
 
 
+class Blend:
+    """Deterministic weighted interleaving of sources: global position -> (source, position inside it).
+
+    Positions come in periods of PERIOD; in every period source k owns q_k slots
+    (weights normalised, rounded by largest remainder so the q_k sum to PERIOD),
+    spread evenly: slot j of source k sits at time (j + 0.5) / q_k, and the
+    period is all slots sorted by time. So position P goes to source
+    s = source_of[P % PERIOD], at position (P // PERIOD) * q_s + rank[P % PERIOD]
+    inside it: O(1) per position, any position computable on its own (resume),
+    and the share of every source within 1/PERIOD of its weight over any period.
+    """
+
+    PERIOD = 1 << 14
+
+    def __init__(self, weights):
+        w = np.asarray(weights, dtype=np.float64)
+        if w.ndim != 1 or not w.size or not np.all(np.isfinite(w)) or np.any(w <= 0):
+            raise DataError(f"data.sources: every weight must be a positive finite number, got {list(weights)}")
+        share = w / w.sum() * self.PERIOD
+        quotas = np.floor(share).astype(np.int64)
+        short = self.PERIOD - int(quotas.sum())
+        quotas[np.argsort(-(share - quotas), kind="stable")[:short]] += 1
+        if np.any(quotas == 0):
+            k = int(np.flatnonzero(quotas == 0)[0])
+            raise DataError(f"data.sources[{k}].weight: {w[k]} is below 1/{self.PERIOD} of the total weight {w.sum()}")
+        self.weights = w / w.sum()
+        self.quotas = quotas
+        src = np.concatenate([np.full(q, k, dtype=np.int64) for k, q in enumerate(quotas)])
+        rank = np.concatenate([np.arange(q, dtype=np.int64) for q in quotas])
+        time = (rank + 0.5) / quotas[src]
+        order = np.lexsort((src, time))
+        self.source_of, self.rank = src[order], rank[order]
+
+    def __call__(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        period, offset = np.divmod(np.asarray(positions, dtype=np.int64), self.PERIOD)
+        source = self.source_of[offset]
+        return source, period * self.quotas[source] + self.rank[offset]
+
+    def counts(self, end: int) -> np.ndarray:
+        """Positions [0, end) per source."""
+        period, offset = divmod(int(end), self.PERIOD)
+        return period * self.quotas + np.bincount(self.source_of[:offset], minlength=len(self.quotas))
+
+
+def _source_list(source):
+    """A shard directory, or [(dir, weight), ...] / [{"path", "weight"}, ...] -> [(dir, weight)]."""
+    if isinstance(source, (list, tuple)):
+        out = []
+        for item in source:
+            if isinstance(item, dict) or hasattr(item, "path"):
+                path = item["path"] if isinstance(item, dict) else item.path
+                weight = item["weight"] if isinstance(item, dict) else item.weight
+            else:
+                path, weight = item
+            out.append((path, float(weight)))
+        if not out:
+            raise DataError("data.sources: empty list")
+        return out
+    return [(source, 1.0)]
+
+
 class TokenStream:
     """Iterator of (inputs, targets) LongTensors [micro_batch_size, seq_len] for one DP rank.
 
     Infinite: epochs follow one another (see `epoch`). Tensor-parallel ranks of
     one DP group pass the same dp_rank and get identical batches.
+    `shard_dir` is one shard directory, or a mixture: [(dir, weight), ...].
     """
 
     def __init__(self, shard_dir, split: str = "train", *, seq_len: int, micro_batch_size: int,
@@ -93,16 +163,36 @@ class TokenStream:
             raise ValueError(f"TokenStream: dp_rank {dp_rank} not in [0, {dp_size})")
         if prefetch < 0:
             raise ValueError(f"TokenStream: prefetch must be >= 0, got {prefetch}")
-        self.shards = ShardSet(shard_dir, split, expected_tokenizer_hash)
+        sources = _source_list(shard_dir)
+        self.blend = Blend([w for _, w in sources])
+        self.sources: list[ShardSet] = []
+        try:
+            for path, _ in sources:
+                self.sources.append(ShardSet(path, split, expected_tokenizer_hash))
+            hashes = {s.tokenizer_hash for s in self.sources}
+            if len(hashes) > 1:
+                first = self.sources[0]
+                other = next(s for s in self.sources if s.tokenizer_hash != first.tokenizer_hash)
+                raise DataError(f"data.sources: {other.dir} was made by tokenizer {other.tokenizer_hash}, "
+                                f"{first.dir} by {first.tokenizer_hash}; all sources must share one tokenizer")
+        except BaseException:
+            for s in self.sources:
+                s.close()
+            raise
+        self.shards = self.sources[0]
         self.split, self.seq_len, self.micro_batch_size = split, seq_len, micro_batch_size
         self.dp_rank, self.dp_size, self.seed, self.prefetch, self.shuffle = dp_rank, dp_size, int(seed), prefetch, shuffle
         self.tokenizer_hash = self.shards.tokenizer_hash
-        self.samples_per_epoch = (self.shards.num_tokens - 1) // seq_len if self.shards.num_tokens else 0
-        if self.samples_per_epoch <= 0:
-            raise DataError(
-                f"{shard_dir}: split {split!r} has {self.shards.num_tokens} tokens, "
-                f"fewer than one sample of seq_len + 1 = {seq_len + 1}"
-            )
+        self.source_samples = [(s.num_tokens - 1) // seq_len if s.num_tokens else 0 for s in self.sources]
+        for s, n in zip(self.sources, self.source_samples):
+            if n <= 0:
+                hint = "; re-run `loomtrain preprocess` with a larger --val-fraction" if split == "val" else ""
+                raise DataError(
+                    f"{s.dir}: split {split!r} has {s.num_tokens} tokens, "
+                    f"fewer than one sample of seq_len + 1 = {seq_len + 1}{hint}"
+                )
+        # One source: its samples; a mixture: all sources' together (each wraps on its own).
+        self.samples_per_epoch = sum(self.source_samples)
         self.round_size = micro_batch_size * dp_size
         self._position = 0  # global position of the next round this rank yields
         self._perms: dict[int, SeededPermutation] = {}
@@ -118,36 +208,58 @@ class TokenStream:
 
     @property
     def epoch(self) -> int:
-        return self._position // self.samples_per_epoch
+        """Completed epochs; for a mixture, of the source that has completed fewest."""
+        return min(self.source_epochs(self._position))
+
+    def source_epochs(self, position: int) -> list[int]:
+        """Each source's epoch at global position `position`."""
+        return [int(c) // n for c, n in zip(self.blend.counts(position), self.source_samples)]
 
     @property
     def tokens_per_epoch(self) -> int:
         return self.samples_per_epoch * self.seq_len
 
+    def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """Global positions -> (source, sample index within that source's epoch)."""
+        sources, local = self.blend(positions)
+        out = np.empty_like(local)
+        for k in np.unique(sources):
+            sel = sources == k
+            out[sel] = self._source_indices(int(k), local[sel])
+        return sources, out
+
     def sample_indices(self, positions) -> np.ndarray:
-        """Global positions -> sample indices within their epoch (the shuffle)."""
-        positions = np.asarray(positions, dtype=np.int64)
-        epochs, pos = np.divmod(positions, self.samples_per_epoch)
+        """Global positions -> sample indices within their epoch (the shuffle); one source."""
+        return self.locate(positions)[1]
+
+    def _source_indices(self, k: int, positions: np.ndarray) -> np.ndarray:
+        epochs, pos = np.divmod(positions, self.source_samples[k])
         if not self.shuffle:
             return pos
         out = np.empty_like(pos)
         for e in np.unique(epochs):
-            perm = self._perms.get(int(e))
+            perm = self._perms.get((k, int(e)))
             if perm is None:
-                perm = SeededPermutation(self.samples_per_epoch, self.seed, int(e))
-                self._perms = {int(e): perm, **{k: v for k, v in self._perms.items() if k > e - 2}}
+                perm = SeededPermutation(self.source_samples[k], self.seed, int(e), source=k)
+                self._perms = {(k, int(e)): perm,
+                               **{key: v for key, v in self._perms.items() if key[0] != k or key[1] > e - 2}}
             sel = epochs == e
             out[sel] = perm(pos[sel])
         return out
+
+    def rows(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """Global positions -> (int64 [n, seq_len + 1] token rows, source of each row)."""
+        sources, idx = self.locate(positions)
+        span = self.seq_len + 1
+        rows = [self.sources[int(k)].read(int(i) * self.seq_len, span) for k, i in zip(sources, idx)]
+        return np.stack(rows).astype(np.int64), sources
 
     def rank_positions(self, round_start: int) -> np.ndarray:
         start = round_start + self.dp_rank * self.micro_batch_size
         return np.arange(start, start + self.micro_batch_size, dtype=np.int64)
 
     def _batch(self, round_start: int):
-        idx = self.sample_indices(self.rank_positions(round_start))
-        span = self.seq_len + 1
-        rows = np.stack([self.shards.read(int(i) * self.seq_len, span) for i in idx]).astype(np.int64)
+        rows, _ = self.rows(self.rank_positions(round_start))
         block = torch.from_numpy(rows)
         return block[:, :-1].contiguous(), block[:, 1:].contiguous()
 
@@ -211,7 +323,8 @@ class TokenStream:
 
     def close(self) -> None:
         self._halt()
-        self.shards.close()
+        for s in self.sources:
+            s.close()
 
     def __enter__(self):
         return self
@@ -226,8 +339,13 @@ class TokenStream:
             pass
 
     # State ---------------------------------------------------------------
+    def _mixture_state(self) -> dict | None:
+        if len(self.sources) == 1:
+            return None
+        return {"quotas": self.blend.quotas.tolist(), "samples_per_epoch": list(self.source_samples)}
+
     def state_dict(self) -> dict:
-        return {
+        state = {
             "version": STATE_VERSION,
             "global_position": self._position,
             "epoch": self.epoch,
@@ -238,13 +356,16 @@ class TokenStream:
             "split": self.split,
             "tokenizer_hash": self.tokenizer_hash,
         }
+        if len(self.sources) > 1:
+            state["mixture"] = self._mixture_state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise DataError(f"data state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
         for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("seq_len", self.seq_len),
                           ("samples_per_epoch", self.samples_per_epoch), ("tokenizer_hash", self.tokenizer_hash),
-                          ("split", self.split)):
+                          ("split", self.split), ("mixture", self._mixture_state())):
             if state.get(key) != mine:
                 raise DataError(f"cannot resume the data stream: the saved state has {key}={state.get(key)!r}, this stream has {key}={mine!r}")
         position = int(state["global_position"])

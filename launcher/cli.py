@@ -13,6 +13,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("loomtrain.launcher.train", "train a model from a YAML config (locally, under torchrun, or --ray)"),
     "preprocess": ("loomtrain.data_pipeline.preprocess", "tokenize text/JSONL/Parquet into token shards"),
+    "data-stats": ("loomtrain.data_pipeline.stats", "samples and tokens per data source over a run's first N steps"),
     "generate": ("loomtrain.launcher.generate", "continue a prompt with a trained run's weights"),
     "plan": ("loomtrain.launcher.planning.plan", "predict memory, FLOPs and step time per rank for a config"),
     "dryrun": ("loomtrain.launcher.planning.dryrun", "run one cluster rank's shard on this machine, measured against plan"),

@@ -19,10 +19,20 @@ class RunSection:
 
 
 @dataclass
+class DataSource:
+    # A directory of token shards made by `loomtrain preprocess`.
+    path: str = ""
+    # Relative share of the samples (normalised over all sources).
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     # A directory of token shards made by `loomtrain preprocess`; empty means
     # the embedded corpus: the Python standard library's own .py sources.
     path: str = ""
+    # A weighted mixture of shard directories (all made by one tokenizer), instead of `path`.
+    sources: list[DataSource] = field(default_factory=list)
     # "byte", "bpe" (trained on the corpus), or a path to a tokenizer.json.
     tokenizer: str = "byte"
     bpe_vocab_size: int = 4096

@@ -321,6 +321,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _positive("log.memory_snapshot_step", cfg.log.memory_snapshot_step, allow_zero=True)
     _check(0.0 <= cfg.data.val_fraction < 1.0, "data.val_fraction", "a number in [0, 1)", cfg.data.val_fraction)
     _positive("data.max_files", cfg.data.max_files, allow_zero=True)
+    _check(not (cfg.data.path and cfg.data.sources), "data.sources",
+           "empty when data.path is set (data.path is the one-source form of data.sources)", "a list")
+    for i, src in enumerate(cfg.data.sources):
+        _check(bool(src.path), f"data.sources[{i}].path", "a shard directory made by `loomtrain preprocess`", src.path)
+        _check(math.isfinite(src.weight) and src.weight > 0, f"data.sources[{i}].weight", "a positive number", src.weight)
     _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
     _positive("ray.num_workers", cfg.ray.num_workers)
     _positive("ray.cpus_per_worker", cfg.ray.cpus_per_worker)

@@ -58,7 +58,7 @@ class TrainContext:
     optimizer: Any = None
     scheduler: Any = None
     tokenizer: Any = None
-    shard_dir: Path | None = None
+    shard_dir: Any = None  # one shard directory, or [(dir, weight), ...] for data.sources
     train_stream: Any = None  # TokenStream for this DP rank (state_dict / load_state_dict)
     metrics: Any = None  # MetricsLogger (writes on the logging rank only)
     state: TrainState = field(default_factory=TrainState)

@@ -119,7 +119,7 @@ def test_workers_and_small_units_give_identical_shards(tmp_path, monkeypatch):
     files = pp.expand_inputs([str(tmp_path / "in/*.txt")])
     one = pp.preprocess_files(files, tmp_path / "w1", workers=1, val_fraction=0.25, progress=False, log=None)
     two = pp.preprocess_files(files, tmp_path / "w2", workers=2, val_fraction=0.25, progress=False, log=None)
-    assert two["stats"]["workers"] == 2
+    assert two["run"]["workers"] == 2
     assert one["splits"] == two["splits"]
     for sh in one["splits"]["train"]["shards"]:
         assert (tmp_path / "w1" / sh["file"]).read_bytes() == (tmp_path / "w2" / sh["file"]).read_bytes()

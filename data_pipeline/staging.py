@@ -1,0 +1,204 @@
+"""Where `loomtrain preprocess` writes before it publishes: OUTPUT.partial/.
+
+Preprocess never writes into OUTPUT itself. It works in the sibling folder
+OUTPUT.partial/ and, when the dataset is complete, renames that folder onto
+OUTPUT. So a failed or killed run leaves an earlier OUTPUT as it was, and a
+folder preprocess did not make is never written into (or, without --overwrite,
+replaced).
+
+OUTPUT.partial/ holds
+  job.json                  what the parts depend on (inputs with size and mtime,
+                            tokenizer, text field, ...); written first
+  tokenizer.json            the tokenizer (a trained BPE is saved before tokenizing)
+  parts/NNNNNN.tokens       input file N's tokens, documents EOS-terminated
+  parts/NNNNNN.docs         its documents' lengths (uint64)
+  parts/NNNNNN.json         written last: input file N is complete
+A rerun with the same job.json skips every input whose part is complete; with
+another job.json the folder (recognised as ours by job.json) is started afresh.
+The shards are then assembled from the parts in input order, so the result
+does not depend on which run, process or Ray task tokenized which file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError, atomic_write_json
+
+PARTIAL_FORMAT = "loomtrain-preprocess-partial"
+JOB = "job.json"
+
+
+def partial_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def _written_by_preprocess(out: Path) -> set[str] | None:
+    """The names in `out` an earlier preprocess wrote, or None if it is not a preprocess output."""
+    try:
+        index = json.loads((out / INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        return None
+    names = {INDEX, "tokenizer.json"}
+    for split, info in (index.get("splits") or {}).items():
+        if isinstance(info, dict):
+            names.add(str(info.get("doc_offsets") or f"{split}.docs.bin"))
+            names.update(str(s.get("file")) for s in info.get("shards") or [] if isinstance(s, dict))
+    return names
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse an --output that is a file, or a non-empty folder that is not wholly an
+    earlier preprocess output (unless overwrite)."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--output {out} is a file; expected a directory to create (or an earlier preprocess output to replace)")
+    if not out.is_dir() or overwrite:
+        return
+    present = {p.name for p in out.iterdir()}
+    if not present:
+        return
+    ours = _written_by_preprocess(out)
+    if ours is None:
+        raise DataError(f"--output {out} is not empty and is not a loomtrain preprocess output (no valid {INDEX}); "
+                        "refusing to replace it: choose another directory, or pass --overwrite to replace it")
+    foreign = sorted(present - ours)
+    if foreign:
+        raise DataError(f"--output {out} holds {foreign[0]!r}, which preprocess did not write; refusing to replace it: "
+                        "move it away, or pass --overwrite to replace the whole directory")
+
+
+def open_partial(out: Path, job: dict, log=None) -> tuple[Path, bool]:
+    """-> (OUTPUT.partial, resumed). Resumes a work folder of the same job; starts
+    afresh in one of another job; refuses a folder of that name that is not ours."""
+    work = partial_dir(out)
+    job = {"format": PARTIAL_FORMAT, **job}
+    if work.exists() and not work.is_dir():
+        raise DataError(f"{work} is a file; preprocess needs that name for its work folder: move it away")
+    if work.is_dir():
+        try:
+            found = json.loads((work / JOB).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            found = None
+        if found == job:
+            return work, True
+        if isinstance(found, dict) and found.get("format") == PARTIAL_FORMAT:
+            if log:
+                log(f"preprocess: {work} is from another job (inputs or settings changed); starting afresh")
+            shutil.rmtree(work)
+        elif any(work.iterdir()):
+            raise DataError(f"{work} exists and is not a preprocess work folder (no valid {JOB}); "
+                            "preprocess needs that name: move it away")
+    (work / "parts").mkdir(parents=True, exist_ok=True)
+    atomic_write_json(work / JOB, job)
+    return work, False
+
+
+class Parts:
+    """Per-input-file token parts in OUTPUT.partial/parts/ (see the module docstring)."""
+
+    def __init__(self, work: Path, dtype: np.dtype):
+        self.dir = work / "parts"
+        self.dtype = np.dtype(dtype)
+
+    def _path(self, i: int, ext: str) -> Path:
+        return self.dir / f"{i:06d}.{ext}"
+
+    def done(self, i: int) -> bool:
+        try:
+            meta = json.loads(self._path(i, "json").read_text(encoding="utf-8"))
+            return (self._path(i, "tokens").stat().st_size == meta["num_tokens"] * self.dtype.itemsize
+                    and self._path(i, "docs").stat().st_size == meta["num_docs"] * 8)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
+    def writer(self, i: int) -> "PartWriter":
+        return PartWriter(self, i)
+
+    def read(self, i: int) -> tuple[np.ndarray, np.ndarray, dict]:
+        meta = json.loads(self._path(i, "json").read_text(encoding="utf-8"))
+        tokens = (np.memmap(self._path(i, "tokens"), dtype="<" + self.dtype.str[1:], mode="r")
+                  if meta["num_tokens"] else np.zeros(0, self.dtype))
+        lengths = np.fromfile(self._path(i, "docs"), dtype="<u8").astype(np.int64)
+        return tokens, lengths, meta["stats"]
+
+
+class PartWriter:
+    """Streams one input file's tokenized pieces into its part; `finish` marks it complete."""
+
+    def __init__(self, parts: Parts, i: int):
+        self.parts, self.i = parts, i
+        self._tok_tmp = parts._path(i, "tokens.tmp")
+        self._doc_tmp = parts._path(i, "docs.tmp")
+        self._tok, self._doc = open(self._tok_tmp, "wb"), open(self._doc_tmp, "wb")
+        self.num_tokens, self.num_docs, self._open_len = 0, 0, None
+
+    def add(self, tokens: np.ndarray, lengths, cont: bool, open_: bool) -> None:
+        """Pieces in order: `lengths` per piece; the first continues the open document
+        when `cont`, the last stays open (its document goes on in the next unit) when `open_`."""
+        dtype = self.parts.dtype
+        self._tok.write(np.asarray(tokens).astype("<" + dtype.str[1:], copy=False).tobytes())
+        self.num_tokens += int(np.asarray(tokens).size)
+        lengths = [int(n) for n in lengths]
+        if cont and lengths and self._open_len is not None:
+            self._open_len += lengths.pop(0)
+            if lengths or not open_:
+                self._close_doc()
+        elif self._open_len is not None:
+            self._close_doc()
+        for j, n in enumerate(lengths):
+            self._open_len = n
+            if not (open_ and j == len(lengths) - 1):
+                self._close_doc()
+
+    def _close_doc(self) -> None:
+        self._doc.write(np.array([self._open_len], dtype="<u8").tobytes())
+        self.num_docs += 1
+        self._open_len = None
+
+    def finish(self, stats: dict) -> None:
+        if self._open_len is not None:
+            self._close_doc()
+        for f in (self._tok, self._doc):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        os.replace(self._tok_tmp, self.parts._path(self.i, "tokens"))
+        os.replace(self._doc_tmp, self.parts._path(self.i, "docs"))
+        atomic_write_json(self.parts._path(self.i, "json"),
+                          {"num_tokens": self.num_tokens, "num_docs": self.num_docs, "stats": stats})
+
+    def abort(self) -> None:
+        for f, tmp in ((self._tok, self._tok_tmp), (self._doc, self._doc_tmp)):
+            f.close()
+            tmp.unlink(missing_ok=True)
+
+
+def clear_assembly(work: Path) -> None:
+    """Remove what an interrupted assembly left at the top of the work folder (all ours)."""
+    for p in work.iterdir():
+        if p.is_file() and (p.suffix == ".bin" or p.name == INDEX or ".tmp-" in p.name):
+            p.unlink()
+
+
+def publish(work: Path, out: Path) -> None:
+    """Rename the finished work folder onto OUTPUT; an earlier OUTPUT (checked by
+    check_output) is moved aside first and removed only after the new one is in place."""
+    shutil.rmtree(work / "parts", ignore_errors=True)
+    (work / JOB).unlink(missing_ok=True)
+    old = None
+    if out.is_dir():
+        if any(out.iterdir()):
+            old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+            os.replace(out, old)
+        else:
+            out.rmdir()
+    os.replace(work, out)
+    if old is not None:
+        shutil.rmtree(old)

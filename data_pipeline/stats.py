@@ -1,0 +1,83 @@
+"""`loomtrain data-stats CONFIG [key=value ...] --steps N [--show K]`: what a run will read.
+
+Prints one JSON object: the samples and tokens each data source gives over the
+first N optimizer steps of the whole run (all DP ranks together: step s reads
+global positions [s*G, (s+1)*G), G = train.global_batch_size, whatever the DP
+size), and with --show K the first K samples decoded. It opens the shards the
+run would open, through the same TokenStream, so what it reports is what the
+run gets; it needs no GPU and no process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loomtrain data-stats",
+                                description="Samples and tokens per data source over a run's first N steps.")
+    p.add_argument("config", help="the run's YAML config")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for `loomtrain train`")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps to count from the start of the run")
+    p.add_argument("--show", type=int, default=0, metavar="K", help="also print the first K samples, decoded")
+    return p
+
+
+def data_stats(cfg, steps: int, show: int = 0) -> dict:
+    """The report for a loaded RunConfig (see the module docstring)."""
+    from loomtrain.data_pipeline import TokenStream, prepare_sources
+    from loomtrain.launcher.components import data_cache_dir
+
+    data, tok = prepare_sources(cfg.data, data_cache_dir(cfg), log=None)
+    t = cfg.train
+    stream = TokenStream(data, "train", seq_len=t.seq_len, micro_batch_size=1, dp_rank=0, dp_size=1,
+                         seed=t.seed, prefetch=0, expected_tokenizer_hash=tok.hash)
+    try:
+        total = steps * t.global_batch_size
+        counts = stream.blend.counts(total)
+        paths = [str(d) for d, _ in data] if isinstance(data, list) else [str(data)]
+        report = {
+            "steps": steps, "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
+            "samples": total, "tokens": total * t.seq_len, "tokenizer": tok.hash,
+            "sources": [
+                {"path": path, "weight": float(w), "samples": int(c), "tokens": int(c) * t.seq_len,
+                 "fraction": int(c) / total if total else 0.0, "samples_per_epoch": n,
+                 "epochs": int(c) / n}
+                for path, w, c, n in zip(paths, stream.blend.weights, counts, stream.source_samples)
+            ],
+        }
+        if show > 0:
+            rows, sources = stream.rows(np.arange(show))
+            report["shown"] = [{"position": i, "source": paths[int(k)], "text": tok.decode(row.tolist())}
+                               for i, (row, k) in enumerate(zip(rows, sources))]
+    finally:
+        stream.close()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from loomtrain.data_pipeline import DataError
+    from loomtrain.launcher.config_loader import ConfigError, resolve, validate
+
+    if args.steps < 0 or args.show < 0:
+        print(f"loomtrain data-stats: error: --steps and --show must be >= 0, got {args.steps} and {args.show}", file=sys.stderr)
+        return 2
+    try:
+        cfg = resolve(args.config, args.overrides)
+        # The global order does not depend on the DP size: check the config as one DP rank.
+        validate(cfg, cfg.parallel.tp)
+        report = data_stats(cfg, args.steps, args.show)
+    except (ConfigError, DataError) as exc:
+        print(f"loomtrain data-stats: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=1, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""`loomtrain preprocess --ray`: input files tokenized as Ray tasks across a cluster.
+
+Each task reads one input file where it runs (so the inputs must be on storage
+every node sees: a shared filesystem, or one machine) and returns its unit
+results; the driver writes each file's part as it arrives and assembles the
+shards in input order (data_pipeline/staging.py), so the output is the same
+bytes as a local run. Tasks are retried on a lost node: a file's result does not
+depend on where or how often it is computed.
+"""
+
+from __future__ import annotations
+
+import os
+
+from loomtrain.data_pipeline.shards import DataError
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _connect(address: str | None, max_in_flight: int | None) -> bool:
+    """Connect (or start a local instance); -> whether we started the connection."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max_in_flight or os.cpu_count() or 1, log_to_driver=False)
+    except Exception as exc:  # a bad or unreachable address: Ray's own text, first line
+        raise DataError(f"--address {address or '(local instance)'}: cannot connect to Ray: {_first_line(exc)}") from None
+    return True
+
+
+def tokenize_on_ray(jobs: list[tuple[int, str]], tokenizer, text_field: str, skip_bad_lines: bool, *,
+                    address: str | None, max_in_flight: int | None, on_file, log=None) -> int:
+    """Run tokenize_file for each (i, path) of `jobs` as a Ray task, at most
+    max_in_flight at once (default: the cluster's CPUs); call on_file(i, results)
+    on the driver as each finishes. -> the number of tasks kept in flight."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    from loomtrain.data_pipeline.preprocess import tokenize_file
+
+    started = _connect(address, max_in_flight)
+    try:
+        in_flight = max(1, int(max_in_flight or ray.cluster_resources().get("CPU", 1)))
+        if log:
+            log(f"preprocess: {len(jobs)} input files as Ray tasks, {in_flight} at a time")
+        task = ray.remote(num_cpus=1, max_retries=3)(tokenize_file)
+        tok_ref = ray.put(tokenizer)
+        queue, running = list(jobs), {}
+        while queue or running:
+            while queue and len(running) < in_flight:
+                i, path = queue.pop(0)
+                running[task.remote(path, tok_ref, text_field, skip_bad_lines)] = i
+            done, _ = ray.wait(list(running), num_returns=1)
+            i = running.pop(done[0])
+            try:
+                results = ray.get(done[0])
+            except RayTaskError as exc:
+                if isinstance(exc.cause, DataError):  # bad input: its own one-line message
+                    raise DataError(str(exc.cause)) from None
+                raise
+            on_file(i, results)
+        return in_flight
+    finally:
+        if started:
+            ray.shutdown()
