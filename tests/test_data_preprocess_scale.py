@@ -144,3 +144,11 @@ def test_preprocess_on_ray_equals_the_local_command(tmp_path, bpe_json, ray_head
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines()[-1].startswith("loomtrain preprocess: error: ")
     assert "bad.jsonl:2: not valid JSON" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_malformed_ray_address_is_one_line(tmp_path):
+    files = corpus(tmp_path, 1)
+    proc = cli("--input", files[0], "--output", tmp_path / "o", "--ray", "--address", "http://head:8265")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--address 'http://head:8265'" in lines[0] and "scheme 'http' is not ray" in lines[0]

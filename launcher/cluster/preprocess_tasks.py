@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from loomtrain.data_pipeline.shards import DataError
+from loomtrain.launcher.cluster.addresses import AddressError, check_ray_address
 
 
 def _first_line(exc: BaseException) -> str:
@@ -27,6 +28,10 @@ def _connect(address: str | None, max_in_flight: int | None) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
+    try:
+        check_ray_address(address or "", "--address")
+    except AddressError as exc:
+        raise DataError(str(exc)) from None
     try:
         if address:
             ray.init(address=address, log_to_driver=False)
