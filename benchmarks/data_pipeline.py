@@ -28,7 +28,7 @@ t = time.perf_counter()
 index = preprocess_files(files, out, "byte", workers=workers, progress=False, log=None, val_fraction=0.01)
 secs = time.perf_counter() - t
 tokens = sum(s["num_tokens"] for s in index["splits"].values())
-print(json.dumps({"tokens": tokens, "bytes": index["stats"]["bytes"], "seconds": secs, "workers": index["stats"]["workers"],
+print(json.dumps({"tokens": tokens, "bytes": index["stats"]["bytes"], "seconds": secs, "workers": index["run"]["workers"],
                   "rss_main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "rss_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """

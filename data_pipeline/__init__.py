@@ -15,6 +15,11 @@ API (what the training loop codes against)
     stream.samples_per_epoch, stream.tokens_per_epoch, stream.epoch, stream.position
     stream.close()
 
+Mixtures: `prepare_sources(data_cfg, cache_dir)` returns data.sources as
+[(shard_dir, weight), ...] (one tokenizer for all, checked), or prepare_data's one
+directory; TokenStream takes either (see stream.py's Blend for the order).
+`loomtrain data-stats` (stats.py) reports what a run's stream will read.
+
 `prepare_data(data_cfg, cache_dir=None) -> (Path, tokenizer)`: data_cfg.path empty -> the
 embedded corpus (the stdlib's .py sources, the first data_cfg.max_files of them, sorted)
 is tokenized once into data_cfg.cache_dir (or the cache_dir argument, e.g.

@@ -1,16 +1,17 @@
 """`loomtrain preprocess`: text / JSONL / Parquet -> token shards (see shards.py).
 
-Documents: a .jsonl line's text field, a .parquet row's text column, or a
-whole .txt (or any other text) file. Every document ends with EOS.
+Documents (documents.py): a .jsonl line's text field, a .parquet row's text
+column, or a whole .txt (or any other text) file. Every document ends with EOS.
 
-Streaming with bounded memory: the main process reads inputs in work units of
-~4 MiB (text files are cut at newlines, so a huge file is one document spread
-over several units; with BPE, merges never span such a cut; Parquet is read
-batch by batch), at most 2 x workers + 2 units are in flight, and finished
-tokens go straight to the shard files. Workers (spawned processes, default:
-all cores) decode, parse and tokenize; results are consumed in input order, so
-the output does not depend on the number of workers. Inputs under 16 MiB (byte
-tokenizer) or 256 KiB (BPE) are done in-process: a pool costs more there.
+Two phases, both in OUTPUT.partial/ (staging.py), published by one rename:
+1. Tokenize: each input file becomes a part (its tokens and document lengths),
+   marked complete when written; a rerun skips complete parts. Locally, the
+   main process reads ~4 MiB work units, at most 2 x workers + 2 in flight
+   through a pool of spawned workers (default: all cores; inputs under 16 MiB
+   byte-level or 256 KiB BPE are done in-process), results consumed in order,
+   written as they come (bounded memory). With --ray, each file is a Ray task.
+2. Assemble: the parts, in input order, are cut into shards and split. So the
+   output depends on neither workers, Ray, nor which run tokenized which file.
 
 Validation split, by documents, deterministic: documents are numbered in input
 order (globs in the order given, each one's matches sorted); consecutive documents i with
@@ -23,8 +24,6 @@ the corpus, and the choice depends only on (fraction, seed, document order).
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import math
 import os
 import sys
@@ -34,151 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
+from loomtrain.data_pipeline import documents
+from loomtrain.data_pipeline.documents import expand_inputs, iter_units, unit_texts
 from loomtrain.data_pipeline.shards import (
     FORMAT, INDEX, SPLITS, VERSION, DataError, SplitWriter, atomic_write_json, token_dtype,
 )
 from loomtrain.data_pipeline.staging import Parts, check_output, clear_assembly, open_partial, publish
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
-UNIT_BYTES = 4 << 20
-PARQUET_BATCH_ROWS = 1024
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
-_REPLACEMENT = b"\xef\xbf\xbd"
-
-
-# Inputs -------------------------------------------------------------------
-def expand_inputs(patterns: list[str]) -> list[Path]:
-    """Globs -> sorted, de-duplicated files; a glob matching nothing is an error."""
-    files: dict[str, Path] = {}
-    for pattern in patterns:
-        matches = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-        if not matches:
-            raise DataError(f"input {pattern!r} matches no files")
-        for m in matches:
-            files.setdefault(os.path.abspath(m), Path(m))
-    return list(files.values())
-
-
-def _kind(path: Path) -> str:
-    name = path.name.lower()
-    if name.endswith(".jsonl") or name.endswith(".ndjson"):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return "text"
-
-
-def iter_units(files: list[Path], text_field: str, unit_bytes: int | None = None):
-    """Work units, in input order: (kind, path, where, payload, first, last, nbytes)."""
-    unit_bytes = unit_bytes or UNIT_BYTES
-    for path in files:
-        kind = _kind(path)
-        if kind == "parquet":
-            import pyarrow.parquet as pq
-
-            try:
-                pf = pq.ParquetFile(path)
-            except Exception as exc:
-                raise DataError(f"{path}: cannot read as Parquet: {exc}") from None
-            names = pf.schema_arrow.names
-            if text_field not in names:
-                raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); choose one with --text-field")
-            rows, size, row = max(1, pf.metadata.num_rows), path.stat().st_size, 0
-            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
-                texts = batch.column(0).to_pylist()
-                yield ("texts", str(path), row, texts, True, True, size * len(texts) // rows)
-                row += len(texts)
-        elif kind == "jsonl":
-            with open(path, "rb") as f:
-                lines, nbytes, start = [], 0, 1
-                for lineno, line in enumerate(f, 1):
-                    lines.append(line)
-                    nbytes += len(line)
-                    if nbytes >= unit_bytes:
-                        yield ("jsonl", str(path), start, lines, True, True, nbytes)
-                        lines, nbytes, start = [], 0, lineno + 1
-                if lines:
-                    yield ("jsonl", str(path), start, lines, True, True, nbytes)
-        else:
-            with open(path, "rb") as f:
-                # Read no more than the file holds: a 4 MiB buffer shrunk to a small
-                # file's size fragments the heap, and RSS then grows with the corpus.
-                left = os.fstat(f.fileno()).st_size
-                pending, first = f.read(min(unit_bytes, left)), True
-                left -= len(pending)
-                while True:
-                    more = f.read(min(unit_bytes, left)) if left > 0 else b""
-                    left -= len(more)
-                    if not more:
-                        yield ("text", str(path), 0, pending, first, True, len(pending))
-                        break
-                    cut = _cut_point(pending)
-                    yield ("text", str(path), 0, pending[:cut], first, False, cut)
-                    pending, first = pending[cut:] + more, False
-
-
-def _cut_point(data: bytes) -> int:
-    """After the last newline; with none, before the last (maybe partial) UTF-8 character."""
-    cut = data.rfind(b"\n") + 1
-    if cut:
-        return cut
-    for back in range(1, min(4, len(data)) + 1):
-        b = data[len(data) - back]
-        if b < 0x80:
-            break
-        if b >= 0xC0:
-            return len(data) - back or len(data)
-    return len(data)
-
-
-def _decode(raw: bytes) -> tuple[str, int]:
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", errors="replace")
-        return text, text.count("\ufffd") - raw.count(_REPLACEMENT)
-
-
-def unit_texts(unit, text_field: str, skip_bad_lines: bool):
-    """A unit's documents as strings, plus stats; raises DataError (file:line) on a
-    bad JSONL line unless skip_bad_lines."""
-    kind, path, where, payload, first, last, _ = unit
-    stats = {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
-    if kind == "text":
-        text, stats["replaced_chars"] = _decode(payload)
-        return [text], stats
-    texts = []
-    if kind == "texts":
-        for i, t in enumerate(payload):
-            if t is None:
-                stats["empty_docs"] += 1
-            elif not isinstance(t, str):
-                raise DataError(f"{path}: row {where + i}: column {text_field!r} is {type(t).__name__}, not text")
-            else:
-                texts.append(t)
-        return texts, stats
-    for lineno, raw in enumerate(payload, where):
-        if not raw.strip():
-            continue
-        line, bad = _decode(raw)
-        stats["replaced_chars"] += bad
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
-        else:
-            value = obj.get(text_field) if isinstance(obj, dict) else None
-            if isinstance(value, str):
-                texts.append(value)
-                continue
-            if not isinstance(obj, dict) or text_field not in obj:
-                problem = f"no field {text_field!r}"
-            else:
-                problem = f"field {text_field!r} is {type(value).__name__}, not a string"
-        if not skip_bad_lines:
-            raise DataError(f"{path}:{lineno}: {problem} (pass --skip-bad-lines to skip and count such lines)")
-        stats["bad_lines"] += 1
-    return texts, stats
 
 
 # Workers ------------------------------------------------------------------
@@ -217,12 +80,12 @@ def _tokenize_unit(unit):
     return tokens, lengths, cont, open_, stats
 
 
-def _ordered_results(units, tokenizer, text_field, skip_bad_lines, workers):
-    """Yield (unit's file, unit nbytes, result) in input order with at most 2*workers+2 units in flight."""
+def _ordered_results(tagged_units, tokenizer, text_field, skip_bad_lines, workers):
+    """(tag, unit) pairs -> (tag, unit nbytes, result) in input order, at most 2*workers+2 units in flight."""
     if workers <= 1:
         _init_worker(tokenizer, text_field, skip_bad_lines)
-        for unit in units:
-            yield unit[1], unit[6], _tokenize_unit(unit)
+        for tag, unit in tagged_units:
+            yield tag, unit[6], _tokenize_unit(unit)
         return
     import multiprocessing as mp
 
@@ -230,14 +93,14 @@ def _ordered_results(units, tokenizer, text_field, skip_bad_lines, workers):
     with mp.get_context("spawn").Pool(workers, initializer=_init_worker,
                                        initargs=(tokenizer, text_field, skip_bad_lines)) as pool:
         pending: deque = deque()
-        for unit in units:
-            pending.append((unit[1], unit[6], pool.apply_async(_tokenize_unit, (unit,))))
+        for tag, unit in tagged_units:
+            pending.append((tag, unit[6], pool.apply_async(_tokenize_unit, (unit,))))
             if len(pending) >= 2 * workers + 2:
-                path, nbytes, res = pending.popleft()
-                yield path, nbytes, res.get()
+                tag, nbytes, res = pending.popleft()
+                yield tag, nbytes, res.get()
         while pending:
-            path, nbytes, res = pending.popleft()
-            yield path, nbytes, res.get()
+            tag, nbytes, res = pending.popleft()
+            yield tag, nbytes, res.get()
 
 
 # The validation split ---------------------------------------------------------
@@ -289,7 +152,7 @@ def bpe_sample(files: list[Path], text_field: str, sample_bytes: int):
     total = max(1, sum(p.stat().st_size for p in files))
     for path in files:
         budget = -(-sample_bytes * path.stat().st_size // total) if sample_bytes else None
-        unit_bytes = min(UNIT_BYTES, max(budget, 1 << 16)) if budget else None
+        unit_bytes = min(documents.UNIT_BYTES, max(budget, 1 << 16)) if budget else None
         for unit in iter_units([path], text_field, unit_bytes):
             for text in unit_texts(unit, text_field, True)[0]:
                 if budget is not None:
@@ -334,7 +197,6 @@ def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines,
     """Input files `todo` -> their parts, streaming units through the worker pool in input order."""
     pending = iter(todo)
     current = {"i": None, "writer": None, "stats": None}
-    index_of = {str(files[i]): i for i in todo}
 
     def advance(to) -> None:  # finish the current file and any with no units before `to`
         while current["i"] != to:
@@ -347,11 +209,12 @@ def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines,
                 return
             current.update(i=nxt, writer=parts.writer(nxt), stats=_zero_stats())
 
-    units = iter_units([files[i] for i in todo], text_field)
+    # Tagged with the file's position: the same file may be given twice.
+    units = ((i, unit) for i in todo for unit in iter_units([files[i]], text_field))
     try:
-        for unit_path, nbytes, (tokens, lengths, cont, open_, st) in _ordered_results(
+        for i, nbytes, (tokens, lengths, cont, open_, st) in _ordered_results(
                 units, tokenizer, text_field, skip_bad_lines, workers):
-            advance(index_of[unit_path])
+            advance(i)
             for k, v in st.items():
                 current["stats"][k] += v
             current["writer"].add(tokens, lengths, cont, open_)
@@ -444,7 +307,7 @@ def preprocess_files(files: list[Path], output: str | os.PathLike, tokenizer="by
         workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
         # Starting a pool (~1 s) only pays off for bigger inputs; BPE encodes ~100x slower than bytes.
         todo_bytes = sum(sizes[i].st_size for i in todo)
-        if todo_bytes < (4 * UNIT_BYTES if isinstance(tokenizer, ByteTokenizer) else UNIT_BYTES // 16):
+        if todo_bytes < (4 * documents.UNIT_BYTES if isinstance(tokenizer, ByteTokenizer) else documents.UNIT_BYTES // 16):
             workers = 1
         bar = tqdm(total=total_bytes, initial=total_bytes - todo_bytes, unit="B", unit_scale=True, desc="preprocess",
                    disable=not progress, file=sys.stderr)

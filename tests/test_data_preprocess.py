@@ -15,6 +15,7 @@ import pytest
 from loomtrain.data_pipeline import (
     ByteTokenizer, DataError, TokenStream, load_tokenizer, prepare_data, train_bpe,
 )
+from loomtrain.data_pipeline import documents
 from loomtrain.data_pipeline import preprocess as pp
 from loomtrain.data_pipeline.shards import ShardSet
 from loomtrain.launcher.config import DataConfig
@@ -115,7 +116,7 @@ def test_workers_and_small_units_give_identical_shards(tmp_path, monkeypatch):
     (tmp_path / "in").mkdir()
     for i, d in enumerate(big):
         (tmp_path / "in" / f"{i}.txt").write_text(d)
-    monkeypatch.setattr(pp, "UNIT_BYTES", 1000)  # documents span several units; pool used
+    monkeypatch.setattr(documents, "UNIT_BYTES", 1000)  # documents span several units; pool used
     files = pp.expand_inputs([str(tmp_path / "in/*.txt")])
     one = pp.preprocess_files(files, tmp_path / "w1", workers=1, val_fraction=0.25, progress=False, log=None)
     two = pp.preprocess_files(files, tmp_path / "w2", workers=2, val_fraction=0.25, progress=False, log=None)

@@ -152,3 +152,12 @@ def test_malformed_ray_address_is_one_line(tmp_path):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--address 'http://head:8265'" in lines[0] and "scheme 'http' is not ray" in lines[0]
+
+
+def test_a_file_given_twice_is_tokenized_twice(tmp_path):
+    files = corpus(tmp_path, 2)
+    once = pp.preprocess_files(files[:2], tmp_path / "once", val_fraction=0, workers=2, progress=False, log=None)
+    twice = pp.preprocess_files([files[0], files[1], files[0]], tmp_path / "twice", val_fraction=0, workers=2,
+                                progress=False, log=None)
+    docs0 = pp.preprocess_files(files[:1], tmp_path / "one", val_fraction=0, progress=False, log=None)["stats"]["documents"]
+    assert twice["stats"]["documents"] == once["stats"]["documents"] + docs0

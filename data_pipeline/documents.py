@@ -1,0 +1,156 @@
+"""Reading preprocess inputs as documents, in work units (see preprocess.py).
+
+Documents: a .jsonl line's text field, a .parquet row's text column, or a
+whole .txt (or any other text) file. Work units are ~UNIT_BYTES: text files
+are cut at newlines (a huge file is one document spread over several units;
+with BPE, merges never span such a cut), JSONL files at line ends, Parquet
+files batch by batch.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+
+from loomtrain.data_pipeline.shards import DataError
+
+UNIT_BYTES = 4 << 20
+PARQUET_BATCH_ROWS = 1024
+_REPLACEMENT = b"\xef\xbf\xbd"
+
+
+# Inputs -------------------------------------------------------------------
+def expand_inputs(patterns: list[str]) -> list[Path]:
+    """Globs -> sorted, de-duplicated files; a glob matching nothing is an error."""
+    files: dict[str, Path] = {}
+    for pattern in patterns:
+        matches = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+        if not matches:
+            raise DataError(f"input {pattern!r} matches no files")
+        for m in matches:
+            files.setdefault(os.path.abspath(m), Path(m))
+    return list(files.values())
+
+
+def _kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(".jsonl") or name.endswith(".ndjson"):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def iter_units(files: list[Path], text_field: str, unit_bytes: int | None = None):
+    """Work units, in input order: (kind, path, where, payload, first, last, nbytes)."""
+    unit_bytes = unit_bytes or UNIT_BYTES
+    for path in files:
+        kind = _kind(path)
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                pf = pq.ParquetFile(path)
+            except Exception as exc:
+                raise DataError(f"{path}: cannot read as Parquet: {exc}") from None
+            names = pf.schema_arrow.names
+            if text_field not in names:
+                raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); choose one with --text-field")
+            rows, size, row = max(1, pf.metadata.num_rows), path.stat().st_size, 0
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
+                texts = batch.column(0).to_pylist()
+                yield ("texts", str(path), row, texts, True, True, size * len(texts) // rows)
+                row += len(texts)
+        elif kind == "jsonl":
+            with open(path, "rb") as f:
+                lines, nbytes, start = [], 0, 1
+                for lineno, line in enumerate(f, 1):
+                    lines.append(line)
+                    nbytes += len(line)
+                    if nbytes >= unit_bytes:
+                        yield ("jsonl", str(path), start, lines, True, True, nbytes)
+                        lines, nbytes, start = [], 0, lineno + 1
+                if lines:
+                    yield ("jsonl", str(path), start, lines, True, True, nbytes)
+        else:
+            with open(path, "rb") as f:
+                # Read no more than the file holds: a 4 MiB buffer shrunk to a small
+                # file's size fragments the heap, and RSS then grows with the corpus.
+                left = os.fstat(f.fileno()).st_size
+                pending, first = f.read(min(unit_bytes, left)), True
+                left -= len(pending)
+                while True:
+                    more = f.read(min(unit_bytes, left)) if left > 0 else b""
+                    left -= len(more)
+                    if not more:
+                        yield ("text", str(path), 0, pending, first, True, len(pending))
+                        break
+                    cut = _cut_point(pending)
+                    yield ("text", str(path), 0, pending[:cut], first, False, cut)
+                    pending, first = pending[cut:] + more, False
+
+
+def _cut_point(data: bytes) -> int:
+    """After the last newline; with none, before the last (maybe partial) UTF-8 character."""
+    cut = data.rfind(b"\n") + 1
+    if cut:
+        return cut
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[len(data) - back]
+        if b < 0x80:
+            break
+        if b >= 0xC0:
+            return len(data) - back or len(data)
+    return len(data)
+
+
+def _decode(raw: bytes) -> tuple[str, int]:
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        return text, text.count("\ufffd") - raw.count(_REPLACEMENT)
+
+
+def unit_texts(unit, text_field: str, skip_bad_lines: bool):
+    """A unit's documents as strings, plus stats; raises DataError (file:line) on a
+    bad JSONL line unless skip_bad_lines."""
+    kind, path, where, payload, first, last, _ = unit
+    stats = {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
+    if kind == "text":
+        text, stats["replaced_chars"] = _decode(payload)
+        return [text], stats
+    texts = []
+    if kind == "texts":
+        for i, t in enumerate(payload):
+            if t is None:
+                stats["empty_docs"] += 1
+            elif not isinstance(t, str):
+                raise DataError(f"{path}: row {where + i}: column {text_field!r} is {type(t).__name__}, not text")
+            else:
+                texts.append(t)
+        return texts, stats
+    for lineno, raw in enumerate(payload, where):
+        if not raw.strip():
+            continue
+        line, bad = _decode(raw)
+        stats["replaced_chars"] += bad
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
+        else:
+            value = obj.get(text_field) if isinstance(obj, dict) else None
+            if isinstance(value, str):
+                texts.append(value)
+                continue
+            if not isinstance(obj, dict) or text_field not in obj:
+                problem = f"no field {text_field!r}"
+            else:
+                problem = f"field {text_field!r} is {type(value).__name__}, not a string"
+        if not skip_bad_lines:
+            raise DataError(f"{path}:{lineno}: {problem} (pass --skip-bad-lines to skip and count such lines)")
+        stats["bad_lines"] += 1
+    return texts, stats
