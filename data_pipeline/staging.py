@@ -46,7 +46,7 @@ def _written_by_preprocess(out: Path) -> set[str] | None:
         return None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         return None
-    names = {INDEX, "tokenizer.json"}
+    names = {INDEX, "tokenizer.json", JOB, "parts"}  # the last two only if a publish was cut short
     for split, info in (index.get("splits") or {}).items():
         if isinstance(info, dict):
             names.add(str(info.get("doc_offsets") or f"{split}.docs.bin"))
@@ -189,9 +189,9 @@ def clear_assembly(work: Path) -> None:
 
 def publish(work: Path, out: Path) -> None:
     """Rename the finished work folder onto OUTPUT; an earlier OUTPUT (checked by
-    check_output) is moved aside first and removed only after the new one is in place."""
-    shutil.rmtree(work / "parts", ignore_errors=True)
-    (work / JOB).unlink(missing_ok=True)
+    check_output) is moved aside first and removed only after the new one is in place.
+    The parts go last: killed before the rename, a rerun still resumes (and assembles
+    again); killed after it, OUTPUT is complete and its leftover parts are known as ours."""
     old = None
     if out.is_dir():
         if any(out.iterdir()):
@@ -200,5 +200,7 @@ def publish(work: Path, out: Path) -> None:
         else:
             out.rmdir()
     os.replace(work, out)
+    (out / JOB).unlink(missing_ok=True)
+    shutil.rmtree(out / "parts", ignore_errors=True)
     if old is not None:
         shutil.rmtree(old)

@@ -51,7 +51,8 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-# Killed with SIGKILL inside the 5th input file (tokens half written, no completion marker).
+# Killed with SIGKILL inside the 5th input file (tokens half written, no completion marker),
+# or after the shards are assembled, just before the publishing rename.
 KILLER = """
 import os, signal, sys
 from pathlib import Path
@@ -64,14 +65,20 @@ def add(self, *a, **k):
     if calls["n"] == 5:
         self._tok.flush()
         os.kill(os.getpid(), signal.SIGKILL)
-staging.PartWriter.add = add
+def publish(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[4] == "tokenizing":
+    staging.PartWriter.add = add
+else:  # shards assembled, not yet published
+    pp.publish = publish
 files = pp.expand_inputs([sys.argv[1]])
 pp.preprocess_files(files, sys.argv[2], sys.argv[3], workers=1, val_fraction=0.1, shard_tokens=500,
                     sources=[sys.argv[1]], progress=False)
 """
 
 
-def test_killed_preprocess_rerun_resumes_and_equals_a_clean_run(tmp_path, bpe_json):
+@pytest.mark.parametrize("when", ["tokenizing", "assembled"])
+def test_killed_preprocess_rerun_resumes_and_equals_a_clean_run(tmp_path, bpe_json, when):
     corpus(tmp_path)
     pattern = str(tmp_path / "in" / "*")
     args = ["--input", pattern, "--tokenizer", bpe_json, "--val-fraction", "0.1", "--shard-tokens", "500",
@@ -80,17 +87,21 @@ def test_killed_preprocess_rerun_resumes_and_equals_a_clean_run(tmp_path, bpe_js
     assert clean.returncode == 0, clean.stderr
 
     out = tmp_path / "resumed"
-    killed = subprocess.run([sys.executable, "-c", KILLER, pattern, str(out), str(bpe_json)],
+    killed = subprocess.run([sys.executable, "-c", KILLER, pattern, str(out), str(bpe_json), when],
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr
     work = tmp_path / "resumed.partial"
     assert not out.exists() and work.is_dir()
-    assert len(list((work / "parts").glob("*.json"))) == 4
-    assert (work / "parts" / "000004.tokens.tmp").stat().st_size > 0  # the 5th file, half done
+    done = 4 if when == "tokenizing" else 9
+    assert len(list((work / "parts").glob("*.json"))) == done
+    if when == "tokenizing":
+        assert (work / "parts" / "000004.tokens.tmp").stat().st_size > 0  # the 5th file, half done
+    else:
+        assert (work / "index.json").is_file()
 
     rerun = cli(*args, "--output", out)
     assert rerun.returncode == 0, rerun.stderr
-    assert "4 of 9 input files already done" in rerun.stdout + rerun.stderr
+    assert f"{done} of 9 input files already done" in rerun.stdout + rerun.stderr
     assert not work.exists()
     assert tree(out) == tree(tmp_path / "clean")
 
