@@ -162,7 +162,6 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     run_dir = components.run_dir(cfg)
     if env.is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
     barrier()  # the rank logs go into the directory rank 0 just made
     rank_log = RankLog(run_dir, env.rank, env.world_size, env.launcher).install()
     stop = StopRequest(run_dir, watch_file=env.is_logging_rank).install()
@@ -191,6 +190,8 @@ def _train(cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopReq
 
     hook = HookList([*default_hooks(cfg), *hooks])
     hook.on_train_start(ctx)  # resume happens here
+    if env.is_logging_rank:  # after the resume: a refused one leaves the earlier config.yaml as it was
+        save_config(cfg, run_dir / "config.yaml")
 
     t = cfg.train
     start_step = ctx.state.step

@@ -9,6 +9,7 @@ exit status 2, before any process group, model or data exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -21,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="YAML config (may `extends:` another)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.max_steps=50")
     parser.add_argument("--ray", action="store_true", help="run the ranks as Ray Train workers (ray.* keys)")
+    parser.add_argument("--force", action="store_true",
+                        help="start even when the `plan` memory estimate says the config will not fit this machine")
     return parser
 
 
@@ -36,6 +39,35 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"loomtrain: config error: {exc}", file=sys.stderr)
         return 2
+
+    if not args.ray and not args.force:  # before anything is allocated or written
+        from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
+
+        try:
+            verdict = check_fits(cfg, env_world_size(), *local_ranks_from_env())
+        except ValueError as exc:  # a config the estimate cannot size
+            print(f"loomtrain: config error: {exc}", file=sys.stderr)
+            return 2
+        if not verdict.fits:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"loomtrain: {verdict.message}", file=sys.stderr)
+            return 2
+
+    # One process per run owns RUN_DIR (see launcher/rundir.py): the Ray driver (it
+    # outlives its worker groups' restarts), else global rank 0; the other ranks follow it.
+    from loomtrain.launcher.rundir import RunDirError, claim
+
+    owner = args.ray or os.environ.get("RANK", "0") == "0"
+    try:
+        with claim(cfg.run.dir) if owner else contextlib.nullcontext():
+            return _run(cfg, args)
+    except RunDirError as exc:
+        print(f"loomtrain: run directory error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(cfg, args) -> int:
+    from loomtrain.launcher.config_loader import ConfigError
 
     if args.ray:
         from loomtrain.launcher.cluster import ray_train

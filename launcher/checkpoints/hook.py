@@ -3,10 +3,12 @@
     checkpoint.every_steps   save after every N-th step (0: only at the end / on SIGTERM)
     checkpoint.keep_last     keep the newest N published checkpoints (0: all)
     checkpoint.keep_every    also keep every M-th step's checkpoint (0: none)
-    checkpoint.resume        auto (newest complete one in RUN_DIR/checkpoints, if any) |
-                             never (earlier checkpoints in RUN_DIR are moved aside to
-                             checkpoints/superseded-TIME/, not deleted) |
-                             PATH (a checkpoint directory, or a run directory)
+    checkpoint.resume        auto (newest complete one in RUN_DIR/checkpoints, if any; when
+                             there are checkpoints but none verifies, the run stops) |
+                             never (earlier checkpoints, metrics.jsonl, final/ and tb/ in
+                             RUN_DIR are moved aside to checkpoints/superseded-TIME/) |
+                             PATH (a checkpoint directory, or a run directory): seeds the
+                             first start only; once RUN_DIR has checkpoints, those win
     checkpoint.stop_at_step  save and exit cleanly after this step (0: never)
 
 A stop request (SIGTERM, SIGINT, SIGHUP, `loomtrain stop`; see
@@ -28,6 +30,7 @@ from typing import Any
 from loomtrain.launcher.checkpoints.state import barrier, broadcast_str, load_checkpoint, save_checkpoint
 from loomtrain.launcher.checkpoints.store import CheckpointStore
 from loomtrain.launcher.hooks import Hooks, TrainContext
+from loomtrain.launcher.rundir import supersede
 from loomtrain.launcher.watchdog import io_phase
 
 
@@ -46,9 +49,8 @@ class CheckpointHook(Hooks):
         self.store = CheckpointStore(ctx.run_dir, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
         found, error = None, None
         if ctx.dist.rank == 0:
-            self.store.clean_temp()
-            if c.resume == "never":
-                self.store.set_aside()
+            if c.resume == "never":  # earlier checkpoints and outputs go aside, nothing is deleted
+                supersede(Path(ctx.run_dir), self.store.set_aside(), log=log)
             try:
                 path = self.store.resolve_resume(c.resume)
                 found = None if path is None else str(path)
@@ -62,6 +64,7 @@ class CheckpointHook(Hooks):
         found = broadcast_str(found)
         barrier()
         if found is None:
+            self._tidy(ctx, fresh=True, log=log)
             return
         t0 = time.perf_counter()
         try:
@@ -71,6 +74,7 @@ class CheckpointHook(Hooks):
             from loomtrain.launcher.config_loader import ConfigError
 
             raise ConfigError(f"checkpoint.resume={c.resume}: {exc}") from exc
+        self._tidy(ctx, fresh=False, log=log)
         state = trainer.get("counters", {}).get("state")
         if state:
             ctx.state.load_state_dict(state)
@@ -82,6 +86,15 @@ class CheckpointHook(Hooks):
         lay = trainer["layout"]
         log(f"resumed from {found} (step {ctx.state.step}, saved at tp {lay['tp']} x dp {lay['dp']} "
             f"zero {lay['zero_stage']}) in {time.perf_counter() - t0:.1f} s")
+
+    def _tidy(self, ctx: TrainContext, fresh: bool, log) -> None:
+        """Rank 0, once the start is decided (a refused resume changes no file): drop
+        leftovers of interrupted writes; a start at step 0 moves an earlier attempt's
+        metrics, final weights and TensorBoard events aside instead of mixing with them."""
+        if ctx.dist.rank == 0:
+            self.store.clean_temp()
+            if fresh:
+                supersede(Path(ctx.run_dir), None, log=log)
 
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
         every = self.cfg.checkpoint.every_steps

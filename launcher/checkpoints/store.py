@@ -278,20 +278,59 @@ class CheckpointStore:
     # Reading ----------------------------------------------------------------
     def find_resumable(self, checksums: bool = True) -> Path | None:
         """The newest complete checkpoint; broken newer ones are reported and skipped."""
-        for step, path in reversed(self.published()):
+        found, broken = self._scan(checksums)
+        for bad, reason in broken:
+            self.log(f"checkpoint: skipping {bad}: {reason}; trying the previous one")
+        return found
+
+    def _scan(self, checksums: bool) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """(newest verified checkpoint or None, [(newer broken one, why)])."""
+        broken: list[tuple[Path, str]] = []
+        for _, path in reversed(self.published()):
             v = verify(path, checksums=checksums)
             if v.ok:
-                return path
-            self.log(f"checkpoint: skipping {path}: {v.reason}; trying the previous one")
-        return None
+                return path, broken
+            broken.append((path, v.reason))
+        return None, broken
+
+    def resume_point(self, checksums: bool = True) -> Path | None:
+        """What a restart continues from: the newest complete checkpoint, or None when
+        there is none at all. When checkpoints exist but none verifies, ValueError in
+        one line naming each: the run must not silently start again at step 0."""
+        found, broken = self._scan(checksums)
+        if found is None and broken:
+            each = "; ".join(f"{p.name}: {reason}" for p, reason in broken)
+            raise ValueError(
+                f"no usable checkpoint in {self.root} ({each}); to start afresh set checkpoint.resume=never "
+                "(moves them aside, deletes nothing) or pick another run.dir"
+            )
+        for bad, reason in broken:
+            self.log(f"checkpoint: skipping {bad}: {reason}; trying the previous one")
+        return found
+
+    def owns(self, path: str | os.PathLike) -> bool:
+        """Is `path` this run's directory or one of its own checkpoints?"""
+        p, root = Path(path).resolve(), self.root.resolve()
+        return p == root.parent or p == root or root in p.parents
 
     def resolve_resume(self, resume: str, checksums: bool = True) -> Path | None:
-        """checkpoint.resume: "auto" (newest complete, or None), "never", or a PATH."""
+        """checkpoint.resume: "auto" (newest complete, or None), "never", or a PATH.
+
+        A PATH outside this run only seeds its first start: once the run has
+        checkpoints of its own, a restart (the same command again, or a Ray worker
+        group restart) continues from those instead of going back to the seed."""
         if resume == "never":
             return None
         if resume in ("auto", ""):
-            return self.find_resumable(checksums=checksums)
+            return self.resume_point(checksums=checksums)
         path = Path(resume)
+        if self.published() and not self.owns(path):
+            found = self.resume_point(checksums=checksums)
+            self.log(f"checkpoint: checkpoint.resume={resume} only seeds a run's first start; "
+                     f"{self.root.parent} has its own checkpoints: resuming from {found}")
+            return found
+        if path.resolve() == self.root.parent.resolve():
+            return self.resume_point(checksums=checksums)
         if path.is_dir() and not (path / MANIFEST).exists() and (path / "checkpoints").is_dir():
             # A run directory was given: its newest complete checkpoint.
             found = CheckpointStore(path, log=self.log).find_resumable(checksums=checksums)

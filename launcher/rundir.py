@@ -1,0 +1,230 @@
+"""Who owns a run directory: a marker that says "loomtrain wrote this", and a lock.
+
+    with claim(run_dir):        # one process per run: global rank 0, or the Ray driver
+        ...                      # train
+
+* Marker `RUN_DIR/.loomtrain-run` (JSON): written when a run starts in a new or
+  empty folder. A folder without it is refused when it holds anything, so that
+  `run.dir=~/thesis` never gets its files mixed with (or moved aside by) a run.
+  Runs written before the marker existed are recognised by what loomtrain leaves
+  there (checkpoints/, metrics.jsonl, a loomtrain config.yaml, final/model_config.json,
+  ray_attempts.jsonl) and adopted.
+* Lock `RUN_DIR/.loomtrain.lock` (JSON: pid, host, process start time, start time),
+  created with O_EXCL. A second `train` on the same run is refused, naming the pid
+  and host that hold it. A lock whose process is gone (same host: pid not running,
+  or running but started at another time, i.e. a reused pid) is taken over; one from
+  another host cannot be checked from here, so the message says how to clear it.
+  Only one process per run takes it: the Ray driver holds it while Ray restarts its
+  worker group, so a restart never meets its own run's lock.
+
+Outputs of an earlier attempt (metrics.jsonl, final/, tb/) are moved aside, never
+deleted, when a run starts again from step 0 (`supersede`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+MARKER = ".loomtrain-run"
+LOCK = ".loomtrain.lock"
+# What a run directory of an older loomtrain holds (any one of them adopts the folder).
+LEGACY_SIGNS = ("checkpoints", "metrics.jsonl", "final/model_config.json", "ray_attempts.jsonl")
+CONFIG_SECTIONS = {"run", "model", "train", "checkpoint"}
+# Outputs of an attempt that a fresh start (step 0) would overwrite or mix with its own.
+OUTPUTS = ("metrics.jsonl", "final", "tb", "ray_attempts.jsonl")
+
+
+class RunDirError(ValueError):
+    """The run directory is not ours to use (one line: the path, who holds it, what to do)."""
+
+
+# ------------------------------------------------------------------ marker
+
+
+def _loomtrain_config(path: Path) -> bool:
+    try:
+        from omegaconf import OmegaConf
+
+        keys = set(OmegaConf.load(path).keys())
+    except Exception:
+        return False
+    return CONFIG_SECTIONS <= keys
+
+
+def is_loomtrain_run(run_dir: Path) -> bool:
+    if (run_dir / MARKER).is_file():
+        return True
+    if any((run_dir / sign).exists() for sign in LEGACY_SIGNS):
+        return True
+    return (run_dir / "config.yaml").is_file() and _loomtrain_config(run_dir / "config.yaml")
+
+
+def check_marker(run_dir: Path) -> None:
+    """Refuse a folder that holds files but is no loomtrain run (writes nothing)."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise RunDirError(f"run.dir={run_dir}: exists and is not a directory")
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)
+    if entries and not is_loomtrain_run(run_dir):
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise RunDirError(
+            f"run.dir={run_dir}: not a loomtrain run directory (it holds {len(entries)} {'entry' if len(entries) == 1 else 'entries'}: {shown}, "
+            f"and no {MARKER}); pick a new or empty folder, e.g. run.dir={run_dir}/run"
+        )
+
+
+def write_marker(run_dir: Path) -> None:
+    path = run_dir / MARKER
+    if not path.exists():
+        path.write_text(json.dumps({"format": 1, "created": time.time(), "host": socket.gethostname()}) + "\n")
+
+
+# ------------------------------------------------------------------ lock
+
+
+def _process_start(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # gone, or not ours to inspect
+        return None
+
+
+def _alive(pid: int, started: float | None) -> bool:
+    """Is the process that wrote a lock on this host still running?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    now_started = _process_start(pid)
+    if started is not None and now_started is not None and abs(now_started - started) > 1.0:
+        return False  # the pid was reused by another process
+    return True
+
+
+def _read_lock(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # half-written or garbled: treated as held by an unknown process
+
+
+def _describe(holder: dict) -> str:
+    since = holder.get("time")
+    when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" if since else ""
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{when}"
+
+
+class RunLock:
+    def __init__(self, run_dir: Path, log=None):
+        self.run_dir = run_dir
+        self.path = run_dir / LOCK
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.record = {"pid": os.getpid(), "host": socket.gethostname(),
+                       "process_start": _process_start(os.getpid()), "time": time.time(),
+                       "argv": " ".join(sys.argv)[:500]}
+        self.held = False
+
+    def acquire(self) -> None:
+        for _ in range(5):  # O_EXCL create; on a stale lock, move it away and try again
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._handle_existing()
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            return
+        raise RunDirError(f"run.dir={self.run_dir}: could not take {self.path} (another start is racing for it)")
+
+    def _handle_existing(self) -> None:
+        holder = _read_lock(self.path)
+        if holder is None:
+            return  # released meanwhile
+        host = socket.gethostname()
+        pid = holder.get("pid")
+        if holder.get("host") == host and isinstance(pid, int) and not _alive(pid, holder.get("process_start")):
+            stale = self.path.with_name(f"{LOCK}.stale-{os.getpid()}")
+            try:
+                os.rename(self.path, stale)  # only one of several racing starts wins this
+            except FileNotFoundError:
+                return
+            stale.unlink(missing_ok=True)
+            self.log(f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} "
+                     "(that process is gone)")
+            return
+        if holder.get("host") == host or not holder:
+            raise RunDirError(
+                f"run.dir={self.run_dir} is in use by another loomtrain run ({_describe(holder)}; lock "
+                f"{self.path}); wait for it to finish or stop it, or pick another run.dir"
+            )
+        raise RunDirError(
+            f"run.dir={self.run_dir} is locked by {_describe(holder)} (lock {self.path}); that host cannot "
+            f"be checked from {host}: if no run is alive there, delete {self.path} and start again"
+        )
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        holder = _read_lock(self.path)
+        if holder and holder.get("pid") == self.record["pid"] and holder.get("host") == self.record["host"]:
+            self.path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def claim(run_dir: str | os.PathLike, log=None) -> Iterator[RunLock]:
+    """Check the marker, take the lock, write the marker; release the lock on the way out."""
+    run_dir = Path(os.path.expanduser(str(run_dir)))
+    check_marker(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(f"run.dir={run_dir}: cannot create it ({exc.strerror or exc})") from None
+    lock = RunLock(run_dir, log=log)
+    lock.acquire()
+    try:
+        check_marker(run_dir)  # a folder filled between the check and the lock
+        write_marker(run_dir)
+        yield lock
+    finally:
+        lock.release()
+
+
+# ------------------------------------------------------------------ fresh starts
+
+
+def supersede(run_dir: Path, dest: Path | None, log=None) -> Path | None:
+    """Move an earlier attempt's outputs (OUTPUTS) into `dest` (made under
+    RUN_DIR/checkpoints/superseded-TIME when None); nothing is deleted."""
+    found = [run_dir / name for name in OUTPUTS if (run_dir / name).exists()]
+    found = [p for p in found if not (p.is_file() and p.stat().st_size == 0)]
+    if not found:
+        return dest
+    if dest is None:
+        dest = run_dir / "checkpoints" / time.strftime("superseded-%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in found:
+        target = dest / p.name
+        if target.exists():  # two fresh starts within one second: keep both
+            target = dest / f"{p.name}.{time.time_ns()}"
+        os.rename(p, target)
+    (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
+        f"checkpoint: fresh start: moved the earlier {', '.join(p.name for p in found)} to {dest}")
+    return dest

@@ -1,0 +1,266 @@
+"""Run-directory ownership and resume rules, through `loomtrain train` where it matters:
+
+* a second `train` on a run directory in use is refused, naming pid and host; the
+  lock of a dead process is taken over; one from another host says how to clear it;
+* a folder that is not a loomtrain run is refused (nothing written); runs from
+  before the marker existed still resume;
+* a refused resume (another model shape) changes no file;
+* checkpoint.resume=never moves the earlier checkpoints, metrics and final weights aside;
+* checkpoint.resume=PATH seeds only the first start; later starts use the run's own;
+* checkpoints that all fail verification stop the run (one line naming each), no
+  silent restart at step 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loomtrain.launcher import rundir
+from loomtrain.launcher.rundir import LOCK, MARKER, RunDirError, claim
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+SMALL = [
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.max_seq_len=32",
+    "train.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=2", "train.warmup_steps=1",
+    "data.max_files=20", "data.val_fraction=0.1", "eval.every_steps=0", "eval.num_samples=0",
+    "log.progress=plain", "log.tensorboard=false",
+]
+
+
+def clean_env() -> dict[str, str]:
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    base = {k: v for k, v in os.environ.items() if k not in drop}
+    return {**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def train_cmd(run: Path, cache: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "loomtrain", "train", TINY, *SMALL, f"run.dir={run}",
+            f"data.cache_dir={cache}", *extra]
+
+
+def train(run: Path, cache: Path, *extra: str, rc: int = 0) -> str:
+    """`loomtrain train` in this process (the CLI's main: run-dir claim, config, loop)."""
+    import contextlib
+    import io
+
+    from loomtrain.launcher import train as train_cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        got = train_cli.main([TINY, *SMALL, f"run.dir={run}", f"data.cache_dir={cache}", *extra])
+    text = out.getvalue() + err.getvalue()
+    assert got == rc, text[-4000:]
+    return text
+
+
+def error_lines(out: str) -> list[str]:
+    assert "Traceback" not in out, out[-3000:]
+    return [line for line in out.splitlines() if line.startswith("loomtrain: ") and "error" in line]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under root -> sha256 (directories as names), for 'changes no file'."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def steps_of(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, cache) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4 and final weights."""
+    run = tmp_path_factory.mktemp("base") / "run"
+    train(run, cache, "train.max_steps=4", "checkpoint.every_steps=2")
+    assert (run / MARKER).is_file() and not (run / LOCK).exists()
+    return run
+
+
+# ---------------------------------------------------------------- lock
+
+
+@pytest.mark.slow
+def test_second_train_on_a_run_in_use_is_refused_and_a_dead_holder_is_taken_over(tmp_path, cache):
+    run = tmp_path / "run"
+    first = subprocess.Popen(train_cmd(run, cache, "train.max_steps=1000000", "log.every_steps=1",
+                                       "checkpoint.every_steps=0"),
+                             cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        deadline = time.time() + 240
+        for line in first.stdout:  # running: it holds the lock
+            if line.startswith("step 1/"):
+                break
+            assert time.time() < deadline and first.poll() is None
+        out = train(run, cache, "train.max_steps=2", rc=2)
+        (line,) = error_lines(out)
+        assert "is in use by another loomtrain run" in line and f"pid {first.pid} on host {socket.gethostname()}" in line
+        first.send_signal(signal.SIGKILL)  # dies holding the lock
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.stdout.close()
+    assert json.loads((run / LOCK).read_text())["pid"] == first.pid
+    out = train(run, cache, "train.max_steps=2")
+    assert f"took over the lock of {run} from pid {first.pid}" in out
+    assert not (run / LOCK).exists() and steps_of(run) == [1, 2]
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_lock_rules_in_process(tmp_path):
+    run = tmp_path / "run"
+    logs: list[str] = []
+    with claim(run, log=logs.append):
+        held = json.loads((run / LOCK).read_text())
+        assert held["pid"] == os.getpid() and held["host"] == socket.gethostname()
+        with pytest.raises(RunDirError, match=rf"in use by another loomtrain run \(pid {os.getpid()} on host"):
+            with claim(run):
+                pass
+    assert not (run / LOCK).exists() and (run / MARKER).is_file()
+    # a dead process on this host; a live pid that now belongs to another process
+    for record in ({"pid": _dead_pid(), "host": socket.gethostname()},
+                   {"pid": os.getpid(), "host": socket.gethostname(), "process_start": 1.0}):
+        (run / LOCK).write_text(json.dumps(record))
+        with claim(run, log=logs.append):
+            assert json.loads((run / LOCK).read_text())["pid"] == os.getpid()
+        assert "that process is gone" in logs[-1]
+    # another host cannot be checked from here: say how to clear it
+    (run / LOCK).write_text(json.dumps({"pid": 1, "host": "node-elsewhere-7"}))
+    with pytest.raises(RunDirError, match=rf"pid 1 on host node-elsewhere-7.*delete {run / LOCK}"):
+        with claim(run):
+            pass
+    assert (run / LOCK).exists()  # not ours: left alone
+
+
+# ---------------------------------------------------------------- marker
+
+
+def test_a_user_folder_is_refused_and_left_untouched(tmp_path, cache):
+    user = tmp_path / "thesis"
+    user.mkdir()
+    (user / "chapter1.tex").write_text("my work\n")
+    (user / "config.yaml").write_text("font: serif\n")  # a config.yaml, but not loomtrain's
+    before = snapshot(user)
+    out = train(user, cache, "train.max_steps=1", rc=2)
+    (line,) = error_lines(out)
+    assert f"run.dir={user}: not a loomtrain run directory" in line and "chapter1.tex" in line
+    assert snapshot(user) == before
+    for ok in (tmp_path / "new" / "run", tmp_path / "empty"):  # new or empty: fine
+        ok.mkdir(parents=True, exist_ok=ok.name == "empty")
+        with claim(ok):
+            pass
+        assert (ok / MARKER).is_file()
+
+
+def test_runs_from_before_the_marker_are_adopted(tmp_path, base):
+    for keep in ("checkpoints", "metrics.jsonl", "config.yaml"):
+        old = tmp_path / f"old-{keep}"
+        old.mkdir()
+        src = base / keep
+        shutil.copytree(src, old / keep) if src.is_dir() else shutil.copy(src, old / keep)
+        assert not (old / MARKER).exists()
+        with claim(old):
+            pass
+        assert (old / MARKER).is_file()
+
+
+def test_old_run_without_marker_resumes(tmp_path, cache, base):
+    run = tmp_path / "legacy"
+    shutil.copytree(base, run)
+    (run / MARKER).unlink()
+    out = train(run, cache, "train.max_steps=5", "checkpoint.every_steps=2")
+    assert f"resumed from {run / 'checkpoints' / 'step_00000004'}" in out
+    assert steps_of(run) == [1, 2, 3, 4, 5]
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_refused_resume_changes_no_file(tmp_path, cache, base):
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    (run / "checkpoints" / ".tmp-step_00000006").mkdir()  # leftover of an interrupted write
+    before = snapshot(run)
+    out = train(run, cache, "train.max_steps=6", "model.d_model=64", rc=2)
+    (line,) = error_lines(out)
+    assert "checkpoint.resume=auto" in line and "tok_emb.weight" in line
+    assert snapshot(run) == before
+
+
+def test_resume_never_moves_metrics_final_and_checkpoints_aside(tmp_path, cache, base):
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    old_metrics = (run / "metrics.jsonl").read_text()
+    old_final = snapshot(run / "final")
+    train(run, cache, "train.max_steps=2", "checkpoint.resume=never")
+    (aside,) = (run / "checkpoints").glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["final", "latest", "metrics.jsonl",
+                                                         "step_00000002", "step_00000004"]
+    assert (aside / "metrics.jsonl").read_text() == old_metrics and snapshot(aside / "final") == old_final
+    assert steps_of(run) == [1, 2] and (run / "final" / "model.safetensors").is_file()
+
+
+def test_resume_path_seeds_only_the_first_start(tmp_path, cache, base):
+    run = tmp_path / "seeded"
+    seed = base / "checkpoints" / "step_00000002"
+    out = train(run, cache, "train.max_steps=6", "checkpoint.every_steps=0", "checkpoint.stop_at_step=3",
+                f"checkpoint.resume={seed}")
+    assert f"resumed from {seed}" in out and steps_of(run) == [3]
+    out = train(run, cache, "train.max_steps=6", "checkpoint.every_steps=0", f"checkpoint.resume={seed}")
+    own = run / "checkpoints" / "step_00000003"
+    assert f"resumed from {own}" in out and "only seeds a run's first start" in out
+    assert steps_of(run) == [3, 4, 5, 6]
+
+
+def test_checkpoints_that_all_fail_verification_stop_the_run(tmp_path, cache, base):
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    for step in (2, 4):
+        victim = run / "checkpoints" / f"step_{step:08d}" / "trainer.json"
+        victim.write_text(victim.read_text() + " ")
+    before = snapshot(run)
+    out = train(run, cache, "train.max_steps=6", rc=2)
+    (line,) = error_lines(out)
+    assert "no usable checkpoint" in line and "step_00000004: trainer.json" in line
+    assert "step_00000002: trainer.json" in line and "checkpoint.resume=never" in line
+    assert snapshot(run) == before
+
+
+def test_supersede_keeps_everything(tmp_path):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "w").write_text("w")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    dest = rundir.supersede(run, None, log=lambda m: None)
+    assert (dest / "final" / "w").read_text() == "w" and (dest / "metrics.jsonl").is_file()
+    assert not (run / "final").exists() and not (run / "metrics.jsonl").exists()
