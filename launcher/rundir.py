@@ -13,7 +13,9 @@
   created with O_EXCL. A second `train` on the same run is refused, naming the pid
   and host that hold it. A lock whose process is gone (same host: pid not running,
   or running but started at another time, i.e. a reused pid) is taken over; one from
-  another host cannot be checked from here, so the message says how to clear it.
+  another host cannot be checked from here, so the holder touches the lock every
+  HEARTBEAT_S and a lock silent for LEASE_S is taken over (a Kubernetes retry on a fresh
+  cluster after the head pod died); until then the message says how to clear it.
   Only one process per run takes it: the Ray driver holds it while Ray restarts its
   worker group, so a restart never meets its own run's lock.
 
@@ -28,12 +30,17 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 MARKER = ".loomtrain-run"
 LOCK = ".loomtrain.lock"
+# The lock holder touches the lock every HEARTBEAT_S; a lock from another host that has
+# not been touched for LEASE_S (that host or its process died) is taken over.
+HEARTBEAT_S = 20.0
+LEASE_S = 180.0
 # What a run directory of an older loomtrain holds (any one of them adopts the folder).
 LEGACY_SIGNS = ("checkpoints", "metrics.jsonl", "final/model_config.json", "ray_attempts.jsonl")
 CONFIG_SECTIONS = {"run", "model", "train", "checkpoint"}
@@ -128,6 +135,19 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{when}"
 
 
+def _fs_now(folder: Path) -> float:
+    """'Now' by the clock that stamps files in `folder` (a shared filesystem's server may
+    disagree with this host's clock): the mtime of a probe file written there."""
+    probe = folder / f"{LOCK}.probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        return probe.stat().st_mtime
+    except OSError:
+        return time.time()
+    finally:
+        probe.unlink(missing_ok=True)
+
+
 class RunLock:
     def __init__(self, run_dir: Path, log=None):
         self.run_dir = run_dir
@@ -145,11 +165,14 @@ class RunLock:
             except FileExistsError:
                 self._handle_existing()
                 continue
+            except OSError as exc:  # a read-only or full disk
+                raise RunDirError(f"run.dir={self.run_dir}: cannot write {self.path} ({exc.strerror or exc})") from None
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self.record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             self.held = True
+            self._start_heartbeat()
             return
         raise RunDirError(f"run.dir={self.run_dir}: could not take {self.path} (another start is racing for it)")
 
@@ -169,20 +192,54 @@ class RunLock:
             self.log(f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} "
                      "(that process is gone)")
             return
-        if holder.get("host") == host or not holder:
+        if holder.get("host") == host:
             raise RunDirError(
                 f"run.dir={self.run_dir} is in use by another loomtrain run ({_describe(holder)}; lock "
                 f"{self.path}); wait for it to finish or stop it, or pick another run.dir"
             )
+        # Another host's process cannot be checked from here; its heartbeat can.
+        try:
+            silent = _fs_now(self.run_dir) - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if silent > LEASE_S:
+            stale = self.path.with_name(f"{LOCK}.stale-{host}-{os.getpid()}")
+            try:
+                os.rename(self.path, stale)
+            except FileNotFoundError:
+                return
+            stale.unlink(missing_ok=True)
+            self.log(f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} "
+                     f"(no heartbeat for {silent:.0f} s)")
+            return
         raise RunDirError(
-            f"run.dir={self.run_dir} is locked by {_describe(holder)} (lock {self.path}); that host cannot "
-            f"be checked from {host}: if no run is alive there, delete {self.path} and start again"
+            f"run.dir={self.run_dir} is locked by {_describe(holder)}, last heartbeat {max(silent, 0):.0f} s "
+            f"ago (lock {self.path}); that host cannot be checked from {host}: if no run is alive there, "
+            f"delete {self.path}, or start again after {LEASE_S} s without a heartbeat"
         )
+
+    def _start_heartbeat(self) -> None:
+        """Touch the lock every HEARTBEAT_S while held: a run on another host can then tell
+        a live holder from one whose host died (no heartbeat for LEASE_S)."""
+        self._stop = threading.Event()
+
+        def beat() -> None:
+            while not self._stop.wait(HEARTBEAT_S):
+                holder = _read_lock(self.path)
+                if not holder or holder.get("pid") != self.record["pid"] or holder.get("host") != self.record["host"]:
+                    return  # no longer ours (deleted by hand, taken over): leave it alone
+                try:
+                    os.utime(self.path)
+                except OSError:
+                    pass
+
+        threading.Thread(target=beat, name="loomtrain-run-lock-heartbeat", daemon=True).start()
 
     def release(self) -> None:
         if not self.held:
             return
         self.held = False
+        self._stop.set()
         holder = _read_lock(self.path)
         if holder and holder.get("pid") == self.record["pid"] and holder.get("host") == self.record["host"]:
             self.path.unlink(missing_ok=True)
@@ -201,7 +258,10 @@ def claim(run_dir: str | os.PathLike, log=None) -> Iterator[RunLock]:
     lock.acquire()
     try:
         check_marker(run_dir)  # a folder filled between the check and the lock
-        write_marker(run_dir)
+        try:
+            write_marker(run_dir)
+        except OSError as exc:
+            raise RunDirError(f"run.dir={run_dir}: cannot write {run_dir / MARKER} ({exc.strerror or exc})") from None
         yield lock
     finally:
         lock.release()

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
+
+# Disk trouble a user fixes (space, quota, permissions, a read-only mount): one line, no traceback.
+DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EIO}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +79,7 @@ def _run(cfg, args) -> int:
         return int(ray_train.main(cfg, args) or 0)
 
     from loomtrain.data_pipeline import DataError
+    from loomtrain.launcher.checkpoints.store import CheckpointWriteError
     from loomtrain.launcher.loop import run_training
     from loomtrain.launcher.nonfinite import NonFiniteError
 
@@ -88,6 +93,11 @@ def _run(cfg, args) -> int:
         return 2
     except NonFiniteError as exc:
         print(f"loomtrain: training stopped: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a full or read-only disk (checkpoints: CheckpointWriteError)
+        if not isinstance(exc, CheckpointWriteError) and exc.errno not in DISK_ERRNOS:
+            raise
+        print(f"loomtrain: write error: {exc}", file=sys.stderr)
         return 1
     from loomtrain.launcher.stopping import exit_code
 

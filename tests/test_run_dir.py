@@ -154,12 +154,30 @@ def test_lock_rules_in_process(tmp_path):
         with claim(run, log=logs.append):
             assert json.loads((run / LOCK).read_text())["pid"] == os.getpid()
         assert "that process is gone" in logs[-1]
-    # another host cannot be checked from here: say how to clear it
+    # another host cannot be checked from here: say how to clear it, while it has a heartbeat
     (run / LOCK).write_text(json.dumps({"pid": 1, "host": "node-elsewhere-7"}))
-    with pytest.raises(RunDirError, match=rf"pid 1 on host node-elsewhere-7.*delete {run / LOCK}"):
+    with pytest.raises(RunDirError, match=rf"pid 1 on host node-elsewhere-7, last heartbeat .*delete {run / LOCK}"):
         with claim(run):
             pass
     assert (run / LOCK).exists()  # not ours: left alone
+    # ... and take it over once its heartbeat is older than the lease (that host died)
+    old = time.time() - rundir.LEASE_S - 60
+    os.utime(run / LOCK, (old, old))
+    with claim(run, log=logs.append):
+        pass
+    assert "from pid 1 on host node-elsewhere-7" in logs[-1] and "no heartbeat for" in logs[-1]
+
+
+def test_the_holder_keeps_its_lock_alive(tmp_path, monkeypatch):
+    monkeypatch.setattr(rundir, "HEARTBEAT_S", 0.05)
+    run = tmp_path / "run"
+    with claim(run):
+        old = time.time() - 1000
+        os.utime(run / LOCK, (old, old))
+        deadline = time.time() + 10
+        while (run / LOCK).stat().st_mtime < time.time() - 100 and time.time() < deadline:
+            time.sleep(0.05)
+        assert (run / LOCK).stat().st_mtime > time.time() - 100
 
 
 # ---------------------------------------------------------------- marker
@@ -264,3 +282,38 @@ def test_supersede_keeps_everything(tmp_path):
     dest = rundir.supersede(run, None, log=lambda m: None)
     assert (dest / "final" / "w").read_text() == "w" and (dest / "metrics.jsonl").is_file()
     assert not (run / "final").exists() and not (run / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- a save that cannot be written
+
+
+@pytest.fixture
+def file_size_limit():
+    """Writes past 32 KB fail with EFBIG, as on a full disk (SIGXFSZ ignored so the write
+    returns the error): the checkpoint's weight files cannot be written, metrics lines can."""
+    import resource
+
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, old_limit[1]))
+
+    try:
+        yield apply
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def test_a_save_on_a_full_disk_is_one_line_and_keeps_latest(tmp_path, cache, base, file_size_limit):
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    train(run, cache, "train.max_steps=4")  # resumes at 4: nothing to write but final/
+    file_size_limit()
+    out = train(run, cache, "train.max_steps=6", "checkpoint.every_steps=2", rc=1)
+    (line,) = error_lines(out)
+    assert line.startswith("loomtrain: write error: checkpoint: cannot save step 6: File too large: ") and \
+        str(run / "checkpoints") in line, line
+    assert f"{run / 'checkpoints' / 'step_00000004'} stays the newest checkpoint" in line, line
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"

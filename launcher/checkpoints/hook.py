@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from loomtrain.launcher.checkpoints.state import barrier, broadcast_str, load_checkpoint, save_checkpoint
-from loomtrain.launcher.checkpoints.store import CheckpointStore
+from loomtrain.launcher.checkpoints.store import CheckpointStore, is_write_error, write_error
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.rundir import supersede
 from loomtrain.launcher.watchdog import io_phase
@@ -117,12 +117,17 @@ class CheckpointHook(Hooks):
         from loomtrain.launcher.config_loader import to_yaml
 
         t0 = time.perf_counter()
-        with io_phase("checkpoint save"):
-            path = save_checkpoint(
-                self.store, ctx.state.step, ctx.engine, ctx.topology, stream=ctx.train_stream,
-                counters={"state": ctx.state.state_dict()}, lr_scheduler=ctx.scheduler,
-                config_yaml=to_yaml(self.cfg), tokenizer=ctx.tokenizer, zero_stage=self.cfg.parallel.zero_stage,
-            )
+        try:
+            with io_phase("checkpoint save"):
+                path = save_checkpoint(
+                    self.store, ctx.state.step, ctx.engine, ctx.topology, stream=ctx.train_stream,
+                    counters={"state": ctx.state.state_dict()}, lr_scheduler=ctx.scheduler,
+                    config_yaml=to_yaml(self.cfg), tokenizer=ctx.tokenizer, zero_stage=self.cfg.parallel.zero_stage,
+                )
+        except Exception as exc:  # a full or read-only disk: one line, `latest` untouched
+            if is_write_error(exc):
+                raise write_error(exc, self.store, ctx.state.step) from None
+            raise
         self.last_saved = ctx.state.step
         if ctx.dist.rank == 0:
             msg = f"checkpoint: step {ctx.state.step} -> {path} ({time.perf_counter() - t0:.1f} s)"

@@ -343,6 +343,33 @@ class CheckpointStore:
         return path
 
 
+class CheckpointWriteError(OSError):
+    """A save failed on the disk (full, read-only, quota, file too large): one line naming
+    the checkpoint being written and the newest one that stays `latest`."""
+
+
+_OS_ERROR_IN_TEXT = re.compile(r'I/O error: ([^(\n]+?) \(os error|message: "([^"]+)"')
+
+
+def is_write_error(exc: BaseException) -> bool:
+    """An OSError, or safetensors' wrapping of one (SafetensorError("...I/O error: ... (os error N)"))."""
+    return isinstance(exc, OSError) or (type(exc).__name__ == "SafetensorError"
+                                        and _OS_ERROR_IN_TEXT.search(str(exc)) is not None)
+
+
+def write_error(exc: BaseException, store: CheckpointStore, step: int) -> CheckpointWriteError:
+    if isinstance(exc, OSError):
+        what = exc.strerror or str(exc)
+        where = exc.filename or store.temp_dir(step)
+    else:  # safetensors: 'Error while serializing: I/O error: No space left on device (os error 28)'
+        m = _OS_ERROR_IN_TEXT.search(str(exc))
+        what = (m.group(1) or m.group(2)) if m else str(exc).splitlines()[0]
+        where = store.temp_dir(step)
+    kept = store.latest_pointer()
+    kept = f"{store.root / kept} stays the newest checkpoint" if kept else "no earlier checkpoint exists"
+    return CheckpointWriteError(f"checkpoint: cannot save step {step}: {what}: {where}; {kept}")
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     return json.loads((Path(path) / MANIFEST).read_text())
 
