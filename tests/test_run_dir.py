@@ -180,6 +180,21 @@ def test_the_holder_keeps_its_lock_alive(tmp_path, monkeypatch):
         assert (run / LOCK).stat().st_mtime > time.time() - 100
 
 
+def test_worker_processes_never_meet_their_own_runs_lock(tmp_path, cache):
+    """Ray's workers (and their restarted groups) call run_training while the driver holds
+    the lock: the loop itself takes no lock, so a restart is never refused by its own run."""
+    from loomtrain.launcher.config_loader import load_config
+    from loomtrain.launcher.loop import run_training
+
+    run = tmp_path / "run"
+    cfg = load_config(TINY, [*SMALL, f"run.dir={run}", f"data.cache_dir={cache}", "train.max_steps=2"])
+    with claim(run):  # the driver
+        for _ in range(2):  # the first worker group, then its restart
+            result = run_training(cfg)
+        assert json.loads((run / LOCK).read_text())["pid"] == os.getpid()
+    assert result.state.step == 2 and not (run / LOCK).exists()
+
+
 # ---------------------------------------------------------------- marker
 
 
