@@ -44,8 +44,10 @@ LEASE_S = 180.0
 # What a run directory of an older loomtrain holds (any one of them adopts the folder).
 LEGACY_SIGNS = ("checkpoints", "metrics.jsonl", "final/model_config.json", "ray_attempts.jsonl")
 CONFIG_SECTIONS = {"run", "model", "train", "checkpoint"}
-# Outputs of an attempt that a fresh start (step 0) would overwrite or mix with its own.
-OUTPUTS = ("metrics.jsonl", "final", "tb", "ray_attempts.jsonl")
+# Outputs of an attempt that a fresh start (step 0) would overwrite or mix with its own
+# (TensorBoard event files: in RUN_DIR itself, or tb/ in older runs). Per-rank logs and
+# ray_attempts.jsonl are histories of every attempt and stay.
+OUTPUTS = ("metrics.jsonl", "final", "tb", "events.out.tfevents.*")
 
 
 class RunDirError(ValueError):
@@ -273,7 +275,7 @@ def claim(run_dir: str | os.PathLike, log=None) -> Iterator[RunLock]:
 def supersede(run_dir: Path, dest: Path | None, log=None) -> Path | None:
     """Move an earlier attempt's outputs (OUTPUTS) into `dest` (made under
     RUN_DIR/checkpoints/superseded-TIME when None); nothing is deleted."""
-    found = [run_dir / name for name in OUTPUTS if (run_dir / name).exists()]
+    found = sorted({p for pattern in OUTPUTS for p in run_dir.glob(pattern)})
     found = [p for p in found if not (p.is_file() and p.stat().st_size == 0)]
     if not found:
         return dest

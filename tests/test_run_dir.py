@@ -78,10 +78,13 @@ def error_lines(out: str) -> list[str]:
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    """Every file under root -> sha256 (directories as names), for 'changes no file'."""
+    """Every file under root -> sha256 (directories as names), for 'changes no file'.
+    logs/ is left out: the per-rank logs record every attempt, a refused one included."""
     out = {}
     for p in sorted(root.rglob("*")):
         rel = str(p.relative_to(root))
+        if rel == "logs" or rel.startswith("logs/"):
+            continue
         out[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
@@ -104,8 +107,8 @@ def base(tmp_path_factory, cache) -> Path:
 
 
 @pytest.mark.slow
-def test_second_train_on_a_run_in_use_is_refused_and_a_dead_holder_is_taken_over(tmp_path, cache):
-    run = tmp_path / "run"
+def test_second_train_on_a_run_in_use_is_refused_and_a_dead_holder_is_taken_over(tmp_path, cache, base):
+    run = tmp_path / "run"  # (base: the data cache is ready, the holder starts training at once)
     first = subprocess.Popen(train_cmd(run, cache, "train.max_steps=1000000", "log.every_steps=1",
                                        "checkpoint.every_steps=0"),
                              cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
