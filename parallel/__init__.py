@@ -8,8 +8,9 @@
 
 Files: topology (groups, checks), collectives (autograd collectives, byte counts),
 layers (column/row/vocab-parallel layers, vocab-parallel cross-entropy), plan
-(parallelize, gathered_logits, gather_full_param,
-full_state_dict), mpu (for DeepSpeed).
+(the one definition of the TP layout: ShardSpec, shard_spec, spec_of, shard_tensor,
+join_shards, gather_shards; parallelize, gathered_logits, full_state_dict),
+mpu (for DeepSpeed).
 `check_tp(model_cfg, tp, world_size)` validates a config before any worker starts.
 """
 
@@ -22,18 +23,28 @@ _EXPORTS = {
     "Topology": "topology",
     "check_tp": "topology",
     "padded_vocab_size": "topology",
+    "ShardSpec": "plan",
     "full_state_dict": "plan",
-    "gather_full_param": "plan",
+    "gather_shards": "plan",
+    "join_shards": "plan",
+    "shard_spec": "plan",
+    "shard_tensor": "plan",
+    "spec_of": "plan",
     "gathered_logits": "plan",
     "parallelize": "plan",
 }
 
 __all__ = [
     "MPU",
+    "ShardSpec",
     "Topology",
     "check_tp",
     "full_state_dict",
-    "gather_full_param",
+    "gather_shards",
+    "join_shards",
+    "shard_spec",
+    "shard_tensor",
+    "spec_of",
     "gathered_logits",
     "padded_vocab_size",
     "parallelize",

@@ -1,17 +1,16 @@
-"""Tensor-parallel layers, built from the full (unsharded) modules they replace.
+"""Tensor-parallel layers, built from the shards the TP plan cuts.
 
-Each sharded parameter is a slice copied from the full, seed-initialised weight,
-so a TP run starts from exactly the single-process weights. It carries:
+The layout (which dim, vocabulary padding, replicated KV heads) is decided in one place,
+`loomtrain.parallel.plan` (`shard_spec`, `shard_tensor`); `parallelize` cuts each full
+parameter there and hands these layers their shards, already marked (`attach_spec`) with:
 
     tensor_model_parallel  True on the rank that owns it (DeepSpeed's gradient-norm
                            and clipping code counts such params on every TP rank,
                            and non-TP params only on tp_rank 0)
     partition_dim          the dim the full tensor was split along
     partition_stride       1 (Megatron's name; contiguous shards)
-    tp_meta                dict(partition_dim, full_shape, padded_size, num_shards,
-                           shard_index): concatenating the shards 0..num_shards-1
-                           along partition_dim gives the padded full tensor, whose
-                           first full_shape[partition_dim] entries are the real ones.
+    tp_meta                `ShardSpec.as_meta()`: partition_dim, full_shape, padded_size,
+                           num_shards, shard_index, replicas
 
 A KV projection replicated over m = tp / n_kv_heads ranks has num_shards =
 n_kv_heads; only the first rank of the m holds it as `tensor_model_parallel`
@@ -29,33 +28,6 @@ import torch.nn.functional as F
 from loomtrain.parallel import collectives as C
 
 
-def set_tp_meta(param: nn.Parameter, *, partition_dim: int, full_shape, padded_size: int,
-                num_shards: int, shard_index: int, owner: bool = True) -> None:
-    param.tensor_model_parallel = bool(owner)
-    param.partition_dim = partition_dim
-    param.partition_stride = 1
-    param.tp_meta = dict(
-        partition_dim=partition_dim,
-        full_shape=tuple(full_shape),
-        padded_size=padded_size,
-        num_shards=num_shards,
-        shard_index=shard_index,
-    )
-
-
-def _shard(full: torch.Tensor, dim: int, index: int, num: int, padded: int) -> torch.Tensor:
-    """Shard `index` of `num` of `full` along `dim`, after zero-padding that dim to `padded`."""
-    if padded > full.shape[dim]:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    return full.chunk(num, dim=dim)[index].detach().clone()
-
-
-def _param_like(src: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(data.contiguous(), requires_grad=src.requires_grad)
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x A^T with A's output rows split across TP ranks: y stays split on its last dim.
 
@@ -65,27 +37,20 @@ class ColumnParallelLinear(nn.Module):
     gather_output: all-gather the output along its last dim and drop padding.
     """
 
-    def __init__(self, linear: nn.Linear, topology, *, shard_index: int, num_shards: int,
-                 padded_out: int | None = None, input_mode: str = "none", tag: str = "",
-                 owner: bool = True, weight: nn.Parameter | None = None):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, topology, *, full_out_features: int,
+                 padded_out: int | None = None, input_mode: str = "none", tag: str = ""):
         super().__init__()
         self.group = topology.tp_group
-        self.in_features = linear.in_features
-        self.full_out_features = linear.out_features
-        self.padded_out = padded_out or linear.out_features
+        self.in_features = weight.shape[1]
+        self.full_out_features = full_out_features
+        self.padded_out = padded_out or full_out_features
         self.input_mode = input_mode
         self.gather_output = False
         self.tag = tag
-        meta = dict(partition_dim=0, full_shape=tuple(linear.weight.shape), padded_size=self.padded_out,
-                    num_shards=num_shards, shard_index=shard_index, owner=owner)
-        if weight is None:  # tied weights pass the already-sharded parameter
-            weight = _param_like(linear.weight, _shard(linear.weight, 0, shard_index, num_shards, self.padded_out))
-            set_tp_meta(weight, **meta)
-        self.weight = weight
+        self.weight = weight  # a tied head passes the embedding's (already sharded) parameter
         self.out_features = weight.shape[0]
-        if linear.bias is not None:
-            self.bias = _param_like(linear.bias, _shard(linear.bias, 0, shard_index, num_shards, self.padded_out))
-            set_tp_meta(self.bias, **{**meta, "full_shape": tuple(linear.bias.shape)})
+        if bias is not None:
+            self.bias = bias
         else:
             self.register_parameter("bias", None)
 
@@ -109,18 +74,16 @@ class RowParallelLinear(nn.Module):
     (or reduce-scattered along the sequence under sequence parallelism). The bias is
     replicated and added after the reduction."""
 
-    def __init__(self, linear: nn.Linear, topology, *, sequence_parallel: bool = False, tag: str = ""):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, topology, *,
+                 sequence_parallel: bool = False, tag: str = ""):
         super().__init__()
-        tp, r = topology.tp_size, topology.tp_rank
         self.group = topology.tp_group
         self.sequence_parallel = sequence_parallel
         self.tag = tag
-        self.in_features, self.out_features = linear.in_features // tp, linear.out_features
-        self.weight = _param_like(linear.weight, _shard(linear.weight, 1, r, tp, linear.in_features))
-        set_tp_meta(self.weight, partition_dim=1, full_shape=tuple(linear.weight.shape),
-                    padded_size=linear.in_features, num_shards=tp, shard_index=r)
-        if linear.bias is not None:
-            self.bias = _param_like(linear.bias, linear.bias.detach().clone())
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
             if sequence_parallel:
                 self.bias.sequence_parallel = True  # sees a sequence shard: grads summed over TP
         else:
@@ -144,23 +107,17 @@ class VocabParallelEmbedding(nn.Module):
     results are summed: all-reduce, or reduce-scatter along the sequence (output_mode
     "reduce_scatter_seq"), or left as partial sums ("partial")."""
 
-    def __init__(self, emb: nn.Embedding, topology, *, padded_vocab: int, output_mode: str = "all_reduce",
-                 tag: str = "embedding"):
+    def __init__(self, weight: nn.Parameter, topology, *, num_embeddings: int, padded_vocab: int,
+                 output_mode: str = "all_reduce", tag: str = "embedding"):
         super().__init__()
-        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
-            raise ValueError("parallel.tp: VocabParallelEmbedding supports plain nn.Embedding only "
-                             "(no padding_idx, max_norm or sparse)")
-        tp, r = topology.tp_size, topology.tp_rank
         self.group = topology.tp_group
-        self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
+        self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
         self.padded_vocab = padded_vocab
-        self.per_rank = padded_vocab // tp
-        self.vocab_start = r * self.per_rank
+        self.per_rank = weight.shape[0]
+        self.vocab_start = topology.tp_rank * self.per_rank
         self.output_mode = output_mode
         self.tag = tag
-        self.weight = _param_like(emb.weight, _shard(emb.weight, 0, r, tp, padded_vocab))
-        set_tp_meta(self.weight, partition_dim=0, full_shape=tuple(emb.weight.shape),
-                    padded_size=padded_vocab, num_shards=tp, shard_index=r)
+        self.weight = weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.vocab_start
@@ -237,8 +194,8 @@ class VocabParallelLMHead(ColumnParallelLinear):
     forward(x) gives this rank's logits [..., V_padded/tp] and forward(x, targets) the mean
     cross-entropy by `vocab_parallel_cross_entropy` (the full logits are never gathered)."""
 
-    def __init__(self, linear: nn.Linear, topology, **kwargs):
-        super().__init__(linear, topology, **kwargs)
+    def __init__(self, weight: nn.Parameter, topology, **kwargs):
+        super().__init__(weight, None, topology, **kwargs)
         self.topology = topology
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,6 +38,9 @@ activations use the global RNG, identical on every TP rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -49,7 +52,196 @@ from loomtrain.parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from loomtrain.parallel.topology import check_tp
+from loomtrain.parallel.topology import check_tp, padded_vocab_size
+
+
+# The layout: how each parameter is split ---------------------------------------------
+# The one definition of the tensor-parallel layout. Everything that cuts or joins a
+# parameter asks here: the parallel layers (through `parallelize`), checkpoint save /
+# load / reshard, start-up materialisation, the memory planner and the dry run.
+#
+#     spec = shard_spec(name, full_shape, model_cfg, tp, tp_rank)   # from a plain-model name
+#     spec = spec_of(param)              # from a parameter of a parallelized model (its tp_meta)
+#     local = shard_tensor(full, spec)   # this rank's shard of the full, unpadded tensor
+#     full = join_shards(shards, spec)   # the full, unpadded tensor from its num_shards shards
+#     full = gather_shards(local, spec, topology)   # the same, collective over the TP group
+#
+# Guarantees:
+# * shard_spec is pure arithmetic on (name, full_shape, model config, tp, tp_rank); any
+#   name the plan does not split gets a replicated spec (dim None). The dim does not
+#   depend on tp (at tp 1 a split parameter has one shard, the full tensor). Names are those of
+#   the plain `loomtrain.model.Transformer` (`named_parameters()`), which parallelize keeps.
+# * shard_tensor(full, spec) returns a new contiguous tensor (never a view of `full`, so
+#   the caller may drop `full`), with the dtype and device of `full` (meta works); rows
+#   past the real size along the split dim (vocabulary padding) are zeros. A replicated
+#   spec returns a copy of `full`. It is exactly what parallelize puts on that rank.
+# * join_shards(shards, spec) takes the num_shards distinct shards in shard-index order
+#   (not one per TP rank when KV heads are replicated) and returns a new contiguous
+#   tensor of spec.full_shape; join_shards([shard_tensor(full, spec_k) ...]) == full
+#   bitwise. A replicated spec takes a one-element list and returns that tensor.
+# * gather_shards(local, spec, topology): every TP rank passes its own shard and gets
+#   the full tensor; a replicated spec or tp == 1 returns `local` itself (no collective).
+# * spec_of(param) reads the `tp_meta` dict parallelize attaches to every split
+#   parameter (`ShardSpec.as_meta` / `ShardSpec.from_meta` convert); a parameter without
+#   tp_meta is replicated over TP, and its full shape is its (ZeRO-3: `ds_shape`) shape.
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is split over the TP group, seen from one TP rank.
+
+    full_shape   the parameter of the plain model (unpadded)
+    dim          the dim it is split along; None: every TP rank holds all of it
+    padded_size  dim's size after zero-padding to a multiple of num_shards (vocabulary)
+    num_shards   distinct shards: tp, or n_kv_heads when fewer KV heads than tp are
+                 replicated (then `replicas` = tp / num_shards consecutive ranks hold each)
+    shard_index  the shard this rank holds
+    owner        the first of the ranks holding this shard (counts it in gradient norms)
+    """
+
+    full_shape: tuple
+    dim: int | None = None
+    padded_size: int = 0
+    num_shards: int = 1
+    shard_index: int = 0
+    owner: bool = True
+    replicas: int = 1
+
+    @property
+    def replicated(self) -> bool:
+        return self.dim is None
+
+    @property
+    def local_shape(self) -> tuple:
+        if self.dim is None:
+            return tuple(self.full_shape)
+        shape = list(self.full_shape)
+        shape[self.dim] = self.padded_size // self.num_shards
+        return tuple(shape)
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def bounds(self) -> tuple[int, int]:
+        """[start, stop) of this shard's real entries along dim in the full tensor (stop - start
+        may be less than the local size: the rest is padding)."""
+        if self.dim is None:
+            return 0, (self.full_shape[0] if self.full_shape else 0)
+        size = self.padded_size // self.num_shards
+        start = self.shard_index * size
+        return min(start, self.full_shape[self.dim]), min(start + size, self.full_shape[self.dim])
+
+    def as_meta(self) -> dict | None:
+        """The `tp_meta` dict parallelize attaches to a split parameter (None if replicated)."""
+        if self.dim is None:
+            return None
+        return dict(partition_dim=self.dim, full_shape=tuple(self.full_shape), padded_size=self.padded_size,
+                    num_shards=self.num_shards, shard_index=self.shard_index, replicas=self.replicas)
+
+    @classmethod
+    def from_meta(cls, meta: dict | None, shape=()) -> "ShardSpec":
+        if meta is None:
+            return cls(tuple(shape))
+        replicas = meta.get("replicas", 1)
+        return cls(tuple(meta["full_shape"]), meta["partition_dim"], meta["padded_size"], meta["num_shards"],
+                   meta["shard_index"], True, replicas)
+
+
+# Parameters split by the name of the layer that holds them (the model's contract names).
+_COLUMN = {"wq", "wk", "wv", "up", "gate"}  # output features split; bias split too
+_ROW = {"wo", "down"}  # input features split; bias replicated (added after the reduction)
+_VOCAB = {"tok_emb", "lm_head"}  # vocabulary rows split, padded to a multiple of tp
+
+
+def shard_spec(name: str, full_shape, model_cfg, tp: int, tp_rank: int = 0) -> ShardSpec:
+    """How TP rank `tp_rank` of `tp` holds the plain-model parameter `name` of `full_shape`."""
+    full_shape = tuple(full_shape)
+    parts = name.split(".")
+    layer, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+    if not full_shape:
+        return ShardSpec(full_shape)
+    if layer in _VOCAB:
+        return ShardSpec(full_shape, 0, padded_vocab_size(full_shape[0], tp), tp, tp_rank)
+    if layer in _ROW:
+        if leaf != "weight":
+            return ShardSpec(full_shape)
+        return ShardSpec(full_shape, 1, full_shape[1], tp, tp_rank)
+    if layer in _COLUMN:
+        n_kv = model_cfg.kv_heads
+        if layer in ("wk", "wv") and n_kv % tp:
+            # Fewer KV heads than tp: rank r's query heads [r*H/tp, (r+1)*H/tp) all read KV
+            # head r * n_kv // tp, which m = tp / n_kv consecutive ranks hold as a replica.
+            m = tp // n_kv
+            return ShardSpec(full_shape, 0, full_shape[0], n_kv, tp_rank // m, tp_rank % m == 0, m)
+        return ShardSpec(full_shape, 0, full_shape[0], tp, tp_rank)
+    return ShardSpec(full_shape)
+
+
+def spec_of(param: torch.Tensor) -> ShardSpec:
+    """The spec of a parameter of a parallelized model (replicated when it has no tp_meta)."""
+    meta = getattr(param, "tp_meta", None)
+    if meta is not None:
+        return dataclasses.replace(ShardSpec.from_meta(meta), owner=bool(getattr(param, "tensor_model_parallel", True)))
+    return ShardSpec(tuple(getattr(param, "ds_shape", param.shape)))
+
+
+def attach_spec(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """Mark a split parameter as DeepSpeed and the checkpoint code expect (no-op if replicated):
+    tensor_model_parallel (on the owner of each shard only, so norms count a replica once),
+    partition_dim / partition_stride (Megatron's names) and tp_meta (`ShardSpec.as_meta`)."""
+    if spec.dim is not None:
+        param.tensor_model_parallel = bool(spec.owner)
+        param.partition_dim = spec.dim
+        param.partition_stride = 1
+        param.tp_meta = spec.as_meta()
+    return param
+
+
+def shard_tensor(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's shard of the full, unpadded tensor (a new contiguous tensor; padding zeros)."""
+    if tuple(full.shape) != tuple(spec.full_shape):
+        raise ValueError(f"tensor of shape {tuple(full.shape)} does not match the layout's full shape "
+                         f"{tuple(spec.full_shape)}")
+    if spec.dim is None:
+        return full.detach().clone(memory_format=torch.contiguous_format)
+    start, stop = spec.bounds()
+    real = full.detach().narrow(spec.dim, start, stop - start)
+    pad = spec.local_shape[spec.dim] - (stop - start)
+    if pad == 0:
+        return real.clone(memory_format=torch.contiguous_format)
+    pad_shape = list(real.shape)
+    pad_shape[spec.dim] = pad
+    return torch.cat([real, real.new_zeros(pad_shape)], dim=spec.dim)
+
+
+def join_shards(shards, spec: ShardSpec) -> torch.Tensor:
+    """The full, unpadded tensor from its shards 0..num_shards-1 (a new contiguous tensor)."""
+    shards = list(shards)
+    if spec.dim is None:
+        if len(shards) != 1:
+            raise ValueError(f"a replicated tensor has one shard, got {len(shards)}")
+        return shards[0]
+    if len(shards) != spec.num_shards:
+        raise ValueError(f"expected {spec.num_shards} shards, got {len(shards)}")
+    full = torch.cat([s.detach() for s in shards], dim=spec.dim)
+    size = spec.full_shape[spec.dim]
+    return full if full.shape[spec.dim] == size else full.narrow(spec.dim, 0, size).contiguous()
+
+
+def gather_shards(local: torch.Tensor, spec: ShardSpec, topology) -> torch.Tensor:
+    """The full, unpadded tensor on every TP rank from each rank's shard (collective over the
+    TP group unless replicated or tp == 1). Works for gradients and optimizer moments too."""
+    if spec.dim is None:
+        return local
+    if topology is None or topology.tp_size == 1:
+        return join_shards([local], spec) if spec.num_shards == 1 else _missing_peers(spec)
+    parts = [torch.empty_like(local) for _ in range(topology.tp_size)]
+    torch.distributed.all_gather(parts, local.detach().contiguous(), group=topology.tp_group)
+    return join_shards(parts[:: spec.replicas], spec)
+
+
+def _missing_peers(spec: ShardSpec):
+    raise ValueError(f"a tensor split {spec.num_shards} ways needs its TP group to be joined")
 
 
 def _grad_all_reduce_hook(group, tag):
@@ -114,48 +306,55 @@ def _fork_rng(module: nn.Module, tp_rank: int) -> None:
     module.register_forward_hook(post, always_call=True)
 
 
+def _cut(layer: nn.Module, attr: str, name: str, cfg, topology) -> nn.Parameter | None:
+    """This rank's shard of `layer.<attr>` (plain-model name `name`), as a marked Parameter."""
+    full = getattr(layer, attr)
+    if full is None:
+        return None
+    spec = shard_spec(name, full.shape, cfg, topology.tp_size, topology.tp_rank)
+    return attach_spec(nn.Parameter(shard_tensor(full, spec), requires_grad=full.requires_grad), spec)
+
+
+def _column(linear: nn.Linear, name: str, cfg, topology, **kwargs) -> ColumnParallelLinear:
+    return ColumnParallelLinear(_cut(linear, "weight", f"{name}.weight", cfg, topology),
+                                _cut(linear, "bias", f"{name}.bias", cfg, topology), topology,
+                                full_out_features=linear.out_features, **kwargs)
+
+
+def _row(linear: nn.Linear, name: str, cfg, topology, **kwargs) -> RowParallelLinear:
+    return RowParallelLinear(_cut(linear, "weight", f"{name}.weight", cfg, topology),
+                             _cut(linear, "bias", f"{name}.bias", cfg, topology), topology, **kwargs)
+
+
 def _shard_attention(attn, topology, cfg, sp: bool, tag: str) -> None:
     tp, r, group = topology.tp_size, topology.tp_rank, topology.tp_group
-    n_heads, n_kv = cfg.n_heads, cfg.kv_heads
     attn.register_forward_pre_hook(
         _input_hook(C.gather_seq if sp else C.copy_to_tp, group, f"{tag}.attn_in"), with_kwargs=True
     )
-    attn.wq = ColumnParallelLinear(attn.wq, topology, shard_index=r, num_shards=tp)
-    if n_kv % tp == 0:
-        attn.wk = ColumnParallelLinear(attn.wk, topology, shard_index=r, num_shards=tp)
-        attn.wv = ColumnParallelLinear(attn.wv, topology, shard_index=r, num_shards=tp)
-        local_kv = n_kv // tp
-    else:
-        # Fewer KV heads than tp: rank r's query heads [r*H/tp, (r+1)*H/tp) all read
-        # KV head r * n_kv // tp, which m = tp / n_kv consecutive ranks hold as a replica.
-        m = tp // n_kv
-        head, owner = r // m, r % m == 0
-        sub = topology.tp_subgroup(m)
-        for name in ("wk", "wv"):
-            layer = ColumnParallelLinear(getattr(attn, name), topology, shard_index=head, num_shards=n_kv,
-                                         owner=owner)
-            for p in (layer.weight, layer.bias):
-                if p is not None:
-                    p.tp_replicas = m
-                    p.register_hook(_grad_all_reduce_hook(sub, f"{tag}.kv_replica_grad"))
-            setattr(attn, name, layer)
-        local_kv = 1
-    attn.wo = RowParallelLinear(attn.wo, topology, sequence_parallel=sp, tag=f"{tag}.attn_out")
-    attn.n_heads = n_heads // tp
-    attn.n_kv_heads = local_kv
-    if attn.alibi_slopes is not None:
+    for name in ("wq", "wk", "wv"):
+        setattr(attn, name, _column(getattr(attn, name), f"{tag}.attn.{name}", cfg, topology))
+    kv = spec_of(attn.wk.weight)
+    if kv.replicas > 1:  # one KV head on m ranks: sum its gradient over them to keep replicas equal
+        sub = topology.tp_subgroup(kv.replicas)
+        for p in (attn.wk.weight, attn.wk.bias, attn.wv.weight, attn.wv.bias):
+            if p is not None:
+                p.tp_replicas = kv.replicas
+                p.register_hook(_grad_all_reduce_hook(sub, f"{tag}.kv_replica_grad"))
+    attn.wo = _row(attn.wo, f"{tag}.attn.wo", cfg, topology, sequence_parallel=sp, tag=f"{tag}.attn_out")
+    attn.n_heads = cfg.n_heads // tp
+    attn.n_kv_heads = kv.local_shape[0] // cfg.head_dim
+    if attn.alibi_slopes is not None:  # the slopes of this rank's query heads
         attn.alibi_slopes = attn.alibi_slopes.chunk(tp)[r].clone()
 
 
-def _shard_ffn(ffn, topology, sp: bool, tag: str) -> None:
-    tp, r, group = topology.tp_size, topology.tp_rank, topology.tp_group
+def _shard_ffn(ffn, topology, cfg, sp: bool, tag: str) -> None:
     ffn.register_forward_pre_hook(
-        _input_hook(C.gather_seq if sp else C.copy_to_tp, group, f"{tag}.ffn_in"), with_kwargs=True
+        _input_hook(C.gather_seq if sp else C.copy_to_tp, topology.tp_group, f"{tag}.ffn_in"), with_kwargs=True
     )
-    ffn.up = ColumnParallelLinear(ffn.up, topology, shard_index=r, num_shards=tp)
+    ffn.up = _column(ffn.up, f"{tag}.ffn.up", cfg, topology)
     if hasattr(ffn, "gate"):
-        ffn.gate = ColumnParallelLinear(ffn.gate, topology, shard_index=r, num_shards=tp)
-    ffn.down = RowParallelLinear(ffn.down, topology, sequence_parallel=sp, tag=f"{tag}.ffn_out")
+        ffn.gate = _column(ffn.gate, f"{tag}.ffn.gate", cfg, topology)
+    ffn.down = _row(ffn.down, f"{tag}.ffn.down", cfg, topology, sequence_parallel=sp, tag=f"{tag}.ffn_out")
 
 
 def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> nn.Module:
@@ -182,7 +381,13 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
     # all-reduces and `drop` takes this rank's slice.
     table = cfg.positions == "sinusoidal" or getattr(model, "pos_table", None) is not None
     emb_mode = "reduce_scatter_seq" if sp and not table else "all_reduce"
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, topology, padded_vocab=padded, output_mode=emb_mode)
+    emb = model.tok_emb
+    if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
+        raise ValueError("parallel.tp: VocabParallelEmbedding supports plain nn.Embedding only "
+                         "(no padding_idx, max_norm or sparse)")
+    model.tok_emb = VocabParallelEmbedding(_cut(emb, "weight", "tok_emb.weight", cfg, topology), topology,
+                                           num_embeddings=emb.num_embeddings, padded_vocab=padded,
+                                           output_mode=emb_mode)
     if sp and table:
         model.drop.register_forward_pre_hook(_split_hook(group, "embedding.split"))
     if sp and model.pos_emb is not None:
@@ -199,7 +404,7 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
 
     for i, block in enumerate(model.blocks):
         _shard_attention(block.attn, topology, cfg, sp, f"blocks.{i}")
-        _shard_ffn(block.ffn, topology, sp, f"blocks.{i}")
+        _shard_ffn(block.ffn, topology, cfg, sp, f"blocks.{i}")
         if sp:
             for name in ("attn_norm", "ffn_norm"):
                 _sp_grad_sync(getattr(block, name), group, f"blocks.{i}.sp_grad")
@@ -209,10 +414,10 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
     if sp:
         _sp_grad_sync(model.norm, group, "norm.sp_grad")
 
+    head = model.tok_emb.weight if tied else _cut(model.lm_head, "weight", "lm_head.weight", cfg, topology)
     model.lm_head = VocabParallelLMHead(
-        model.lm_head, topology, shard_index=r, num_shards=tp, padded_out=padded,
+        head, topology, full_out_features=cfg.vocab_size, padded_out=padded,
         input_mode="gather_seq" if sp else "copy", tag="lm_head_in",
-        weight=model.tok_emb.weight if tied else None,
     )
     model.tp_plan = dict(tp=tp, sequence_parallel=sp, vocab_size=cfg.vocab_size, padded_vocab=padded)
     return model
@@ -235,22 +440,10 @@ def gathered_logits(model: nn.Module):
         head.gather_output = False
 
 
-def gather_full_param(param: torch.Tensor, topology) -> torch.Tensor:
-    """The full (unpadded) tensor of a sharded parameter or gradient, on every TP rank;
-    a replicated tensor is returned as it is. For tests, export and checkpoint resharding."""
-    meta = getattr(param, "tp_meta", None)
-    return param if meta is None else gather_full(param, meta, topology)
-
-
-def gather_full(t: torch.Tensor, meta: dict, topology) -> torch.Tensor:
-    group, tp = topology.tp_group, topology.tp_size
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    torch.distributed.all_gather(parts, t.contiguous(), group=group)
-    n, dim = meta["num_shards"], meta["partition_dim"]
-    if n < tp:  # replicas: keep the first copy of each shard
-        parts = parts[:: tp // n]
-    full = torch.cat(parts, dim=dim)
-    return full.narrow(dim, 0, meta["full_shape"][dim])
+def gather_full(t: torch.Tensor, meta: dict | None, topology) -> torch.Tensor:
+    """The full, unpadded tensor of a sharded parameter, gradient or moment on every TP rank,
+    from its `tp_meta` (`gather_shards` with `ShardSpec.from_meta(meta)`)."""
+    return gather_shards(t, ShardSpec.from_meta(meta, t.shape), topology)
 
 
 @torch.no_grad()
@@ -261,6 +454,5 @@ def full_state_dict(model: nn.Module, topology) -> dict[str, torch.Tensor]:
     another. Collective over the TP group (every TP rank must call it)."""
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        meta = getattr(t, "tp_meta", None)
-        out[name] = (t if meta is None else gather_full(t.detach(), meta, topology)).detach().clone()
+        out[name] = gather_shards(t.detach(), spec_of(t), topology).detach().clone()
     return out

@@ -8,6 +8,7 @@ Used by checkpoint.py (save / load at any layout) and weights.py (final weights 
     write_local(engine, p, key, v)    the reverse (every DP rank passes the same value)
     gather_tp(local, p.tp_meta, topo) the full, unpadded tensor from the TP group's shards
     shard_tp(full, p.tp_meta)         this rank's shard, cut the way the TP plan cuts it
+                                      (both thin calls to the layout in loomtrain.parallel.plan)
 
 DeepSpeed's holders, all reached through `deepspeed.utils.safe_{get,set}_full_*` where it
 has them: ZeRO 1/2 (flat fp32 partitions, `_hp_mapping`), bf16 at ZeRO 0 (BF16_Optimizer,
@@ -126,7 +127,10 @@ def _master_of(engine, p):
 
 
 def _local_full_shape(p) -> tuple:
-    return tuple(getattr(p, "ds_shape", p.shape))
+    """The shape this TP rank holds of p, whole over DP (ZeRO-3 partitions included)."""
+    from loomtrain.parallel.plan import spec_of
+
+    return spec_of(p).local_shape
 
 
 def read_local(engine, p, key: str | None) -> torch.Tensor:
@@ -184,40 +188,25 @@ def _set_zero3_model_weights(params_values) -> None:
 
 # Tensor-parallel gather / re-slice --------------------------------------------------
 def _tp_meta(p) -> dict | None:
-    return getattr(p, "tp_meta", None)
+    from loomtrain.parallel.plan import spec_of
+
+    return spec_of(p).as_meta()
 
 
 def gather_tp(local: torch.Tensor, meta: dict | None, topology) -> torch.Tensor:
     """The full, unpadded tensor from this TP group's shards (collective over the TP group)."""
-    if meta is None or topology is None or topology.tp_size == 1:
-        if meta is not None:  # tp == 1 but padded (not expected): drop padding anyway
-            return local.narrow(meta["partition_dim"], 0, meta["full_shape"][meta["partition_dim"]]).clone()
-        return local
-    tp = topology.tp_size
-    bufs = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(bufs, local.contiguous(), group=topology.tp_group)
-    idx = torch.tensor([meta["shard_index"]], dtype=torch.long, device=local.device)
-    idxs = [torch.empty_like(idx) for _ in range(tp)]
-    dist.all_gather(idxs, idx, group=topology.tp_group)
-    by_index = {}
-    for i, b in zip(idxs, bufs):
-        by_index.setdefault(int(i), b)
-    n = meta["num_shards"]
-    dim = meta["partition_dim"]
-    full = torch.cat([by_index[j] for j in range(n)], dim=dim)
-    return full.narrow(dim, 0, meta["full_shape"][dim]).clone()
+    from loomtrain.parallel.plan import ShardSpec, gather_shards
+
+    return gather_shards(local, ShardSpec.from_meta(meta, local.shape), topology)
 
 
 def shard_tp(full: torch.Tensor, meta: dict | None) -> torch.Tensor:
     """This rank's shard of a full, unpadded tensor, as the TP plan would cut it."""
-    if meta is None:
+    from loomtrain.parallel.plan import ShardSpec, shard_tensor
+
+    if meta is None:  # replicated over TP: the tensor itself, no copy
         return full
-    dim, padded, n, i = meta["partition_dim"], meta["padded_size"], meta["num_shards"], meta["shard_index"]
-    if padded > full.shape[dim]:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    return full.chunk(n, dim=dim)[i].contiguous()
+    return shard_tensor(full, ShardSpec.from_meta(meta))
 
 
 def named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:

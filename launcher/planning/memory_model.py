@@ -43,7 +43,6 @@ Sources, so that a reader can check each number:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -100,8 +99,10 @@ def device_spec(name: str) -> Device:
 
 # --------------------------------------------------------------------------- params
 def padded_vocab(vocab_size: int, tp: int) -> int:
-    """Rows of the (vocab-parallel) embedding summed over the TP ranks."""
-    return tp * math.ceil(vocab_size / tp)
+    """Rows of the (vocab-parallel) embedding summed over the TP ranks (the TP plan's padding)."""
+    from loomtrain.parallel.topology import padded_vocab_size
+
+    return padded_vocab_size(vocab_size, tp)
 
 
 def analytic_param_count(cfg: ModelConfig) -> int:
@@ -109,41 +110,6 @@ def analytic_param_count(cfg: ModelConfig) -> int:
     from loomtrain.model.flops import param_count
 
     return param_count(cfg)
-
-
-# How the TP plan shards each parameter, by the name's last two components.
-_COLUMN = {"wq", "wk", "wv", "up", "gate"}  # output features split; bias split too
-_ROW = {"wo", "down"}  # input features split; bias replicated
-_VOCAB = {"tok_emb", "lm_head"}  # vocabulary rows split (padded to a multiple of tp)
-
-
-def shard_kind(name: str) -> str:
-    """'col', 'row', 'vocab' or 'rep' for a parameter name of the plain model."""
-    parts = name.split(".")
-    owner, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
-    if owner in _VOCAB:
-        return "vocab"
-    if owner in _COLUMN:
-        return "col"
-    if owner in _ROW:
-        return "row" if leaf == "weight" else "rep"
-    return "rep"
-
-
-def local_shape(name: str, shape: tuple[int, ...], tp: int, cfg: ModelConfig) -> tuple[int, ...]:
-    """The shape one TP rank holds of a plain-model parameter (rank 0; all ranks equal)."""
-    kind = shard_kind(name)
-    if tp == 1 or kind == "rep":
-        return tuple(shape)
-    owner = name.split(".")[-2]
-    if kind == "vocab":
-        return (padded_vocab(shape[0], tp) // tp, *shape[1:])
-    if kind == "col":
-        if owner in ("wk", "wv") and cfg.kv_heads < tp:
-            # Fewer KV heads than TP ranks: each rank keeps one (replicated) KV head.
-            return (cfg.head_dim, *shape[1:])
-        return (shape[0] // tp, *shape[1:])
-    return (shape[0], shape[1] // tp)  # row-parallel weight
 
 
 @dataclass
@@ -156,17 +122,21 @@ class ParamCount:
 
 
 def count_params(model: Any, tp: int) -> ParamCount:
-    """Count a plain (unsharded) model's parameters, e.g. one built on the meta device.
+    """Count a plain (unsharded) model's parameters, e.g. one built on the meta device;
+    the per-rank figures ask the TP plan's layout (`loomtrain.parallel.plan.shard_spec`).
 
     Shared (tied) parameters count once, as `named_parameters` yields them once.
     """
+    from loomtrain.parallel.plan import shard_spec
+
     cfg = model.cfg if hasattr(model, "cfg") else model.config
     total = per_rank = emb = rep = 0
     for name, p in model.named_parameters():
         n = p.numel()
         total += n
-        per_rank += math.prod(local_shape(name, tuple(p.shape), tp, cfg))
-        if shard_kind(name) == "rep":
+        spec = shard_spec(name, p.shape, cfg, tp)  # TP rank 0; every rank holds as many
+        per_rank += spec.local_numel
+        if spec.replicated:
             rep += n
         if name.split(".")[0] in ("tok_emb", "pos_emb"):
             emb += n
