@@ -321,6 +321,25 @@ def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
         return out + [(where, f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {cfg}")]
     out += _world_size(where, name, cfg, cspec)
     out += _run_dir(where, cfg.run.dir, cspec, by_kind)
+    out += _grace_period(where, name, cfg, cspec)
+    return out
+
+
+def _grace_period(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[str, str]]:
+    """On SIGTERM the ranks finish the step and save: the Ray pods must be given that long."""
+    from loomtrain.launcher.planning.grace import grace_period_s
+
+    need = grace_period_s(cfg)
+    tpls = [("head", (cspec.get("headGroupSpec") or {}).get("template") or {})]
+    tpls += [(f"worker group {g.get('groupName')!r}", g.get("template") or {}) for g in cspec.get("workerGroupSpecs") or []]
+    out = []
+    for label, tpl in tpls:
+        have = (tpl.get("spec") or {}).get("terminationGracePeriodSeconds")
+        if have is None or int(have) < need:
+            got = "sets no terminationGracePeriodSeconds (Kubernetes' default: 30 s)" if have is None \
+                else f"has terminationGracePeriodSeconds {have}"
+            out.append((where, f"[grace-period] the {label} pod {got}; on SIGTERM {name} finishes a step and "
+                               f"saves a checkpoint, which needs >= {need} s (launcher/planning/grace.py)"))
     return out
 
 

@@ -115,13 +115,13 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache) -> dict[int, float]:
-    """Losses of steps 1-12 of the uninterrupted schedule (one in-process rank, same global batch)."""
+    """Losses of steps 1-20 of the uninterrupted schedule (one in-process rank, same global batch)."""
     from loomtrain.launcher.loop import run_training
 
     run = tmp_path_factory.mktemp("reference") / "run"
-    cfg = load_config(TINY, [*SMALL, f"run.dir={run}", f"data.cache_dir={cache}", "checkpoint.stop_at_step=12"])
+    cfg = load_config(TINY, [*SMALL, f"run.dir={run}", f"data.cache_dir={cache}", "checkpoint.stop_at_step=20"])
     out = run_training(cfg)
-    assert out.steps == list(range(1, 13))
+    assert out.steps == list(range(1, 21))
     return dict(zip(out.steps, out.losses))
 
 
@@ -210,3 +210,51 @@ def test_ctrl_c_at_step_16_saves_exits_130_and_the_rerun_resumes_at_16(tmp_path,
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000016'} (step 16" in again.stdout + again.stderr
     assert sorted(losses(run_dir)) == list(range(1, 18))
+
+
+def test_ray_hang_restarts_by_itself_and_sigterm_to_the_driver_saves(ray_head, tmp_path, cache, reference):
+    """Ray, 2 workers: worker 1 freezes after step 5; the watchdog ends the attempt, Ray restarts
+    the group from step 4's checkpoint. Then SIGTERM to the driver: the workers save, exit 0.
+    The same command resumes; every loss equals the uninterrupted run's."""
+    from loomtrain.launcher.cluster.ray_train import ATTEMPTS_FILE
+
+    run_dir = tmp_path / "run"
+    ray = ["ray.num_workers=2", "ray.cpus_per_worker=1", "ray.max_failures=2",
+           f"ray.address={ray_head.gcs_address}", "parallel.timeout_s=8", "checkpoint.every_steps=2"]
+    env = clean_env(**ray_head.env, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1")
+    # slow steps (0.4 s on rank 0), so that the signal lands a few steps after step 5
+    run = Run(cmd(run_dir, cache, *ray, ray=True), {**env, "LOOMTRAIN_TEST_FAULTS": "sigstop:1:5,delay:0:0.4"},
+              tmp_path)
+    seen = {"hang": False}
+
+    def restarted_and_training(line: str) -> bool:
+        seen["hang"] = seen["hang"] or "loomtrain: hang: rank 1 (host" in line
+        return seen["hang"] and "step 5/" in line
+
+    try:
+        run.wait_for(restarted_and_training, timeout=400)
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.finish(timeout=180)
+    finally:
+        run.kill()
+    assert rc == 0, run.text[-4000:]
+    stopped = [line for line in run.lines if "stopped at step" in line and "checkpoint saved" in line]
+    assert stopped, run.text[-4000:]
+    step = int(latest(run_dir).split("_")[1])
+    assert 5 <= step <= 18, step
+    attempts = [json.loads(x) for x in (run_dir / ATTEMPTS_FILE).read_text().splitlines()]
+    assert [a["start_step"] for a in attempts] == [0, 4], attempts
+    assert attempts[1]["previous_end"].startswith("loomtrain: hang: rank 1 (host "), attempts
+    assert "did not reach step 6" in attempts[1]["previous_end"]
+
+    again = subprocess.run(cmd(run_dir, cache, *ray, f"checkpoint.stop_at_step={step + 2}", ray=True), env=env,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, step + 3))
+    for s in range(1, step + 3):  # DP 2 on Ray vs one rank on the same global batch
+        assert got[s] == pytest.approx(reference[s], rel=1e-5, abs=1e-6), (s, got, reference)
+    attempts = [json.loads(x) for x in (run_dir / ATTEMPTS_FILE).read_text().splitlines()]
+    assert attempts[2]["start_step"] == step and attempts[2]["previous_end"] == f"stopped by SIGTERM at step {step}"
+    for rank in (0, 1):  # three attempts (start, restart after the hang, the rerun) in each log
+        assert len(headers(run_dir, rank)) == 3, headers(run_dir, rank)

@@ -154,6 +154,23 @@ def test_cpu_small_runs_tiny_on_two_cpu_workers(rendered, tmp_path):
     assert cfg.run.dir.startswith("/mnt/loomtrain/")
 
 
+@pytest.mark.parametrize("name,world", [("cpu-small", 2), ("gpu", 8)])
+def test_ray_pods_are_given_the_time_a_sigterm_save_takes(rendered, tmp_path, name, world):
+    """On SIGTERM every rank finishes its step and saves: the pods' grace period covers that."""
+    from loomtrain.launcher.planning.grace import grace_period_s, save_seconds
+
+    docs = rendered[name]
+    job = one(docs, "RayJob")
+    _, cfg = _config_of(job, tmp_path, docs, world_size=world)
+    need = grace_period_s(cfg, world)
+    assert need > 30 + save_seconds(cfg, world)  # more than Kubernetes' default alone would give
+    cspec = job["spec"]["rayClusterSpec"]
+    for tpl in [cspec["headGroupSpec"]["template"], *(g["template"] for g in cspec["workerGroupSpecs"])]:
+        assert tpl["spec"]["terminationGracePeriodSeconds"] >= need
+    cluster = one(docs, "RayCluster")["spec"]
+    assert cluster["workerGroupSpecs"][0]["template"]["spec"]["terminationGracePeriodSeconds"] >= need
+
+
 def readme_gpt_7b_recipe() -> str:
     """The overlay the README gives for gpt-7b on the GPU overlay."""
     readme = (REPO / "README.md").read_text()

@@ -77,8 +77,17 @@ def test_submit_status_logs_stop_round_trip(ray_head, tmp_path, capsys):
 
     wait_for(driver_started, 120, "the job's driver to start Ray Train (submitted code imported)")
 
+    def training():
+        return "step 2/" in jobs(capsys, "logs", job_id, *addr)[1]
+
+    wait_for(training, 180, "the workers to train")
     rc, out, _ = jobs(capsys, "stop", job_id, *addr, "--wait", "--wait-timeout", "60")
     assert rc == 0 and "STOPPED" in out, out
+    # the driver passed the stop on: the workers saved a checkpoint at the end of their step
+    # (rank 0's own log: worker output reaches the job's log asynchronously)
+    rank0 = (run_dir / "logs" / "rank_00000.log").read_text()
+    assert "[SIGTERM]" in rank0 and "(checkpoint saved)" in rank0, rank0[-3000:]
+    assert (run_dir / "checkpoints" / "latest").is_file()
     rc, out, _ = jobs(capsys, "status", job_id, *addr)
     assert rc == 0 and f"{job_id}: STOPPED" in out, out
     # --follow on a finished job prints its logs and ends with its final state.

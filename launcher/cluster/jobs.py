@@ -6,6 +6,11 @@
     loomtrain logs   JOB [--address URL] [--follow]
     loomtrain stop   JOB [--address URL] [--wait]
 
+`stop` has Ray send SIGTERM to the job's driver, which asks every worker to save a
+checkpoint at the end of its step and stop (launcher/stopping.py); `submit` sets
+RAY_JOB_STOP_WAIT_TIME_S so that Ray waits that long (launcher/planning/grace.py)
+before it SIGKILLs the job.
+
 The address is the cluster's dashboard (`http://HEAD:8265`), from --address or
 else the RAY_ADDRESS environment variable.
 
@@ -142,8 +147,8 @@ def _plan(config: str, root: Path = PROJECT_ROOT):
 CLUSTER_PATH_KEYS = ("data.tokenizer", "data.path", "checkpoint.resume", "model.init_from")
 
 
-def _check_config(config: str, overrides: list[str]) -> None:
-    """A bad config stops here, before anything is uploaded or started."""
+def _check_config(config: str, overrides: list[str]):
+    """A bad config stops here, before anything is uploaded or started; returns the config."""
     from loomtrain.launcher.config_loader import ConfigError, resolve, validate
 
     if not Path(config).is_file():
@@ -158,6 +163,7 @@ def _check_config(config: str, overrides: list[str]) -> None:
         if not str(e).startswith(CLUSTER_PATH_KEYS):
             raise JobsError(f"config error: {e}") from None
         print(f"loomtrain: note: not checked here (a cluster path?): {e}", file=sys.stderr)
+    return cfg
 
 
 def build_entrypoint(config_in_job: str, overrides: list[str]) -> str:
@@ -183,7 +189,12 @@ def submit(args) -> int:
             raise JobsError(f"--env {kv!r} is not KEY=VALUE")
         k, v = kv.split("=", 1)
         env_vars[k] = v
-    _check_config(args.config, args.overrides)
+    cfg = _check_config(args.config, args.overrides)
+    # `loomtrain stop` makes Ray SIGTERM the driver, which has the workers save; Ray's job
+    # supervisor (it runs with these env_vars) SIGKILLs after this many seconds, 3 by default.
+    from loomtrain.launcher.planning.grace import grace_period_s
+
+    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(grace_period_s(cfg)))
     if args.dry_run:
         entries, left_out, config_in_job = _plan(args.config)
         print(format_listing(entries, left_out))

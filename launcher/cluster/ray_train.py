@@ -74,6 +74,7 @@ from typing import Any
 
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
+from loomtrain.launcher.stopping import signal_name
 
 RAY_RUN_NAME = "ray_train"
 POINTER_FILE = "loomtrain_pointer.json"
@@ -259,6 +260,11 @@ class RayReportHook(Hooks):
             self._report(ctx, metrics, path)
 
     def on_train_end(self, ctx: TrainContext) -> None:
+        if ctx.dist.rank == 0:  # why this attempt ended, for the next one's record
+            signum = ctx.extras.get("stop_signal", 0)
+            reason = f"stopped by {signal_name(signum)}" if signum else (
+                "finished" if ctx.state.step >= self.cfg.train.max_steps else "stopped (checkpoint.stop_at_step)")
+            _write_end(Path(self.cfg.run.dir), f"{reason} at step {ctx.state.step}")
         # A final checkpoint (published by the checkpoint hook's on_train_end) or,
         # without one, the final metrics so that the driver's Result has them.
         path = self._published_now(ctx)
@@ -266,17 +272,35 @@ class RayReportHook(Hooks):
             self._report(ctx, ctx.last_metrics or {}, path)
 
 
+END_FILE = "attempt_end.json"
+
+
+def _write_end(run_dir: Path, reason: str) -> None:
+    from loomtrain.launcher.ranklog import logs_dir
+
+    path = logs_dir(run_dir) / END_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"line": reason, "time": time.time()}) + "\n")
+
+
 def _previous_end(attempts: Path) -> str:
-    """Why the last attempt ended: the hang watchdog's line when it ended it, else a death."""
+    """Why the last attempt ended: its own end record, the hang watchdog's line, else a death."""
     from loomtrain.launcher.ranklog import logs_dir
 
     try:
         last_start = json.loads(attempts.read_text().splitlines()[-1])["time"]
-        hang = json.loads((logs_dir(attempts.parent) / "hang.json").read_text())
-        if hang["time"] >= last_start:
-            return hang["line"]
     except (OSError, ValueError, KeyError, IndexError):
-        pass
+        last_start = 0.0
+    ends = []
+    for name in (END_FILE, "hang.json"):
+        try:
+            rec = json.loads((logs_dir(attempts.parent) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("time", 0) >= last_start:
+            ends.append((rec["time"], rec["line"]))
+    if ends:
+        return max(ends)[1]
     return f"a worker process died (see {logs_dir(attempts.parent)}/rank_*.log)"
 
 
@@ -389,8 +413,10 @@ def _to_dict(cfg: RunConfig) -> dict:
     return to_dict(cfg)
 
 
-def run(cfg: RunConfig):
-    """Run `cfg` on Ray; returns Ray's Result. Raises RayStartError / Ray's errors."""
+def run(cfg: RunConfig, stop=None):
+    """Run `cfg` on Ray; returns Ray's Result. Raises RayStartError / Ray's errors.
+    `stop` (a StopRequest) is installed once Ray is connected: ray.init sets its own
+    SIGTERM handler (sys.exit), which would end the driver without a save."""
     cfg = absolutize(cfg)
     # Read by Ray Train's controller (propagated from this driver's environment).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.ray.start_timeout_s)
@@ -398,6 +424,8 @@ def run(cfg: RunConfig):
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     need = cfg.ray.num_workers * cfg.ray.cpus_per_worker
     _connect(cfg, need)
+    if stop is not None:
+        stop.install()
     import ray
 
     total = ray.cluster_resources()
@@ -429,7 +457,7 @@ class RayStartError(RuntimeError):
     """The worker group could not be placed on the cluster in time."""
 
 
-def _pass_stop_to_workers(run_dir: str):
+def _stop_for_workers(run_dir: str):
     """Driver: a signal becomes RUN_DIR/STOP, which the workers' rank 0 watches."""
     from loomtrain.launcher.stopping import StopRequest, request_stop, signal_name
 
@@ -438,7 +466,7 @@ def _pass_stop_to_workers(run_dir: str):
         print(f"loomtrain: {signal_name(signum)}: asking the workers to save a checkpoint and stop",
               file=sys.stderr, flush=True)
 
-    return StopRequest(on_signal=forward).install()
+    return StopRequest(on_signal=forward)
 
 
 def main(cfg: RunConfig, args=None) -> int:
@@ -446,9 +474,9 @@ def main(cfg: RunConfig, args=None) -> int:
 
     from loomtrain.launcher.stopping import exit_code
 
-    stop = _pass_stop_to_workers(absolutize(cfg).run.dir)
+    stop = _stop_for_workers(absolutize(cfg).run.dir)
     try:
-        result = run(cfg)
+        result = run(cfg, stop=stop)
     except RayStartError as exc:
         print(f"loomtrain: error: {exc}", file=sys.stderr)
         return 1
