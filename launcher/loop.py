@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -169,6 +170,10 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
         stop.clear_file()  # a request left by an earlier run is not for this one
     try:
         return _train(cfg, env, run_dir, list(hooks), stop, rank_log, wall_start)
+    except BaseException:
+        # what ended this rank, in its own log (a launcher may print it elsewhere, or not at all)
+        rank_log.write("loomtrain: this rank failed:\n" + traceback.format_exc())
+        raise
     finally:
         stop.uninstall()
         rank_log.close()

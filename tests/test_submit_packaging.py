@@ -106,3 +106,17 @@ def test_extends_chain_ships_and_a_secret_named_config_is_refused(salted, tmp_pa
     with pytest.raises(Exception, match=r"refusing to ship config .*prod\.env"):
         jobs.stage_project(tmp_path / "stage", str(secret_cfg), root=salted)
     assert not (tmp_path / "stage").exists()
+
+
+def test_every_subpackage_pyproject_lists_is_shipped(salted):
+    """A subpackage named like an output folder (launcher/checkpoints) is code, and ships."""
+    import tomllib
+
+    from loomtrain.launcher.cluster.packaging import package_files
+
+    shipped, _ = package_files(salted)
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    for name in dirs:
+        rel = "/".join(name.split(".")[1:] + ["__init__.py"])
+        assert rel in shipped, (name, rel)
+    assert "launcher/checkpoints/hook.py" in shipped

@@ -36,6 +36,8 @@ SECRET_PATTERNS = (".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx"
 DENIED_DIRS = (".aws", ".ssh", ".gnupg", ".kube", ".ray", ".docker", ".config", ".azure", ".gcloud",
                ".git", ".venv", "venv", "__pycache__", "runs", "exports", "export", "data", "datasets",
                ".data_cache", "checkpoints", "final", "wandb", "tb")
+# The package's own subpackages whose names are also on that list (pyproject's `packages`).
+OWN_SUBPACKAGES = ("launcher/checkpoints",)
 
 
 class PackagingError(ValueError):
@@ -54,7 +56,8 @@ def denied(rel: str | os.PathLike, folders: bool = True) -> str | None:
     parts = Path(rel).parts
     for i, part in enumerate(parts):
         low = part.lower()
-        if folders and i < len(parts) - 1 and low in DENIED_DIRS:
+        own = "/".join(parts[:i + 1]) in OWN_SUBPACKAGES
+        if folders and i < len(parts) - 1 and low in DENIED_DIRS and not own:
             return f"folder {part}/"
         for pat in SECRET_PATTERNS:
             if fnmatch.fnmatchcase(low, pat):
