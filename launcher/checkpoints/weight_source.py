@@ -218,42 +218,36 @@ def check_matches(source: WeightSource, cfg) -> None:
             )
 
 
-def _local_range(meta: dict) -> tuple[int, int, int, int]:
-    """-> (dim, lo, hi, size): this shard is entries [lo, hi) of the full tensor along dim, zero
-    padded to `size` (the vocabulary padding of the last shard)."""
-    dim, n, i = meta["partition_dim"], meta["num_shards"], meta["shard_index"]
-    size = meta["padded_size"] // n
-    full = meta["full_shape"][dim]
-    lo = min(i * size, full)
-    return dim, lo, min(lo + size, full), size
+def read_shard(source: WeightSource, name: str, spec) -> torch.Tensor:
+    """This rank's shard of parameter `name` as the TP plan lays it out (`spec`: a
+    loomtrain.parallel.plan.ShardSpec), reading only its rows or columns; vocabulary padding
+    past the real rows is zeros."""
+    got = source.shape(name)
+    if got != tuple(spec.full_shape):
+        raise WeightSourceError(f"{source.description}: {source.refs[name].key} has shape {list(got)}, "
+                                f"the model's {name} has {list(spec.full_shape)}")
+    if spec.replicated:
+        return source.read(name)
+    lo, hi = spec.bounds()
+    local = source.read(name, spec.dim, lo, hi) if hi > lo else None
+    if local is not None and hi - lo == spec.local_shape[spec.dim]:
+        return local
+    out = torch.zeros(spec.local_shape, dtype=torch.float32 if local is None else local.dtype)
+    if local is not None:
+        out.narrow(spec.dim, 0, hi - lo).copy_(local)
+    return out
 
 
 @torch.no_grad()
 def load_into(model: torch.nn.Module, source: WeightSource) -> None:
-    """Copy the source's weights into a (possibly tensor-parallel) model's parameters in place.
-    A sharded parameter (`tp_meta`, set by the TP plan) reads only its own slice."""
+    """Copy the source's weights into a (possibly tensor-parallel) model's allocated parameters
+    in place; a sharded parameter reads only its own slice (`read_shard`)."""
+    from loomtrain.parallel.plan import spec_of
+
     for name, p in model.named_parameters():
         if name not in source.refs:
             raise WeightSourceError(f"{source.description}: no tensor for loomtrain's {name}")
-        meta = getattr(p, "tp_meta", None)
-        full = tuple(meta["full_shape"]) if meta is not None else tuple(p.shape)
-        got = source.shape(name)
-        if got != full:
-            raise WeightSourceError(f"{source.description}: {source.refs[name].key} has shape {list(got)}, "
-                                    f"the model's {name} has {list(full)}")
-        if meta is None:
-            p.copy_(source.read(name))
-            continue
-        dim, lo, hi, size = _local_range(meta)
-        if hi == lo:  # a shard of vocabulary padding only
-            p.zero_()
-            continue
-        local = source.read(name, dim, lo, hi)
-        if hi - lo < size:
-            pad = list(local.shape)
-            pad[dim] = size - (hi - lo)
-            local = torch.cat([local, local.new_zeros(pad)], dim=dim)
-        p.copy_(local)
+        p.copy_(read_shard(source, name, spec_of(p)))
 
 
 def open_matching(cfg) -> WeightSource:
