@@ -250,7 +250,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _choice("train.device", t.device, DEVICES)
     _choice("log.progress", cfg.log.progress, PROGRESS)
     _check(
-        cfg.checkpoint.resume in ("auto", "never") or "://" in cfg.checkpoint.resume or Path(cfg.checkpoint.resume).exists(),
+        cfg.checkpoint.resume in ("auto", "never") or "://" in cfg.checkpoint.resume or Path(cfg.checkpoint.resume).exists()
+        # a PATH only seeds the first start: once the run has checkpoints, the seed may be gone
+        or (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir(),
         "checkpoint.resume", "auto, never or the path of an existing checkpoint", cfg.checkpoint.resume,
     )
     _check(

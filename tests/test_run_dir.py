@@ -276,6 +276,13 @@ def test_resume_path_seeds_only_the_first_start(tmp_path, cache, base):
     own = run / "checkpoints" / "step_00000003"
     assert f"resumed from {own}" in out and "only seeds a run's first start" in out
     assert steps_of(run) == [3, 4, 5, 6]
+    gone = tmp_path / "seed-gone"  # the seed may be deleted once the run has its own checkpoints
+    shutil.copytree(base / "checkpoints" / "step_00000002", gone)
+    other = tmp_path / "seeded-2"
+    train(other, cache, "train.max_steps=3", "checkpoint.stop_at_step=3", f"checkpoint.resume={gone}")
+    shutil.rmtree(gone)
+    out = train(other, cache, "train.max_steps=4", f"checkpoint.resume={gone}")
+    assert f"resumed from {other / 'checkpoints' / 'step_00000003'}" in out and steps_of(other) == [3, 4]
 
 
 def test_checkpoints_that_all_fail_verification_stop_the_run(tmp_path, cache, base):
