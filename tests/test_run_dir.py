@@ -129,9 +129,13 @@ def test_second_train_on_a_run_in_use_is_refused_and_a_dead_holder_is_taken_over
             first.kill()
         first.stdout.close()
     assert json.loads((run / LOCK).read_text())["pid"] == first.pid
+    killed_metrics = (run / "metrics.jsonl").read_text()
     out = train(run, cache, "train.max_steps=2")
     assert f"took over the lock of {run} from pid {first.pid}" in out
     assert not (run / LOCK).exists() and steps_of(run) == [1, 2]
+    # no checkpoint to resume: a fresh start, and the killed attempt's metrics are kept aside
+    (aside,) = (run / "checkpoints").glob("superseded-*")
+    assert (aside / "metrics.jsonl").read_text() == killed_metrics and killed_metrics
 
 
 def _dead_pid() -> int:
