@@ -1,8 +1,9 @@
 """Building what the loop runs on: topology, model, data. One function each.
 
 Seams:
-* `build_model`: tensor parallelism is `parallelize` here (issue 5); building a
-  large model on the meta device for a dry run (issue 6) also belongs here.
+* `build_model`: the model on the meta device, the TP plan applied, then only this
+  rank's shards materialised (loomtrain.parallel.materialize), from the seeded init
+  or from any (name, full tensor) supplier, e.g. a weights file read tensor by tensor.
 * `build_data`: the embedded corpus or a shard directory -> tokenizer + this DP
   rank's training stream; `val_stream` builds a fresh, reproducible eval stream.
 """
@@ -37,23 +38,44 @@ def build_topology(cfg: RunConfig, env: DistEnv):
         raise ConfigError(str(exc)) from exc
 
 
-def build_model(cfg: RunConfig, topology, device: torch.device) -> torch.nn.Module:
-    """The full model from train.seed (identical on every rank), then sharded in place; with
-    model.init_from, its weights then replace the random ones (an optimizer starts fresh)."""
-    from loomtrain.model import Transformer
-    from loomtrain.parallel import parallelize
+def build_model(cfg: RunConfig, topology, device: torch.device, tensors=None) -> torch.nn.Module:
+    """This rank's shard of the model, without ever building the full model.
 
-    model = Transformer(cfg.model, seed=cfg.train.seed)
-    model = parallelize(model, topology, sequence_parallel=cfg.parallel.sequence_parallel)
-    if cfg.model.init_from:  # the random init is replaced: each rank reads only its TP slice
+    Built on the meta device and parallelized there, then each parameter is materialised
+    one at a time: its full tensor comes from `tensors` (an iterable of (plain-model name,
+    full tensor); default `init_tensors(cfg.model, train.seed)`, the seeded init, identical
+    on every rank), this rank's slice is kept on `device` in the training dtype and the full
+    tensor dropped. At ZeRO-3 each parameter is also partitioned over DP as soon as it
+    exists. Peak: the shards (ZeRO-3: partitions) plus about one full parameter.
+
+    With model.init_from the shards are allocated empty and filled by `init_from`, each rank
+    reading only its TP slices (an optimizer starts fresh); at ZeRO-3 they are partitioned
+    after that, so such a rank briefly holds its whole TP shard."""
+    from loomtrain.model import init_tensors
+    from loomtrain.parallel.materialize import allocate_shards, materialize, sharded_meta_model
+
+    model = sharded_meta_model(cfg.model, topology, cfg.parallel.sequence_parallel)
+    # DeepSpeed casts parameters to bf16/fp16 but not buffers; materialize casts both, or the
+    # RoPE / sinusoidal tables would promote activations back to fp32.
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    after = None
+    if cfg.parallel.zero_stage == 3:
+        from loomtrain.launcher import engine
+
+        after = engine.zero3_partitioner(cfg, topology, dtype or torch.float32)
+    if cfg.model.init_from and tensors is None:
         from loomtrain.launcher.checkpoints.weight_source import init_from
 
+        allocate_shards(model, device=device, dtype=dtype)
         init_from(model, cfg.model, log=print if topology.rank == 0 else (lambda *a: None))
-    apply_block_options(model, cfg)
-    # DeepSpeed casts parameters to bf16/fp16 but not buffers; the RoPE / sinusoidal
-    # tables must follow or they promote activations back to fp32.
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-    return model.to(device=device, dtype=dtype)
+        for name, param in model.named_parameters():
+            if after is not None:
+                after(name, param)
+        return apply_block_options(model, cfg)
+    if tensors is None:
+        tensors = init_tensors(cfg.model, cfg.train.seed)
+    materialize(model, tensors, device=device, dtype=dtype, after_param=after)
+    return apply_block_options(model, cfg)
 
 
 def apply_block_options(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
@@ -80,17 +102,16 @@ def data_cache_dir(cfg: RunConfig) -> Path:
 
 
 def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
-    """-> (shard_dir, tokenizer, train_stream). Rank 0 prepares the data first.
-    shard_dir is one directory, or for data.sources the list [(dir, weight), ...]."""
-    from loomtrain.data_pipeline import TokenStream, prepare_sources
+    """-> (shard_dir, tokenizer, train_stream). Rank 0 prepares the data first."""
+    from loomtrain.data_pipeline import TokenStream, prepare_data
 
     cache = data_cache_dir(cfg)
     quiet = (lambda *a, **k: None)
     if env.rank == 0:
-        shard_dir, tok = prepare_sources(cfg.data, cache, log=log)
+        shard_dir, tok = prepare_data(cfg.data, cache, log=log)
     barrier()
     if env.rank != 0:
-        shard_dir, tok = prepare_sources(cfg.data, cache, log=quiet)
+        shard_dir, tok = prepare_data(cfg.data, cache, log=quiet)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size: expected at least the tokenizer's vocabulary size {tok.vocab_size} "
@@ -102,10 +123,10 @@ def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
         dp_rank=topology.dp_rank, dp_size=topology.dp_size, seed=t.seed,
         prefetch=cfg.data.prefetch, expected_tokenizer_hash=tok.hash,
     )
-    return shard_dir, tok, stream
+    return Path(shard_dir), tok, stream
 
 
-def val_stream(cfg: RunConfig, shard_dir, topology, tok):
+def val_stream(cfg: RunConfig, shard_dir: Path, topology, tok):
     """A fresh validation stream: the same batches at every evaluation."""
     from loomtrain.data_pipeline import TokenStream
 

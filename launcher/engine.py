@@ -61,7 +61,8 @@ def ds_config(cfg: RunConfig, dp_size: int) -> dict[str, Any]:
 
 def _no_decay_ids(model: nn.Module) -> set[int]:
     """Norm weights, biases (every 1-D parameter) and embedding tables."""
-    ids = {id(p) for p in model.parameters() if p.ndim < 2}
+    # By the full shape: a parameter already partitioned by ZeRO-3 at start-up is an empty 1-D tensor.
+    ids = {id(p) for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2}
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         # By type, and by the contract names, since the TP plan swaps nn.Embedding for a
@@ -109,6 +110,28 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused or None
     )
+
+
+def zero3_partitioner(cfg: RunConfig, topology, dtype: torch.dtype) -> Callable[[str, nn.Parameter], None]:
+    """A callback that partitions one parameter over the DP group as soon as it exists
+    (ZeRO-3), so that start-up never holds more than this rank's partitions plus one
+    parameter. It is what `deepspeed.initialize` would do to the whole model (zero.Init with
+    the same config and groups); the engine then finds every parameter partitioned."""
+    import deepspeed
+
+    anchor: list[nn.Parameter] = []
+
+    def partition(name: str, param: nn.Parameter) -> None:
+        if anchor:  # later parameters join the first one's zero.Init
+            anchor[0].convert_to_zero_parameters(param_list=[param])
+            return
+        holder = nn.Module()
+        holder.register_parameter("param", param)
+        deepspeed.zero.Init(module=holder, data_parallel_group=topology.dp_group, mpu=topology.mpu, dtype=dtype,
+                            config_dict_or_path=ds_config(cfg, topology.dp_size))
+        anchor.append(param)
+
+    return partition
 
 
 def build_engine(cfg: RunConfig, model: nn.Module, dp_size: int, mpu: Any = None):

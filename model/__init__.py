@@ -8,7 +8,7 @@
 
 Files: config (ModelConfig), norms, positions (sinusoidal, RoPE, ALiBi), attention,
 feedforward, block, loss (LMHead: logits or a chunked fused cross-entropy),
-transformer, cache (KVCache), generate, flops (closed-form
+transformer (and init_tensors: its seeded init one parameter at a time), cache (KVCache), generate, flops (closed-form
 parameter count and PaLM training FLOPs).
 """
 
@@ -21,7 +21,7 @@ from .flops import flops_per_token, param_count
 from .generate import sample_next
 from .loss import LMHead, linear_cross_entropy
 from .norms import RMSNorm, build_norm
-from .transformer import Transformer
+from .transformer import Transformer, init_tensors
 
 __all__ = [
     "Attention",
@@ -34,6 +34,7 @@ __all__ = [
     "Transformer",
     "build_norm",
     "flops_per_token",
+    "init_tensors",
     "linear_cross_entropy",
     "param_count",
     "sample_next",

@@ -52,46 +52,64 @@ class Transformer(nn.Module):
         self.init_weights(seed)
 
     # Initialisation ---------------------------------------------------------
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """GPT-2 init: N(0, init_std) for linears and embeddings, zero biases, unit norms; the
-        residual output projections (attn.wo, ffn.down) get init_std / sqrt(2 * n_layers).
-        With `seed` the result depends on nothing else. Also recomputes the position buffers,
-        so a model built on the meta device works after `to_empty(device=...)` + `init_weights()`."""
+    def init_schedule(self) -> list[tuple[str, str, float]]:
+        """(parameter name, rule, std) in the order init_weights applies them. Rules: "normal"
+        draws N(0, std) from the init generator; "zeros" and "ones" draw nothing. The order is
+        the random stream's, so `init_tensors` (one parameter at a time) reproduces init_weights
+        bitwise by following it. GPT-2 init: N(0, init_std) for linears and embeddings, zero
+        biases, unit norms; the residual output projections (attn.wo, ffn.down) get
+        init_std / sqrt(2 * n_layers). A tied lm_head is the embedding and is skipped."""
         std = self.cfg.init_std
-        device = self.tok_emb.weight.device
-        gen = None
-        if seed is not None and device.type != "meta":
-            gen = torch.Generator(device=device).manual_seed(seed)
         scaled = {id(b.attn.wo.weight) for b in self.blocks} | {id(b.ffn.down.weight) for b in self.blocks}
-        for module in self.modules():
+        out: list[tuple[str, str, float]] = []
+        for name, module in self.named_modules():
+            prefix = f"{name}." if name else ""
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.lm_head and self.cfg.tie_embeddings:
                     continue
                 s = std / math.sqrt(2 * self.cfg.n_layers) if id(module.weight) in scaled else std
-                nn.init.normal_(module.weight, 0.0, s, generator=gen)
+                out.append((prefix + "weight", "normal", s))
                 if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                module.reset_parameters()
+                    out.append((prefix + "bias", "zeros", 0.0))
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):  # what their reset_parameters does
+                out.append((prefix + "weight", "ones", 0.0))
+                if getattr(module, "bias", None) is not None:
+                    out.append((prefix + "bias", "zeros", 0.0))
+        return out
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter by `init_schedule`. With `seed` the result depends on
+        nothing else (a generator on the parameters' device), without it on torch's global RNG.
+        Also recomputes the position buffers, so a model built on the meta device works after
+        `to_empty(device=...)` + `init_weights()`."""
+        device = self.tok_emb.weight.device
+        gen = None
+        if seed is not None and device.type != "meta":
+            gen = torch.Generator(device=device).manual_seed(seed)
+        for name, rule, std in self.init_schedule():
+            apply_init(self.get_parameter(name), rule, std, gen)
         self.reset_buffers()
 
-    def reset_buffers(self) -> None:
-        """Recompute the derived buffers (position tables, ALiBi slopes) on the parameters' device.
-        ALiBi slopes are rewritten only where a layer still holds all cfg.n_heads of them: a
-        tensor-parallel plan that slices them must (re)slice after this."""
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the derived buffers (position tables, ALiBi slopes) on `device` (default: the
+        parameters'), in the parameters' dtype. ALiBi slopes are rewritten only where a layer
+        still holds all cfg.n_heads of them: a tensor-parallel plan that slices them must
+        (re)slice after this. A model built on the meta device calls it with device="cpu" so
+        that its buffers are real before the plan slices them."""
         cfg, weight = self.cfg, self.tok_emb.weight
+        device = weight.device if device is None else torch.device(device)
         if cfg.positions == "alibi":
-            slopes = alibi_slopes(cfg.n_heads).to(weight.device, weight.dtype)
+            slopes = alibi_slopes(cfg.n_heads).to(device, weight.dtype)
             for block in self.blocks:
                 if block.attn.alibi_slopes is not None and block.attn.alibi_slopes.shape == slopes.shape:
                     block.attn.alibi_slopes = slopes.clone()
         if cfg.positions == "sinusoidal":
-            self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model).to(weight.device, weight.dtype)
+            self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model).to(device, weight.dtype)
         if cfg.positions == "rope":
             cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
-            self.rope_cos = cos.to(weight.device, weight.dtype)
-            self.rope_sin = sin.to(weight.device, weight.dtype)
+            self.rope_cos = cos.to(device, weight.dtype)
+            self.rope_sin = sin.to(device, weight.dtype)
 
     # Forward ------------------------------------------------------------------
     def check_length(self, length: int) -> None:
@@ -164,3 +182,30 @@ class Transformer(nn.Module):
         6 * N + 12 * n_layers * n_heads * head_dim * seq_len with N = param_count(cfg, exclude_embeddings=True).
         See loomtrain.model.flops for the convention."""
         return flops.flops_per_token(self.cfg, seq_len)
+
+
+def apply_init(t: torch.Tensor, rule: str, std: float, generator: torch.Generator | None) -> None:
+    """One step of `Transformer.init_schedule`, in place."""
+    if rule == "normal":
+        nn.init.normal_(t, 0.0, std, generator=generator)
+    elif rule == "zeros":
+        nn.init.zeros_(t)
+    elif rule == "ones":
+        nn.init.ones_(t)
+    else:
+        raise ValueError(f"unknown init rule {rule!r}")
+
+
+def init_tensors(cfg: ModelConfig, seed: int | None = None):
+    """Yield (parameter name, full float32 CPU tensor) one parameter at a time, bitwise equal to
+    `Transformer(cfg, seed=seed)` on the CPU, in its init order (the order the random stream
+    is drawn in). Holds one full parameter at a time: the previous one is released before the
+    next is generated, so a consumer that keeps only a slice never holds the whole model."""
+    with torch.device("meta"):
+        shapes = Transformer(cfg)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    for name, rule, std in shapes.init_schedule():
+        t = torch.empty(shapes.get_parameter(name).shape, dtype=torch.float32)
+        apply_init(t, rule, std, gen)
+        yield name, t
+        del t

@@ -10,8 +10,9 @@ stand-alone topology whose TP group is None, which loomtrain's collectives treat
 group of one (every TP all-reduce / all-gather is the identity). So the modules,
 shapes, dtypes and parameter attributes are exactly one cluster rank's; only the
 communication is missing (the TP bytes `plan` predicts are not moved). The shard is
-then materialized on the local device with `to_empty` and initialised (N(0, init_std)
-matrices, unit norms, zero biases), and trained through the real DeepSpeed engine
+then materialized on the local device by the training start-up's own path
+(`loomtrain.parallel.materialize`: the seeded init one full parameter at a time, this
+rank's slice kept), and trained through the real DeepSpeed engine
 (`engine.build_engine`) at the config's ZeRO stage and precision with dp = 1 and one
 micro-batch per step, on random tokens. With dp = 1 ZeRO divides nothing, so the
 table has three columns: plan for one rank of the cluster, plan for this dry run
@@ -79,40 +80,18 @@ class OneRankTopology:
         return padded_vocab_size(vocab_size, self.tp)
 
 
-@torch.no_grad()
-def _init_shard(model: torch.nn.Module, std: float, n_layers: int) -> None:
-    """The model's own scheme (Transformer.init_weights): N(0, std), residual outputs
-    (attn.wo, ffn.down) std / sqrt(2 * n_layers), unit norms, zero biases."""
-    for name, p in model.named_parameters():
-        if name.endswith(("attn.wo.weight", "ffn.down.weight")):
-            p.normal_(0.0, std / math.sqrt(2 * n_layers))
-        elif p.ndim >= 2:
-            p.normal_(0.0, std)
-        elif name.endswith("bias"):
-            p.zero_()
-        else:
-            p.fill_(1.0)
-
-
 def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Module:
-    """One TP rank's shard of the cluster model, materialized on `device` only."""
+    """One TP rank's shard of the cluster model, materialized on `device` only, by the training
+    start-up's own path (meta model, TP plan, seeded init one full parameter at a time)."""
     from loomtrain.launcher.components import apply_block_options
-    from loomtrain.parallel import parallelize
+    from loomtrain.model import init_tensors
+    from loomtrain.parallel.materialize import materialize, sharded_meta_model
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
-    model = mm.build_meta_model(cfg.model)
-    parallelize(model, OneRankTopology(cfg.parallel.tp, tp_rank), sequence_parallel=cfg.parallel.sequence_parallel)
-    # to_empty also empties real buffers (ALiBi slopes, already sliced for this rank): keep them.
-    buffers = {n: b.clone() for n, b in model.named_buffers() if b is not None and b.device.type != "meta"}
-    model.to(dtype=dtype)  # still on meta: the shard is allocated once, in the training dtype
-    model.to_empty(device=device)
-    for name, value in buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        getattr(model.get_submodule(owner) if owner else model, leaf).copy_(value)
-    _init_shard(model, cfg.model.init_std, cfg.model.n_layers)
-    model.reset_buffers()  # RoPE / sinusoidal tables
-    apply_block_options(model, cfg)
-    return model.to(dtype=dtype)  # the position tables follow
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    topology = OneRankTopology(cfg.parallel.tp, tp_rank)
+    model = sharded_meta_model(cfg.model, topology, cfg.parallel.sequence_parallel)
+    materialize(model, init_tensors(cfg.model, cfg.train.seed), device=device, dtype=dtype)
+    return apply_block_options(model, cfg)
 
 
 def _rss() -> int:

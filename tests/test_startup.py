@@ -1,0 +1,168 @@
+"""Start-up builds only this rank's shards (meta model, TP plan, one full parameter at a time).
+
+* Values: bitwise the old path's, "seeded full init, then slice", at tp 1, 2 and 4. The
+  old path is kept here as the reference (`_reference_shards`), not in production code.
+* Memory: world 4 x tp 4, ZeRO-0, fp32, ~106 M parameters: each rank's start-up peak RSS
+  above a tiny model's is at most half the full fp32 model.
+* ZeRO-3 at dp 4: the parameter bytes a rank holds during build and engine creation never
+  exceed a quarter of the model plus one parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from loomtrain.launcher.components import build_model
+from loomtrain.launcher.config_loader import load_config
+from loomtrain.launcher.planning.dryrun import OneRankTopology
+from loomtrain.model import ModelConfig, RMSNorm, init_tensors
+from loomtrain.model.transformer import Transformer
+from loomtrain.parallel.materialize import materialize, sharded_meta_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+DRIVER = ROOT / "tests" / "startup_driver.py"
+
+VARIANTS = {
+    "mqa_alibi_bias_tied": dict(vocab_size=61, n_heads=4, n_kv_heads=1, positions="alibi", bias=True,
+                                norm="layernorm", tie_embeddings=True),
+    "gqa_rope_swiglu": dict(vocab_size=70, n_heads=8, n_kv_heads=2, positions="rope", activation="swiglu",
+                            tie_embeddings=False),
+    "learned_post_gelu": dict(vocab_size=64, n_heads=4, positions="learned", norm_placement="post",
+                              activation="gelu", bias=True, tie_embeddings=False),
+}
+
+
+# The old path, verbatim in spirit: Transformer.init_weights' module walk on a full model,
+# then each TP layer's own slicing (pad the vocabulary, chunk, KV heads replicated).
+def _reference_full(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    gen = torch.Generator().manual_seed(seed)
+    scaled = {id(b.attn.wo.weight) for b in model.blocks} | {id(b.ffn.down.weight) for b in model.blocks}
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is model.lm_head and cfg.tie_embeddings:
+                    continue
+                s = cfg.init_std / math.sqrt(2 * cfg.n_layers) if id(module.weight) in scaled else cfg.init_std
+                nn.init.normal_(module.weight, 0.0, s, generator=gen)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                module.reset_parameters()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _old_shard(full, dim, index, num, padded):
+    if padded > full.shape[dim]:
+        pad = list(full.shape)
+        pad[dim] = padded - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad)], dim=dim)
+    return full.chunk(num, dim=dim)[index]
+
+
+def _reference_shards(cfg: ModelConfig, seed: int, tp: int, r: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, full in _reference_full(cfg, seed).items():
+        layer, leaf = name.split(".")[-2:]
+        if tp == 1:
+            out[name] = full
+        elif layer in ("tok_emb", "lm_head"):
+            out[name] = _old_shard(full, 0, r, tp, -(-cfg.vocab_size // tp) * tp)
+        elif layer in ("wk", "wv") and cfg.kv_heads < tp:
+            out[name] = _old_shard(full, 0, r // (tp // cfg.kv_heads), cfg.kv_heads, full.shape[0])
+        elif layer in ("wq", "wk", "wv", "up", "gate"):
+            out[name] = _old_shard(full, 0, r, tp, full.shape[0])
+        elif layer in ("wo", "down") and leaf == "weight":
+            out[name] = _old_shard(full, 1, r, tp, full.shape[1])
+        else:
+            out[name] = full
+    return out
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_init_values_bitwise_the_old_full_init_then_slice(variant):
+    model = {**VARIANTS[variant], "d_model": 32, "n_layers": 2, "max_seq_len": 16}
+    cfg = load_config(TINY, [f"model.{k}={str(v).lower()}" for k, v in model.items()]
+                      + ["train.seed=7", "train.seq_len=16"])
+    for tp in (1, 2, 4):
+        cfg.parallel.tp = tp
+        for r in range(tp):
+            model = build_model(cfg, OneRankTopology(tp, r), torch.device("cpu"))
+            want = _reference_shards(cfg.model, 7, tp, r)
+            got = dict(model.named_parameters())
+            assert got.keys() == want.keys()
+            for name in want:
+                assert got[name].dtype == torch.float32
+                assert torch.equal(got[name], want[name]), f"{variant} tp {tp} rank {r}: {name}"
+
+
+def test_a_supplier_plugs_in_and_mistakes_name_the_parameter():
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, tie_embeddings=False)
+    topo = OneRankTopology(2, 1)
+    full = dict(init_tensors(cfg, seed=3))
+    model = materialize(sharded_meta_model(cfg, topo), full.items(), device="cpu", dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.weight.shape == (31, 32)
+    assert torch.equal(model.lm_head.weight[:30], full["lm_head.weight"][31:].bfloat16())
+    assert not model.lm_head.weight[30:].any()  # the vocabulary padding row
+    with pytest.raises(ValueError, match=r"^weights: no values for lm_head.weight$"):
+        materialize(sharded_meta_model(cfg, topo), [(k, v) for k, v in full.items() if k != "lm_head.weight"],
+                    device="cpu")
+    with pytest.raises(ValueError, match=r"^weights: 'norm.weight' has shape \(31,\), the model expects \(32,\)$"):
+        materialize(sharded_meta_model(cfg, topo), [("norm.weight", torch.ones(31))], device="cpu")
+    with pytest.raises(ValueError, match=r"^weights: 'nope.weight' is not a parameter of the model$"):
+        materialize(sharded_meta_model(cfg, topo), [("nope.weight", torch.ones(31))], device="cpu")
+
+
+def _torchrun(mode: str, out: Path, tiny: list[str], big: list[str]) -> list[dict]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(DRIVER),
+           mode, str(out), str(TINY), "--tiny", *tiny, "--big", *big]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((out / f"{mode}.rank{r}.json").read_text()) for r in range(4)]
+
+
+COMMON = ["parallel.tp=4", "parallel.zero_stage=0", "train.precision=fp32", "model.max_seq_len=128",
+          "train.micro_batch_size=4", "train.global_batch_size=4"]
+
+
+@pytest.mark.slow
+def test_startup_peak_rss_is_a_shard_not_the_model(tmp_path):
+    tiny = [*COMMON, "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4"]
+    big = [*COMMON, "model.vocab_size=8192", "model.d_model=1024", "model.n_layers=8", "model.n_heads=16",
+           "model.n_kv_heads=4", "model.tie_embeddings=false"]
+    for rank, m in enumerate(_torchrun("rss", tmp_path, tiny, big)):
+        grown = m["big_peak"] - m["tiny_peak"]
+        print(f"\nrank {rank}: start-up peak RSS above the tiny model's {grown / 2**20:.0f} MiB "
+              f"= {grown / m['model_bytes']:.2f} x the full fp32 model ({m['model_bytes'] / 2**20:.0f} MiB)")
+        assert 100e6 < m["model_bytes"] / 4 < 110e6
+        assert grown <= 0.5 * m["model_bytes"], m
+
+
+@pytest.mark.slow
+def test_zero3_rank_never_holds_more_than_a_quarter_plus_one_parameter(tmp_path):
+    big = ["parallel.tp=1", "parallel.zero_stage=3", "train.precision=fp32", "model.vocab_size=1024",
+           "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
+           "model.tie_embeddings=false", "train.micro_batch_size=4", "train.global_batch_size=16"]
+    for rank, m in enumerate(_torchrun("params", tmp_path, [], big)):
+        bound = m["model_bytes"] / 4 + m["largest"]
+        print(f"\nrank {rank}: peak parameter bytes {m['peak'] / 2**20:.2f} MiB; a quarter of the model plus the "
+              f"largest parameter {bound / 2**20:.2f} MiB; the model {m['model_bytes'] / 2**20:.2f} MiB")
+        assert m["partitioned"]
+        assert m["peak"] <= bound * 1.001, m  # ZeRO pads each partition to the DP size: a few elements
