@@ -322,11 +322,14 @@ class Plan:
     step_time_s: float
     tokens_per_s: float
     tokens_per_s_per_rank: float
+    host: Any = None  # host_model.HostPlan: host RAM per node, checkpoint size, save time
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["states"]["total"] = self.states.total
+        if self.host is not None:
+            d["host"]["startup_fits"], d["host"]["save_fits"] = self.host.startup_fits, self.host.save_fits
         return d
 
 
@@ -341,8 +344,12 @@ def _bucket_elems(run: Any, dp: int) -> int:
         return DS_BUCKET_ELEMS
 
 
-def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT_MFU, model: Any = None) -> Plan:
-    """Predict one rank of `run` (a RunConfig) on `world_size` ranks of `gpu`."""
+def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT_MFU, model: Any = None,
+              **host: Any) -> Plan:
+    """Predict one rank of `run` (a RunConfig) on `world_size` ranks of `gpu`. `host`: keyword
+    arguments of host_model.host_plan (gpus_per_node, node_ram_gib, storage_gbps)."""
+    from loomtrain.launcher.planning.host_model import host_plan
+
     cfg: ModelConfig = run.model
     par, tr = run.parallel, run.train
     tp, stage, prec = par.tp, par.zero_stage, tr.precision
@@ -379,6 +386,10 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
     step_time = hw * tokens / (world_size * peak * mfu)
     payload, sent = tp_comm_bytes_per_microbatch(cfg, tr.seq_len, tr.micro_batch_size, tp, prec,
                                                  par.activation_checkpointing)
+    on_host = (states.total + acts.total + bucket + fp32_grads) if gpu == "cpu" else states.offloaded
+    hp = host_plan(total_params=pc.total, per_rank_params=pc.per_rank,
+                   largest_param=max(p.numel() for p in model.parameters()), tp=tp, dp=dp, world_size=world_size,
+                   device_states_on_host=on_host, on_cpu=gpu == "cpu", **host)
     notes = []
     if prec == "bf16" and stage == 0:
         notes.append("bf16 at ZeRO-0 runs DeepSpeed's FP16_UnfusedOptimizer, whose first AdamW update differs "
@@ -395,4 +406,4 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
         flops_per_step=fpt * tokens, tp_comm_payload=payload * accum, tp_comm_sent=sent * accum,
         dp_comm_sent=dp_comm_bytes_per_step(pc.per_rank, stage, dp, prec), assumed_mfu=mfu,
         step_time_s=step_time, tokens_per_s=tokens / step_time,
-        tokens_per_s_per_rank=tokens / step_time / world_size, notes=notes)
+        tokens_per_s_per_rank=tokens / step_time / world_size, host=hp, notes=notes)

@@ -3,9 +3,11 @@
 Predicts one rank of a run before it is submitted: memory for parameters, gradients
 and optimizer states at the configured ZeRO stage and TP, activations, FLOPs per
 step, TP/DP communication per step, and step time / tokens/s / MFU on the named
-GPU at an assumed MFU. The model is built full-size on the meta device (accelerate's
+GPU at an assumed MFU; then host RAM per node at start-up and during a save or resume,
+the checkpoint's size and the time to save it at a stated storage bandwidth. The model is built full-size on the meta device (accelerate's
 `init_empty_weights`), so a 70 B config is counted without allocating its weights.
-The arithmetic and its sources are in `loomtrain.launcher.planning.memory_model`.
+The arithmetic and its sources are in `loomtrain.launcher.planning.memory_model` and
+(host, checkpoint) `loomtrain.launcher.planning.host_model`.
 
 Exit status: 0 when the config fits, 1 when it will not fit, 2 on a bad config.
 """
@@ -16,6 +18,7 @@ import argparse
 import json
 import sys
 
+from loomtrain.launcher.planning import host_model as hm
 from loomtrain.launcher.planning import memory_model as mm
 
 GiB = mm.GiB
@@ -76,6 +79,8 @@ def format_plan(p: mm.Plan, config: str = "") -> str:
         f"  DP   {p.dp_comm_sent / GiB:.2f} GiB sent (ZeRO-{stage} gradient reduce"
         + (" + parameter all-gathers" if stage == 3 else "") + ")",
     ]
+    if p.host is not None:
+        lines += hm.format_host(p.host)
     lines += [f"note: {n}" for n in p.notes]
     lines.append("")
     if p.fits:
@@ -113,13 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", default="h100", choices=sorted(mm.DEVICES), help="device to predict for")
     ap.add_argument("--mfu", type=float, default=mm.DEFAULT_MFU,
                     help=f"assumed model-FLOPs utilization (default {mm.DEFAULT_MFU})")
+    ap.add_argument("--gpus-per-node", type=int, default=hm.DEFAULT_GPUS_PER_NODE,
+                    help=f"ranks per node, for host RAM per node (default {hm.DEFAULT_GPUS_PER_NODE})")
+    ap.add_argument("--node-ram-gib", type=float, default=hm.DEFAULT_NODE_RAM_GIB,
+                    help=f"host RAM per node in GiB (default {hm.DEFAULT_NODE_RAM_GIB:g}, a 1 TB node)")
+    ap.add_argument("--storage-gbps", type=float, default=hm.DEFAULT_STORAGE_GBPS,
+                    help=f"checkpoint storage write bandwidth in GB/s per node (default {hm.DEFAULT_STORAGE_GBPS:g})")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_intermixed_args(argv)
 
     from loomtrain.launcher.config_loader import ConfigError
 
     try:
-        _, p = load_plan(args.config, args.overrides, args.world_size, args.gpu, args.mfu)
+        _, p = load_plan(args.config, args.overrides, args.world_size, args.gpu, args.mfu,
+                         gpus_per_node=args.gpus_per_node, node_ram_gib=args.node_ram_gib,
+                         storage_gbps=args.storage_gbps)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"loomtrain plan: {exc}", file=sys.stderr)
         return 2
@@ -130,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if p.fits else 1
 
 
-def load_plan(config: str, overrides: list[str], world_size: int | None, gpu: str, mfu: float):
+def load_plan(config: str, overrides: list[str], world_size: int | None, gpu: str, mfu: float, **host):
     """(RunConfig validated at its world size, its Plan); the world size defaults to the
     config's ray.num_workers. Shared by `plan` and `dryrun`; raises ConfigError,
     ValueError or FileNotFoundError for bad input."""
@@ -138,7 +151,7 @@ def load_plan(config: str, overrides: list[str], world_size: int | None, gpu: st
 
     world = world_size or _default_world(config, overrides)
     run = load_config(config, overrides, world_size=world)
-    return run, mm.make_plan(run, world, gpu, mfu)
+    return run, mm.make_plan(run, world, gpu, mfu, **host)
 
 
 def _default_world(config: str, overrides: list[str]) -> int:

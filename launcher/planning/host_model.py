@@ -1,0 +1,139 @@
+"""Host RAM per node, checkpoint size and save time: the part of `loomtrain plan` that is
+about the machine around the GPUs rather than the GPUs.
+
+Every figure comes from the config and the layout (`loomtrain.parallel.plan`):
+
+* Start-up (`loomtrain.parallel.materialize`): a rank generates one full fp32 parameter
+  at a time on the host, keeps its shard (cut in fp32, then cast) and moves it to the
+  device. Host peak per rank: the largest full parameter plus two copies of its shard,
+  on top of the process itself (HOST_PROCESS_GIB: Python, torch, CUDA/NCCL host buffers,
+  DeepSpeed; an allowance, not derived). For comparison the old path, a full fp32 model
+  per rank, is reported next to it. On a CPU "device" the model states live in host RAM
+  too and are added.
+* Checkpoint: layout-free, fp32 master weights plus Adam's two moments, 12 B per
+  parameter of the plain model, written once however many ranks hold it (plus small
+  JSON / RNG / data-state files, ignored). Each rank writes its share: its TP shard's DP
+  partition, 12 B x (parameters per TP rank) / dp.
+* Save / resume host RAM: a rank stages its share in host memory (async save copies all
+  of it to pinned memory, then writes in the background; a resume reads its slices
+  through host memory), so per rank the share plus the process allowance.
+* Save time: the nodes write in parallel, each at the stated storage bandwidth
+  (--storage-gbps, GB/s per node): checkpoint bytes / (nodes x bandwidth) for a
+  synchronous save. An async save blocks training only while each rank copies its share
+  to host memory (HOST_COPY_GBPS per GPU, pinned device-to-host over PCIe; on a CPU
+  device a host memcpy, CPU_COPY_GBPS).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GiB = 1024**3
+HOST_PROCESS_GIB = 3.0  # one rank's process: Python, torch, CUDA/NCCL host buffers, DeepSpeed
+DEFAULT_STORAGE_GBPS = 1.0  # GB/s per node to the checkpoint storage (a shared filesystem)
+DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_NODE_RAM_GIB = 1024.0  # a 1 TB host
+HOST_COPY_GBPS = 20.0  # pinned device-to-host per GPU (PCIe Gen4 x16 ~25 GB/s; conservative)
+CPU_COPY_GBPS = 5.0  # host memcpy of one rank's share on a CPU "device"
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master + Adam exp_avg + exp_avg_sq
+
+
+@dataclass
+class HostPlan:
+    ranks_per_node: int
+    nodes: int
+    node_ram: float  # bytes of host RAM per node
+    largest_param: int  # elements of the largest full parameter
+    startup_per_rank: float
+    startup_per_node: float
+    full_model_startup_per_node: float  # the old path: the full fp32 model on every rank
+    checkpoint_bytes: float
+    checkpoint_bytes_per_rank: float
+    save_per_rank: float  # host RAM while saving or resuming
+    save_per_node: float
+    storage_bps: float  # bytes/s per node
+    save_sync_s: float
+    save_async_blocked_s: float
+
+    @property
+    def startup_fits(self) -> bool:
+        return self.startup_per_node <= self.node_ram
+
+    @property
+    def save_fits(self) -> bool:
+        return self.save_per_node <= self.node_ram
+
+
+def host_plan(*, total_params: int, per_rank_params: int, largest_param: int, tp: int, dp: int,
+              world_size: int, device_states_on_host: float = 0.0, gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+              node_ram_gib: float = DEFAULT_NODE_RAM_GIB, storage_gbps: float = DEFAULT_STORAGE_GBPS,
+              on_cpu: bool = False) -> HostPlan:
+    """device_states_on_host: bytes per rank of model states that live in host RAM (a CPU
+    device, or an offloaded optimizer)."""
+    if gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
+    if storage_gbps <= 0:
+        raise ValueError(f"--storage-gbps must be positive, got {storage_gbps}")
+    if node_ram_gib <= 0:
+        raise ValueError(f"--node-ram-gib must be positive, got {node_ram_gib}")
+    per_node = min(world_size, gpus_per_node)
+    nodes = math.ceil(world_size / gpus_per_node)
+    process = HOST_PROCESS_GIB * GiB
+    transient = 4 * largest_param * (1 + 2 / tp)  # one full fp32 parameter + its shard, twice
+    startup = process + transient + device_states_on_host
+    share = CHECKPOINT_BYTES_PER_PARAM * per_rank_params / dp
+    save = process + share + device_states_on_host
+    ckpt = CHECKPOINT_BYTES_PER_PARAM * total_params
+    storage = storage_gbps * 1e9
+    copy = (CPU_COPY_GBPS if on_cpu else HOST_COPY_GBPS) * 1e9
+    return HostPlan(
+        ranks_per_node=per_node, nodes=nodes, node_ram=node_ram_gib * GiB, largest_param=largest_param,
+        startup_per_rank=startup, startup_per_node=per_node * startup,
+        full_model_startup_per_node=per_node * (process + 4 * total_params + device_states_on_host),
+        checkpoint_bytes=ckpt, checkpoint_bytes_per_rank=share, save_per_rank=save, save_per_node=per_node * save,
+        storage_bps=storage, save_sync_s=ckpt / (nodes * storage), save_async_blocked_s=share / copy)
+
+
+def format_bytes(x: float) -> str:
+    """GiB below 1 TiB, else TiB."""
+    return f"{x / GiB:.1f} GiB" if x < 1024 * GiB else f"{x / 1024 / GiB:.2f} TiB"
+
+
+def format_node_ram(x: float) -> str:
+    """A node's RAM as people name it: 1024 GiB is "1 TB" (memory is sold in binary units)."""
+    gib = x / GiB
+    return f"{gib / 1024:g} TB" if gib >= 1024 and (gib / 1024) == round(gib / 1024, 2) else f"{gib:g} GiB"
+
+
+def format_seconds(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
+    return f"{s:.3g} s"
+
+
+def format_host(h: HostPlan) -> list[str]:
+    node = f"{h.ranks_per_node} rank{'s' if h.ranks_per_node > 1 else ''}"
+    gpus = f"{h.ranks_per_node} GPUs" if h.ranks_per_node > 1 else "1 GPU"
+    lines = [
+        f"host RAM per node ({node}; {h.nodes} node{'s' if h.nodes > 1 else ''}; "
+        f"{format_node_ram(h.node_ram)} per node)",
+        f"  start-up          {format_bytes(h.startup_per_node):>12}   ({format_bytes(h.startup_per_rank)} per rank: "
+        f"the process, one full fp32 parameter of {h.largest_param / 1e6:,.1f} M at a time and its shard; "
+        f"building the full fp32 model on every rank would need {format_bytes(h.full_model_startup_per_node)})",
+        f"  save or resume    {format_bytes(h.save_per_node):>12}   ({format_bytes(h.save_per_rank)} per rank: "
+        f"the process and its {format_bytes(h.checkpoint_bytes_per_rank)} share staged in host memory)",
+        "checkpoint",
+        f"  size              {format_bytes(h.checkpoint_bytes):>12}   (fp32 masters + Adam moments, 12 B/param; "
+        f"{format_bytes(h.checkpoint_bytes_per_rank)} written per rank)",
+        f"  save at {h.storage_bps / 1e9:g} GB/s per node: synchronous {format_seconds(h.save_sync_s)} "
+        f"(all {h.nodes} node{'s' if h.nodes > 1 else ''} writing); async blocks training "
+        f"{format_seconds(h.save_async_blocked_s)} (the copy to host memory), then writes in the background",
+    ]
+    verdict = "fits" if h.startup_fits else "DOES NOT FIT"
+    lines.append(f"  start-up {verdict} a node with {gpus} and {format_node_ram(h.node_ram)} of RAM "
+                 f"({format_bytes(h.startup_per_node)} needed)"
+                 + ("" if h.save_fits else f"; saving needs {format_bytes(h.save_per_node)}, MORE than the node has"))
+    return lines
