@@ -10,7 +10,8 @@ Files: topology (groups, checks), collectives (autograd collectives, byte counts
 layers (column/row/vocab-parallel layers, vocab-parallel cross-entropy), plan
 (the one definition of the TP layout: ShardSpec, shard_spec, spec_of, shard_tensor,
 join_shards, gather_shards; parallelize, gathered_logits, full_state_dict),
-mpu (for DeepSpeed).
+materialize (start-up: a meta model, then only this rank's shards, one full parameter
+at a time), mpu (for DeepSpeed).
 `check_tp(model_cfg, tp, world_size)` validates a config before any worker starts.
 """
 
