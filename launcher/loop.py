@@ -259,9 +259,11 @@ def _train(cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopReq
                                                  metrics["mem_bytes"], env.device))
                 log.log(step, metrics)
                 log.console(step, metrics, time.perf_counter() - loop_start, step - start_step)
-            table = profiler.after_step(step)
-            if table is not None:
-                log.text("profile/top_ops", "```\n" + table + "\n```", step, raw=True)
+            if profiler.enabled:  # writing a trace may take long: it is I/O, not a hang
+                with dog.phase("profiler trace export", cfg.checkpoint.timeout_s):
+                    table = profiler.after_step(step)
+                if table is not None:
+                    log.text("profile/top_ops", "```\n" + table + "\n```", step, raw=True)
             if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or _is_final(step, cfg)):
                 ev = evaluate(ctx)
                 result.evals[step] = ev["eval/loss"]

@@ -10,7 +10,7 @@ Output, per rank, in RUN_DIR/profile/rank_NNNNN/:
 * `top_ops_steps_START-END.txt`: the operators by self time; the logging rank also puts
   this table into TensorBoard text (`profile/top_ops`);
 * `memory_snapshot_step_N.pickle`: opens in https://pytorch.org/memory_viz.
-Outside the chosen steps nothing is recorded and the loop pays one integer compare.
+Without log.profile_steps nothing is recorded and the loop pays one attribute test per step.
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ class StepProfiler:
         self.device = device
         self.snapshot_step = cfg.log.memory_snapshot_step if device.type == "cuda" and self.on_this_rank else 0
         self._prof = None
+        self.enabled = self.end >= self.start > 0 or self.snapshot_step > 0
         if self.snapshot_step:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
 
     def before_step(self, step: int) -> None:
         """`step` is the 1-based number of the step about to run."""
+        if not self.enabled:
+            return
         if step == self.start or (self.start < step <= self.end and self._prof is None):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":

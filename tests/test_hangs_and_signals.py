@@ -161,7 +161,7 @@ def test_torchrun_straggler_sigterm_to_every_rank_then_exact_resume(tmp_path, ca
 
     run_dir = tmp_path / "run"
     argv = cmd(run_dir, cache, "log.tensorboard=true", nproc=2)
-    run = Run(argv, clean_env(LOOMTRAIN_TEST_FAULTS="delay:1:0.25"), tmp_path)
+    run = Run(argv, clean_env(LOOMTRAIN_TEST_FAULTS="delay:1:0.5"), tmp_path)
     try:
         run.wait_for(lambda line: line.startswith("step 4/"), timeout=300)
         for pid in heartbeat_pids(run_dir):
@@ -178,7 +178,7 @@ def test_torchrun_straggler_sigterm_to_every_rank_then_exact_resume(tmp_path, ca
     # the straggler, job-wide: every logged step names rank 1, and the console says so
     recs = [r for r in records(run_dir) if "loss" in r]
     assert [r["slowest_rank"] for r in recs[1:]] == [1] * (len(recs) - 1), recs
-    assert all(r["step_time_max_s"] >= r["step_time_min_s"] + 0.2 for r in recs[1:])
+    assert all(r["step_time_max_s"] >= r["step_time_min_s"] + 0.4 for r in recs[1:])
     assert any("slowest rank 1:" in line for line in run.lines if line.startswith("step "))
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
