@@ -67,7 +67,8 @@ def build_model(cfg: RunConfig, topology, device: torch.device, tensors=None) ->
         from loomtrain.launcher.checkpoints.weight_source import init_from
 
         allocate_shards(model, device=device, dtype=dtype)
-        init_from(model, cfg.model, log=print if topology.rank == 0 else (lambda *a: None))
+        init_from(model, cfg.model, log=print if topology.rank == 0 else (lambda *a: None),
+                  run_dir=run_dir(cfg), resume=cfg.checkpoint.resume)
         for name, param in model.named_parameters():
             if after is not None:
                 after(name, param)

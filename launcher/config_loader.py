@@ -366,6 +366,8 @@ def _check_init_from(cfg: RunConfig) -> None:
     """model.init_from exists, is not the run's own final/ (which the run's end replaces), and
     holds a model with the shapes model.* gives."""
     src = Path(cfg.model.init_from).expanduser()
+    if not src.exists() and (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir():
+        return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
     _check(src.is_dir(), "model.init_from",
            "a run's final/ directory, a run directory or a Hugging Face model directory", cfg.model.init_from)
     own = Path(cfg.run.dir).expanduser().absolute()

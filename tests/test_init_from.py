@@ -110,3 +110,16 @@ def test_init_from_at_tp2_follows_tp1_and_starts_at_transformers_loss(imported, 
     theirs = F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
     print(f"first step: loomtrain {ref[0]:.7f}, transformers {theirs:.7f}")
     assert abs(ref[0] - theirs) <= 1e-5
+
+    # the weights only seed the first start: with them gone, a restart resumes from its checkpoint
+    from loomtrain.launcher.checkpoints.weight_source import init_from
+    from loomtrain.model import Transformer
+
+    hf.rename(hf.with_name("hf-gone"))
+    try:
+        cfg = load_config(run / "config.yaml", [o for o in one if not o.startswith("data.tokenizer=")])
+        said = []
+        init_from(Transformer(cfg.model), cfg.model, log=said.append, run_dir=tmp_path / "tp1")
+        assert "is gone; the run resumes from" in said[0] and "step_00000005" in said[0]
+    finally:
+        hf.with_name("hf-gone").rename(hf)

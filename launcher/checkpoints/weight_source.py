@@ -265,8 +265,19 @@ def open_matching(cfg) -> WeightSource:
     return source
 
 
-def init_from(model: torch.nn.Module, cfg, log=print) -> None:
-    """Load model.init_from into a freshly built (possibly tensor-parallel) model, in place."""
+def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str = "auto") -> None:
+    """Load model.init_from into a freshly built (possibly tensor-parallel) model, in place.
+
+    The weights only seed a run's first start: when they are gone but the run (`run_dir`,
+    `checkpoint.resume` not "never") has a complete checkpoint, which the resume then loads
+    over the model anyway, nothing is read."""
+    if run_dir is not None and resume != "never" and not Path(cfg.init_from).expanduser().exists():
+        from loomtrain.launcher.checkpoints.store import CheckpointStore
+
+        found = CheckpointStore(run_dir, log=log).find_resumable(checksums=False)
+        if found is not None:
+            log(f"model.init_from: {cfg.init_from} is gone; the run resumes from {found}")
+            return
     source = open_matching(cfg)
     load_into(model, source)
     log(f"model.init_from: starting from {source.description}")
