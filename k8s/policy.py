@@ -329,7 +329,10 @@ def _grace_period(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[st
     """On SIGTERM the ranks finish the step and save: the Ray pods must be given that long."""
     from loomtrain.launcher.planning.grace import grace_period_s
 
-    need = grace_period_s(cfg)
+    try:
+        need = grace_period_s(cfg)
+    except ValueError as exc:  # a config the plan cannot size is reported by the other rules
+        return [(where, f"[grace-period] cannot estimate the save time of {name}: {exc}")]
     tpls = [("head", (cspec.get("headGroupSpec") or {}).get("template") or {})]
     tpls += [(f"worker group {g.get('groupName')!r}", g.get("template") or {}) for g in cspec.get("workerGroupSpecs") or []]
     out = []

@@ -192,9 +192,13 @@ def submit(args) -> int:
     cfg = _check_config(args.config, args.overrides)
     # `loomtrain stop` makes Ray SIGTERM the driver, which has the workers save; Ray's job
     # supervisor (it runs with these env_vars) SIGKILLs after this many seconds, 3 by default.
-    from loomtrain.launcher.planning.grace import grace_period_s
+    from loomtrain.launcher.planning.grace import FALLBACK_S, grace_period_s
 
-    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(grace_period_s(cfg)))
+    try:
+        wait_s = grace_period_s(cfg)
+    except ValueError:  # a shape the plan cannot size here: still far more than Ray's 3 s
+        wait_s = FALLBACK_S
+    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(wait_s))
     if args.dry_run:
         entries, left_out, config_in_job = _plan(args.config)
         print(format_listing(entries, left_out))

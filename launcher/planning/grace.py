@@ -4,13 +4,11 @@ On SIGTERM every rank finishes the step it is in, writes its checkpoint shard an
 exits (loomtrain.launcher.stopping). Kubernetes kills the pod after
 `terminationGracePeriodSeconds` (default 30 s), so the pods' value must cover
 
-    one optimizer step  +  one checkpoint save  (x SAFETY)  +  MARGIN_S
+    one optimizer step  +  SAFETY x one synchronous checkpoint save  +  MARGIN_S
 
-* the save: each rank writes its model-state shard (loomtrain.launcher.planning.memory_model's
-  bytes per rank: parameters, optimizer states, at the config's ZeRO stage and TP) at
-  WRITE_BYTES_PER_S, a conservative figure for a shared (RWX) volume under many writers;
-* the step: its FLOPs on the GPU at the plan's assumed MFU (CPU runs: CPU_STEP_S).
-
+with both figures from `loomtrain plan` (loomtrain.launcher.planning.memory_model's
+step time at the assumed MFU, host_model's save time at the default storage bandwidth
+per node), on an H100 for `ray.use_gpu` configs and on this kind of CPU otherwise.
 `k8s/check.py` requires the Ray pods of a RayJob to declare at least
 `grace_period_s(config)` (rule [grace-period]).
 """
@@ -20,41 +18,23 @@ from __future__ import annotations
 import math
 from typing import Any
 
-WRITE_BYTES_PER_S = 200e6
-SAFETY = 2.0
-MARGIN_S = 30.0
-CPU_STEP_S = 60.0
+SAFETY = 2.0  # a shared filesystem under a whole job's writers is slower than its datasheet
+MARGIN_S = 30.0  # process exit, Ray's report of the checkpoint, the driver's own exit
+FALLBACK_S = 300  # when the plan cannot size a config (used by `loomtrain submit`)
 
 
-def checkpoint_bytes_per_rank(cfg: Any, world_size: int) -> float:
-    """Bytes one rank writes per checkpoint: its parameters' and optimizer states' shard."""
-    from loomtrain.launcher.planning import memory_model as mm
-
-    tp = cfg.parallel.tp
-    dp = max(1, world_size // tp)
-    per_tp_rank = mm.analytic_param_count(cfg.model) / tp
-    states = mm.model_state_bytes(per_tp_rank, cfg.parallel.zero_stage, dp, cfg.train.precision,
-                                  cfg.parallel.offload_optimizer)
-    return states.params + states.optimizer + states.offloaded
-
-
-def save_seconds(cfg: Any, world_size: int) -> float:
-    return checkpoint_bytes_per_rank(cfg, world_size) / WRITE_BYTES_PER_S
-
-
-def step_seconds(cfg: Any, world_size: int, gpu: str = "h100") -> float:
-    if not cfg.ray.use_gpu:
-        return CPU_STEP_S
-    from loomtrain.launcher.planning import memory_model as mm
-
-    t = cfg.train
-    flops = mm.flops_per_token(mm.analytic_param_count(cfg.model), cfg.model, t.seq_len) * t.global_batch_size * t.seq_len
-    dev = mm.device_spec(gpu)
-    peak = (dev.fp32_tflops if t.precision == "fp32" else dev.bf16_tflops) * 1e12
-    return flops / (world_size * peak * mm.DEFAULT_MFU)
-
-
-def grace_period_s(cfg: Any, world_size: int | None = None) -> int:
+def grace_period_s(cfg: Any, world_size: int | None = None, gpu: str | None = None) -> int:
     """terminationGracePeriodSeconds for the pods of a run of `cfg` (whole seconds)."""
+    from loomtrain.launcher.planning.memory_model import make_plan
+
     world = world_size or cfg.ray.num_workers
-    return int(math.ceil(step_seconds(cfg, world) + SAFETY * save_seconds(cfg, world) + MARGIN_S))
+    plan = make_plan(cfg, world, gpu=gpu or ("h100" if cfg.ray.use_gpu else "cpu"))
+    return int(math.ceil(plan.step_time_s + SAFETY * plan.host.save_sync_s + MARGIN_S))
+
+
+def save_seconds(cfg: Any, world_size: int | None = None, gpu: str | None = None) -> float:
+    """The plan's synchronous save time for `cfg`."""
+    from loomtrain.launcher.planning.memory_model import make_plan
+
+    world = world_size or cfg.ray.num_workers
+    return make_plan(cfg, world, gpu=gpu or ("h100" if cfg.ray.use_gpu else "cpu")).host.save_sync_s
