@@ -4,15 +4,16 @@ Runs exactly one rank of a cluster config on this machine (its GPU, else the CPU
 prints what it measured next to `plan`'s prediction, as a table.
 
 One rank's shard, without its peers: the full-size model is built on the meta device
-(accelerate's `init_empty_weights`: no memory), then the real TP plan
-(`loomtrain.parallel.parallelize`) shards it for TP rank 0 of `parallel.tp` through a
+(no memory), then the real TP plan (`loomtrain.parallel.parallelize`, through
+`loomtrain.parallel.materialize.sharded_meta_model`) shards it for TP rank 0 of `parallel.tp` through a
 stand-alone topology whose TP group is None, which loomtrain's collectives treat as a
 group of one (every TP all-reduce / all-gather is the identity). So the modules,
 shapes, dtypes and parameter attributes are exactly one cluster rank's; only the
 communication is missing (the TP bytes `plan` predicts are not moved). The shard is
 then materialized on the local device by the training start-up's own path
 (`loomtrain.parallel.materialize`: the seeded init one full parameter at a time, this
-rank's slice kept), and trained through the real DeepSpeed engine
+rank's slice kept; for a 70 B config that generates every full parameter once on the
+CPU, which takes minutes), and trained through the real DeepSpeed engine
 (`engine.build_engine`) at the config's ZeRO stage and precision with dp = 1 and one
 micro-batch per step, on random tokens. With dp = 1 ZeRO divides nothing, so the
 table has three columns: plan for one rank of the cluster, plan for this dry run
