@@ -117,6 +117,9 @@ class CheckpointConfig:
     stop_at_step: int = 0
     # Limit for one checkpoint's I/O: the hang watchdog allows a save this long.
     timeout_s: int = 1800
+    # Write checkpoints on a background thread from a host copy taken at the step boundary,
+    # so training goes on while the files are written (false: the step waits for the save).
+    async_save: bool = True
 
 
 @dataclass

@@ -10,6 +10,8 @@
                              PATH (a checkpoint directory, or a run directory): seeds the
                              first start only; once RUN_DIR has checkpoints, those win
     checkpoint.stop_at_step  save and exit cleanly after this step (0: never)
+    checkpoint.async_save    write in the background (background.py); at most one save in
+                             flight, and SIGTERM, stop_at_step and the end wait for it
 
 A stop request (SIGTERM, SIGINT, SIGHUP, `loomtrain stop`; see
 loomtrain.launcher.stopping) reaches this hook as `ctx.stop_requested` with the signal
@@ -27,8 +29,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loomtrain.launcher.checkpoints.state import barrier, broadcast_str, load_checkpoint, save_checkpoint
-from loomtrain.launcher.checkpoints.store import CheckpointStore, is_write_error, write_error
+import torch.distributed as dist
+
+from loomtrain.launcher.checkpoints.background import BackgroundSave
+from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
+from loomtrain.launcher.checkpoints.state import (
+    barrier,
+    broadcast_str,
+    load_checkpoint,
+    publish_snapshot,
+    take_snapshot,
+    write_snapshot,
+)
+from loomtrain.launcher.checkpoints.store import CheckpointStore, is_write_error, verify, write_error
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.rundir import supersede
 from loomtrain.launcher.watchdog import io_phase
@@ -40,6 +53,8 @@ class CheckpointHook(Hooks):
         self.store: CheckpointStore | None = None
         self.last_saved = -1
         self.resumed_from: Path | None = None
+        self.in_flight: BackgroundSave | None = None
+        self.saves: list[dict] = []  # per save: step, blocked_s, write/publish times (tests, benchmarks)
 
     # Hooks -----------------------------------------------------------------------------
     def on_train_start(self, ctx: TrainContext) -> None:
@@ -52,7 +67,8 @@ class CheckpointHook(Hooks):
             if c.resume == "never":  # earlier checkpoints and outputs go aside, nothing is deleted
                 supersede(Path(ctx.run_dir), self.store.set_aside(), log=log)
             try:
-                path = self.store.resolve_resume(c.resume)
+                # Sizes only here: each rank verifies the checksums of what it reads (load_checkpoint).
+                path = self.store.resolve_resume(c.resume, checksums=False)
                 found = None if path is None else str(path)
             except ValueError as exc:
                 error = str(exc)
@@ -67,13 +83,7 @@ class CheckpointHook(Hooks):
             self._tidy(ctx, fresh=True, log=log)
             return
         t0 = time.perf_counter()
-        try:
-            trainer = load_checkpoint(found, ctx.engine, ctx.topology, stream=ctx.train_stream,
-                                      lr_scheduler=ctx.scheduler, zero_stage=self.cfg.parallel.zero_stage)
-        except ValueError as exc:  # another model shape: the same verdict on every rank
-            from loomtrain.launcher.config_loader import ConfigError
-
-            raise ConfigError(f"checkpoint.resume={c.resume}: {exc}") from exc
+        trainer = self._load_first_good(ctx, found, log)
         self._tidy(ctx, fresh=False, log=log)
         state = trainer.get("counters", {}).get("state")
         if state:
@@ -81,8 +91,10 @@ class CheckpointHook(Hooks):
         else:
             ctx.state.step = int(trainer["step"])
         self.last_saved = ctx.state.step
+        found = trainer["path"]
         self.resumed_from = Path(found)
         ctx.extras["resumed_from"] = str(found)
+        ctx.extras["checkpoint_bytes_read"] = trainer.get("bytes_read", 0)
         lay = trainer["layout"]
         log(f"resumed from {found} (step {ctx.state.step}, saved at tp {lay['tp']} x dp {lay['dp']} "
             f"zero {lay['zero_stage']}) in {time.perf_counter() - t0:.1f} s")
@@ -96,6 +108,45 @@ class CheckpointHook(Hooks):
             if fresh:
                 supersede(Path(ctx.run_dir), None, log=log)
 
+    def _load_first_good(self, ctx: TrainContext, found: str, log) -> dict:
+        """Load `found`; if a rank finds a damaged file while reading, every rank hears of it
+        and (checkpoint.resume=auto) the next older complete checkpoint is tried."""
+        from loomtrain.launcher.config_loader import ConfigError
+
+        c = self.cfg.checkpoint
+        while True:
+            bad = None
+            try:
+                trainer = load_checkpoint(found, ctx.engine, ctx.topology, stream=ctx.train_stream,
+                                          lr_scheduler=ctx.scheduler, zero_stage=self.cfg.parallel.zero_stage)
+            except CorruptCheckpoint as exc:
+                bad = str(exc)
+            except ValueError as exc:  # another model shape: the same verdict on every rank
+                raise ConfigError(f"checkpoint.resume={c.resume}: {exc}") from exc
+            reasons = [bad]
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                reasons = [None] * dist.get_world_size()
+                dist.all_gather_object(reasons, bad)
+            bad = next((r for r in reasons if r), None)
+            if bad is None:
+                trainer["path"] = found
+                return trainer
+            if c.resume not in ("auto", ""):
+                raise ConfigError(f"checkpoint.resume={c.resume}: not a usable checkpoint: {bad}")
+            log(f"checkpoint: skipping {found}: {bad}; trying the previous one")
+            older = None
+            if ctx.dist.rank == 0:
+                step = int(Path(found).name.split("_")[-1])
+                for s, path in reversed(self.store.published()):
+                    if s < step and verify(path, checksums=False).ok:
+                        older = str(path)
+                        break
+            older = broadcast_str(older)
+            if older is None:
+                raise ConfigError(f"checkpoint: no usable checkpoint in {self.store.root}: {bad}; "
+                                  f"start afresh with checkpoint.resume=never")
+            found = older
+
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
         every = self.cfg.checkpoint.every_steps
         step = ctx.state.step
@@ -107,31 +158,85 @@ class CheckpointHook(Hooks):
         if stop or (every and step % every == 0):
             reason = signal.Signals(signum).name if signum else ("checkpoint.stop_at_step" if stop else "")
             self.save(ctx, reason=reason)
+        if stop:
+            self.wait(ctx)
 
     def on_train_end(self, ctx: TrainContext) -> None:
         if ctx.state.step != self.last_saved and ctx.state.step > 0:
             self.save(ctx, reason="end")
+        self.wait(ctx)
 
     # Saving -----------------------------------------------------------------------------
-    def save(self, ctx: TrainContext, reason: str = "") -> Path:
-        from loomtrain.launcher.config_loader import to_yaml
+    def wait(self, ctx: TrainContext) -> None:
+        """Wait for the save in flight (every rank; rank 0 until it is published)."""
+        bg, self.in_flight = self.in_flight, None
+        if bg is None:
+            return
+        with io_phase("checkpoint save (waiting for the one in flight)"):
+            bg.wait()
+            barrier()
+        for rec in self.saves:
+            if rec["step"] == bg.step:
+                rec.update(bg.record())
+        if bg.error is not None:
+            if is_write_error(bg.error):  # a full or read-only disk: one line, `latest` untouched
+                raise write_error(bg.error, self.store, bg.step) from None
+            self._message(ctx, f"checkpoint: step {bg.step} was not saved (rank {ctx.dist.rank}): {bg.error}",
+                          every_rank=True)
 
-        t0 = time.perf_counter()
+    def save(self, ctx: TrainContext, reason: str = "") -> Path:
+        """Save this step: synchronously, or (checkpoint.async_save) hand it to a writer thread
+        after waiting for the one in flight. Returns the directory it is (or will be) published as."""
+        self.wait(ctx)
         try:
-            with io_phase("checkpoint save"):
-                path = save_checkpoint(
-                    self.store, ctx.state.step, ctx.engine, ctx.topology, stream=ctx.train_stream,
-                    counters={"state": ctx.state.state_dict()}, lr_scheduler=ctx.scheduler,
-                    config_yaml=to_yaml(self.cfg), tokenizer=ctx.tokenizer, zero_stage=self.cfg.parallel.zero_stage,
-                )
+            return self._save(ctx, reason)
         except Exception as exc:  # a full or read-only disk: one line, `latest` untouched
             if is_write_error(exc):
                 raise write_error(exc, self.store, ctx.state.step) from None
             raise
-        self.last_saved = ctx.state.step
-        if ctx.dist.rank == 0:
-            msg = f"checkpoint: step {ctx.state.step} -> {path} ({time.perf_counter() - t0:.1f} s)"
-            if reason:
-                msg += f" [{reason}]"
-            (ctx.metrics.message if ctx.metrics is not None else print)(msg)
+
+    def _save(self, ctx: TrainContext, reason: str) -> Path:
+        from loomtrain.launcher.config_loader import to_yaml
+
+        with io_phase("checkpoint save"):
+            t0 = time.perf_counter()
+            step, rank = ctx.state.step, ctx.dist.rank
+            tmp = self.store.begin(step) if rank == 0 else self.store.temp_dir(step)
+            barrier()
+            asynchronous = bool(self.cfg.checkpoint.async_save)
+            snap = take_snapshot(step, ctx.engine, ctx.topology, copy=asynchronous, stream=ctx.train_stream,
+                                 counters={"state": ctx.state.state_dict()}, lr_scheduler=ctx.scheduler,
+                                 config_yaml=to_yaml(self.cfg), tokenizer=ctx.tokenizer,
+                                 zero_stage=self.cfg.parallel.zero_stage)
+            self.last_saved = step
+            record = {"step": step, "reason": reason, "async": asynchronous}
+            self.saves.append(record)
+            ctx.extras["checkpoint_saves"] = self.saves
+
+            def published(bg: BackgroundSave) -> None:
+                record.update(bg.record())
+                msg = (f"checkpoint: step {bg.step} -> {bg.path} ({time.perf_counter() - t0:.1f} s, "
+                       f"training blocked {record['blocked_s']:.2f} s)")
+                self._message(ctx, msg + (f" [{reason}]" if reason else ""))
+
+            if asynchronous:
+                self.in_flight = BackgroundSave(snap, self.store, tmp, on_published=published if rank == 0 else None)
+                record["blocked_s"] = time.perf_counter() - t0
+                self.in_flight.start()
+                return self.store.final_dir(step)
+            write_snapshot(snap, self.store, tmp)
+            barrier()
+            path = publish_snapshot(self.store, tmp, step, snap.world) if rank == 0 else self.store.final_dir(step)
+            barrier()
+            record["blocked_s"] = time.perf_counter() - t0
+            if rank == 0:
+                msg = f"checkpoint: step {step} -> {path} ({record['blocked_s']:.1f} s)"
+                self._message(ctx, msg + (f" [{reason}]" if reason else ""))
         return path
+
+    @staticmethod
+    def _message(ctx: TrainContext, msg: str, every_rank: bool = False) -> None:
+        if ctx.dist.rank == 0 and ctx.metrics is not None:
+            ctx.metrics.message(msg)
+        elif ctx.dist.rank == 0 or every_rank:
+            print(msg, flush=True)

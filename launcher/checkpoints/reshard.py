@@ -224,3 +224,113 @@ def consolidated_weights(engine, topology, dst: int = 0) -> dict[str, torch.Tens
         if out is not None:
             out[name] = full.cpu()
     return out
+
+
+# What this rank holds, as a region of the full tensor (the sharded checkpoint format) --------
+def local_box(p) -> tuple[int, int, int, int]:
+    """The matrix box (see checkpoints/shards.py) of this rank's TP shard of p, padding included."""
+    from loomtrain.launcher.checkpoints.shards import shard_box
+
+    meta = _tp_meta(p)
+    if meta is None:
+        return shard_box(_local_full_shape(p), None)
+    length = meta["padded_size"] // meta["num_shards"]
+    return shard_box(meta["full_shape"], meta["partition_dim"], meta["shard_index"] * length, length)
+
+
+def full_shape(p) -> list[int]:
+    meta = _tp_meta(p)
+    return list(meta["full_shape"] if meta is not None else _local_full_shape(p))
+
+
+def _replica_split(p, topology) -> tuple[int, int]:
+    """(number of TP ranks holding the same shard of p, this rank's index among them)."""
+    tp = topology.tp_size if topology is not None else 1
+    if tp == 1:
+        return 1, 0
+    meta = _tp_meta(p)
+    if meta is None:
+        return tp, topology.tp_rank
+    m = tp // meta["num_shards"]
+    return m, topology.tp_rank % m
+
+
+def _zero3_partition(engine, p) -> tuple[int, int, int]:
+    """(start, real numel, partition numel) of this rank's ZeRO-3 partition in p's flat shard."""
+    n = p.ds_tensor.numel()
+    start = engine.optimizer._get_param_partition_rank(p) * n
+    return start, max(0, min(n, p.ds_numel - start)), n
+
+
+def held_range(engine, p, topology) -> tuple[int, int]:
+    """The range [a, b) of p's flattened TP shard that DeepSpeed keeps on this rank
+    (the fp32 master and Adam moments): the ZeRO 1-3 partition, or all of it at ZeRO 0."""
+    if hasattr(p, "ds_id"):
+        start, real, _ = _zero3_partition(engine, p)
+        return start, start + real
+    if hasattr(p, "_hp_mapping"):
+        hp = p._hp_mapping
+        if hp is None:
+            return 0, 0
+        return hp.lp_fragment_address.start, hp.lp_fragment_address.start + hp.lp_fragment_address.numel
+    return 0, p.numel()
+
+
+def written_range(engine, p, topology) -> tuple[int, int]:
+    """The share of p this rank writes: what it holds, split evenly among the ranks that hold
+    the same values (DP ranks at ZeRO 0, TP ranks for parameters TP does not split)."""
+    a, b = held_range(engine, p, topology)
+    holders, index = _replica_split(p, topology)
+    partitioned = hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+    if not partitioned and topology is not None and topology.dp_size > 1:
+        holders, index = holders * topology.dp_size, topology.dp_rank * holders + index
+    n = b - a
+    return a + n * index // holders, a + n * (index + 1) // holders
+
+
+def held_values(engine, p, key: str | None) -> torch.Tensor:
+    """The 1-D fp32 values of `held_range` (master for key None, else an Adam moment);
+    a view where DeepSpeed keeps them flat, on their device."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+    if hasattr(p, "ds_id"):
+        _, real, _ = _zero3_partition(engine, p)
+        t = safe_get_local_fp32_param(p) if key is None else safe_get_local_optimizer_state(p, key)
+        return t.reshape(-1)[:real]
+    if hasattr(p, "_hp_mapping"):
+        if p._hp_mapping is None:
+            return torch.zeros(0)
+        return p._hp_mapping.get_hp_fragment(key).reshape(-1)
+    hp = _master_of(engine, p)
+    if key is None:
+        return hp.detach().reshape(-1)
+    return _inner_optimizer(engine.optimizer).state[hp][key].reshape(-1)
+
+
+def set_held_values(engine, p, key: str | None, value: torch.Tensor) -> None:
+    """Put back `held_range`'s values (a 1-D fp32 tensor). For the master at ZeRO 0-2 use
+    `write_local` with the whole shard instead (the model's own copy needs all of it)."""
+    from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+    if hasattr(p, "ds_id"):
+        _, real, n = _zero3_partition(engine, p)
+        dev = p.ds_tensor.device
+        full = torch.zeros(n, dtype=torch.float32, device=dev)
+        full[:real] = value.to(dev)
+        if key is None:
+            safe_set_local_fp32_param(p, full)
+            p.ds_tensor.data.copy_(full.to(p.ds_tensor.dtype))  # the partitioned model weight
+        else:
+            safe_set_local_optimizer_state(p, full, key)
+        return
+    if hasattr(p, "_hp_mapping"):
+        if p._hp_mapping is not None:
+            frag = p._hp_mapping.get_hp_fragment(key)
+            frag.data.copy_(value.to(frag.device, frag.dtype).reshape(frag.shape))
+        return
+    hp = _master_of(engine, p)
+    if key is None:
+        write_local(engine, p, None, value.reshape(p.shape))
+    else:
+        st = _inner_optimizer(engine.optimizer).state[hp][key]
+        st.copy_(value.to(st.device).reshape(st.shape))

@@ -6,44 +6,69 @@ out (`ds_to_universal` + `load_universal`) is an offline conversion that needs
 TP name patterns for every replicated / row-parallel parameter, knows nothing of
 our padded vocabulary or of KV heads replicated over TP ranks, and for ZeRO-3+TP
 needs extra per-parameter metadata. Instead every checkpoint is written in one
-layout-free ("consolidated") form, under our control:
+layout-free form, under our control (see shards.py for the piece/tile geometry):
 
-    model/rank_RRRRR.safetensors   full fp32 master weights, one tensor per parameter
-                                   name, vocabulary unpadded (params spread over ranks)
-    optim/rank_RRRRR.safetensors   full fp32 Adam moments "<name>/exp_avg", "<name>/exp_avg_sq"
-    model/index.json               name -> file, full shape, TP split dim
+    model/rank_RRRRR.safetensors   the fp32 master values rank R holds: one 1-D piece per
+                                   parameter (its TP shard's ZeRO partition, or a slice of it)
+    optim/rank_RRRRR.safetensors   the same pieces of the Adam moments "<name>/exp_avg", "<name>/exp_avg_sq"
+    model/index.json               per parameter: full shape, and per piece the file, the region
+                                   of the full tensor it covers and a sha256 per tile
     trainer.json                   step, tokens, time, Adam step, LR schedule, engine counters,
                                    world layout (tp, dp, zero stage)
     data/dp_DDDDD.json             each data-parallel rank's stream state (global position)
     rng/rank_RRRRR.safetensors     every rank's RNG states (python, numpy, torch CPU, CUDA)
     config.yaml, tokenizer/        the resolved config and the tokenizer
-    manifest.json                  sizes + sha256 of all of the above (checkpoint_store.py)
+    manifest.json                  sizes + sha256 of all of the above (store.py)
 
-The fp32 masters and moments (see reshard.py) are read out of whatever DeepSpeed holds (ZeRO 0-3,
-fp32 or bf16) with its `safe_get_full_*` API, gathered over the TP group with the
-`tp_meta` the TP plan attaches to each shard, and on load re-sliced for the new
-TP rank and written back with `safe_set_full_*`. The values are copied, never
-recomputed, so a resume at the same layout is bitwise exact in fp32, and a resume
-at another (tp, dp, zero stage) continues from the very same optimizer state.
-The price: a save moves every parameter through a DP all-reduce and a TP
-all-gather (one parameter at a time, so memory stays at one full parameter).
+Save: each rank writes what DeepSpeed keeps on it (reshard.py `held_range`; ranks that hold
+the same values split them), hashing while it writes; no gather, no re-read. Per-rank index
+parts are merged by rank 0, which publishes (store.py protocol). `take_snapshot` (at the step
+boundary) and `write_snapshot` (possibly on a background thread, see background.py) are the
+two halves.
+
+Load: each rank reads only its slices (its TP shard of the weights, at ZeRO-3 only its
+partition; its partition of the moments) and verifies every tile it reads, so no rank hashes
+the whole checkpoint. The values are copied, never recomputed: a resume at the same layout is
+bitwise exact in fp32, and a resume at another (tp, dp, zero stage) continues from the very
+same optimizer state.
 
 Nothing here unpickles: safetensors and JSON only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from loomtrain.launcher.checkpoints.store import CheckpointStore, write_json_durable
+from loomtrain.launcher.checkpoints.shards import (
+    GRID_COLS,
+    GRID_ROWS,
+    CorruptCheckpoint,
+    Region,
+    ShardedReader,
+    matrix_shape,
+    region_runs,
+    tile_hashes,
+    write_safetensors,
+)
+from loomtrain.launcher.checkpoints.store import (
+    PARTS_DIR,
+    CheckpointStore,
+    describe_files,
+    read_manifest,
+    write_bytes_durable,
+    write_json_durable,
+)
 from loomtrain.launcher.checkpoints.reshard import (  # noqa: F401  (broadcast_str, consolidated_weights: re-exported)
     MOMENTS,
     _adam_step,
@@ -51,21 +76,23 @@ from loomtrain.launcher.checkpoints.reshard import (  # noqa: F401  (broadcast_s
     _local_full_shape,
     _rank,
     _set_adam_step,
-    _set_zero3_model_weights,
-    _tp_meta,
     _world,
     barrier,
     broadcast_str,
     consolidated_weights,
     ensure_optimizer_state,
-    gather_tp,
+    full_shape,
+    held_range,
+    held_values,
+    local_box,
     named_params,
-    read_local,
-    shard_tp,
+    set_held_values,
     write_local,
+    written_range,
 )
 
-FORMAT = "loomtrain-consolidated-v1"
+FORMAT = "loomtrain-sharded-v2"
+KEYS = (None, *MOMENTS)
 
 
 # RNG --------------------------------------------------------------------------------
@@ -102,84 +129,185 @@ def layout(topology, zero_stage: int) -> dict:
     return {"tp": tp, "dp": dp, "world_size": tp * dp, "zero_stage": int(zero_stage)}
 
 
-def save_checkpoint(store: CheckpointStore, step: int, engine, topology, *, stream=None,
-                    counters: dict | None = None, lr_scheduler=None, config_yaml: str | None = None,
-                    tokenizer=None, zero_stage: int = 0) -> Path:
-    """Every rank calls this at the same step boundary; returns the published directory."""
-    rank, world = _rank(), _world()
-    tmp = store.begin(step) if rank == 0 else store.temp_dir(step)
-    barrier()
-    written: list[str] = []
+@dataclass
+class Snapshot:
+    """One rank's share of a checkpoint, taken at a step boundary (host copies when `copy`)."""
 
-    # Weights and Adam moments: every rank takes part in every gather; parameter i is
-    # written by rank i % world so the files (and the memory) are spread over ranks.
+    step: int
+    rank: int
+    world: int
+    pieces: dict = field(default_factory=dict)  # name -> (Region, {"weight"|moment: 1-D fp32})
+    shapes: dict = field(default_factory=dict)  # name -> full shape (rank 0 writes the index)
+    rng: tuple = ({}, {})
+    data: tuple | None = None  # (relpath, stream state)
+    trainer: dict | None = None  # rank 0
+    config_yaml: str | None = None
+    tokenizer: object = None
+    meta: dict = field(default_factory=dict)
+
+
+def _to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t.detach().clone() if copy else t.detach()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(t.detach())
+    return host
+
+
+def take_snapshot(step: int, engine, topology, *, copy: bool, stream=None, counters: dict | None = None,
+                  lr_scheduler=None, config_yaml: str | None = None, tokenizer=None,
+                  zero_stage: int = 0) -> Snapshot:
+    """This rank's share of the checkpoint of `step`; no collective. With copy=False the pieces
+    are views of DeepSpeed's live buffers (the caller writes them before the next step)."""
+    rank = _rank()
+    snap = Snapshot(step=int(step), rank=rank, world=_world())
     ensure_optimizer_state(engine)
-    weights, moments, index = {}, {}, {}
-    for i, (name, p) in enumerate(named_params(engine)):
-        meta = _tp_meta(p)
-        full = gather_tp(read_local(engine, p, None), meta, topology).cpu()
-        moms = [gather_tp(read_local(engine, p, k), meta, topology).cpu() for k in MOMENTS]
-        owner = i % world
-        if rank == owner:
-            weights[name] = full.contiguous()
-            for k, m in zip(MOMENTS, moms):
-                moments[f"{name}/{k}"] = m.contiguous()
-        index[name] = {"file": f"rank_{owner:05d}.safetensors", "shape": list(full.shape),
-                       "tp_dim": None if meta is None else meta["partition_dim"]}
-    if weights:
-        (tmp / "model").mkdir(exist_ok=True)
-        (tmp / "optim").mkdir(exist_ok=True)
-        save_file(weights, str(tmp / "model" / f"rank_{rank:05d}.safetensors"), metadata={"format": FORMAT})
-        save_file(moments, str(tmp / "optim" / f"rank_{rank:05d}.safetensors"), metadata={"format": FORMAT})
-        written += [f"model/rank_{rank:05d}.safetensors", f"optim/rank_{rank:05d}.safetensors"]
-
-    # RNG: every rank.
-    (tmp / "rng").mkdir(exist_ok=True)
-    tensors, meta = rng_state()
-    save_file(tensors, str(tmp / "rng" / f"rank_{rank:05d}.safetensors"), metadata=meta)
-    written.append(f"rng/rank_{rank:05d}.safetensors")
-
-    # Data position: the first rank of each TP group speaks for its DP rank.
+    for name, p in named_params(engine):
+        snap.shapes[name] = full_shape(p)
+        ha, _ = held_range(engine, p, topology)
+        a, b = written_range(engine, p, topology)
+        if b <= a:
+            continue
+        values = {("weight" if k is None else k): _to_host(held_values(engine, p, k)[a - ha:b - ha], copy)
+                  for k in KEYS}
+        snap.pieces[name] = (Region(local_box(p), (a, b)), values)
+    snap.rng = rng_state()
     if stream is not None and (topology is None or topology.tp_rank == 0):
         dp_rank = topology.dp_rank if topology is not None else 0
-        rel = f"data/dp_{dp_rank:05d}.json"
-        write_json_durable(tmp / rel, stream.state_dict())
-        written.append(rel)
-
-    adam_step = _adam_step(engine)
+        snap.data = (f"data/dp_{dp_rank:05d}.json", stream.state_dict())
+    snap.meta = {"layout": layout(topology, zero_stage), "checkpoint_format": FORMAT}
     if rank == 0:
-        write_json_durable(tmp / "model" / "index.json", {"format": FORMAT, "params": index})
-        written.append("model/index.json")
         sched = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler", None)
         inner = _inner_optimizer(engine.optimizer)
-        trainer = {
+        snap.trainer = {
             "format": FORMAT,
             "step": int(step),
             "counters": dict(counters or {}),
-            "adam_step": adam_step,
+            "adam_step": _adam_step(engine),
             "lr_scheduler": _jsonable(sched.state_dict()) if sched is not None and hasattr(sched, "state_dict") else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params" and _is_plain(v)} for g in inner.param_groups],
             "engine": {k: int(getattr(engine, k, 0) or 0) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")},
             "loss_scaler": _loss_scaler_state(engine),
             "layout": layout(topology, zero_stage),
         }
-        write_json_durable(tmp / "trainer.json", trainer)
-        written.append("trainer.json")
-        if config_yaml is not None:
-            (tmp / "config.yaml").write_text(config_yaml)
-            written.append("config.yaml")
-        if tokenizer is not None and hasattr(tokenizer, "save"):
+        snap.config_yaml = config_yaml
+        snap.tokenizer = tokenizer
+    return snap
+
+
+def _write_json(tmp: Path, rel: str, obj) -> dict:
+    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    write_bytes_durable(tmp / rel, data)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
+    """Write this rank's files into the temp directory, hashing as it writes, then its index
+    part and file list (the list last: its presence says this rank is done)."""
+    _test_slow_write(snap.step)
+    tmp = Path(tmp)
+    rank = snap.rank
+    files: dict[str, dict] = {}
+    index_part: dict = {}
+    if snap.pieces:
+        model_rel, optim_rel = f"model/rank_{rank:05d}.safetensors", f"optim/rank_{rank:05d}.safetensors"
+        weights, moments = {}, {}
+        for name, (region, values) in snap.pieces.items():
+            weights[name] = values["weight"]
+            for k in MOMENTS:
+                moments[f"{name}/{k}"] = values[k]
+            index_part[name] = {"file": f"rank_{rank:05d}.safetensors", **region.to_json(),
+                                "tiles": tile_hashes(region, snap.shapes[name], values)}
+        files[model_rel] = write_safetensors(tmp / model_rel, weights, metadata={"format": FORMAT})
+        files[optim_rel] = write_safetensors(tmp / optim_rel, moments, metadata={"format": FORMAT})
+    rng_rel = f"rng/rank_{rank:05d}.safetensors"
+    files[rng_rel] = write_safetensors(tmp / rng_rel, *snap.rng)
+    if snap.data is not None:
+        files[snap.data[0]] = _write_json(tmp, snap.data[0], snap.data[1])
+    if snap.trainer is not None:
+        files["trainer.json"] = _write_json(tmp, "trainer.json", snap.trainer)
+        if snap.config_yaml is not None:
+            data = snap.config_yaml.encode()
+            write_bytes_durable(tmp / "config.yaml", data)
+            files["config.yaml"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if snap.tokenizer is not None and hasattr(snap.tokenizer, "save"):
             (tmp / "tokenizer").mkdir(exist_ok=True)
-            tokenizer.save(str(tmp / "tokenizer"))
-            written += [str(p.relative_to(tmp)) for p in sorted((tmp / "tokenizer").rglob("*")) if p.is_file()]
-    store.add_part(tmp, rank, written)
-    barrier()
-    path = None
+            snap.tokenizer.save(str(tmp / "tokenizer"))  # small files the tokenizer writes itself
+            files.update(describe_files(tmp, [str(p.relative_to(tmp)) for p in sorted((tmp / "tokenizer").rglob("*"))
+                                              if p.is_file()]))
+    part = {"pieces": index_part}
     if rank == 0:
-        path = store.publish(tmp, step, {"layout": layout(topology, zero_stage), "checkpoint_format": FORMAT})
+        part["shapes"] = snap.shapes
+        part["meta"] = snap.meta
+    write_json_durable(tmp / PARTS_DIR / f"index_rank_{rank:05d}.json", part)
+    store.add_part(tmp, rank, files)
+
+
+def parts_done(tmp: Path, world: int) -> bool:
+    """Has every rank finished writing (its file list exists)? A rank that failed says so."""
+    parts = Path(tmp) / PARTS_DIR
+    failed = sorted(parts.glob("rank_*.failed"))
+    if failed:
+        raise RuntimeError(f"{failed[0]}: {failed[0].read_text().strip()}")
+    return all((parts / f"rank_{r:05d}.json").is_file() for r in range(world))
+
+
+def mark_failed(tmp: Path, rank: int, error: BaseException) -> None:
+    try:
+        write_bytes_durable(Path(tmp) / PARTS_DIR / f"rank_{rank:05d}.failed", f"{error}\n".encode())
+    except OSError:
+        pass
+
+
+def publish_snapshot(store: CheckpointStore, tmp: Path, step: int, world: int) -> Path:
+    """Rank 0, once every rank's part is there: merge the index parts, then the store's publish."""
+    tmp = Path(tmp)
+    parts = [json.loads((tmp / PARTS_DIR / f"index_rank_{r:05d}.json").read_text()) for r in range(world)]
+    shapes, meta = parts[0]["shapes"], parts[0]["meta"]
+    params = {name: {"shape": shape, "pieces": []} for name, shape in shapes.items()}
+    for part in parts:
+        for name, piece in part["pieces"].items():
+            params[name]["pieces"].append(piece)
+    for name, entry in params.items():  # every value written exactly once, by someone
+        rows, cols = matrix_shape(entry["shape"])
+        covered = sum(int(region_runs(Region.from_json(pc), rows, cols)[1].sum()) for pc in entry["pieces"])
+        if covered != rows * cols:
+            raise RuntimeError(f"checkpoint step {step}: {name}: the ranks wrote {covered} of {rows * cols} values")
+    _write_json(tmp, "model/index.json", {"format": FORMAT, "grid": [GRID_ROWS, GRID_COLS], "params": params})
+    return store.publish(tmp, step, meta)
+
+
+def save_checkpoint(store: CheckpointStore, step: int, engine, topology, *, stream=None,
+                    counters: dict | None = None, lr_scheduler=None, config_yaml: str | None = None,
+                    tokenizer=None, zero_stage: int = 0) -> Path:
+    """Synchronous save: every rank calls this at the same step boundary; returns the published
+    directory. Each rank writes only what it holds (no gather)."""
+    rank = _rank()
+    tmp = store.begin(step) if rank == 0 else store.temp_dir(step)
+    barrier()
+    snap = take_snapshot(step, engine, topology, copy=False, stream=stream, counters=counters,
+                         lr_scheduler=lr_scheduler, config_yaml=config_yaml, tokenizer=tokenizer,
+                         zero_stage=zero_stage)
+    write_snapshot(snap, store, tmp)
+    barrier()
+    path = publish_snapshot(store, tmp, step, snap.world) if rank == 0 else None
     barrier()
     return store.final_dir(step) if path is None else path
 
+
+# The one place the test-only slow writer is read: LOOMTRAIN_TEST_CKPT_SLOW="STEP:SECONDS" makes
+# every rank's writer sleep before writing step STEP (an async save then overlaps training).
+TEST_SLOW_ENV = "LOOMTRAIN_TEST_CKPT_SLOW"
+
+
+def _test_slow_write(step: int) -> None:
+    spec = os.environ.get(TEST_SLOW_ENV)
+    if not spec:
+        return
+    at, _, seconds = spec.partition(":")
+    if int(at) == int(step):
+        print(f"checkpoint: test slow write of step {step} ({seconds}s)", file=sys.stderr, flush=True)
+        time.sleep(float(seconds or 10))
 
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
@@ -219,61 +347,82 @@ def _jsonable(obj):
 
 
 # Load ---------------------------------------------------------------------------------
+FILES = {None: ("model", "{name}"), "exp_avg": ("optim", "{name}/exp_avg"),
+         "exp_avg_sq": ("optim", "{name}/exp_avg_sq")}
+TILE_KEYS = ["exp_avg", "exp_avg_sq", None]  # the order of the tile hashes (sorted key names)
+
+
+def verified_bytes(path: Path, rel: str, manifest: dict) -> bytes:
+    """A small file of a checkpoint, checked against the manifest's sha256."""
+    data = (Path(path) / rel).read_bytes()
+    want = manifest["files"].get(rel, {}).get("sha256")
+    if want != hashlib.sha256(data).hexdigest():
+        raise CorruptCheckpoint(f"{Path(path) / rel}: fails its sha256 checksum")
+    return data
+
+
+def open_reader(path: str | os.PathLike, manifest: dict | None = None) -> ShardedReader:
+    """A reader of a checkpoint's weights and moments (verifies the index, then every tile read)."""
+    path = Path(path)
+    manifest = manifest if manifest is not None else read_manifest(path)
+    index = json.loads(verified_bytes(path, "model/index.json", manifest))
+    if index.get("format") != FORMAT:
+        raise CorruptCheckpoint(f"{path / 'model' / 'index.json'}: format {index.get('format')!r}, expected "
+                                f"{FORMAT!r} (checkpoints of older loomtrain versions do not load)")
+    return ShardedReader(path, index, FILES, TILE_KEYS)
+
+
 class ConsolidatedReader:
-    """Read tensors by name from a checkpoint's model/ and optim/ files (safetensors only)."""
+    """Full tensors by name from a checkpoint (for export and tools; reads every piece)."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.index = json.loads((self.path / "model" / "index.json").read_text())["params"]
+        self.reader = open_reader(path)
+        self.index = self.reader.params
 
     def names(self) -> list[str]:
-        return list(self.index)
+        return self.reader.names()
 
     def get(self, name: str, key: str | None = None) -> torch.Tensor:
-        sub, tensor_name = ("model", name) if key is None else ("optim", f"{name}/{key}")
-        with safe_open(str(self.path / sub / self.index[name]["file"]), framework="pt") as f:
-            return f.get_tensor(tensor_name)
+        return self.reader.full(name, key)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for file in sorted({v["file"] for v in self.index.values()}):
-            with safe_open(str(self.path / "model" / file), framework="pt") as f:
-                for k in f.keys():
-                    out[k] = f.get_tensor(k)
-        return out
+        return {n: self.get(n) for n in self.names()}
 
 
 def load_checkpoint(path: str | os.PathLike, engine, topology, *, stream=None, lr_scheduler=None,
                     zero_stage: int = 0) -> dict:
     """Put a checkpoint back into a freshly built engine at any (tp, dp, zero stage).
 
-    Every rank calls it after deepspeed.initialize. Returns trainer.json (step, counters, ...).
-    """
+    Every rank calls it after deepspeed.initialize and reads only its slices: its TP shard of
+    the weights (at ZeRO-3 only its partition) and its partition of the Adam moments, checking
+    the sha256 of every tile it reads. Returns trainer.json (step, counters, ...) plus
+    "bytes_read" (tensor bytes this rank read). A damaged file raises CorruptCheckpoint."""
     path = Path(path)
-    trainer = json.loads((path / "trainer.json").read_text())
-    reader = ConsolidatedReader(path)
+    manifest = read_manifest(path)
+    trainer = json.loads(verified_bytes(path, "trainer.json", manifest))
+    reader = open_reader(path, manifest)
     params = named_params(engine)
-    missing = [n for n, _ in params if n not in reader.index]
-    extra = [n for n in reader.index if n not in dict(params)]
+    missing = [n for n, _ in params if n not in reader.params]
+    extra = [n for n in reader.params if n not in dict(params)]
     if missing or extra:
         raise ValueError(f"checkpoint {path}: parameters do not match the model "
                          f"(missing {missing[:5]}, unexpected {extra[:5]}); was it saved with another model config?")
-    ensure_optimizer_state(engine)
-    z3 = []
     for name, p in params:
-        meta = _tp_meta(p)
-        full = reader.get(name)
-        want = list(reader.index[name]["shape"])
-        local = shard_tp(full, meta)
-        if tuple(local.shape) != _local_full_shape(p):
-            raise ValueError(f"checkpoint {path}: {name} has full shape {want}, which does not fit this "
-                             f"model's shard {tuple(_local_full_shape(p))}")
-        write_local(engine, p, None, local)
-        if hasattr(p, "ds_id"):
-            z3.append((p, local))
-        for k in MOMENTS:
-            write_local(engine, p, k, shard_tp(reader.get(name, k), meta))
-    _set_zero3_model_weights(z3)
+        if reader.shape(name) != full_shape(p):
+            raise ValueError(f"checkpoint {path}: {name} has full shape {reader.shape(name)}, this model's "
+                             f"is {full_shape(p)}")
+    ensure_optimizer_state(engine)
+    for name, p in params:
+        box = local_box(p)
+        held = Region(box, held_range(engine, p, topology))
+        if hasattr(p, "ds_id"):  # ZeRO-3: only this rank's partition, never the whole shard
+            set_held_values(engine, p, None, reader.read(name, None, held))
+        else:
+            write_local(engine, p, None, reader.read(name, None, Region.whole(box)).reshape(_local_full_shape(p)))
+        if held.numel:
+            for k in MOMENTS:
+                set_held_values(engine, p, k, reader.read(name, k, held))
+    reader.close()
     _set_adam_step(engine, trainer["adam_step"])
 
     inner = _inner_optimizer(engine.optimizer)
@@ -309,17 +458,22 @@ def load_checkpoint(path: str | os.PathLike, engine, topology, *, stream=None, l
     # RNG: each rank's own states when the world has the same size; at another size the
     # streams cannot correspond, and the run keeps the seeds it started with (train.seed).
     rank = _rank()
-    rng_file = path / "rng" / f"rank_{rank:05d}.safetensors"
-    if trainer["layout"]["world_size"] == _world() and rng_file.exists():
-        with safe_open(str(rng_file), framework="pt") as f:
-            set_rng_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
+    rng_rel = f"rng/rank_{rank:05d}.safetensors"
+    if trainer["layout"]["world_size"] == _world() and (path / rng_rel).exists():
+        from safetensors.torch import load as load_safetensors
+
+        raw = verified_bytes(path, rng_rel, manifest)
+        with safe_open(str(path / rng_rel), framework="pt") as f:
+            meta = f.metadata()
+        set_rng_state(load_safetensors(raw), meta)
 
     if stream is not None:
         dp_rank = topology.dp_rank if topology is not None else 0
-        own = path / "data" / f"dp_{dp_rank:05d}.json"
+        own = f"data/dp_{dp_rank:05d}.json"
         same_dp = trainer["layout"]["dp"] == (topology.dp_size if topology is not None else 1)
-        src = own if same_dp and own.exists() else path / "data" / "dp_00000.json"
-        if src.exists():
-            stream.load_state_dict(json.loads(src.read_text()))
+        src = own if same_dp and (path / own).exists() else "data/dp_00000.json"
+        if (path / src).exists():
+            stream.load_state_dict(json.loads(verified_bytes(path, src, manifest)))
     barrier()
+    trainer["bytes_read"] = reader.bytes_read
     return trainer

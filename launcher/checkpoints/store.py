@@ -169,10 +169,12 @@ class CheckpointStore:
         fsync_path(self.root)
         return tmp
 
-    def add_part(self, tmp: str | os.PathLike, rank: int, relpaths: Iterable[str]) -> None:
-        """One rank's contribution: size + sha256 of the files it wrote (fsynced here)."""
+    def add_part(self, tmp: str | os.PathLike, rank: int, relpaths: Iterable[str] | dict[str, dict]) -> None:
+        """One rank's contribution: size + sha256 of the files it wrote. Given a dict
+        {relpath: {"size", "sha256"}} (hashed while writing, files already fsynced) it is
+        taken as it is; given paths, they are fsynced and hashed here."""
         tmp = Path(tmp)
-        files = describe_files(tmp, relpaths)
+        files = dict(relpaths) if isinstance(relpaths, dict) else describe_files(tmp, relpaths)
         write_json_durable(tmp / PARTS_DIR / f"rank_{rank:05d}.json", files)
 
     def publish(self, tmp: str | os.PathLike, step: int, meta: dict) -> Path:

@@ -198,8 +198,10 @@ class RayReportHook(Hooks):
 
         found = None
         if ctx.dist.rank == 0:
+            # The newest one not yet reported: with checkpoint.async_save a checkpoint is
+            # published a few steps after the step it holds.
             pub = _store(self.cfg).published()
-            if pub and pub[-1][0] == ctx.state.step and ctx.state.step > self.last_reported:
+            if pub and pub[-1][0] > self.last_reported:
                 found = str(pub[-1][1])
         return broadcast_str(found)
 
@@ -211,14 +213,15 @@ class RayReportHook(Hooks):
         if path is None:
             ray.train.report(clean)
             return
-        self.last_reported = ctx.state.step
+        step = int(Path(path).name.split("_")[-1])  # the checkpoint's step (<= this step)
+        self.last_reported = step
         if ctx.dist.rank != 0:
             ray.train.report(clean, checkpoint=None)
             return
-        tmp = self.pointer_root / f"step_{ctx.state.step:08d}"
+        tmp = self.pointer_root / f"step_{step:08d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        (tmp / POINTER_FILE).write_text(json.dumps({"path": path, "step": ctx.state.step}) + "\n")
+        (tmp / POINTER_FILE).write_text(json.dumps({"path": path, "step": step}) + "\n")
         try:
             ray.train.report(clean, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)))
         finally:

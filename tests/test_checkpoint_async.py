@@ -1,0 +1,145 @@
+"""checkpoint.async_save: a background writer holds the same tensors as a synchronous save,
+training steps go on while it writes, and a kill or SIGTERM during the write loses nothing.
+
+The test-only LOOMTRAIN_TEST_CKPT_SLOW="STEP:SECONDS" makes the writer of STEP sleep first."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from loomtrain.launcher.config_loader import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+SMALL = [
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
+    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=4", "train.warmup_steps=2",
+    "train.max_steps=9", "data.max_files=40", "eval.every_steps=0", "eval.num_samples=0", "log.progress=plain",
+    "log.tensorboard=false", "checkpoint.every_steps=3", "checkpoint.keep_last=5",
+]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _cfg(run_dir: Path, cache: Path, *extra: str):
+    return load_config(TINY, [*SMALL, f"run.dir={run_dir}", f"data.cache_dir={cache}", *extra])
+
+
+def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    from loomtrain.launcher.checkpoints.state import ConsolidatedReader
+
+    r = ConsolidatedReader(ckpt)
+    return {f"{n}/{k}": r.get(n, k) for n in r.names() for k in (None, "exp_avg", "exp_avg_sq")}
+
+
+def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path, monkeypatch):
+    from loomtrain.launcher.hooks import Hooks
+    from loomtrain.launcher.loop import run_training
+
+    class StepTimes(Hooks):
+        def __init__(self):
+            self.ends = {}
+
+        def on_step_end(self, ctx, metrics):
+            self.ends[ctx.state.step] = time.time()
+
+    cache = tmp_path / "cache"
+    sync = run_training(_cfg(tmp_path / "sync", cache, "checkpoint.async_save=false"))
+    monkeypatch.setenv("LOOMTRAIN_TEST_CKPT_SLOW", "3:2")
+    times = StepTimes()
+    seen = {}
+
+    class Saves(Hooks):
+        def on_train_end(self, ctx):
+            seen.update({r["step"]: r for r in ctx.extras["checkpoint_saves"]})
+
+    asyn = run_training(_cfg(tmp_path / "async", cache), hooks=[times, Saves()])
+    assert asyn.losses == sync.losses  # bitwise
+    for step in (3, 6, 9):
+        a = _tensors(tmp_path / "async" / "checkpoints" / f"step_{step:08d}")
+        s = _tensors(tmp_path / "sync" / "checkpoints" / f"step_{step:08d}")
+        assert a.keys() == s.keys() and all(torch.equal(a[k], s[k]) for k in a), step
+    # the step-3 writer slept 2 s: steps 4.. ended while it was writing, before it was published
+    rec = seen[3]
+    assert rec["async"] and rec["error"] is None and rec["blocked_s"] < 1.0
+    during = [s for s, t in times.ends.items() if rec["write_start"] < t < rec["write_end"]]
+    assert {4, 5} <= set(during), (rec, times.ends)
+    assert (tmp_path / "async" / "checkpoints" / "latest").read_text().strip() == "step_00000009"
+
+
+def _env(**extra):
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "LOOMTRAIN_TEST_CKPT_PAUSE", "LOOMTRAIN_TEST_CKPT_SLOW"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1", **extra}
+
+
+def _cmd(run: Path, cache: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "loomtrain", "train", str(TINY), *SMALL, f"run.dir={run}",
+            f"data.cache_dir={cache}", *extra]
+
+
+def _until(proc, text: str, out: list[str]) -> None:
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        out.append(line)
+        if text in line:
+            return
+        assert time.time() < deadline
+    raise AssertionError("".join(out)[-3000:])
+
+
+@pytest.mark.slow
+def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(tmp_path):
+    run, cache = tmp_path / "killed", tmp_path / "cache"
+    proc = subprocess.Popen(_cmd(run, cache, "train.max_steps=1000"), env=_env(LOOMTRAIN_TEST_CKPT_SLOW="6:120"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    out: list[str] = []
+    try:
+        _until(proc, "test slow write of step 6", out)
+        _until(proc, "step 7/", out)  # training went on past the save
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    root = run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000003"
+    assert not (root / "step_00000006").exists() and (root / ".tmp-step_00000006").is_dir()
+    again = subprocess.run(_cmd(run, cache), env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {root / 'step_00000003'}" in again.stdout + again.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_during_background_write_waits_for_it_then_exits_0(tmp_path):
+    run, cache = tmp_path / "term", tmp_path / "cache"
+    proc = subprocess.Popen(_cmd(run, cache, "train.max_steps=1000"), env=_env(LOOMTRAIN_TEST_CKPT_SLOW="3:4"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    out: list[str] = []
+    try:
+        _until(proc, "test slow write of step 3", out)
+        proc.send_signal(signal.SIGTERM)
+        out += proc.stdout.readlines()
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(out)
+    assert rc == 0, text[-3000:]
+    saved = [l for l in out if "[SIGTERM]" in l]
+    assert len(saved) == 1, text[-3000:]
+    step = int(saved[0].split("checkpoint: step ")[1].split()[0])
+    root = run / "checkpoints"
+    assert (root / "latest").read_text().strip() == f"step_{step:08d}"
+    assert (root / "step_00000003" / "manifest.json").is_file()  # the write in flight was finished
+    assert json.loads((root / f"step_{step:08d}" / "trainer.json").read_text())["step"] == step

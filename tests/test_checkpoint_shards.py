@@ -1,0 +1,107 @@
+"""The layout-free sharded format on its own (no engine): pieces written at one (tp, dp) layout
+read back at another, exactly, reading about a rank's share, and corruption named."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from loomtrain.launcher.checkpoints.shards import (
+    CorruptCheckpoint,
+    Region,
+    ShardedReader,
+    shard_box,
+    tile_hashes,
+    write_safetensors,
+)
+
+
+def padded_shard(full: torch.Tensor, dim, n, i):
+    """What a TP rank holds: shard i of n along dim after zero-padding dim to a multiple of n."""
+    if dim is None:
+        return full, shard_box(full.shape, None)
+    size = full.shape[dim]
+    padded = -(-size // n) * n
+    pad = list(full.shape)
+    pad[dim] = padded - size
+    t = torch.cat([full, full.new_zeros(pad)], dim=dim) if pad[dim] else full
+    length = padded // n
+    return t.chunk(n, dim=dim)[i].contiguous(), shard_box(full.shape, dim, i * length, length)
+
+
+def dp_parts(numel, k):
+    cuts = [round(j * numel / k) for j in range(k + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def save(tmp_path, tensors, dims, tp, dp):
+    """Every (tp rank, dp rank) writes its DP part of its TP shard of every tensor."""
+    index = {"params": {}}
+    for name, full in tensors.items():
+        index["params"][name] = {"shape": list(full.shape), "pieces": []}
+    for t, d in itertools.product(range(tp), range(dp)):
+        rank = t * dp + d
+        out, pieces = {}, {}
+        for name, full in tensors.items():
+            dim = dims[name] if tp > 1 else None
+            shard, box = padded_shard(full, dim, tp, t)
+            a, b = dp_parts(shard.numel(), dp)[d]
+            region = Region(box, (a, b))
+            out[name] = shard.reshape(-1)[a:b].clone()
+            pieces[name] = {"file": f"rank_{rank}.safetensors", **region.to_json(),
+                            "tiles": tile_hashes(region, full.shape, {"w": out[name]})}
+        write_safetensors(tmp_path / "m" / f"rank_{rank}.safetensors", out)
+        for name in tensors:
+            index["params"][name]["pieces"].append(pieces[name])
+    return ShardedReader(tmp_path, index, {None: ("m", "{name}")}, [None])
+
+
+TENSORS = {"emb": torch.randn(67, 12), "row": torch.randn(10, 24), "col": torch.randn(20, 9), "bias": torch.randn(33)}
+DIMS = {"emb": 0, "row": 1, "col": 0, "bias": 0}
+
+
+@pytest.mark.parametrize("saved,target", [((1, 4), (2, 2)), ((2, 2), (2, 2)), ((2, 2), (1, 3)), ((4, 1), (2, 3))])
+def test_any_layout_reads_its_exact_share(tmp_path, saved, target):
+    reader = save(tmp_path, TENSORS, DIMS, *saved)
+    tp, dp = target
+    want_bytes = 0
+    for name, full in TENSORS.items():
+        for t, d in itertools.product(range(tp), range(dp)):
+            shard, box = padded_shard(full, DIMS[name] if tp > 1 else None, tp, t)
+            a, b = dp_parts(shard.numel(), dp)[d]
+            got = reader.read(name, None, Region(box, (a, b)))
+            assert torch.equal(got, shard.reshape(-1)[a:b]), (name, t, d)
+            want_bytes += (b - a) * 4
+        assert torch.equal(reader.full(name), full)
+    # every tile touched at an edge may be read whole: a little over the exact share
+    exact_full = sum(t.numel() * 4 for t in TENSORS.values())
+    assert reader.bytes_read <= 1.35 * (want_bytes + exact_full)
+
+
+def test_files_are_plain_safetensors_with_the_hash_computed_while_writing(tmp_path):
+    import hashlib
+
+    t = {"a": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(4).bfloat16()}
+    info = write_safetensors(tmp_path / "x.safetensors", t, metadata={"format": "test"})
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    assert info == {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "test"}
+        for k, v in t.items():
+            assert torch.equal(f.get_tensor(k), v)
+
+
+def test_a_flipped_value_is_named_by_the_rank_reading_it(tmp_path):
+    reader = save(tmp_path, TENSORS, DIMS, 1, 2)
+    path = tmp_path / "m" / "rank_1.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF  # the last tensor's last value
+    path.write_bytes(bytes(raw))
+    last = list(TENSORS)[-1]
+    # a target that does not touch the damaged tile reads fine
+    assert torch.equal(reader.read(last, None, Region(shard_box([33], None), (0, 4))), TENSORS[last][:4])
+    with pytest.raises(CorruptCheckpoint, match="rank_1.safetensors.*fails its sha256"):
+        reader.full(last)
