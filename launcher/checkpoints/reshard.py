@@ -1,10 +1,16 @@
 """Where DeepSpeed keeps a parameter's fp32 master and Adam moments, and how a tensor-parallel
 shard is joined into the full tensor and cut again for another TP size.
 
-Used by checkpoint.py (save / load at any layout) and weights.py (final weights at tp > 1).
+Used by state.py (save / load at any layout) and weights.py (final weights).
 
+    held_range / held_values          the part of p's TP shard DeepSpeed keeps on this rank
+                                      (its ZeRO partition, or all of it at ZeRO 0), as a flat
+                                      range and its fp32 values; no collective
+    written_range                     the share of that this rank writes into a checkpoint
+    set_held_values                   put such a range back (ZeRO-3: the model's partition too)
+    local_box                         where p's TP shard lies in the full tensor (shards.py)
     read_local(engine, p, key)        this TP rank's fp32 master (key None) or Adam moment
-                                      ("exp_avg", "exp_avg_sq") of p, whole over DP
+                                      ("exp_avg", "exp_avg_sq") of p, whole over DP (collective)
     write_local(engine, p, key, v)    the reverse (every DP rank passes the same value)
     gather_tp(local, p.tp_meta, topo) the full, unpadded tensor from the TP group's shards
     shard_tp(full, p.tp_meta)         this rank's shard, cut the way the TP plan cuts it
