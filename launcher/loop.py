@@ -13,7 +13,7 @@ single-process loss on the same global batch.
 
 Plug-in points: `hooks` (see loomtrain.launcher.hooks) for checkpoints and Ray;
 `components.build_model` for TP; `engine.build_engine` for ZeRO / precision;
-`weights.full_model_for_export` for consolidated final weights.
+`weights.save_final_sharded` for the final weights (each rank writes its share).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard, inject
 from loomtrain.launcher.profiling import StepProfiler
 from loomtrain.launcher.ranklog import RankLog, logs_dir
 from loomtrain.launcher.stopping import StopRequest, signal_name
-from loomtrain.launcher.watchdog import Watchdog
+from loomtrain.launcher.watchdog import Watchdog, io_phase
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
 
@@ -319,15 +319,9 @@ def _train(cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopReq
 
 
 def _save_final(ctx: TrainContext) -> Path | None:
-    try:
-        model = weights.full_model_for_export(ctx)
-    except weights.NotConsolidated as exc:
-        ctx.metrics.message(f"final weights not written: {exc}")
-        return None
+    """final/: every rank writes its share of the full weights (see weights.save_final_sharded)."""
     final = ctx.run_dir / "final"
-    if ctx.dist.is_logging_rank:
-        weights.save_final(model, ctx.cfg.model, ctx.tokenizer, final)
-        ctx.metrics.message(f"final weights: {final.absolute()}")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    with io_phase("final weights"):
+        weights.save_final_sharded(ctx.engine, ctx.topology, ctx.cfg.model, ctx.tokenizer, final)
+    ctx.metrics.message(f"final weights: {final.absolute()}")
     return final

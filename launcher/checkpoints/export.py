@@ -1,22 +1,32 @@
-"""`loomtrain export RUN_DIR --format hf --output DIR`: a Hugging Face transformers checkpoint.
+"""`loomtrain export RUN_DIR --format hf --output DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]`:
+a Hugging Face transformers checkpoint, written tensor by tensor.
 
-Source of the weights (full fp32, never sharded, vocabulary unpadded):
-  * RUN_DIR/checkpoints: the newest complete checkpoint (its consolidated fp32 masters,
-    whatever TP x DP x ZeRO layout wrote it), or a checkpoint directory given directly;
-  * else RUN_DIR/final (the weights the loop writes at the end of a run).
+Source of the weights (full tensors, vocabulary unpadded):
+  * RUN_DIR/checkpoints: the newest complete checkpoint (whatever TP x DP x ZeRO layout wrote
+    it; its fp32 masters, read one tensor at a time with every tile's sha256 checked), or a
+    checkpoint directory given directly;
+  * else RUN_DIR/final (checked against its manifest first).
 
 Targets, chosen by the model's variant (every other combination is refused with the
 field that does not fit):
   * Llama-style  (pre-norm, rmsnorm, swiglu, rope)        -> LlamaForCausalLM
     loomtrain's RoPE already uses the rotate-half layout of HF Llama (dimension i is
     paired with i + head_dim/2), so q/k weights are copied without a permutation.
-  * GPT-2-style  (pre-norm, layernorm, gelu|gelu_tanh|relu, learned) -> GPT2LMHeadModel
+  * GPT-2-style  (pre-norm, layernorm, gelu|relu, learned) -> GPT2LMHeadModel
     GPT-2's Conv1D stores weights as [in, out]: every linear is transposed, and
     q/k/v are fused into c_attn; biases the model does not have are written as zeros.
 
-Written: model.safetensors, config.json, generation_config.json, and the tokenizer as
-HF files (tokenizer.json + tokenizer_config.json; the byte tokenizer is expressed as an
-equivalent byte-level `tokenizers` model, so AutoTokenizer gives the same ids).
+Written: model.safetensors when everything fits in --max-shard-size, else
+model-00001-of-0000N.safetensors ... + model.safetensors.index.json (Hugging Face's names and
+splitting rule: a new shard when the next tensor would overflow this one); config.json,
+generation_config.json, and the tokenizer as HF files (tokenizer.json +
+tokenizer_config.json; the byte tokenizer is expressed as an equivalent byte-level
+`tokenizers` model, so AutoTokenizer gives the same ids).
+
+Memory: the shard plan comes from the shapes alone, then each tensor is read, converted and
+streamed into its shard file, so the peak is a few tensors, not the model. Everything is
+written into DIR.tmp-export and renamed into place at the end; an earlier export in DIR is
+replaced whole (no stale shard survives), anything else in DIR is refused.
 Reading never unpickles: safetensors, JSON and YAML only.
 """
 
@@ -24,21 +34,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 FORMATS = ("hf",)
-# loomtrain activation -> GPT-2's activation_function computing the same function
-HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DEFAULT_MAX_SHARD = "5GB"
 
 
 class ExportError(ValueError):
     pass
+
+
+def parse_size(text: str) -> int:
+    """Hugging Face's size strings: '5GB' = 5e9 bytes, '500MB', '2GiB' = 2 * 2**30, or a number."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(text), flags=re.I)
+    if not m:
+        raise ExportError(f"--max-shard-size {text!r}: expected a size such as 500MB, 5GB or 2GiB")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}.get(unit)
+    size = int(float(m.group(1)) * scale) if scale else 0
+    if size <= 0:
+        raise ExportError(f"--max-shard-size {text!r}: expected a positive size such as 500MB or 5GB")
+    return size
 
 
 # Reading a run --------------------------------------------------------------------------
@@ -51,36 +79,71 @@ def _model_config_from_yaml(path: Path):
     return ModelConfig(**data["model"])
 
 
-def load_source(src: str | Path) -> tuple[dict[str, torch.Tensor], object, Path | None, str]:
-    """-> (full fp32 weights by loomtrain name, ModelConfig, tokenizer dir or None, description)."""
+class Source:
+    """Full tensors by loomtrain name, one at a time: `shape(name)`, `get(name)` (fp32)."""
+
+    def __init__(self, shapes: dict[str, list[int]], get: Callable[[str], torch.Tensor], cfg, tok_dir, what: str):
+        self.shapes, self._get, self.cfg, self.tok_dir, self.what = shapes, get, cfg, tok_dir, what
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.shapes[name])
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._get(name).float()
+
+
+def open_source(src: str | Path) -> Source:
+    """The newest complete checkpoint of a run (or a checkpoint dir), else its final/."""
+    from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
     from loomtrain.launcher.checkpoints.state import ConsolidatedReader
     from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
-    from loomtrain.launcher.weights import MODEL_CONFIG, TOKENIZER_DIR, WEIGHTS
+    from loomtrain.launcher.weights import (
+        MODEL_CONFIG, TOKENIZER_DIR, WEIGHTS, WEIGHTS_INDEX, FinalWeightsError, final_weight_files, verify_final,
+    )
 
     src = Path(src)
     if not src.exists():
         raise ExportError(f"{src}: no such run or checkpoint directory")
     ckpt = None
-    if (src / MANIFEST).is_file():
-        v = verify(src)
+    if (src / MANIFEST).is_file() and (src / "trainer.json").is_file():
+        v = verify(src, checksums=False)  # sizes here; every tile read is checked against its sha256
         if not v.ok:
             raise ExportError(f"{src}: not a usable checkpoint: {v.reason}")
         ckpt = src
     elif (src / "checkpoints").is_dir():
-        ckpt = CheckpointStore(src, log=lambda m: print(m, file=sys.stderr)).find_resumable()
+        ckpt = CheckpointStore(src, log=lambda m: print(m, file=sys.stderr)).find_resumable(checksums=False)
     if ckpt is not None:
-        weights = {k: v.float() for k, v in ConsolidatedReader(ckpt).weights().items()}
+        try:
+            reader = ConsolidatedReader(ckpt)
+        except CorruptCheckpoint as exc:
+            raise ExportError(str(exc)) from None
         tok = ckpt / "tokenizer"
-        return weights, _model_config_from_yaml(ckpt / "config.yaml"), (tok if tok.is_dir() else None), f"checkpoint {ckpt}"
-    final = src if (src / WEIGHTS).is_file() else src / "final"
-    if (final / WEIGHTS).is_file():
+        return Source({n: reader.reader.shape(n) for n in reader.names()}, reader.get,
+                      _model_config_from_yaml(ckpt / "config.yaml"), tok if tok.is_dir() else None, f"checkpoint {ckpt}")
+    final = src if ((src / WEIGHTS).is_file() or (src / WEIGHTS_INDEX).is_file()) else src / "final"
+    if (final / WEIGHTS).is_file() or (final / WEIGHTS_INDEX).is_file():
         from loomtrain.model import ModelConfig
 
-        with safe_open(str(final / WEIGHTS), framework="pt") as f:
-            weights = {k: f.get_tensor(k).float() for k in f.keys()}
+        try:
+            verify_final(final)
+            files = final_weight_files(final)
+        except FinalWeightsError as exc:
+            raise ExportError(str(exc)) from None
+        shapes = {}
+        for name, f in files.items():
+            with safe_open(str(f), framework="pt") as h:
+                shapes[name] = h.get_slice(name).get_shape()
+
+        def get(name: str) -> torch.Tensor:
+            with safe_open(str(files[name]), framework="pt") as h:
+                return h.get_tensor(name)
+
         cfg = ModelConfig(**json.loads((final / MODEL_CONFIG).read_text()))
         tok = final / TOKENIZER_DIR
-        return weights, cfg, (tok if tok.is_dir() else None), f"final weights {final}"
+        return Source(shapes, get, cfg, tok if tok.is_dir() else None, f"final weights {final}")
     raise ExportError(f"{src}: no complete checkpoint in {src}/checkpoints and no {src}/final/{WEIGHTS}")
 
 
@@ -126,21 +189,48 @@ def _eos_id(tok_dir: Path | None, vocab_size: int) -> int | None:
         return None
 
 
+# Recipes: HF tensor name -> (shape, how to make it from the source), so the shards can be planned
+# from shapes before any tensor is read -------------------------------------------------------
+@dataclass
+class Recipe:
+    shape: list[int]
+    make: Callable[[], torch.Tensor]
+
+
+def _ref(src: Source, name: str) -> Recipe:
+    return Recipe(src.shape(name), lambda: src.get(name))
+
+
+def _bias(src: Source, name: str, n: int) -> Recipe:
+    return _ref(src, name) if name in src else Recipe([n], lambda: torch.zeros(n))
+
+
+def _transposed(r: Recipe) -> Recipe:
+    return Recipe(list(reversed(r.shape)), lambda: r.make().t().contiguous())
+
+
+def _cat(parts: list[Recipe]) -> Recipe:
+    shape = [sum(p.shape[0] for p in parts), *parts[0].shape[1:]]
+    return Recipe(shape, lambda: torch.cat([p.make() for p in parts]))
+
+
 # Llama --------------------------------------------------------------------------------------
-def to_llama(w: dict[str, torch.Tensor], cfg, eos_id: int | None) -> tuple[dict, dict]:
-    out = {"model.embed_tokens.weight": w["tok_emb.weight"], "model.norm.weight": w["norm.weight"]}
+def to_llama(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], dict]:
+    out = {"model.embed_tokens.weight": _ref(src, "tok_emb.weight")}
     names = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
              "attn.wo": "self_attn.o_proj", "ffn.gate": "mlp.gate_proj", "ffn.up": "mlp.up_proj",
              "ffn.down": "mlp.down_proj"}
     for i in range(cfg.n_layers):
-        src, dst = f"blocks.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = w[src + "attn_norm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = w[src + "ffn_norm.weight"]
+        s, dst = f"blocks.{i}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = _ref(src, s + "attn_norm.weight")
+        out[dst + "post_attention_layernorm.weight"] = _ref(src, s + "ffn_norm.weight")
         for ours, theirs in names.items():
-            out[dst + theirs + ".weight"] = w[src + ours + ".weight"]
+            out[dst + theirs + ".weight"] = _ref(src, s + ours + ".weight")
             if cfg.bias:
-                out[dst + theirs + ".bias"] = w[src + ours + ".bias"]
-    out["lm_head.weight"] = w["tok_emb.weight"] if cfg.tie_embeddings else w["lm_head.weight"]
+                out[dst + theirs + ".bias"] = _ref(src, s + ours + ".bias")
+    out["model.norm.weight"] = _ref(src, "norm.weight")
+    if not cfg.tie_embeddings:  # tied: config.json says so and transformers re-ties on load
+        out["lm_head.weight"] = _ref(src, "lm_head.weight")
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
@@ -157,37 +247,33 @@ def to_llama(w: dict[str, torch.Tensor], cfg, eos_id: int | None) -> tuple[dict,
 
 
 # GPT-2 ---------------------------------------------------------------------------------------
-def to_gpt2(w: dict[str, torch.Tensor], cfg, eos_id: int | None) -> tuple[dict, dict]:
+def to_gpt2(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], dict]:
     d = cfg.d_model
-
-    def bias(name: str, n: int) -> torch.Tensor:
-        return w[name] if name in w else torch.zeros(n)
-
-    out = {"transformer.wte.weight": w["tok_emb.weight"], "transformer.wpe.weight": w["pos_emb.weight"],
-           "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": bias("norm.bias", d)}
+    out = {"transformer.wte.weight": _ref(src, "tok_emb.weight"), "transformer.wpe.weight": _ref(src, "pos_emb.weight")}
     for i in range(cfg.n_layers):
         s, t = f"blocks.{i}.", f"transformer.h.{i}."
-        out[t + "ln_1.weight"] = w[s + "attn_norm.weight"]
-        out[t + "ln_1.bias"] = bias(s + "attn_norm.bias", d)
-        out[t + "ln_2.weight"] = w[s + "ffn_norm.weight"]
-        out[t + "ln_2.bias"] = bias(s + "ffn_norm.bias", d)
+        out[t + "ln_1.weight"] = _ref(src, s + "attn_norm.weight")
+        out[t + "ln_1.bias"] = _bias(src, s + "attn_norm.bias", d)
         # Conv1D: y = x @ W + b with W [in, out]
-        qkv = torch.cat([w[s + f"attn.{p}.weight"] for p in ("wq", "wk", "wv")], dim=0)
-        out[t + "attn.c_attn.weight"] = qkv.t().contiguous()
-        out[t + "attn.c_attn.bias"] = torch.cat([bias(s + f"attn.{p}.bias", d) for p in ("wq", "wk", "wv")])
-        out[t + "attn.c_proj.weight"] = w[s + "attn.wo.weight"].t().contiguous()
-        out[t + "attn.c_proj.bias"] = bias(s + "attn.wo.bias", d)
-        out[t + "mlp.c_fc.weight"] = w[s + "ffn.up.weight"].t().contiguous()
-        out[t + "mlp.c_fc.bias"] = bias(s + "ffn.up.bias", cfg.ffn_dim)
-        out[t + "mlp.c_proj.weight"] = w[s + "ffn.down.weight"].t().contiguous()
-        out[t + "mlp.c_proj.bias"] = bias(s + "ffn.down.bias", d)
-    out["lm_head.weight"] = w["tok_emb.weight"] if cfg.tie_embeddings else w["lm_head.weight"]
+        out[t + "attn.c_attn.weight"] = _transposed(_cat([_ref(src, s + f"attn.{p}.weight") for p in ("wq", "wk", "wv")]))
+        out[t + "attn.c_attn.bias"] = _cat([_bias(src, s + f"attn.{p}.bias", d) for p in ("wq", "wk", "wv")])
+        out[t + "attn.c_proj.weight"] = _transposed(_ref(src, s + "attn.wo.weight"))
+        out[t + "attn.c_proj.bias"] = _bias(src, s + "attn.wo.bias", d)
+        out[t + "ln_2.weight"] = _ref(src, s + "ffn_norm.weight")
+        out[t + "ln_2.bias"] = _bias(src, s + "ffn_norm.bias", d)
+        out[t + "mlp.c_fc.weight"] = _transposed(_ref(src, s + "ffn.up.weight"))
+        out[t + "mlp.c_fc.bias"] = _bias(src, s + "ffn.up.bias", cfg.ffn_dim)
+        out[t + "mlp.c_proj.weight"] = _transposed(_ref(src, s + "ffn.down.weight"))
+        out[t + "mlp.c_proj.bias"] = _bias(src, s + "ffn.down.bias", d)
+    out["transformer.ln_f.weight"] = _ref(src, "norm.weight")
+    out["transformer.ln_f.bias"] = _bias(src, "norm.bias", d)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = _ref(src, "lm_head.weight")
     config = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": cfg.vocab_size, "n_embd": d, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
         "n_inner": cfg.ffn_dim, "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len,
-        # "gelu" is the exact erf GELU, as in loomtrain; gelu_pytorch_tanh is F.gelu(approximate="tanh")
-        "activation_function": HF_ACTIVATION[cfg.activation],
+        "activation_function": cfg.activation,  # "gelu" is the exact erf GELU, as in loomtrain
         "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
@@ -243,25 +329,103 @@ def export_tokenizer(tok_dir: Path | None, out: Path, max_len: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-# The command --------------------------------------------------------------------------------------
-def export_hf(src: str | Path, output: str | Path) -> Path:
-    weights, cfg, tok_dir, what = load_source(src)
-    arch = hf_architecture(cfg)
-    eos_id = _eos_id(tok_dir, cfg.vocab_size)
-    tensors, config = (to_llama if arch == "llama" else to_gpt2)(weights, cfg, eos_id)
-    if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight")  # tied in config.json; transformers re-ties on load
-    for k, v in tensors.items():
-        if v.dtype != torch.float32:
-            tensors[k] = v.float()
+# Writing -------------------------------------------------------------------------------------------
+def plan_shards(recipes: dict[str, Recipe], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+    """Hugging Face's rule: tensors in order, a new shard when the next one would overflow this
+    one (a tensor larger than the limit gets a shard of its own)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, r in recipes.items():
+        n = item
+        for v in r.shape:
+            n *= v
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def write_weights(recipes: dict[str, Recipe], out: Path, dtype: torch.dtype, max_bytes: int) -> list[str]:
+    """model.safetensors, or shards + index; each tensor made, converted and streamed in turn."""
+    from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
+
+    shards = plan_shards(recipes, dtype, max_bytes)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map, total = {}, 0
+    for fname, members in zip(names, shards):
+        w = SafetensorsWriter(out / fname, [(k, dtype, recipes[k].shape) for k in members], metadata={"format": "pt"})
+        for k in members:
+            t = recipes[k].make().to(dtype).contiguous()
+            if list(t.shape) != list(recipes[k].shape):
+                raise ExportError(f"{k}: made a tensor of shape {list(t.shape)}, planned {recipes[k].shape}")
+            w.write(k, t)
+            total += t.numel() * t.element_size()
+            weight_map[k] = fname
+            del t
+        w.close()
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def _earlier_export(path: Path) -> bool:
+    names = {p.name for p in path.iterdir()}
+    return "config.json" in names and ("model.safetensors" in names or "model.safetensors.index.json" in names)
+
+
+def _check_output(out: Path) -> None:
+    if out.is_file() or (out.exists() and not out.is_dir()):
+        raise ExportError(f"--output {out}: is a file; expected a directory to create (or an earlier export to replace)")
+    if out.is_dir() and any(out.iterdir()) and not _earlier_export(out):
+        raise ExportError(f"--output {out}: a non-empty directory that is not an earlier export; "
+                          f"choose a new or empty directory (nothing in it was touched)")
+
+
+def export_hf(src: str | Path, output: str | Path, dtype: str = "fp32",
+              max_shard_size: str | int = DEFAULT_MAX_SHARD) -> Path:
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    max_bytes = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
     out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {"bos_token_id": eos_id, "eos_token_id": eos_id, "max_length": cfg.max_seq_len}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    export_tokenizer(tok_dir, out, cfg.max_seq_len)
-    print(f"export: {what} -> {out} ({config['architectures'][0]}, {sum(v.numel() for v in tensors.values()):,} parameters)")
+    _check_output(out)
+    source = open_source(src)
+    cfg = source.cfg
+    arch = hf_architecture(cfg)
+    eos_id = _eos_id(source.tok_dir, cfg.vocab_size)
+    recipes, config = (to_llama if arch == "llama" else to_gpt2)(source, cfg, eos_id)
+    config["torch_dtype"] = config["dtype"] = HF_DTYPE_NAMES[torch_dtype]
+    tmp = out.with_name(out.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        names = write_weights(recipes, tmp, torch_dtype, max_bytes)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = {"bos_token_id": eos_id, "eos_token_id": eos_id, "max_length": cfg.max_seq_len}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        export_tokenizer(source.tok_dir, tmp, cfg.max_seq_len)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out.with_name(out.name + ".old-export")
+    if out.exists():  # an earlier export (checked above): replaced whole, so no stale shard survives
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    n_params = 0
+    for r in recipes.values():
+        k = 1
+        for v in r.shape:
+            k *= v
+        n_params += k
+    print(f"export: {source.what} -> {out} ({config['architectures'][0]}, {n_params:,} parameters, {dtype}, "
+          f"{len(names)} file{'s' if len(names) > 1 else ''})")
     return out
 
 
@@ -269,10 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="loomtrain export", description="Export a run's weights to Hugging Face format.")
     ap.add_argument("run_dir", help="a run directory (newest complete checkpoint, else final/) or a checkpoint directory")
     ap.add_argument("--format", default="hf", choices=FORMATS)
-    ap.add_argument("--output", required=True, help="output directory")
+    ap.add_argument("--output", required=True, help="output directory (created; an earlier export there is replaced)")
+    ap.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weights' dtype in the export (default fp32)")
+    ap.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD,
+                    help="largest weights file, Hugging Face style: 500MB, 5GB, 2GiB (default 5GB)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        export_hf(args.run_dir, args.output)
+        export_hf(args.run_dir, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size)
     except ExportError as exc:
         print(f"loomtrain export: {exc}", file=sys.stderr)
         return 2

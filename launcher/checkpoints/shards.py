@@ -25,7 +25,7 @@ tensor, hashing the bytes as they go): the `safetensors` package can only serial
 dict in memory, and hashing after the fact would read every byte back.
 
 Public (also used by `final/` and the Hugging Face export): `Region`, `matrix_shape`,
-`shard_box`, `write_safetensors`, `tile_hashes`, `ShardedReader`.
+`shard_box`, `SafetensorsWriter`, `write_safetensors`, `tile_hashes`, `ShardedReader`.
 """
 
 from __future__ import annotations
@@ -185,34 +185,70 @@ def tile_hashes(region: Region, full_shape, tensors: dict[str, torch.Tensor]) ->
 
 
 # Writing ----------------------------------------------------------------------------
+class SafetensorsWriter:
+    """A safetensors file written tensor by tensor: the header (names, dtypes, shapes) first,
+    then each tensor's bytes as the caller produces them, hashed on the way; so a file of many
+    tensors never needs them all in memory. `close()` fsyncs and returns {"size", "sha256"}."""
+
+    def __init__(self, path: str | os.PathLike, specs: list[tuple[str, torch.dtype, list[int]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict = {}
+        pos = 0
+        for name, dtype, shape in specs:
+            n = int(math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _DTYPES[dtype], "shape": [int(v) for v in shape], "data_offsets": [pos, pos + n]}
+            pos += n
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._specs = list(specs)
+        self._next = 0
+        self._size = 8 + len(raw) + pos
+        self._hash = hashlib.sha256()
+        self._f = open(self.path, "wb")
+        for chunk in (struct.pack("<Q", len(raw)), raw):
+            self._write(memoryview(chunk))
+
+    def _write(self, data: memoryview) -> None:
+        self._f.write(data)
+        self._hash.update(data)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        want, dtype, shape = self._specs[self._next]
+        if name != want or t.dtype != dtype or list(t.shape) != [int(v) for v in shape]:
+            raise ValueError(f"{self.path}: expected {want} {dtype} {list(shape)} next, got {name} {t.dtype} {list(t.shape)}")
+        self._write(_bytes_of(t.cpu() if t.device.type != "cpu" else t))
+        self._next += 1
+
+    def close(self) -> dict:
+        if self._next != len(self._specs):
+            raise ValueError(f"{self.path}: {len(self._specs) - self._next} tensors were not written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return {"size": self._size, "sha256": self._hash.hexdigest()}
+
+
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> dict:
-    """Write a safetensors file tensor by tensor, hashing as it goes; fsynced.
-    Returns {"size", "sha256"} of the file. The tensors are read once, in order."""
-    header: dict = {}
-    pos = 0
+    """Write a safetensors file, hashing as it goes; fsynced. Returns {"size", "sha256"}."""
+    w = SafetensorsWriter(path, [(k, t.dtype, list(t.shape)) for k, t in tensors.items()], metadata)
     for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+        w.write(k, t)
+    return w.close()
+
+
+def sha256_of_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(raw)), raw):
-            f.write(chunk)
-            h.update(chunk)
-        for t in tensors.values():
-            data = _bytes_of(t.cpu() if t.device.type != "cpu" else t)
-            f.write(data)
-            h.update(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"size": 8 + len(raw) + pos, "sha256": h.hexdigest()}
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
 
 
 # Reading ----------------------------------------------------------------------------
