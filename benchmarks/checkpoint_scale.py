@@ -1,0 +1,142 @@
+"""Checkpoint cost per rank as the world grows: each rank should touch only its share.
+
+For world 1, 2 and 4, split by tensor parallelism and by data parallelism (ZeRO 1, fp32), on a
+~100 M model (--tiny: a small one, worlds 1 and 2), every rank reports:
+
+    start-up peak RSS      ru_maxrss once the engine is built (before any checkpoint work)
+    bytes written / save   the sizes of the files this rank wrote into one checkpoint
+    bytes read at resume   the tensor bytes this rank read (ShardedReader's count) when the
+                           checkpoint is loaded back at the same layout
+    save blocked, sync     seconds the step waits for a synchronous save (write + publish)
+    save blocked, async    seconds the step waits for checkpoint.async_save (the snapshot)
+
+and the table shows the largest rank's figure and its ratio to world 1 (ideal: 1/world for
+bytes; the sync save shrinks with the bytes, the async one stays near the snapshot copy).
+
+    python benchmarks/checkpoint_scale.py [--tiny] [--layouts 1x1,2x1,1x2,4x1,1x4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
+BIG = ["model.vocab_size=8192", "model.d_model=768", "model.n_layers=14", "model.n_heads=12",
+       "model.n_kv_heads=12", "model.max_seq_len=64", "train.seq_len=64"]
+SMALL = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+         "model.n_kv_heads=4", "model.max_seq_len=32", "train.seq_len=32"]
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(HERE.parent))
+    import common
+
+    from loomtrain.launcher.checkpoints.background import BackgroundSave
+    from loomtrain.launcher.checkpoints.reshard import barrier
+    from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
+    from loomtrain.launcher.checkpoints.store import CheckpointStore
+    from loomtrain.launcher.config_loader import load_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    shape = SMALL if args.tiny else BIG
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        *shape, "model.norm=rmsnorm", "model.activation=swiglu", "model.positions=rope", "model.tie_embeddings=false",
+        f"parallel.tp={args.tp}", "parallel.zero_stage=1", "train.precision=fp32", "train.device=cpu",
+        "train.micro_batch_size=1", f"train.global_batch_size={world // args.tp}", "log.tensorboard=false",
+    ], world_size=world)
+    ctx = common.engine_context(cfg, run_dir=args.run_dir)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rank = ctx.dist.rank
+    store = CheckpointStore(args.run_dir, keep_last=10, log=lambda m: None)
+
+    barrier()
+    t0 = time.perf_counter()
+    path = save_checkpoint(store, 1, ctx.engine, ctx.topology, zero_stage=1)
+    sync_s = time.perf_counter() - t0
+    written = sum((path / d / f"rank_{rank:05d}.safetensors").stat().st_size
+                  for d in ("model", "optim", "rng") if (path / d / f"rank_{rank:05d}.safetensors").exists())
+
+    barrier()
+    t0 = time.perf_counter()
+    tmp = store.begin(2) if rank == 0 else store.temp_dir(2)
+    barrier()
+    snap = take_snapshot(2, ctx.engine, ctx.topology, copy=True, zero_stage=1)
+    bg = BackgroundSave(snap, store, tmp).start()
+    async_s = time.perf_counter() - t0
+    bg.wait()
+    barrier()
+
+    trainer = load_checkpoint(path, ctx.engine, ctx.topology, zero_stage=1)
+    out = {"rank": rank, "rss": rss, "written": written, "read": trainer["bytes_read"], "sync_s": sync_s,
+           "async_s": async_s}
+    rows = [None] * world
+    if world > 1:
+        dist.all_gather_object(rows, out)
+    else:
+        rows = [out]
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows))
+
+
+def run_layout(tp: int, dp: int, tiny: bool, tmp: Path) -> list[dict]:
+    world = tp * dp
+    out = tmp / f"tp{tp}dp{dp}.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    head = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                "--nproc_per_node", str(world)]
+    cmd = [*head, str(HERE), "--worker", "--tp", str(tp), "--run-dir", str(tmp / f"run_tp{tp}dp{dp}"),
+           "--out", str(out), *(["--tiny"] if tiny else [])]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    if p.returncode != 0:
+        sys.exit(f"checkpoint_scale: tp {tp} x dp {dp} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="a small model, worlds 1 and 2 (smoke test)")
+    ap.add_argument("--layouts", default="", help="TPxDP list, e.g. 1x1,2x1,1x2,4x1,1x4")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    layouts = args.layouts or ("1x1,2x1,1x2" if args.tiny else "1x1,2x1,1x2,4x1,1x4")
+    pairs = [tuple(int(v) for v in item.split("x")) for item in layouts.split(",")]
+    if pairs[0] != (1, 1):
+        pairs.insert(0, (1, 1))
+    with tempfile.TemporaryDirectory(prefix="ckpt_scale_") as d:
+        results = {p: run_layout(*p, args.tiny, Path(d)) for p in pairs}
+    base = {k: max(r[k] for r in results[(1, 1)]) for k in ("rss", "written", "read", "sync_s", "async_s")}
+    print(f"checkpoint_scale: {'tiny' if args.tiny else '~112 M'} model, fp32, ZeRO 1, CPU/gloo; "
+          f"largest rank's figure (ratio to world 1)")
+    print(f"{'layout':>10} {'start-up RSS':>20} {'written/save':>20} {'read at resume':>20} "
+          f"{'sync blocked':>18} {'async blocked':>18}")
+    for (tp, dp), rows in results.items():
+        cells = []
+        for k, unit, scale in (("rss", "MiB", 2**20), ("written", "MiB", 2**20), ("read", "MiB", 2**20),
+                               ("sync_s", "s", 1), ("async_s", "s", 1)):
+            v = max(r[k] for r in rows)
+            cells.append(f"{v / scale:8.2f} {unit} ({v / base[k]:.2f})")
+        print(f"{f'tp{tp} dp{dp}':>10} " + " ".join(f"{c:>20}" for c in cells))
+    print("ratio to world 1 in parentheses; ideal for bytes: 1/world")
+
+
+if __name__ == "__main__":
+    main()
