@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,7 @@ def run_layout(tp: int, dp: int, tiny: bool, tmp: Path) -> list[dict]:
     cmd = [*head, str(HERE), "--worker", "--tp", str(tp), "--run-dir", str(tmp / f"run_tp{tp}dp{dp}"),
            "--out", str(out), *(["--tiny"] if tiny else [])]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    shutil.rmtree(tmp / f"run_tp{tp}dp{dp}", ignore_errors=True)  # GBs at the full size: one layout at a time
     if p.returncode != 0:
         sys.exit(f"checkpoint_scale: tp {tp} x dp {dp} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     return json.loads(out.read_text())
