@@ -62,6 +62,7 @@ class CheckpointHook(Hooks):
         say = ctx.metrics.message if ctx.metrics is not None else (lambda m: print(m, file=sys.stderr, flush=True))
         log = say if ctx.dist.rank == 0 else (lambda m: None)
         self.store = CheckpointStore(ctx.run_dir, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
+        ctx.extras["checkpoint_flush"] = self.flush_local
         found, error = None, None
         if ctx.dist.rank == 0:
             if c.resume == "never":  # earlier checkpoints and outputs go aside, nothing is deleted
@@ -183,6 +184,20 @@ class CheckpointHook(Hooks):
                 raise write_error(bg.error, self.store, bg.step) from None
             self._message(ctx, f"checkpoint: step {bg.step} was not saved (rank {ctx.dist.rank}): {bg.error}",
                           every_rank=True)
+
+    def flush_local(self, timeout_s: float = 300.0) -> None:
+        """Block until the save in flight is published, without a collective (rank 0's writer
+        publishes once every rank's part is on disk). For test-only faults that must strike
+        "right after a checkpoint", as they did when saves were synchronous."""
+        bg = self.in_flight
+        if bg is None:
+            return
+        bg.wait()
+        deadline = time.time() + timeout_s
+        while bg.error is None and not self.store.final_dir(bg.step).exists() and time.time() < deadline:
+            if any((self.store.temp_dir(bg.step) / ".parts").glob("rank_*.failed")):
+                return
+            time.sleep(0.05)
 
     def save(self, ctx: TrainContext, reason: str = "") -> Path:
         """Save this step: synchronously, or (checkpoint.async_save) hand it to a writer thread

@@ -231,6 +231,9 @@ class RayReportHook(Hooks):
         for spec in filter(None, self.fault.split(",")):
             rank, _, step = spec.partition(":")
             if int(rank) == ctx.dist.rank and int(step) == ctx.state.step:
+                flush = ctx.extras.get("checkpoint_flush")  # an async save of this step lands first
+                if flush is not None:
+                    flush()
                 self._fault(rank, step)
 
     def _fault(self, rank: str, step: str) -> None:
