@@ -234,30 +234,35 @@ def consolidated_weights(engine, topology, dst: int = 0) -> dict[str, torch.Tens
 
 # What this rank holds, as a region of the full tensor (the sharded checkpoint format) --------
 def local_box(p) -> tuple[int, int, int, int]:
-    """The matrix box (see checkpoints/shards.py) of this rank's TP shard of p, padding included."""
+    """The matrix box (see checkpoints/shards.py) of this rank's TP shard of p, padding included,
+    as the TP plan lays it out."""
     from loomtrain.launcher.checkpoints.shards import shard_box
+    from loomtrain.parallel.plan import spec_of
 
-    meta = _tp_meta(p)
-    if meta is None:
-        return shard_box(_local_full_shape(p), None)
-    length = meta["padded_size"] // meta["num_shards"]
-    return shard_box(meta["full_shape"], meta["partition_dim"], meta["shard_index"] * length, length)
+    spec = spec_of(p)
+    if spec.dim is None:
+        return shard_box(spec.full_shape, None)
+    length = spec.padded_size // spec.num_shards
+    return shard_box(spec.full_shape, spec.dim, spec.shard_index * length, length)
 
 
 def full_shape(p) -> list[int]:
-    meta = _tp_meta(p)
-    return list(meta["full_shape"] if meta is not None else _local_full_shape(p))
+    from loomtrain.parallel.plan import spec_of
+
+    return list(spec_of(p).full_shape)
 
 
 def _replica_split(p, topology) -> tuple[int, int]:
     """(number of TP ranks holding the same shard of p, this rank's index among them)."""
+    from loomtrain.parallel.plan import spec_of
+
     tp = topology.tp_size if topology is not None else 1
     if tp == 1:
         return 1, 0
-    meta = _tp_meta(p)
-    if meta is None:
+    spec = spec_of(p)
+    if spec.dim is None:
         return tp, topology.tp_rank
-    m = tp // meta["num_shards"]
+    m = max(1, spec.replicas)  # consecutive TP ranks hold each replicated KV shard
     return m, topology.tp_rank % m
 
 
