@@ -105,3 +105,34 @@ def test_a_flipped_value_is_named_by_the_rank_reading_it(tmp_path):
     assert torch.equal(reader.read(last, None, Region(shard_box([33], None), (0, 4))), TENSORS[last][:4])
     with pytest.raises(CorruptCheckpoint, match="rank_1.safetensors.*fails its sha256"):
         reader.full(last)
+
+
+def test_a_damaged_tile_is_found_by_the_rank_reading_it_and_resume_takes_the_previous(tmp_path, one_thread):
+    """Rank 0 checks only sizes before a resume; the reader checks the sha256 of every tile it
+    reads, so one flipped bit in a moment names the file, and the previous checkpoint is used."""
+    from loomtrain.launcher.config_loader import load_config
+    from loomtrain.launcher.loop import run_training
+
+    from pathlib import Path
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    over = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "train.seq_len=32",
+            "train.micro_batch_size=2", "train.global_batch_size=2", "data.max_files=20", "eval.every_steps=0",
+            "eval.num_samples=0", "log.progress=plain", "log.tensorboard=false", "checkpoint.every_steps=2",
+            f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    run_training(load_config(tiny, [*over, "train.max_steps=4"]))
+    victim = tmp_path / "run" / "checkpoints" / "step_00000004" / "optim" / "rank_00000.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-5] ^= 0x10  # the last moment's last value: same size, so only its checksum can tell
+    victim.write_bytes(bytes(raw))
+    seen = {}
+
+    from loomtrain.launcher.hooks import Hooks
+
+    class Resumed(Hooks):
+        def on_train_start(self, ctx):
+            seen["from"] = ctx.extras.get("resumed_from")
+
+    result = run_training(load_config(tiny, [*over, "train.max_steps=5"]), hooks=[Resumed()])
+    assert seen["from"] == str(tmp_path / "run" / "checkpoints" / "step_00000002")
+    assert result.steps == [3, 4, 5]
