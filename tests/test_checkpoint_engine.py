@@ -186,6 +186,8 @@ def test_resume_at_tp2_dp2_zero2_reads_only_its_share(tmp_path):
     budget = 1.1 * (weights / 2 + 2 * weights / 4)
     for src, exact in ((a, True), (b, False)):
         r = run(tmp_path, 4, "--tp", 2, "--zero", 2, "--steps", 6, "--load", ckpt(src, 3), name=f"from_{src.name}")
+        print(f"resume from {src.name}: bytes read per rank {r['bytes_read']}, budget {budget:.0f} "
+              f"(weights {weights}, moments {2 * weights})")
         assert len(r["bytes_read"]) == 4 and all(0 < n <= budget for n in r["bytes_read"]), (r["bytes_read"], budget)
         got, want = [r["losses"][s] for s in (4, 5, 6)], [straight["losses"][s] for s in (4, 5, 6)]
         assert got == want if exact else got == pytest.approx(want, abs=1e-5), (src.name, got, want)
