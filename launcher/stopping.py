@@ -126,5 +126,8 @@ class StopRequest:
             t = torch.tensor([signum], dtype=torch.int32, device=device)  # NCCL: on the GPU
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             signum = int(t.item())
-        self.signum = signum
+        # A signal that arrived during the all-reduce (its handler runs when the collective
+        # returns) stays pending for the next step: only an agreed stop overwrites it.
+        if signum:
+            self.signum = signum
         return signum

@@ -75,8 +75,9 @@ def headers(run_dir: Path, rank: int) -> list[str]:
 class Run:
     """A training subprocess whose output is read line by line (stdout + stderr)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, run_dir: Path | None = None) -> None:
         cwd.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
         self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: list[str] = []
@@ -102,6 +103,13 @@ class Run:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)  # this test's own process group only
             self.proc.wait()
+        # torchrun starts each rank in a session of its own: end this run's ranks too
+        beats = self.run_dir / "logs" / "heartbeats" if self.run_dir else None
+        for pid in heartbeat_pids(self.run_dir) if beats and beats.is_dir() else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     @property
     def text(self) -> str:
@@ -128,7 +136,7 @@ def reference(tmp_path_factory, cache) -> dict[int, float]:
 def test_torchrun_hang_names_the_stopped_rank_and_dumps_stacks(tmp_path, cache):
     run_dir = tmp_path / "run"
     run = Run(cmd(run_dir, cache, f"parallel.timeout_s={HANG_TIMEOUT_S}", nproc=2),
-              clean_env(LOOMTRAIN_TEST_FAULTS="sigstop:1:5"), tmp_path)
+              clean_env(LOOMTRAIN_TEST_FAULTS="sigstop:1:5"), tmp_path, run_dir)
     try:
         run.wait_for(lambda line: "rank 1 stops itself" in line, timeout=300)
         stopped_at = time.monotonic()
@@ -161,7 +169,7 @@ def test_torchrun_straggler_sigterm_to_every_rank_then_exact_resume(tmp_path, ca
 
     run_dir = tmp_path / "run"
     argv = cmd(run_dir, cache, "log.tensorboard=true", nproc=2)
-    run = Run(argv, clean_env(LOOMTRAIN_TEST_FAULTS="delay:1:0.5"), tmp_path)
+    run = Run(argv, clean_env(LOOMTRAIN_TEST_FAULTS="delay:1:0.5"), tmp_path, run_dir)
     try:
         run.wait_for(lambda line: line.startswith("step 4/"), timeout=300)
         for pid in heartbeat_pids(run_dir):
