@@ -46,6 +46,8 @@ import torch
 from safetensors import safe_open
 
 FORMATS = ("hf",)
+# loomtrain activation -> GPT-2's activation_function computing the same function
+HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_MAX_SHARD = "5GB"
@@ -273,7 +275,8 @@ def to_gpt2(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], di
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": cfg.vocab_size, "n_embd": d, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
         "n_inner": cfg.ffn_dim, "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len,
-        "activation_function": cfg.activation,  # "gelu" is the exact erf GELU, as in loomtrain
+        # "gelu" is the exact erf GELU, as in loomtrain; gelu_pytorch_tanh is F.gelu(approximate="tanh")
+        "activation_function": HF_ACTIVATION[cfg.activation],
         "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
