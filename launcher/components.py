@@ -103,16 +103,17 @@ def data_cache_dir(cfg: RunConfig) -> Path:
 
 
 def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
-    """-> (shard_dir, tokenizer, train_stream). Rank 0 prepares the data first."""
-    from loomtrain.data_pipeline import TokenStream, prepare_data
+    """-> (shard_dir, tokenizer, train_stream). Rank 0 prepares the data first.
+    shard_dir is one directory, or for data.sources the list [(dir, weight), ...]."""
+    from loomtrain.data_pipeline import TokenStream, prepare_sources
 
     cache = data_cache_dir(cfg)
     quiet = (lambda *a, **k: None)
     if env.rank == 0:
-        shard_dir, tok = prepare_data(cfg.data, cache, log=log)
+        shard_dir, tok = prepare_sources(cfg.data, cache, log=log)
     barrier()
     if env.rank != 0:
-        shard_dir, tok = prepare_data(cfg.data, cache, log=quiet)
+        shard_dir, tok = prepare_sources(cfg.data, cache, log=quiet)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size: expected at least the tokenizer's vocabulary size {tok.vocab_size} "
@@ -124,10 +125,10 @@ def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
         dp_rank=topology.dp_rank, dp_size=topology.dp_size, seed=t.seed,
         prefetch=cfg.data.prefetch, expected_tokenizer_hash=tok.hash,
     )
-    return Path(shard_dir), tok, stream
+    return shard_dir, tok, stream
 
 
-def val_stream(cfg: RunConfig, shard_dir: Path, topology, tok):
+def val_stream(cfg: RunConfig, shard_dir, topology, tok):
     """A fresh validation stream: the same batches at every evaluation."""
     from loomtrain.data_pipeline import TokenStream
 
