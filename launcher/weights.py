@@ -70,7 +70,7 @@ def _begin(out_dir: Path) -> Path:
 
 def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_map: dict | None) -> Path:
     """Rank 0: the small files, the manifest last, then the rename (an older final/ goes)."""
-    from loomtrain.launcher.checkpoints.shards import sha256_of_file
+    from loomtrain.launcher.checkpoints.store import sha256_file
     from loomtrain.launcher.checkpoints.store import fsync_path, write_json_durable
 
     if weight_map is not None:
@@ -82,7 +82,7 @@ def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_
     for p in sorted(tmp.rglob("*")):
         rel = str(p.relative_to(tmp))
         if p.is_file() and rel not in files and _PARTS not in p.relative_to(tmp).parts:
-            files[rel] = {"size": p.stat().st_size, "sha256": sha256_of_file(p)}  # small files
+            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}  # small files
     shutil.rmtree(tmp / _PARTS, ignore_errors=True)
     write_json_durable(tmp / FINAL_MANIFEST, {"files": files})
     fsync_path(tmp)
@@ -159,7 +159,7 @@ def _broken(path: Path, name: str, why: str) -> FinalWeightsError:
 def verify_final(final_dir: str | os.PathLike) -> None:
     """Check every file manifest.json lists (present, size, sha256); FinalWeightsError names the
     first bad one. A final/ from before manifests existed has none and is taken as it is."""
-    from loomtrain.launcher.checkpoints.shards import sha256_of_file
+    from loomtrain.launcher.checkpoints.store import sha256_file
 
     path = Path(final_dir)
     mpath = path / FINAL_MANIFEST
@@ -175,7 +175,7 @@ def verify_final(final_dir: str | os.PathLike) -> None:
             raise _broken(path, rel, "missing")
         if p.stat().st_size != info["size"]:
             raise _broken(path, rel, f"{p.stat().st_size} bytes, the manifest says {info['size']}")
-        if sha256_of_file(p) != info["sha256"]:
+        if sha256_file(p) != info["sha256"]:
             raise _broken(path, rel, "fails its sha256 checksum")
 
 

@@ -241,16 +241,6 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     return w.close()
 
 
-def sha256_of_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                return h.hexdigest()
-            h.update(block)
-
-
 # Reading ----------------------------------------------------------------------------
 class ShardedReader:
     """Reads slices of tensors from a sharded directory through its index, verifying every tile

@@ -41,8 +41,6 @@ import hashlib
 import json
 import os
 import random
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +64,7 @@ from loomtrain.launcher.checkpoints.store import (
     CheckpointStore,
     describe_files,
     read_manifest,
+    sleep_for_test_at_step,
     write_bytes_durable,
     write_json_durable,
 )
@@ -301,13 +300,7 @@ TEST_SLOW_ENV = "LOOMTRAIN_TEST_CKPT_SLOW"
 
 
 def _test_slow_write(step: int) -> None:
-    spec = os.environ.get(TEST_SLOW_ENV)
-    if not spec:
-        return
-    at, _, seconds = spec.partition(":")
-    if int(at) == int(step):
-        print(f"checkpoint: test slow write of step {step} ({seconds}s)", file=sys.stderr, flush=True)
-        time.sleep(float(seconds or 10))
+    sleep_for_test_at_step(TEST_SLOW_ENV, step, "slow write of", 10)
 
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 

@@ -382,11 +382,17 @@ def read_manifest(path: str | os.PathLike) -> dict:
 TEST_PAUSE_ENV = "LOOMTRAIN_TEST_CKPT_PAUSE"
 
 
-def _test_pause_before_publish(step: int) -> None:
-    spec = os.environ.get(TEST_PAUSE_ENV)
+def sleep_for_test_at_step(env: str, step: int, what: str, default_s: float) -> None:
+    """Test-only seam: with ENV="STEP:SECONDS" set, sleep here when saving step STEP
+    (SECONDS empty = default_s); nothing at all when ENV is unset."""
+    spec = os.environ.get(env)
     if not spec:
         return
     at, _, seconds = spec.partition(":")
     if int(at) == int(step):
-        print(f"checkpoint: test pause before publishing step {step} ({seconds}s)", file=sys.stderr, flush=True)
-        time.sleep(float(seconds or 60))
+        print(f"checkpoint: test {what} step {step} ({seconds}s)", file=sys.stderr, flush=True)
+        time.sleep(float(seconds or default_s))
+
+
+def _test_pause_before_publish(step: int) -> None:
+    sleep_for_test_at_step(TEST_PAUSE_ENV, step, "pause before publishing", 60)
