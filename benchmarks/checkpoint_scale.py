@@ -31,10 +31,24 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
-BIG = ["model.vocab_size=8192", "model.d_model=768", "model.n_layers=14", "model.n_heads=12",
-       "model.n_kv_heads=12", "model.max_seq_len=64", "train.seq_len=64"]
-SMALL = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-         "model.n_kv_heads=4", "model.max_seq_len=32", "train.seq_len=32"]
+BIG = [
+    "model.vocab_size=8192",
+    "model.d_model=768",
+    "model.n_layers=14",
+    "model.n_heads=12",
+    "model.n_kv_heads=12",
+    "model.max_seq_len=64",
+    "train.seq_len=64",
+]
+SMALL = [
+    "model.vocab_size=512",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=4",
+    "model.max_seq_len=32",
+    "train.seq_len=32",
+]
 
 
 def worker(args) -> None:
@@ -42,7 +56,6 @@ def worker(args) -> None:
 
     sys.path.insert(0, str(HERE.parent))
     import common
-
     from loomtrain.launcher.checkpoints.background import BackgroundSave
     from loomtrain.launcher.checkpoints.reshard import barrier
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
@@ -51,11 +64,24 @@ def worker(args) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shape = SMALL if args.tiny else BIG
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [
-        *shape, "model.norm=rmsnorm", "model.activation=swiglu", "model.positions=rope", "model.tie_embeddings=false",
-        f"parallel.tp={args.tp}", "parallel.zero_stage=1", "train.precision=fp32", "train.device=cpu",
-        "train.micro_batch_size=1", f"train.global_batch_size={world // args.tp}", "log.tensorboard=false",
-    ], world_size=world)
+    cfg = load_config(
+        REPO / "configs" / "tiny.yaml",
+        [
+            *shape,
+            "model.norm=rmsnorm",
+            "model.activation=swiglu",
+            "model.positions=rope",
+            "model.tie_embeddings=false",
+            f"parallel.tp={args.tp}",
+            "parallel.zero_stage=1",
+            "train.precision=fp32",
+            "train.device=cpu",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={world // args.tp}",
+            "log.tensorboard=false",
+        ],
+        world_size=world,
+    )
     ctx = common.engine_context(cfg, run_dir=args.run_dir)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rank = ctx.dist.rank
@@ -65,8 +91,11 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     path = save_checkpoint(store, 1, ctx.engine, ctx.topology, zero_stage=1)
     sync_s = time.perf_counter() - t0
-    written = sum((path / d / f"rank_{rank:05d}.safetensors").stat().st_size
-                  for d in ("model", "optim", "rng") if (path / d / f"rank_{rank:05d}.safetensors").exists())
+    written = sum(
+        (path / d / f"rank_{rank:05d}.safetensors").stat().st_size
+        for d in ("model", "optim", "rng")
+        if (path / d / f"rank_{rank:05d}.safetensors").exists()
+    )
 
     barrier()
     t0 = time.perf_counter()
@@ -79,8 +108,14 @@ def worker(args) -> None:
     barrier()
 
     trainer = load_checkpoint(path, ctx.engine, ctx.topology, zero_stage=1)
-    out = {"rank": rank, "rss": rss, "written": written, "read": trainer["bytes_read"], "sync_s": sync_s,
-           "async_s": async_s}
+    out = {
+        "rank": rank,
+        "rss": rss,
+        "written": written,
+        "read": trainer["bytes_read"],
+        "sync_s": sync_s,
+        "async_s": async_s,
+    }
     rows = [None] * world
     if world > 1:
         dist.all_gather_object(rows, out)
@@ -96,10 +131,23 @@ def run_layout(tp: int, dp: int, tiny: bool, tmp: Path) -> list[dict]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    head = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                "--nproc_per_node", str(world)]
-    cmd = [*head, str(HERE), "--worker", "--tp", str(tp), "--run-dir", str(tmp / f"run_tp{tp}dp{dp}"),
-           "--out", str(out), *(["--tiny"] if tiny else [])]
+    head = (
+        [sys.executable]
+        if world == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+    )
+    cmd = [
+        *head,
+        str(HERE),
+        "--worker",
+        "--tp",
+        str(tp),
+        "--run-dir",
+        str(tmp / f"run_tp{tp}dp{dp}"),
+        "--out",
+        str(out),
+        *(["--tiny"] if tiny else []),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
     shutil.rmtree(tmp / f"run_tp{tp}dp{dp}", ignore_errors=True)  # GBs at the full size: one layout at a time
     if p.returncode != 0:
@@ -126,14 +174,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ckpt_scale_") as d:
         results = {p: run_layout(*p, args.tiny, Path(d)) for p in pairs}
     base = {k: max(r[k] for r in results[(1, 1)]) for k in ("rss", "written", "read", "sync_s", "async_s")}
-    print(f"checkpoint_scale: {'tiny' if args.tiny else '~112 M'} model, fp32, ZeRO 1, CPU/gloo; "
-          f"largest rank's figure (ratio to world 1)")
-    print(f"{'layout':>10} {'start-up RSS':>20} {'written/save':>20} {'read at resume':>20} "
-          f"{'sync blocked':>18} {'async blocked':>18}")
+    print(
+        f"checkpoint_scale: {'tiny' if args.tiny else '~112 M'} model, fp32, ZeRO 1, CPU/gloo; "
+        f"largest rank's figure (ratio to world 1)"
+    )
+    print(
+        f"{'layout':>10} {'start-up RSS':>20} {'written/save':>20} {'read at resume':>20} "
+        f"{'sync blocked':>18} {'async blocked':>18}"
+    )
     for (tp, dp), rows in results.items():
         cells = []
-        for k, unit, scale in (("rss", "MiB", 2**20), ("written", "MiB", 2**20), ("read", "MiB", 2**20),
-                               ("sync_s", "s", 1), ("async_s", "s", 1)):
+        for k, unit, scale in (
+            ("rss", "MiB", 2**20),
+            ("written", "MiB", 2**20),
+            ("read", "MiB", 2**20),
+            ("sync_s", "s", 1),
+            ("async_s", "s", 1),
+        ):
             v = max(r[k] for r in rows)
             cells.append(f"{v / scale:8.2f} {unit} ({v / base[k]:.2f})")
         print(f"{f'tp{tp} dp{dp}':>10} " + " ".join(f"{c:>20}" for c in cells))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -23,9 +23,18 @@ def loomtrain_config(shape: dict):
     from loomtrain.model import ModelConfig
 
     return ModelConfig(
-        vocab_size=shape["vocab"], d_model=shape["d_model"], n_layers=shape["layers"],
-        n_heads=shape["heads"], max_seq_len=shape["seq"], norm="rmsnorm", activation="swiglu",
-        positions="rope", tie_embeddings=False, bias=False, dropout=0.0, norm_eps=1e-5,
+        vocab_size=shape["vocab"],
+        d_model=shape["d_model"],
+        n_layers=shape["layers"],
+        n_heads=shape["heads"],
+        max_seq_len=shape["seq"],
+        norm="rmsnorm",
+        activation="swiglu",
+        positions="rope",
+        tie_embeddings=False,
+        bias=False,
+        dropout=0.0,
+        norm_eps=1e-5,
     )
 
 
@@ -91,7 +100,8 @@ def median(values: list[float]) -> float:
 
 def profile(fn: Callable[[], object], steps: int, title: str, rows: int = 18) -> None:
     """torch.profiler table (self CPU time) over `steps` calls of fn."""
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     with tprofile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):

@@ -29,20 +29,28 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
 import common  # noqa: E402
+import torch  # noqa: E402
 
 
 def build_hf(shape: dict, ffn: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=shape["vocab"], hidden_size=shape["d_model"], intermediate_size=ffn,
-        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["heads"], max_position_embeddings=shape["seq"],
-        rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        hidden_act="silu", attention_dropout=0.0, use_cache=False,
+        vocab_size=shape["vocab"],
+        hidden_size=shape["d_model"],
+        intermediate_size=ffn,
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["heads"],
+        max_position_embeddings=shape["seq"],
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        use_cache=False,
     )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
@@ -74,7 +82,7 @@ def contenders(shape: dict, bf16: bool):
     ):
         params = list(model.parameters())
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)  # as launcher/engine.py
-        steps[name] = (lambda f=loss_of, p=params, o=opt: common.train_step(f, p, o, x, y, bf16))
+        steps[name] = lambda f=loss_of, p=params, o=opt: common.train_step(f, p, o, x, y, bf16)
     return steps, flops_per_token(mcfg, shape["seq"]), n_lt, mcfg.ffn_dim
 
 
@@ -84,8 +92,10 @@ def run(precision: str, shape: dict, rounds: int, steps_per_round: int, do_profi
     tokens = shape["batch"] * shape["seq"]
     mm_dtype = torch.bfloat16 if bf16 else torch.float32
     mm_size = 1024 if shape is common.SHAPE else 256
-    print(f"\n== {precision}: {n_params / 1e6:.2f} M params each (ffn {ffn}), {tokens} tokens/step, "
-          f"{fpt / 1e6:.1f} MFLOP/token; load average {common.loadavg()}")
+    print(
+        f"\n== {precision}: {n_params / 1e6:.2f} M params each (ffn {ffn}), {tokens} tokens/step, "
+        f"{fpt / 1e6:.1f} MFLOP/token; load average {common.loadavg()}"
+    )
     for fn in steps.values():  # warm-up: allocator, autocast caches, optimizer state
         for _ in range(2):
             fn()
@@ -98,8 +108,11 @@ def run(precision: str, shape: dict, rounds: int, steps_per_round: int, do_profi
             t[name].append(common.timed(steps[name], steps_per_round))
         ratios.append(t["hf"][-1] / t["loomtrain"][-1])
         fracs.append(fpt * tokens / t["loomtrain"][-1] / mm[-1])
-        print(f"  round {r + 1:2d}/{rounds}: loomtrain {t['loomtrain'][-1]:.3f} s  hf {t['hf'][-1]:.3f} s  "
-              f"ratio {ratios[-1]:.3f}  matmul {mm[-1] / 1e9:.0f} GFLOP/s", flush=True)
+        print(
+            f"  round {r + 1:2d}/{rounds}: loomtrain {t['loomtrain'][-1]:.3f} s  hf {t['hf'][-1]:.3f} s  "
+            f"ratio {ratios[-1]:.3f}  matmul {mm[-1] / 1e9:.0f} GFLOP/s",
+            flush=True,
+        )
     lt_s, hf_s = common.median(t["loomtrain"]), common.median(t["hf"])
     res = {
         "precision": precision,
@@ -107,20 +120,27 @@ def run(precision: str, shape: dict, rounds: int, steps_per_round: int, do_profi
         "hf_tok_s": tokens / hf_s,
         "ratio_median_of_rounds": common.median(ratios),
         "ratio_of_medians": hf_s / lt_s,
-        "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
         "matmul_flops_median": common.median(mm),
         "loomtrain_flops": fpt * tokens / lt_s,
         "hf_flops": fpt * tokens / hf_s,
         "frac_of_matmul_median_of_rounds": common.median(fracs),
         "loadavg": common.loadavg(),
     }
-    print(f"  loomtrain {res['loomtrain_tok_s']:,.0f} tok/s ({res['loomtrain_flops'] / 1e9:.1f} GFLOP/s) | "
-          f"HF {res['hf_tok_s']:,.0f} tok/s ({res['hf_flops'] / 1e9:.1f} GFLOP/s)")
-    print(f"  ratio loomtrain/HF: {res['ratio_median_of_rounds']:.3f} (median of {rounds} rounds; "
-          f"range {res['ratio_min']:.3f}..{res['ratio_max']:.3f}; ratio of medians {res['ratio_of_medians']:.3f})")
-    print(f"  matmul {mm_size}^3 {precision}: {res['matmul_flops_median'] / 1e9:.0f} GFLOP/s (median); "
-          f"loomtrain at {100 * res['frac_of_matmul_median_of_rounds']:.0f}% of it "
-          f"(HF {100 * res['hf_flops'] / res['matmul_flops_median']:.0f}%); load average {res['loadavg']}")
+    print(
+        f"  loomtrain {res['loomtrain_tok_s']:,.0f} tok/s ({res['loomtrain_flops'] / 1e9:.1f} GFLOP/s) | "
+        f"HF {res['hf_tok_s']:,.0f} tok/s ({res['hf_flops'] / 1e9:.1f} GFLOP/s)"
+    )
+    print(
+        f"  ratio loomtrain/HF: {res['ratio_median_of_rounds']:.3f} (median of {rounds} rounds; "
+        f"range {res['ratio_min']:.3f}..{res['ratio_max']:.3f}; ratio of medians {res['ratio_of_medians']:.3f})"
+    )
+    print(
+        f"  matmul {mm_size}^3 {precision}: {res['matmul_flops_median'] / 1e9:.0f} GFLOP/s (median); "
+        f"loomtrain at {100 * res['frac_of_matmul_median_of_rounds']:.0f}% of it "
+        f"(HF {100 * res['hf_flops'] / res['matmul_flops_median']:.0f}%); load average {res['loadavg']}"
+    )
     if do_profile:
         for name, fn in steps.items():
             common.profile(fn, 3, f"{name} {precision}")
@@ -135,21 +155,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per model")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test of the script)")
-    ap.add_argument("--keep-freed-memory", action="store_true",
-                    help="glibc: no mmap/unmap of large blocks (see common.keep_freed_memory); both models")
+    ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc: no mmap/unmap of large blocks (see common.keep_freed_memory); both models",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.keep_freed_memory and not common.keep_freed_memory():
         print("note: --keep-freed-memory: mallopt not available, running with the default allocator")
     shape = common.TINY if args.tiny else common.SHAPE
-    print(f"torch {torch.__version__}, {args.threads} threads, shape {shape}, "
-          f"allocator {'keep-freed-memory' if args.keep_freed_memory else 'default'}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, shape {shape}, "
+        f"allocator {'keep-freed-memory' if args.keep_freed_memory else 'default'}"
+    )
     results = [run(p, shape, args.rounds, args.steps_per_round, args.profile) for p in args.precision]
     print("\nsummary")
     for r in results:
-        print(f"  {r['precision']}: loomtrain {r['loomtrain_tok_s']:,.0f} tok/s, HF {r['hf_tok_s']:,.0f} tok/s, "
-              f"ratio {r['ratio_median_of_rounds']:.3f}, {100 * r['frac_of_matmul_median_of_rounds']:.0f}% of "
-              f"matmul FLOP/s, load average {r['loadavg']}")
+        print(
+            f"  {r['precision']}: loomtrain {r['loomtrain_tok_s']:,.0f} tok/s, HF {r['hf_tok_s']:,.0f} tok/s, "
+            f"ratio {r['ratio_median_of_rounds']:.3f}, {100 * r['frac_of_matmul_median_of_rounds']:.0f}% of "
+            f"matmul FLOP/s, load average {r['loadavg']}"
+        )
     return 0
 
 

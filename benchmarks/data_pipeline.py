@@ -60,9 +60,8 @@ def tiny_step_consumption(seq_len: int, micro_batch: int, steps: int = 3) -> lis
     """Tokens/s a tiny-config training step eats on this CPU: estimated from the model's
     FLOPs at the ANCHORS fp32 matmul rate, and measured on loomtrain.model.Transformer
     (fwd + bwd + AdamW) when it imports."""
-    from omegaconf import OmegaConf
-
     from loomtrain.model.config import ModelConfig
+    from omegaconf import OmegaConf
 
     raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")["model"])
     cfg = ModelConfig(**raw)
@@ -72,10 +71,11 @@ def tiny_step_consumption(seq_len: int, micro_batch: int, steps: int = 3) -> lis
     n = L * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim) + V * d  # tied head: counted once, in the matmul
     flops_per_token = 6 * n + 12 * L * d * seq_len
     gflops = 180.0  # fp32 matmul on the 2-core CPU (ANCHORS.md)
-    out = [(gflops * 1e9 / flops_per_token, f"estimated: {flops_per_token / 1e6:.1f} MFLOP/token at {gflops:.0f} GFLOP/s")]
+    out = [
+        (gflops * 1e9 / flops_per_token, f"estimated: {flops_per_token / 1e6:.1f} MFLOP/token at {gflops:.0f} GFLOP/s")
+    ]
     try:
         import torch
-
         from loomtrain.model import Transformer
 
         torch.manual_seed(0)
@@ -117,20 +117,24 @@ def main() -> int:
     for copies in (1, 10):
         r = run_child(CHILD, args.max_files, copies, root / f"x{copies}", args.workers)
         runs[copies] = r
-        print(f"preprocess {copies:>2}x stdlib: {r['tokens'] / 1e6:8.1f} M tokens in {r['seconds']:6.2f} s = "
-              f"{r['tokens'] / r['seconds'] / 1e6:6.2f} M tokens/s ({r['workers']} workers); "
-              f"peak RSS main {r['rss_main_mb']:.0f} MB, worker {r['rss_worker_mb']:.0f} MB")
+        print(
+            f"preprocess {copies:>2}x stdlib: {r['tokens'] / 1e6:8.1f} M tokens in {r['seconds']:6.2f} s = "
+            f"{r['tokens'] / r['seconds'] / 1e6:6.2f} M tokens/s ({r['workers']} workers); "
+            f"peak RSS main {r['rss_main_mb']:.0f} MB, worker {r['rss_worker_mb']:.0f} MB"
+        )
     ratio = runs[10]["rss_main_mb"] / runs[1]["rss_main_mb"]
     print(f"peak RSS 10x / 1x corpus (main process): {ratio:.2f}  ({'flat' if ratio < 1.3 else 'NOT flat'})")
 
     streams = {}
     for copies in (1, 10):
-        for prefetch in ((0, 2) if copies == 1 else (2,)):
+        for prefetch in (0, 2) if copies == 1 else (2,):
             s = run_child(STREAM_CHILD, root / f"x{copies}", args.seq_len, args.micro_batch, args.batches, prefetch)
             streams[(copies, prefetch)] = s
-            print(f"stream {copies:>2}x corpus, prefetch={prefetch}: {s['tokens_per_s'] / 1e6:6.2f} M tokens/s "
-                  f"(seq {args.seq_len} x micro batch {args.micro_batch}, {s['samples_per_epoch']} samples/epoch); "
-                  f"RSS anonymous {s['anon_mb']:.0f} MB + file-backed (libraries, mapped shard pages) {s['file_mb']:.0f} MB")
+            print(
+                f"stream {copies:>2}x corpus, prefetch={prefetch}: {s['tokens_per_s'] / 1e6:6.2f} M tokens/s "
+                f"(seq {args.seq_len} x micro batch {args.micro_batch}, {s['samples_per_epoch']} samples/epoch); "
+                f"RSS anonymous {s['anon_mb']:.0f} MB + file-backed (libraries, mapped shard pages) {s['file_mb']:.0f} MB"
+            )
     have = streams[(1, 2)]["tokens_per_s"]
     for need, how in tiny_step_consumption(args.seq_len, args.micro_batch):
         print(f"tiny-config training consumes {need:10,.0f} tokens/s ({how}); stream headroom {have / need:,.0f}x")

@@ -30,9 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
 import common  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,13 +40,23 @@ def run_config(shape: dict, precision: str, zero: int):
     from loomtrain.launcher.config_loader import load_config
 
     over = [
-        f"model.vocab_size={shape['vocab']}", f"model.d_model={shape['d_model']}",
-        f"model.n_layers={shape['layers']}", f"model.n_heads={shape['heads']}", "model.n_kv_heads=null",
-        f"model.max_seq_len={shape['seq']}", "model.norm=rmsnorm", "model.activation=swiglu",
-        "model.positions=rope", "model.tie_embeddings=false",
-        f"train.seq_len={shape['seq']}", f"train.micro_batch_size={shape['batch']}",
-        f"train.global_batch_size={shape['batch']}", f"train.precision={precision}",
-        f"parallel.zero_stage={zero}", "train.device=cpu", "train.grad_clip=1.0",
+        f"model.vocab_size={shape['vocab']}",
+        f"model.d_model={shape['d_model']}",
+        f"model.n_layers={shape['layers']}",
+        f"model.n_heads={shape['heads']}",
+        "model.n_kv_heads=null",
+        f"model.max_seq_len={shape['seq']}",
+        "model.norm=rmsnorm",
+        "model.activation=swiglu",
+        "model.positions=rope",
+        "model.tie_embeddings=false",
+        f"train.seq_len={shape['seq']}",
+        f"train.micro_batch_size={shape['batch']}",
+        f"train.global_batch_size={shape['batch']}",
+        f"train.precision={precision}",
+        f"parallel.zero_stage={zero}",
+        "train.device=cpu",
+        "train.grad_clip=1.0",
         "run.dir=/tmp/loomtrain-bench/engine_overhead",
     ]
     return load_config(REPO / "configs" / "tiny.yaml", over, world_size=1)
@@ -116,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
             print(f"\n== {precision}, ZeRO {zero}: load average {common.loadavg()}")
             first = {name: fn() for name, fn in steps.items()}  # warm-up; same weights, same batch
-            print(f"  first step (loss, grad norm): engine {first['engine'][0]:.5f}, {first['engine'][1]:.5f} | "
-                  f"plain {first['plain'][0]:.5f}, {first['plain'][1]:.5f}")
+            print(
+                f"  first step (loss, grad norm): engine {first['engine'][0]:.5f}, {first['engine'][1]:.5f} | "
+                f"plain {first['plain'][0]:.5f}, {first['plain'][1]:.5f}"
+            )
             for fn in steps.values():
                 fn()
             t = {"engine": [], "plain": []}
@@ -127,26 +138,35 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     t[name].append(common.timed(steps[name], args.steps_per_round))
                 ratios.append(t["plain"][-1] / t["engine"][-1])
-                print(f"  round {r + 1:2d}/{args.rounds}: engine {t['engine'][-1]:.3f} s  plain {t['plain'][-1]:.3f} s"
-                      f"  ratio {ratios[-1]:.3f}", flush=True)
+                print(
+                    f"  round {r + 1:2d}/{args.rounds}: engine {t['engine'][-1]:.3f} s  plain {t['plain'][-1]:.3f} s"
+                    f"  ratio {ratios[-1]:.3f}",
+                    flush=True,
+                )
             res = {
-                "precision": precision, "zero": zero,
+                "precision": precision,
+                "zero": zero,
                 "engine_tok_s": tokens / common.median(t["engine"]),
                 "plain_tok_s": tokens / common.median(t["plain"]),
-                "ratio": common.median(ratios), "ratio_of_medians": common.median(t["plain"]) / common.median(t["engine"]),
+                "ratio": common.median(ratios),
+                "ratio_of_medians": common.median(t["plain"]) / common.median(t["engine"]),
                 "loadavg": common.loadavg(),
             }
             results.append(res)
-            print(f"  engine {res['engine_tok_s']:,.0f} tok/s | plain {res['plain_tok_s']:,.0f} tok/s | ratio "
-                  f"engine/plain {res['ratio']:.3f} (median of {args.rounds} rounds, range {min(ratios):.3f}.."
-                  f"{max(ratios):.3f}; ratio of medians {res['ratio_of_medians']:.3f}); load average {res['loadavg']}")
+            print(
+                f"  engine {res['engine_tok_s']:,.0f} tok/s | plain {res['plain_tok_s']:,.0f} tok/s | ratio "
+                f"engine/plain {res['ratio']:.3f} (median of {args.rounds} rounds, range {min(ratios):.3f}.."
+                f"{max(ratios):.3f}; ratio of medians {res['ratio_of_medians']:.3f}); load average {res['loadavg']}"
+            )
             if args.profile:
                 for name, fn in steps.items():
                     common.profile(fn, 3, f"{name} {precision} ZeRO {zero}")
     print("\nsummary")
     for r in results:
-        print(f"  {r['precision']} ZeRO {r['zero']}: engine {r['engine_tok_s']:,.0f} tok/s, plain "
-              f"{r['plain_tok_s']:,.0f} tok/s, ratio {r['ratio']:.3f} (target >= 0.95), load average {r['loadavg']}")
+        print(
+            f"  {r['precision']} ZeRO {r['zero']}: engine {r['engine_tok_s']:,.0f} tok/s, plain "
+            f"{r['plain_tok_s']:,.0f} tok/s, ratio {r['ratio']:.3f} (target >= 0.95), load average {r['loadavg']}"
+        )
     return 0
 
 

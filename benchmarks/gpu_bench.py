@@ -28,24 +28,36 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 
-import common  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
-TINY_MODEL = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=null",
-              "model.max_seq_len=64", "train.seq_len=64"]
+TINY_MODEL = [
+    "model.vocab_size=512",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=null",
+    "model.max_seq_len=64",
+    "train.seq_len=64",
+]
 
 
 def run_config(args):
     from loomtrain.launcher.config_loader import load_config
 
     over = [
-        "parallel.tp=1", f"parallel.zero_stage={args.zero}", "ray.num_workers=1",
-        f"parallel.activation_checkpointing={str(args.ac).lower()}", f"parallel.compile={str(args.compile).lower()}",
-        f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
-        f"train.precision={args.precision}", f"train.device={'cpu' if args.tiny else 'cuda'}",
-        "train.warmup_steps=1", "run.dir=/tmp/loomtrain-bench/gpu",
+        "parallel.tp=1",
+        f"parallel.zero_stage={args.zero}",
+        "ray.num_workers=1",
+        f"parallel.activation_checkpointing={str(args.ac).lower()}",
+        f"parallel.compile={str(args.compile).lower()}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.micro_batch}",
+        f"train.precision={args.precision}",
+        f"train.device={'cpu' if args.tiny else 'cuda'}",
+        "train.warmup_steps=1",
+        "run.dir=/tmp/loomtrain-bench/gpu",
     ]
     if args.tiny:
         over += TINY_MODEL
@@ -73,8 +85,9 @@ def attention_context(args, device: torch.device):
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     except RuntimeError as exc:
-        raise SystemExit(f"gpu_bench: SDPA's flash kernel is not available on this GPU ({exc}); "
-                         "rerun with --attn auto") from exc
+        raise SystemExit(
+            f"gpu_bench: SDPA's flash kernel is not available on this GPU ({exc}); rerun with --attn auto"
+        ) from exc
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 
@@ -92,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: exercise this script")
     args = ap.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
-        print("gpu_bench: no CUDA device: torch.cuda.is_available() is False. Run this on a machine "
-              "with a GPU (or pass --tiny for a CPU smoke run of the script).", file=sys.stderr)
+        print(
+            "gpu_bench: no CUDA device: torch.cuda.is_available() is False. Run this on a machine "
+            "with a GPU (or pass --tiny for a CPU smoke run of the script).",
+            file=sys.stderr,
+        )
         return 2
     wall = time.perf_counter()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -125,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
 
     n = param_count(cfg.model)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"gpu_bench: {name}; {si(n, '')}params (d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, "
-          f"{cfg.model.n_heads} heads, vocab {cfg.model.vocab_size}); seq {t.seq_len} x micro batch "
-          f"{t.micro_batch_size}; {t.precision}, ZeRO {cfg.parallel.zero_stage}, compile {args.compile}, "
-          f"activation checkpointing {args.ac}, attention {args.attn}", flush=True)
+    print(
+        f"gpu_bench: {name}; {si(n, '')}params (d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, "
+        f"{cfg.model.n_heads} heads, vocab {cfg.model.vocab_size}); seq {t.seq_len} x micro batch "
+        f"{t.micro_batch_size}; {t.precision}, ZeRO {cfg.parallel.zero_stage}, compile {args.compile}, "
+        f"activation checkpointing {args.ac}, attention {args.attn}",
+        flush=True,
+    )
 
     def step():
         loss, norm = loop.train_step(ctx, 1, guard)
@@ -139,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         for i in range(args.warmup):
             loss = step()
-            print(f"  warm-up step {i + 1}/{args.warmup}: loss {loss:.4f} ({time.perf_counter() - start:.1f} s)",
-                  flush=True)
+            print(
+                f"  warm-up step {i + 1}/{args.warmup}: loss {loss:.4f} ({time.perf_counter() - start:.1f} s)",
+                flush=True,
+            )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         sync()
@@ -156,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         peak = gpu_peak_flops(name)
         peak_src = "bf16 dense peak" if peak else "unknown GPU: add it to GPU_PEAK_FLOPS"
         mem = torch.cuda.max_memory_allocated(device)
-        mem_line = (f"peak memory {mem / 2**30:.1f} GiB allocated, {torch.cuda.max_memory_reserved(device) / 2**30:.1f} "
-                    f"GiB reserved of {torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB")
+        mem_line = (
+            f"peak memory {mem / 2**30:.1f} GiB allocated, {torch.cuda.max_memory_reserved(device) / 2**30:.1f} "
+            f"GiB reserved of {torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
+        )
     else:
         peak = measured_cpu_flops(torch.bfloat16 if t.precision == "bf16" else torch.float32)
         peak_src = "measured CPU matmul"
@@ -166,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         mem_line = f"process RSS {psutil.Process().memory_info().rss / 2**30:.2f} GiB"
     util = mfu(fpt, tok_s, peak) if peak else float("nan")
     print(f"  {args.steps} steps in {elapsed:.2f} s, last loss {loss:.4f}")
-    print(f"tokens/s {tok_s:,.0f} | step {1e3 * elapsed / args.steps:.1f} ms | {si(fpt, 'FLOP')}/token | "
-          f"{si(fpt * tok_s, 'FLOP/s')} | MFU {100 * util:.1f}% (of {si(peak or float('nan'), 'FLOP/s')}, "
-          f"{peak_src}) | {mem_line} | total {time.perf_counter() - wall:.0f} s")
+    print(
+        f"tokens/s {tok_s:,.0f} | step {1e3 * elapsed / args.steps:.1f} ms | {si(fpt, 'FLOP')}/token | "
+        f"{si(fpt * tok_s, 'FLOP/s')} | MFU {100 * util:.1f}% (of {si(peak or float('nan'), 'FLOP/s')}, "
+        f"{peak_src}) | {mem_line} | total {time.perf_counter() - wall:.0f} s"
+    )
     return 0
 
 

@@ -24,10 +24,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import common  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -105,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in args.rows:
         fns[f"fused (rows {r})"] = fused(r)
     p = dtype.itemsize
-    print(f"output layer: {args.tokens} tokens x d_model {args.d_model} x vocab {args.vocab}, {args.precision} "
-          f"on {device}; load average {common.loadavg()}")
+    print(
+        f"output layer: {args.tokens} tokens x d_model {args.d_model} x vocab {args.vocab}, {args.precision} "
+        f"on {device}; load average {common.loadavg()}"
+    )
     print(f"  same results: {check_same(fns, h, w, t)}")
     for fn in fns.values():  # warm-up
         one_step(fn, h, w, t, device)

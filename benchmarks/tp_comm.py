@@ -54,13 +54,23 @@ def _worker(rank, tp, port, args, queue):
     topo = Topology(tp, rank, tp)
     results = {}
     for positions in ("rope", "learned", "sinusoidal"):
-        cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                          n_kv_heads=args.kv_heads, max_seq_len=args.seq, positions=positions,
-                          norm="rmsnorm", activation="swiglu", tie_embeddings=True)
+        cfg = ModelConfig(
+            vocab_size=args.vocab,
+            d_model=args.d_model,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            n_kv_heads=args.kv_heads,
+            max_seq_len=args.seq,
+            positions=positions,
+            norm="rmsnorm",
+            activation="swiglu",
+            tie_embeddings=True,
+        )
         for sp in (False, True):
             model = parallelize(Transformer(cfg, seed=0), topo, sequence_parallel=sp)
-            tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1),
-                                   generator=torch.Generator().manual_seed(0))
+            tokens = torch.randint(
+                0, cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0)
+            )
             C.reset_comm_stats()
             model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
             results[(positions, sp)] = {k: list(v) for k, v in C.COMM_STATS.items()}
@@ -73,13 +83,21 @@ def _worker(rank, tp, port, args, queue):
 def report(tp: int, results: dict, args) -> list[str]:
     bsh_bytes = args.batch * args.seq * args.d_model * 4  # fp32
     L = args.layers
-    lines = [f"\n== tp={tp}  b={args.batch} s={args.seq} h={args.d_model} layers={L} "
-             f"(b*s*h*4 bytes = {bsh_bytes / 2**20:.3f} MiB) =="]
+    lines = [
+        f"\n== tp={tp}  b={args.batch} s={args.seq} h={args.d_model} layers={L} "
+        f"(b*s*h*4 bytes = {bsh_bytes / 2**20:.3f} MiB) =="
+    ]
     from loomtrain.launcher.planning.memory_model import tp_comm_bytes_per_microbatch
     from loomtrain.model import ModelConfig
 
-    plan_cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=L, n_heads=args.heads,
-                           n_kv_heads=args.kv_heads, max_seq_len=args.seq)
+    plan_cfg = ModelConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=L,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        max_seq_len=args.seq,
+    )
     plan_w = tp_comm_bytes_per_microbatch(plan_cfg, args.seq, args.batch, tp, "fp32")[1]
     for (positions, sp), stats in results.items():
         layer = defaultdict(float)  # (phase, col) -> bytes
@@ -99,25 +117,37 @@ def report(tp: int, results: dict, args) -> list[str]:
         theory_tensor = (8 if sp else 4) * bsh_bytes
         theory_wire = 4 * 2 * (tp - 1) / tp * bsh_bytes
         per = {k: v / L for k, v in layer.items()}
-        ops = ", ".join(f"{ph} {int(per.get((ph, op), 0))}x{op}" for ph in ("fwd", "bwd")
-                        for op in ("all_reduce", "all_gather", "reduce_scatter") if per.get((ph, op)))
+        ops = ", ".join(
+            f"{ph} {int(per.get((ph, op), 0))}x{op}"
+            for ph in ("fwd", "bwd")
+            for op in ("all_reduce", "all_gather", "reduce_scatter")
+            if per.get((ph, op))
+        )
         meas_t = per.get(("fwd", "tensor"), 0) + per.get(("bwd", "tensor"), 0)
         meas_w = per.get(("fwd", "wire"), 0) + per.get(("bwd", "wire"), 0)
         lines.append(f"-- positions={positions} sequence_parallel={sp}")
         lines.append(f"   per layer: {ops}")
-        lines.append(f"   per layer tensor bytes: fwd {per.get(('fwd', 'tensor'), 0) / 2**20:.3f} MiB + "
-                     f"bwd {per.get(('bwd', 'tensor'), 0) / 2**20:.3f} MiB = {meas_t / 2**20:.3f} MiB; "
-                     f"Megatron {theory_tensor / 2**20:.3f} MiB; measured/theory = {meas_t / theory_tensor:.3f}")
-        lines.append(f"   per layer wire bytes/rank: {meas_w / 2**20:.3f} MiB; Megatron 4 all-reduces "
-                     f"{theory_wire / 2**20:.3f} MiB; measured/theory = {meas_w / theory_wire:.3f}")
+        lines.append(
+            f"   per layer tensor bytes: fwd {per.get(('fwd', 'tensor'), 0) / 2**20:.3f} MiB + "
+            f"bwd {per.get(('bwd', 'tensor'), 0) / 2**20:.3f} MiB = {meas_t / 2**20:.3f} MiB; "
+            f"Megatron {theory_tensor / 2**20:.3f} MiB; measured/theory = {meas_t / theory_tensor:.3f}"
+        )
+        lines.append(
+            f"   per layer wire bytes/rank: {meas_w / 2**20:.3f} MiB; Megatron 4 all-reduces "
+            f"{theory_wire / 2**20:.3f} MiB; measured/theory = {meas_w / theory_wire:.3f}"
+        )
         total_w = layer[("fwd", "wire")] + layer[("bwd", "wire")] + sum(o[2] for o in outside.values())
-        lines.append(f"   step total wire bytes/rank: {total_w / 2**20:.3f} MiB = "
-                     f"{total_w / (L * theory_wire):.3f} x (layers x Megatron per-layer); "
-                     f"`loomtrain plan` predicts {plan_w / 2**20:.3f} MiB (measured/plan = {total_w / plan_w:.3f})")
+        lines.append(
+            f"   step total wire bytes/rank: {total_w / 2**20:.3f} MiB = "
+            f"{total_w / (L * theory_wire):.3f} x (layers x Megatron per-layer); "
+            f"`loomtrain plan` predicts {plan_w / 2**20:.3f} MiB (measured/plan = {total_w / plan_w:.3f})"
+        )
         lines.append("   outside the layers:")
         for (tag, op, phase), (calls, nbytes, wire) in sorted(outside.items()):
-            lines.append(f"     {tag:18s} {phase} {calls:2d}x {op:14s} tensor {nbytes / 2**20:8.4f} MiB  "
-                         f"wire {wire / 2**20:8.4f} MiB  ({nbytes / bsh_bytes:.3f} b*s*h)")
+            lines.append(
+                f"     {tag:18s} {phase} {calls:2d}x {op:14s} tensor {nbytes / 2**20:8.4f} MiB  "
+                f"wire {wire / 2**20:8.4f} MiB  ({nbytes / bsh_bytes:.3f} b*s*h)"
+            )
     return lines
 
 
@@ -135,8 +165,9 @@ def main() -> None:
     for tp in args.tp:
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
-        procs = mp.start_processes(_worker, args=(tp, _free_port(), args, queue), nprocs=tp,
-                                   start_method="spawn", join=False)
+        procs = mp.start_processes(
+            _worker, args=(tp, _free_port(), args, queue), nprocs=tp, start_method="spawn", join=False
+        )
         results = queue.get()
         while not procs.join():
             pass

@@ -48,9 +48,12 @@ def _corpus_key(files: list[Path], data_cfg, tokenizer_id: str) -> str:
 
     root = Path(sysconfig.get_paths()["stdlib"])
     desc = {
-        "shard_format": VERSION, "python": sys.version, "tokenizer": tokenizer_id,
+        "shard_format": VERSION,
+        "python": sys.version,
+        "tokenizer": tokenizer_id,
         "bpe_vocab_size": data_cfg.bpe_vocab_size if data_cfg.tokenizer == "bpe" else None,
-        "val_fraction": data_cfg.val_fraction, "split_seed": data_cfg.split_seed,
+        "val_fraction": data_cfg.val_fraction,
+        "split_seed": data_cfg.split_seed,
         "files": [(p.relative_to(root).as_posix(), p.stat().st_size) for p in files],
     }
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
@@ -111,12 +114,18 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
                 tmp = cache / f".stdlib-{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                 try:
                     preprocess_files(
-                        files, tmp, run_tok or data_cfg.tokenizer, val_fraction=data_cfg.val_fraction,
-                        seed=data_cfg.split_seed, bpe_vocab_size=data_cfg.bpe_vocab_size, progress=False,
+                        files,
+                        tmp,
+                        run_tok or data_cfg.tokenizer,
+                        val_fraction=data_cfg.val_fraction,
+                        seed=data_cfg.split_seed,
+                        bpe_vocab_size=data_cfg.bpe_vocab_size,
+                        progress=False,
                         # In-process: no worker pool spawned from inside a training (or Ray) worker;
                         # the whole stdlib (~32 M byte tokens) takes a few seconds this way.
                         workers=1,
-                        sources=[f"stdlib:{sysconfig.get_paths()['stdlib']} ({len(files)} files)"], log=log,
+                        sources=[f"stdlib:{sysconfig.get_paths()['stdlib']} ({len(files)} files)"],
+                        log=log,
                     )
                     if shard_dir.exists():  # an incomplete leftover (no index.json)
                         shutil.rmtree(shard_dir)
@@ -152,7 +161,9 @@ def prepare_sources(data_cfg, cache_dir=None, *, log=None) -> tuple[Path | list[
     for i, (d, index) in enumerate(zip(dirs, indexes)):
         found = index["tokenizer"]["hash"]
         if found != tok.hash:
-            raise DataError(f"data.sources[{i}] ({d}) was made by tokenizer {found} ({index['tokenizer'].get('name')}), "
-                            f"but {whose} is tokenizer {tok.hash}; all sources must share one tokenizer")
+            raise DataError(
+                f"data.sources[{i}] ({d}) was made by tokenizer {found} ({index['tokenizer'].get('name')}), "
+                f"but {whose} is tokenizer {tok.hash}; all sources must share one tokenizer"
+            )
         verify_shards(d, tok.hash)
     return [(d, float(src.weight)) for d, src in zip(dirs, data_cfg.sources)], tok

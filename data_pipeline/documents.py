@@ -57,7 +57,9 @@ def iter_units(files: list[Path], text_field: str, unit_bytes: int | None = None
                 raise DataError(f"{path}: cannot read as Parquet: {exc}") from None
             names = pf.schema_arrow.names
             if text_field not in names:
-                raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); choose one with --text-field")
+                raise DataError(
+                    f"{path}: no column {text_field!r} (columns: {', '.join(names)}); choose one with --text-field"
+                )
             rows, size, row = max(1, pf.metadata.num_rows), path.stat().st_size, 0
             for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
                 texts = batch.column(0).to_pylist()

@@ -32,11 +32,17 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
-
 from loomtrain.data_pipeline import documents
 from loomtrain.data_pipeline.documents import expand_inputs, iter_units, unit_texts
 from loomtrain.data_pipeline.shards import (
-    FORMAT, INDEX, SPLITS, VERSION, DataError, SplitWriter, atomic_write_json, token_dtype,
+    FORMAT,
+    INDEX,
+    SPLITS,
+    VERSION,
+    DataError,
+    SplitWriter,
+    atomic_write_json,
+    token_dtype,
 )
 from loomtrain.data_pipeline.staging import Parts, check_output, clear_assembly, open_partial, publish
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
@@ -90,8 +96,9 @@ def _ordered_results(tagged_units, tokenizer, text_field, skip_bad_lines, worker
     import multiprocessing as mp
 
     # spawn, not fork: the caller may be a training process with threads.
-    with mp.get_context("spawn").Pool(workers, initializer=_init_worker,
-                                       initargs=(tokenizer, text_field, skip_bad_lines)) as pool:
+    with mp.get_context("spawn").Pool(
+        workers, initializer=_init_worker, initargs=(tokenizer, text_field, skip_bad_lines)
+    ) as pool:
         pending: deque = deque()
         for tag, unit in tagged_units:
             pending.append((tag, unit[6], pool.apply_async(_tokenize_unit, (unit,))))
@@ -176,8 +183,9 @@ def _tokenizer_key(tokenizer, bpe_vocab_size: int, bpe_sample_bytes: int):
     return tokenizer.hash
 
 
-def _work_tokenizer(work: Path, resumed: bool, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes,
-                    progress, log):
+def _work_tokenizer(
+    work: Path, resumed: bool, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes, progress, log
+):
     """The job's tokenizer, saved in the work folder first (so a rerun reuses a trained BPE)."""
     if resumed and (work / "tokenizer.json").is_file():
         return load_tokenizer(work)
@@ -185,8 +193,11 @@ def _work_tokenizer(work: Path, resumed: bool, tokenizer, files, text_field, bpe
         if log:
             sample = f" ({bpe_sample_bytes:,} sampled bytes)" if bpe_sample_bytes else ""
             log(f"training a byte-level BPE (vocab {bpe_vocab_size}) on {len(files)} files{sample} ...")
-        tokenizer = train_bpe(bpe_sample(files, text_field, bpe_sample_bytes), bpe_vocab_size,
-                              show_progress=progress and sys.stderr.isatty())
+        tokenizer = train_bpe(
+            bpe_sample(files, text_field, bpe_sample_bytes),
+            bpe_vocab_size,
+            show_progress=progress and sys.stderr.isatty(),
+        )
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     tokenizer.save(work)
@@ -213,7 +224,8 @@ def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines,
     units = ((i, unit) for i in todo for unit in iter_units([files[i]], text_field))
     try:
         for i, nbytes, (tokens, lengths, cont, open_, st) in _ordered_results(
-                units, tokenizer, text_field, skip_bad_lines, workers):
+            units, tokenizer, text_field, skip_bad_lines, workers
+        ):
             advance(i)
             for k, v in st.items():
                 current["stats"][k] += v
@@ -242,7 +254,7 @@ def _assemble(work: Path, parts: Parts, files, tokenizer, splitter: ValSplit, sh
             cuts = [0, *(np.flatnonzero(np.diff(is_val)) + 1).tolist(), len(lengths)]
             for a, b in zip(cuts[:-1], cuts[1:]):
                 if b > a:
-                    writers["val" if is_val[a] else "train"].write_docs(tokens[offsets[a]:offsets[b]], lengths[a:b])
+                    writers["val" if is_val[a] else "train"].write_docs(tokens[offsets[a] : offsets[b]], lengths[a:b])
             doc += len(lengths)
             del tokens
     except BaseException:
@@ -252,12 +264,26 @@ def _assemble(work: Path, parts: Parts, files, tokenizer, splitter: ValSplit, sh
     return {s: w.close() for s, w in writers.items()}, {**stats, "documents": doc}
 
 
-def preprocess_files(files: list[Path], output: str | os.PathLike, tokenizer="byte", *, text_field: str = "text",
-                     val_fraction: float = 0.01, seed: int = 0, workers: int | None = None,
-                     skip_bad_lines: bool = False, bpe_vocab_size: int = 4096, bpe_sample_bytes: int = 0,
-                     progress: bool = True, shard_tokens: int = DEFAULT_SHARD_TOKENS, sources: list[str] | None = None,
-                     overwrite: bool = False, use_ray: bool = False, ray_address: str | None = None,
-                     log=print) -> dict:
+def preprocess_files(
+    files: list[Path],
+    output: str | os.PathLike,
+    tokenizer="byte",
+    *,
+    text_field: str = "text",
+    val_fraction: float = 0.01,
+    seed: int = 0,
+    workers: int | None = None,
+    skip_bad_lines: bool = False,
+    bpe_vocab_size: int = 4096,
+    bpe_sample_bytes: int = 0,
+    progress: bool = True,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    sources: list[str] | None = None,
+    overwrite: bool = False,
+    use_ray: bool = False,
+    ray_address: str | None = None,
+    log=print,
+) -> dict:
     """Tokenize `files` into the shard directory `output`; returns the index (plus a
     "run" entry, not written: seconds, workers, files resumed). `tokenizer` is "byte",
     "bpe" (trained here on the same files), a tokenizer.json path, or a tokenizer object.
@@ -280,12 +306,16 @@ def preprocess_files(files: list[Path], output: str | os.PathLike, tokenizer="by
     except OSError as exc:
         raise DataError(f"input {exc.filename}: {exc.strerror}") from None
     total_bytes = sum(st.st_size for st in sizes)
-    job = {"inputs": [[str(p.resolve()), st.st_size, st.st_mtime_ns] for p, st in zip(files, sizes)],
-           "tokenizer": _tokenizer_key(tokenizer, bpe_vocab_size, bpe_sample_bytes),
-           "text_field": text_field, "skip_bad_lines": bool(skip_bad_lines)}
+    job = {
+        "inputs": [[str(p.resolve()), st.st_size, st.st_mtime_ns] for p, st in zip(files, sizes)],
+        "tokenizer": _tokenizer_key(tokenizer, bpe_vocab_size, bpe_sample_bytes),
+        "text_field": text_field,
+        "skip_bad_lines": bool(skip_bad_lines),
+    }
     work, resumed = open_partial(out, job, log)
-    tokenizer = _work_tokenizer(work, resumed, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes,
-                                progress, log)
+    tokenizer = _work_tokenizer(
+        work, resumed, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes, progress, log
+    )
     parts = Parts(work, token_dtype(tokenizer.vocab_size))
     todo = [i for i in range(len(files)) if not parts.done(i)]
     if resumed and log:
@@ -301,16 +331,33 @@ def preprocess_files(files: list[Path], output: str | os.PathLike, tokenizer="by
                 writer.add(tokens, lengths, cont, open_)
             writer.finish(stats)
 
-        workers = tokenize_on_ray([(i, str(files[i])) for i in todo], tokenizer, text_field, skip_bad_lines,
-                                  address=ray_address, max_in_flight=workers, on_file=write_part, log=log)
+        workers = tokenize_on_ray(
+            [(i, str(files[i])) for i in todo],
+            tokenizer,
+            text_field,
+            skip_bad_lines,
+            address=ray_address,
+            max_in_flight=workers,
+            on_file=write_part,
+            log=log,
+        )
     else:
         workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
         # Starting a pool (~1 s) only pays off for bigger inputs; BPE encodes ~100x slower than bytes.
         todo_bytes = sum(sizes[i].st_size for i in todo)
-        if todo_bytes < (4 * documents.UNIT_BYTES if isinstance(tokenizer, ByteTokenizer) else documents.UNIT_BYTES // 16):
+        if todo_bytes < (
+            4 * documents.UNIT_BYTES if isinstance(tokenizer, ByteTokenizer) else documents.UNIT_BYTES // 16
+        ):
             workers = 1
-        bar = tqdm(total=total_bytes, initial=total_bytes - todo_bytes, unit="B", unit_scale=True, desc="preprocess",
-                   disable=not progress, file=sys.stderr)
+        bar = tqdm(
+            total=total_bytes,
+            initial=total_bytes - todo_bytes,
+            unit="B",
+            unit_scale=True,
+            desc="preprocess",
+            disable=not progress,
+            file=sys.stderr,
+        )
         try:
             _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar)
         finally:
@@ -321,9 +368,16 @@ def preprocess_files(files: list[Path], output: str | os.PathLike, tokenizer="by
     dtype = token_dtype(tokenizer.vocab_size)
     # Nothing here depends on timing, workers or Ray: the same inputs give the same bytes.
     index = {
-        "format": FORMAT, "version": VERSION, "dtype": dtype.name,
-        "tokenizer": {"hash": tokenizer.hash, "name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
-                      "eos_id": tokenizer.eos_id, "file": "tokenizer.json"},
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype.name,
+        "tokenizer": {
+            "hash": tokenizer.hash,
+            "name": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "file": "tokenizer.json",
+        },
         "splits": splits,
         "split": {"val_fraction": val_fraction, "seed": seed, "method": "one document per stratum floor(i*f)"},
         "stats": {"files": len(files), "bytes": total_bytes, **stats},
@@ -331,16 +385,22 @@ def preprocess_files(files: list[Path], output: str | os.PathLike, tokenizer="by
     }
     atomic_write_json(work / INDEX, index)
     publish(work, out)
-    run = {"seconds": round(time.perf_counter() - t0, 3), "workers": workers, "ray": bool(use_ray),
-           "resumed_files": len(files) - len(todo)}
+    run = {
+        "seconds": round(time.perf_counter() - t0, 3),
+        "workers": workers,
+        "ray": bool(use_ray),
+        "resumed_files": len(files) - len(todo),
+    }
     if log:
         n_tok = sum(s["num_tokens"] for s in splits.values())
         secs, doc = run["seconds"], stats["documents"]
-        log(f"preprocess: {len(files)} files, {doc} documents, {n_tok:,} tokens "
+        log(
+            f"preprocess: {len(files)} files, {doc} documents, {n_tok:,} tokens "
             f"(train {splits['train']['num_tokens']:,} / val {splits['val']['num_tokens']:,}) in {secs:.2f}s "
             f"({n_tok / max(secs, 1e-9):,.0f} tokens/s, {workers} worker(s){' on Ray' if use_ray else ''}) -> {out}"
             + (f"; skipped {stats['bad_lines']} bad lines" if stats["bad_lines"] else "")
-            + (f"; replaced {stats['replaced_chars']} invalid UTF-8 sequences" if stats["replaced_chars"] else ""))
+            + (f"; replaced {stats['replaced_chars']} invalid UTF-8 sequences" if stats["replaced_chars"] else "")
+        )
         if val_fraction > 0 and splits["val"]["num_docs"] == 0:
             log(f"preprocess: warning: val split is empty ({doc} documents x val_fraction {val_fraction} < 1)")
     return {**index, "run": run}
@@ -350,25 +410,42 @@ def build_parser() -> argparse.ArgumentParser:
     from loomtrain.launcher.config import DataConfig  # defaults come from the run schema
 
     d = DataConfig()
-    p = argparse.ArgumentParser(prog="loomtrain preprocess", description="Tokenize text/JSONL/Parquet into token shards.")
-    p.add_argument("--input", nargs="+", required=True, metavar="GLOB", help=".txt/.jsonl/.parquet files (globs; ** allowed)")
+    p = argparse.ArgumentParser(
+        prog="loomtrain preprocess", description="Tokenize text/JSONL/Parquet into token shards."
+    )
+    p.add_argument(
+        "--input", nargs="+", required=True, metavar="GLOB", help=".txt/.jsonl/.parquet files (globs; ** allowed)"
+    )
     p.add_argument("--output", required=True, metavar="DIR", help="shard directory to write")
     p.add_argument("--tokenizer", default=d.tokenizer, help="byte | bpe (trained on the inputs) | PATH/tokenizer.json")
     p.add_argument("--bpe-vocab-size", type=int, default=d.bpe_vocab_size)
     p.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction)
     p.add_argument("--seed", type=int, default=d.split_seed, help="validation split seed")
-    p.add_argument("--workers", type=int, default=None,
-                   help="tokenizing processes (default: all cores), or with --ray Ray tasks in flight (default: the cluster's CPUs)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizing processes (default: all cores), or with --ray Ray tasks in flight (default: the cluster's CPUs)",
+    )
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines instead of failing")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
-    p.add_argument("--bpe-sample-bytes", type=int, default=0, metavar="N",
-                   help="train BPE on a deterministic sample of about N bytes (each file's share, from its start); 0 = all")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a non-empty --output that is not an earlier preprocess output")
+    p.add_argument(
+        "--bpe-sample-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="train BPE on a deterministic sample of about N bytes (each file's share, from its start); 0 = all",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --output that is not an earlier preprocess output"
+    )
     p.add_argument("--ray", action="store_true", help="tokenize input files as Ray tasks across a cluster")
-    p.add_argument("--address", default=None,
-                   help="with --ray: the cluster (HOST:PORT, 'auto', or ray://HOST:10001); default $RAY_ADDRESS, else a local instance")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="with --ray: the cluster (HOST:PORT, 'auto', or ray://HOST:10001); default $RAY_ADDRESS, else a local instance",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -381,10 +458,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = expand_inputs(args.input)
         preprocess_files(
-            files, args.output, args.tokenizer, text_field=args.text_field, val_fraction=args.val_fraction,
-            seed=args.seed, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-            bpe_vocab_size=args.bpe_vocab_size, bpe_sample_bytes=args.bpe_sample_bytes, progress=not args.no_progress,
-            shard_tokens=args.shard_tokens, sources=args.input, overwrite=args.overwrite, use_ray=args.ray,
+            files,
+            args.output,
+            args.tokenizer,
+            text_field=args.text_field,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            workers=args.workers,
+            skip_bad_lines=args.skip_bad_lines,
+            bpe_vocab_size=args.bpe_vocab_size,
+            bpe_sample_bytes=args.bpe_sample_bytes,
+            progress=not args.no_progress,
+            shard_tokens=args.shard_tokens,
+            sources=args.input,
+            overwrite=args.overwrite,
+            use_ray=args.ray,
             ray_address=args.address,
         )
     except DataError as exc:

@@ -108,8 +108,12 @@ class SplitWriter:
         self._finish_file()
         self._docs.close()
         os.replace(self._docs_tmp, self.dir / self._docs_name)
-        return {"num_tokens": self.num_tokens, "num_docs": self.num_docs,
-                "doc_offsets": self._docs_name, "shards": self.shards}
+        return {
+            "num_tokens": self.num_tokens,
+            "num_docs": self.num_docs,
+            "doc_offsets": self._docs_name,
+            "shards": self.shards,
+        }
 
     def abort(self) -> None:
         for f, tmp in ((self._file, getattr(self, "_tmp", None)), (self._docs, self._docs_tmp)):
@@ -125,24 +129,33 @@ def read_index(shard_dir: str | os.PathLike) -> dict:
     if not shard_dir.is_dir():
         raise DataError(f"data directory not found: {shard_dir}")
     if not path.is_file():
-        raise DataError(f"{shard_dir} has no {INDEX}: not a complete shard directory (make one with `loomtrain preprocess`)")
+        raise DataError(
+            f"{shard_dir} has no {INDEX}: not a complete shard directory (make one with `loomtrain preprocess`)"
+        )
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise DataError(f"{path} is not a loomtrain shard index (format {index.get('format') if isinstance(index, dict) else None!r})")
+        raise DataError(
+            f"{path} is not a loomtrain shard index (format {index.get('format') if isinstance(index, dict) else None!r})"
+        )
     if index.get("version") != VERSION:
-        raise DataError(f"{path}: shard format version {index.get('version')} is not supported (this code reads {VERSION})")
+        raise DataError(
+            f"{path}: shard format version {index.get('version')} is not supported (this code reads {VERSION})"
+        )
     _check_index_keys(index, path)
     return index
 
 
 def _check_index_keys(index: dict, path: Path) -> None:
     """Every key the readers use is present, so a damaged index is one line naming the key, not a KeyError."""
+
     def need(obj, key: str, dotted: str, kind):
         if not isinstance(obj, dict) or key not in obj:
-            raise DataError(f"{path} is missing the key {dotted!r} (not a complete shard index; re-run `loomtrain preprocess`)")
+            raise DataError(
+                f"{path} is missing the key {dotted!r} (not a complete shard index; re-run `loomtrain preprocess`)"
+            )
         if not isinstance(obj[key], kind) or isinstance(obj[key], bool):
             raise DataError(f"{path}: key {dotted!r} is {obj[key]!r}, expected a {kind.__name__}")
         return obj[key]
@@ -207,7 +220,9 @@ class ShardSet:
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.starts[-1])
         if self.num_tokens != info["num_tokens"]:
-            raise DataError(f"{self.dir}: split {split!r} shards hold {self.num_tokens} tokens, index says {info['num_tokens']}")
+            raise DataError(
+                f"{self.dir}: split {split!r} shards hold {self.num_tokens} tokens, index says {info['num_tokens']}"
+            )
 
     def read(self, start: int, length: int) -> np.ndarray:
         """A copy of tokens [start, start + length) of the split, crossing shard files as needed."""
@@ -219,7 +234,7 @@ class ShardSet:
         while need:
             arr = self.arrays[i]
             take = min(need, arr.size - offset)
-            part = np.array(arr[offset:offset + take])
+            part = np.array(arr[offset : offset + take])
             if self._check_ids and take and int(part.max()) >= self.vocab_size:
                 bad = int(np.flatnonzero(part >= self.vocab_size)[0])
                 raise self._bad_id(i, offset + bad, int(part[bad]))
@@ -234,7 +249,7 @@ class ShardSet:
             return
         for i, arr in enumerate(self.arrays):
             for lo in range(0, arr.size, chunk_tokens):
-                part = arr[lo:lo + chunk_tokens]
+                part = arr[lo : lo + chunk_tokens]
                 if int(part.max()) >= self.vocab_size:
                     bad = lo + int(np.flatnonzero(np.asarray(part) >= self.vocab_size)[0])
                     raise self._bad_id(i, bad, int(arr[bad]))
@@ -251,8 +266,13 @@ class ShardSet:
         self.arrays = []
 
 
-def write_arrays(out_dir: str | os.PathLike, splits: dict[str, np.ndarray], tokenizer_info: dict,
-                 shard_tokens: int = 1 << 27, dtype=None) -> dict:
+def write_arrays(
+    out_dir: str | os.PathLike,
+    splits: dict[str, np.ndarray],
+    tokenizer_info: dict,
+    shard_tokens: int = 1 << 27,
+    dtype=None,
+) -> dict:
     """Write ready token arrays as a shard directory (synthetic data for tests and
     benchmarks). tokenizer_info: {"hash", "name", "vocab_size", "eos_id"}."""
     out = Path(out_dir)
@@ -266,8 +286,15 @@ def write_arrays(out_dir: str | os.PathLike, splits: dict[str, np.ndarray], toke
             w.start_doc()
             w.write(tokens)
         info[split] = w.close()
-    index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
-             "tokenizer": {"file": None, **tokenizer_info}, "splits": info,
-             "split": {}, "stats": {}, "sources": ["write_arrays"]}
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype.name,
+        "tokenizer": {"file": None, **tokenizer_info},
+        "splits": info,
+        "split": {},
+        "stats": {},
+        "sources": ["write_arrays"],
+    }
     atomic_write_json(out / INDEX, index)
     return index

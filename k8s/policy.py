@@ -16,9 +16,10 @@ import functools
 import re
 import shlex
 import tempfile
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
@@ -149,14 +150,27 @@ def project_rules(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
     out += _configmaps(by_kind.get("ConfigMap", {}))
     for name, pvc in by_kind.get("PersistentVolumeClaim", {}).items():
         if "ReadWriteMany" not in ((pvc.get("spec") or {}).get("accessModes") or []):
-            out.append((f"PersistentVolumeClaim/{name}", "[pvc-rwx] accessModes must include ReadWriteMany: every Ray pod writes checkpoints and TensorBoard reads them"))
+            out.append(
+                (
+                    f"PersistentVolumeClaim/{name}",
+                    "[pvc-rwx] accessModes must include ReadWriteMany: every Ray pod writes checkpoints and TensorBoard reads them",
+                )
+            )
     for obj in docs:
         for where, role, tpl in pod_templates(obj):
             if role in ("head", "worker"):
                 pod = tpl.get("spec") or {}
                 ray = (pod.get("containers") or [{}])[0]
-                if not any(p == "/dev/shm" and (v.get("emptyDir") or {}).get("medium") == "Memory" for p, v in _mount_sources(pod, ray)):
-                    out.append((where, "[dev-shm] mount an emptyDir with medium: Memory at /dev/shm (NCCL and Ray's object store outgrow the default 64 MiB)"))
+                if not any(
+                    p == "/dev/shm" and (v.get("emptyDir") or {}).get("medium") == "Memory"
+                    for p, v in _mount_sources(pod, ray)
+                ):
+                    out.append(
+                        (
+                            where,
+                            "[dev-shm] mount an emptyDir with medium: Memory at /dev/shm (NCCL and Ray's object store outgrow the default 64 MiB)",
+                        )
+                    )
     rayjobs = list(by_kind.get("RayJob", {}).values())
     for job in rayjobs:
         out += _rayjob(job, by_kind, repo)
@@ -166,7 +180,12 @@ def project_rules(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
             spec = {k: v for k, v in (cluster.get("spec") or {}).items() if k != "suspend"}
             diff = _first_difference(spec, (job.get("spec") or {}).get("rayClusterSpec") or {}, "spec")
             if diff:
-                out.append((name_of(cluster), f"[cluster-shapes-match] differs from {name_of(job)}'s rayClusterSpec at {diff}: the interactive cluster must have the job's shape"))
+                out.append(
+                    (
+                        name_of(cluster),
+                        f"[cluster-shapes-match] differs from {name_of(job)}'s rayClusterSpec at {diff}: the interactive cluster must have the job's shape",
+                    )
+                )
     return out
 
 
@@ -193,7 +212,9 @@ def _references(docs: list[dict], by_kind: dict) -> list[tuple[str, str]]:
             pod = tpl.get("spec") or {}
             sa = pod.get("serviceAccountName")
             if sa and sa not in by_kind.get("ServiceAccount", {}):
-                out.append((where, f"[references-resolve] serviceAccountName {sa!r}: no such ServiceAccount in the manifests"))
+                out.append(
+                    (where, f"[references-resolve] serviceAccountName {sa!r}: no such ServiceAccount in the manifests")
+                )
             names = set()
             for vol in pod.get("volumes") or []:
                 names.add(vol.get("name"))
@@ -201,21 +222,51 @@ def _references(docs: list[dict], by_kind: dict) -> list[tuple[str, str]]:
                 if cm is not None:
                     target = by_kind.get("ConfigMap", {}).get(cm.get("name"))
                     if target is None and not cm.get("optional"):
-                        out.append((where, f"[references-resolve] volume {vol.get('name')!r}: no ConfigMap {cm.get('name')!r} in the manifests"))
+                        out.append(
+                            (
+                                where,
+                                f"[references-resolve] volume {vol.get('name')!r}: no ConfigMap {cm.get('name')!r} in the manifests",
+                            )
+                        )
                     for item in (cm.get("items") or []) if target else []:
                         if item.get("key") not in (target.get("data") or {}):
-                            out.append((where, f"[references-resolve] volume {vol.get('name')!r}: ConfigMap {cm.get('name')!r} has no key {item.get('key')!r}"))
+                            out.append(
+                                (
+                                    where,
+                                    f"[references-resolve] volume {vol.get('name')!r}: ConfigMap {cm.get('name')!r} has no key {item.get('key')!r}",
+                                )
+                            )
                 if pvc is not None and pvc.get("claimName") not in by_kind.get("PersistentVolumeClaim", {}):
-                    out.append((where, f"[references-resolve] volume {vol.get('name')!r}: no PersistentVolumeClaim {pvc.get('claimName')!r} in the manifests"))
+                    out.append(
+                        (
+                            where,
+                            f"[references-resolve] volume {vol.get('name')!r}: no PersistentVolumeClaim {pvc.get('claimName')!r} in the manifests",
+                        )
+                    )
             for c in containers(pod):
                 for m in c.get("volumeMounts") or []:
                     if m.get("name") not in names:
-                        out.append((where, f"[references-resolve] container {c.get('name')!r} mounts volume {m.get('name')!r}, which the pod does not declare"))
+                        out.append(
+                            (
+                                where,
+                                f"[references-resolve] container {c.get('name')!r} mounts volume {m.get('name')!r}, which the pod does not declare",
+                            )
+                        )
     for name, svc in by_kind.get("Service", {}).items():
         selector = (svc.get("spec") or {}).get("selector") or {}
-        labels = [((tpl.get("metadata") or {}).get("labels") or {}) for obj in docs for _, role, tpl in pod_templates(obj) if role == "pod"]
+        labels = [
+            ((tpl.get("metadata") or {}).get("labels") or {})
+            for obj in docs
+            for _, role, tpl in pod_templates(obj)
+            if role == "pod"
+        ]
         if selector and not any(all(lab.get(k) == v for k, v in selector.items()) for lab in labels):
-            out.append((f"Service/{name}", f"[references-resolve] selector {selector} matches no pod template in the manifests"))
+            out.append(
+                (
+                    f"Service/{name}",
+                    f"[references-resolve] selector {selector} matches no pod template in the manifests",
+                )
+            )
     return out
 
 
@@ -233,14 +284,39 @@ def _images(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
                     out.append((where, f"[images-pinned] container {c.get('name')!r} has no image"))
                     continue
                 if not digest and (not tag or tag == "latest"):
-                    out.append((where, f"[images-pinned] image {image!r} is not pinned: give it an exact tag (not latest) or a digest"))
-                if name.rsplit("/", 1)[-1] == "loomtrain" and tag not in ("", "latest") and version and not tag.startswith(f"{version}-"):
-                    out.append((where, f"[image-version] image {image!r} is not the version this checkout builds ({version}-cpu or {version}-gpu, pyproject.toml)"))
+                    out.append(
+                        (
+                            where,
+                            f"[images-pinned] image {image!r} is not pinned: give it an exact tag (not latest) or a digest",
+                        )
+                    )
+                if (
+                    name.rsplit("/", 1)[-1] == "loomtrain"
+                    and tag not in ("", "latest")
+                    and version
+                    and not tag.startswith(f"{version}-")
+                ):
+                    out.append(
+                        (
+                            where,
+                            f"[image-version] image {image!r} is not the version this checkout builds ({version}-cpu or {version}-gpu, pyproject.toml)",
+                        )
+                    )
                 if _limit(c, GPU) > 0 and name.rsplit("/", 1)[-1] == "loomtrain" and not tag.endswith("-gpu"):
-                    out.append((where, f"[image-variant] container {c.get('name')!r} requests {GPU} but runs {image!r}, not the CUDA image (tag ...-gpu)"))
+                    out.append(
+                        (
+                            where,
+                            f"[image-variant] container {c.get('name')!r} requests {GPU} but runs {image!r}, not the CUDA image (tag ...-gpu)",
+                        )
+                    )
         for cwhere, cspec in ray_cluster_specs(obj):
             if ray_version and str(cspec.get("rayVersion")) != ray_version:
-                out.append((cwhere, f"[ray-version] rayVersion {cspec.get('rayVersion')!r} is not the Ray the image installs ({ray_version}, k8s/image/Dockerfile)"))
+                out.append(
+                    (
+                        cwhere,
+                        f"[ray-version] rayVersion {cspec.get('rayVersion')!r} is not the Ray the image installs ({ray_version}, k8s/image/Dockerfile)",
+                    )
+                )
     return out
 
 
@@ -284,7 +360,12 @@ def _configmaps(configmaps: dict[str, dict]) -> list[tuple[str, str]]:
             bases = layer.get("extends") if isinstance(layer, dict) else None
             for base in [bases] if isinstance(bases, str) else list(bases or []):
                 if str(base) not in data:
-                    out.append((f"ConfigMap/{name}", f"[extends-resolve] {key} extends {base!r}, which is not in this ConfigMap (the mounted folder has only its keys)"))
+                    out.append(
+                        (
+                            f"ConfigMap/{name}",
+                            f"[extends-resolve] {key} extends {base!r}, which is not in this ConfigMap (the mounted folder has only its keys)",
+                        )
+                    )
     return out
 
 
@@ -298,10 +379,20 @@ def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
     except ValueError as exc:
         return [(where, f"[entrypoint-runs-loomtrain] cannot parse the entrypoint: {exc}")]
     if argv[:2] != ["loomtrain", "train"] or len(argv) < 3 or argv[2].startswith("-") or "=" in argv[2]:
-        return [(where, f"[entrypoint-runs-loomtrain] the entrypoint must be `loomtrain train CONFIG [key=value ...] --ray`, got {entrypoint!r}")]
+        return [
+            (
+                where,
+                f"[entrypoint-runs-loomtrain] the entrypoint must be `loomtrain train CONFIG [key=value ...] --ray`, got {entrypoint!r}",
+            )
+        ]
     out = []
     if "--ray" not in argv:
-        out.append((where, "[entrypoint-runs-loomtrain] the entrypoint lacks --ray: without it the driver trains alone on the head pod"))
+        out.append(
+            (
+                where,
+                "[entrypoint-runs-loomtrain] the entrypoint lacks --ray: without it the driver trains alone on the head pod",
+            )
+        )
     config_path, overrides = argv[2], [a for a in argv[3:] if "=" in a and not a.startswith("-")]
     cspec = spec.get("rayClusterSpec")
     if not cspec:
@@ -315,7 +406,12 @@ def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
             data = (by_kind.get("ConfigMap", {}).get(cm) or {}).get("data") or {}
     name = Path(config_path).name
     if data is None or name not in data:
-        return out + [(where, f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a ConfigMap mounted at its folder in the head pod")]
+        return out + [
+            (
+                where,
+                f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a ConfigMap mounted at its folder in the head pod",
+            )
+        ]
     cfg = _load_config(tuple(sorted(data.items())), name, tuple(overrides))
     if isinstance(cfg, str):
         return out + [(where, f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {cfg}")]
@@ -334,15 +430,25 @@ def _grace_period(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[st
     except ValueError as exc:  # a config the plan cannot size is reported by the other rules
         return [(where, f"[grace-period] cannot estimate the save time of {name}: {exc}")]
     tpls = [("head", (cspec.get("headGroupSpec") or {}).get("template") or {})]
-    tpls += [(f"worker group {g.get('groupName')!r}", g.get("template") or {}) for g in cspec.get("workerGroupSpecs") or []]
+    tpls += [
+        (f"worker group {g.get('groupName')!r}", g.get("template") or {}) for g in cspec.get("workerGroupSpecs") or []
+    ]
     out = []
     for label, tpl in tpls:
         have = (tpl.get("spec") or {}).get("terminationGracePeriodSeconds")
         if have is None or int(have) < need:
-            got = "sets no terminationGracePeriodSeconds (Kubernetes' default: 30 s)" if have is None \
+            got = (
+                "sets no terminationGracePeriodSeconds (Kubernetes' default: 30 s)"
+                if have is None
                 else f"has terminationGracePeriodSeconds {have}"
-            out.append((where, f"[grace-period] the {label} pod {got}; on SIGTERM {name} finishes a step and "
-                               f"saves a checkpoint, which needs >= {need} s (launcher/planning/grace.py)"))
+            )
+            out.append(
+                (
+                    where,
+                    f"[grace-period] the {label} pod {got}; on SIGTERM {name} finishes a step and "
+                    f"saves a checkpoint, which needs >= {need} s (launcher/planning/grace.py)",
+                )
+            )
     return out
 
 
@@ -371,8 +477,14 @@ def _ray_pods(cspec: dict) -> list[tuple[str, int, Fraction, Fraction]]:
     """(group, pods, CPUs and GPUs Ray sees per pod) for the head and each worker group."""
     rows = []
     groups = [("head", cspec.get("headGroupSpec") or {}, 1)]
-    groups += [(g.get("groupName", "?"), g, int(g.get("replicas", g.get("minReplicas", 0)) or 0) * int(g.get("numOfHosts", 1) or 1))
-               for g in cspec.get("workerGroupSpecs") or []]
+    groups += [
+        (
+            g.get("groupName", "?"),
+            g,
+            int(g.get("replicas", g.get("minReplicas", 0)) or 0) * int(g.get("numOfHosts", 1) or 1),
+        )
+        for g in cspec.get("workerGroupSpecs") or []
+    ]
     for label, group, count in groups:
         ray = ((((group.get("template") or {}).get("spec") or {}).get("containers")) or [{}])[0]
         params = group.get("rayStartParams") or {}
@@ -390,31 +502,61 @@ def _world_size(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[str,
     out = []
     if use_gpu:
         if gpus != n:
-            out.append((where, f"[world-size] {name} runs ray.num_workers={n} workers with one GPU each, but the Ray cluster has {shown} = {int(gpus)} GPUs (GPUs per worker pod x worker pods must equal the world size)"))
+            out.append(
+                (
+                    where,
+                    f"[world-size] {name} runs ray.num_workers={n} workers with one GPU each, but the Ray cluster has {shown} = {int(gpus)} GPUs (GPUs per worker pod x worker pods must equal the world size)",
+                )
+            )
         for g, c, cpus, gp in rows:
             if gp and cpus < gp * cpw:
-                out.append((where, f"[world-size] group {g!r}: {int(gp)} GPUs need {int(gp)} x ray.cpus_per_worker={cpw} CPUs per pod, it has {float(cpus):g}"))
+                out.append(
+                    (
+                        where,
+                        f"[world-size] group {g!r}: {int(gp)} GPUs need {int(gp)} x ray.cpus_per_worker={cpw} CPUs per pod, it has {float(cpus):g}",
+                    )
+                )
     else:
         if gpus:
-            out.append((where, f"[world-size] {name} has ray.use_gpu false, but the Ray cluster requests {int(gpus)} GPUs that would sit idle"))
+            out.append(
+                (
+                    where,
+                    f"[world-size] {name} has ray.use_gpu false, but the Ray cluster requests {int(gpus)} GPUs that would sit idle",
+                )
+            )
         slots = sum(c * (cpus // cpw) for _, c, cpus, _ in rows)
         if slots < n:
-            out.append((where, f"[world-size] {name} runs ray.num_workers={n} workers x ray.cpus_per_worker={cpw} CPU(s), but the Ray cluster fits only {int(slots)}"))
+            out.append(
+                (
+                    where,
+                    f"[world-size] {name} runs ray.num_workers={n} workers x ray.cpus_per_worker={cpw} CPU(s), but the Ray cluster fits only {int(slots)}",
+                )
+            )
     return out
 
 
 def _run_dir(where: str, run_dir: str, cspec: dict, by_kind: dict) -> list[tuple[str, str]]:
     out = []
     tpls = [("head", (cspec.get("headGroupSpec") or {}).get("template") or {})]
-    tpls += [(f"worker group {g.get('groupName')!r}", g.get("template") or {}) for g in cspec.get("workerGroupSpecs") or []]
+    tpls += [
+        (f"worker group {g.get('groupName')!r}", g.get("template") or {}) for g in cspec.get("workerGroupSpecs") or []
+    ]
     claims = set()
     for label, tpl in tpls:
         pod = tpl.get("spec") or {}
         ray = (pod.get("containers") or [{}])[0]
-        hits = [(p, v["persistentVolumeClaim"].get("claimName")) for p, v in _mount_sources(pod, ray)
-                if v.get("persistentVolumeClaim") and _under(run_dir, p)]
+        hits = [
+            (p, v["persistentVolumeClaim"].get("claimName"))
+            for p, v in _mount_sources(pod, ray)
+            if v.get("persistentVolumeClaim") and _under(run_dir, p)
+        ]
         if not hits:
-            out.append((where, f"[run-dir-on-pvc] run.dir={run_dir!r} is not on a PersistentVolumeClaim mounted in the {label} pod: checkpoints and logs would die with the pod"))
+            out.append(
+                (
+                    where,
+                    f"[run-dir-on-pvc] run.dir={run_dir!r} is not on a PersistentVolumeClaim mounted in the {label} pod: checkpoints and logs would die with the pod",
+                )
+            )
         for mount, claim in hits:
             claims.add((claim, str(Path("/") / Path(run_dir).relative_to(mount)) if run_dir != mount else "/"))
     for claim, rel in claims:
@@ -437,7 +579,12 @@ def _run_dir(where: str, run_dir: str, cspec: dict, by_kind: dict) -> list[tuple
                             tb_rel = str(Path("/") / Path(logdir).relative_to(mount)) if logdir != mount else "/"
                             ok = _under(rel, tb_rel)
                     if not ok:
-                        out.append((f"Deployment/{name}", f"[tensorboard-reads-runs] --logdir={logdir} does not cover the run directory {rel} on PVC {claim!r} that {where} writes"))
+                        out.append(
+                            (
+                                f"Deployment/{name}",
+                                f"[tensorboard-reads-runs] --logdir={logdir} does not cover the run directory {rel} on PVC {claim!r} that {where} writes",
+                            )
+                        )
     return out
 
 
@@ -450,18 +597,36 @@ def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
         if obj.get("kind") == "Service":
             kind = (obj.get("spec") or {}).get("type", "ClusterIP")
             if kind != "ClusterIP":
-                out.append((name_of(obj), f"[cluster-ip-only] Service type {kind} exposes it outside the cluster; use ClusterIP and kubectl port-forward"))
+                out.append(
+                    (
+                        name_of(obj),
+                        f"[cluster-ip-only] Service type {kind} exposes it outside the cluster; use ClusterIP and kubectl port-forward",
+                    )
+                )
         if obj.get("kind") == "Ingress":
             out.append((name_of(obj), "[cluster-ip-only] an Ingress exposes services outside the cluster"))
         for where, cspec in ray_cluster_specs(obj):
             head = cspec.get("headGroupSpec") or {}
-            kinds = {head.get("serviceType") or "ClusterIP", ((head.get("headService") or {}).get("spec") or {}).get("type") or "ClusterIP"}
+            kinds = {
+                head.get("serviceType") or "ClusterIP",
+                ((head.get("headService") or {}).get("spec") or {}).get("type") or "ClusterIP",
+            }
             for kind in sorted(kinds - {"ClusterIP"}):
-                out.append((where, f"[cluster-ip-only] the Ray head service is {kind}: that puts the dashboard (which runs arbitrary jobs) outside the cluster"))
+                out.append(
+                    (
+                        where,
+                        f"[cluster-ip-only] the Ray head service is {kind}: that puts the dashboard (which runs arbitrary jobs) outside the cluster",
+                    )
+                )
             if head.get("enableIngress"):
                 out.append((where, "[cluster-ip-only] enableIngress exposes the Ray dashboard outside the cluster"))
             if (cspec.get("authOptions") or {}).get("mode") != "token":
-                out.append((where, "[ray-token-auth] set authOptions.mode: token: without it any pod that reaches the Ray head can run code on the cluster"))
+                out.append(
+                    (
+                        where,
+                        "[ray-token-auth] set authOptions.mode: token: without it any pod that reaches the Ray head can run code on the cluster",
+                    )
+                )
     return out
 
 
@@ -482,7 +647,9 @@ def _pod_security(where: str, pod: dict) -> list[tuple[str, str]]:
         non_root = sc.get("runAsNonRoot", psc.get("runAsNonRoot"))
         user = sc.get("runAsUser", psc.get("runAsUser"))
         if non_root is not True or user == 0:
-            out.append((where, f"[run-as-non-root] {cname} may run as root: set runAsNonRoot: true (and a non-zero runAsUser)"))
+            out.append(
+                (where, f"[run-as-non-root] {cname} may run as root: set runAsNonRoot: true (and a non-zero runAsUser)")
+            )
         if sc.get("allowPrivilegeEscalation") is not False:
             out.append((where, f"[no-privilege-escalation] {cname}: set allowPrivilegeEscalation: false"))
         if sc.get("privileged"):
@@ -494,7 +661,12 @@ def _pod_security(where: str, pod: dict) -> list[tuple[str, str]]:
             out.append((where, f"[drop-all-capabilities] {cname} adds capabilities {caps['add']}"))
         seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
         if seccomp not in ("RuntimeDefault", "Localhost"):
-            out.append((where, f"[seccomp-runtime-default] {cname}: seccompProfile is {seccomp or 'unset'}, must be RuntimeDefault"))
+            out.append(
+                (
+                    where,
+                    f"[seccomp-runtime-default] {cname}: seccompProfile is {seccomp or 'unset'}, must be RuntimeDefault",
+                )
+            )
         for port in c.get("ports") or []:
             if port.get("hostPort"):
                 out.append((where, f"[no-host-ports] {cname} binds hostPort {port['hostPort']}"))
@@ -515,5 +687,7 @@ def _requests_equal_limits(where: str, cname: str, c: dict) -> list[tuple[str, s
         except ValueError:  # not a quantity: the schema check reports it
             same = req.get(key) == lim.get(key)
         if not same:
-            out.append((where, f"[requests-equal-limits] {cname}: {key} request {req.get(key)!r} != limit {lim.get(key)!r}"))
+            out.append(
+                (where, f"[requests-equal-limits] {cname}: {key} request {req.get(key)!r} != limit {lim.get(key)!r}")
+            )
     return out

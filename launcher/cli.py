@@ -16,9 +16,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data-stats": ("loomtrain.data_pipeline.stats", "samples and tokens per data source over a run's first N steps"),
     "generate": ("loomtrain.launcher.generate", "continue a prompt with a trained run's weights"),
     "plan": ("loomtrain.launcher.planning.plan", "predict memory, FLOPs and step time per rank for a config"),
-    "dryrun": ("loomtrain.launcher.planning.dryrun", "run one cluster rank's shard on this machine, measured against plan"),
+    "dryrun": (
+        "loomtrain.launcher.planning.dryrun",
+        "run one cluster rank's shard on this machine, measured against plan",
+    ),
     "export": ("loomtrain.launcher.checkpoints.export", "export a run's weights to Hugging Face format"),
-    "import": ("loomtrain.launcher.checkpoints.hf_import", "turn a Hugging Face model directory into a run (final/ + config.yaml)"),
+    "import": (
+        "loomtrain.launcher.checkpoints.hf_import",
+        "turn a Hugging Face model directory into a run (final/ + config.yaml)",
+    ),
     "submit": ("loomtrain.launcher.cluster.jobs", "submit a config as a Ray job to a cluster"),
     "status": ("loomtrain.launcher.cluster.jobs", "show a Ray job's status"),
     "logs": ("loomtrain.launcher.cluster.jobs", "print (or --follow) a Ray job's logs"),

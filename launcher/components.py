@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError
 from loomtrain.launcher.distributed import DistEnv, barrier
@@ -67,8 +66,13 @@ def build_model(cfg: RunConfig, topology, device: torch.device, tensors=None) ->
         from loomtrain.launcher.checkpoints.weight_source import init_from
 
         allocate_shards(model, device=device, dtype=dtype)
-        init_from(model, cfg.model, log=print if topology.rank == 0 else (lambda *a: None),
-                  run_dir=run_dir(cfg), resume=cfg.checkpoint.resume)
+        init_from(
+            model,
+            cfg.model,
+            log=print if topology.rank == 0 else (lambda *a: None),
+            run_dir=run_dir(cfg),
+            resume=cfg.checkpoint.resume,
+        )
         for name, param in model.named_parameters():
             if after is not None:
                 after(name, param)
@@ -108,7 +112,7 @@ def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
     from loomtrain.data_pipeline import TokenStream, prepare_sources
 
     cache = data_cache_dir(cfg)
-    quiet = (lambda *a, **k: None)
+    quiet = lambda *a, **k: None
     if env.rank == 0:
         shard_dir, tok = prepare_sources(cfg.data, cache, log=log)
     barrier()
@@ -121,9 +125,15 @@ def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
         )
     t = cfg.train
     stream = TokenStream(
-        shard_dir, "train", seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
-        dp_rank=topology.dp_rank, dp_size=topology.dp_size, seed=t.seed,
-        prefetch=cfg.data.prefetch, expected_tokenizer_hash=tok.hash,
+        shard_dir,
+        "train",
+        seq_len=t.seq_len,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=topology.dp_rank,
+        dp_size=topology.dp_size,
+        seed=t.seed,
+        prefetch=cfg.data.prefetch,
+        expected_tokenizer_hash=tok.hash,
     )
     return shard_dir, tok, stream
 
@@ -134,9 +144,15 @@ def val_stream(cfg: RunConfig, shard_dir, topology, tok):
 
     t = cfg.train
     return TokenStream(
-        shard_dir, "val", seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
-        dp_rank=topology.dp_rank, dp_size=topology.dp_size, seed=t.seed,
-        prefetch=0, expected_tokenizer_hash=tok.hash,
+        shard_dir,
+        "val",
+        seq_len=t.seq_len,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=topology.dp_rank,
+        dp_size=topology.dp_size,
+        seed=t.seed,
+        prefetch=0,
+        expected_tokenizer_hash=tok.hash,
     )
 
 

@@ -22,13 +22,13 @@ import difflib
 import math
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
-
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from typing import Any
 
 from loomtrain.launcher.config import RunConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -96,7 +96,9 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig
         chain = " -> ".join(str(p) for p in (*seen, path))
         raise ConfigError(f"extends: cycle {chain}")
     if not path.is_file():
-        raise ConfigError(f"extends: no such config file {str(path)!r}" if seen else f"config file not found: {str(path)!r}")
+        raise ConfigError(
+            f"extends: no such config file {str(path)!r}" if seen else f"config file not found: {str(path)!r}"
+        )
     try:
         layer = OmegaConf.load(path)
     except Exception as exc:  # yaml syntax errors and the like
@@ -129,8 +131,10 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
         except OmegaConfBaseException:
             pass
         except Exception as exc:  # yaml's own errors
-            raise ConfigError(f"{item.partition('=')[0]}: cannot parse the value of {item!r} "
-                              f"({_first_line(exc)}); quote it: key='value'") from None
+            raise ConfigError(
+                f"{item.partition('=')[0]}: cannot parse the value of {item!r} "
+                f"({_first_line(exc)}); quote it: key='value'"
+            ) from None
     try:
         return OmegaConf.from_dotlist(items)
     except OmegaConfBaseException as exc:
@@ -149,7 +153,9 @@ def _check_keys(layer: DictConfig, source: str) -> None:
             child = node._get_node(key)
             if dotted in sections:
                 if not OmegaConf.is_dict(child):
-                    raise ConfigError(f"{dotted}: expected a section (a mapping of keys), got {child._value()!r} [{source}]")
+                    raise ConfigError(
+                        f"{dotted}: expected a section (a mapping of keys), got {child._value()!r} [{source}]"
+                    )
                 walk(node[key], dotted + ".")
                 continue
             while OmegaConf.is_dict(child) and len(child) == 1:  # `trian.lr=1` -> name `trian.lr`
@@ -250,20 +256,28 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _choice("train.device", t.device, DEVICES)
     _choice("log.progress", cfg.log.progress, PROGRESS)
     _check(
-        cfg.checkpoint.resume in ("auto", "never") or "://" in cfg.checkpoint.resume or Path(cfg.checkpoint.resume).exists()
+        cfg.checkpoint.resume in ("auto", "never")
+        or "://" in cfg.checkpoint.resume
+        or Path(cfg.checkpoint.resume).exists()
         # a PATH only seeds the first start: once the run has checkpoints, the seed may be gone
         or (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir(),
-        "checkpoint.resume", "auto, never or the path of an existing checkpoint", cfg.checkpoint.resume,
+        "checkpoint.resume",
+        "auto, never or the path of an existing checkpoint",
+        cfg.checkpoint.resume,
     )
     _check(
-        t.device != "cuda" or _cuda_available(), "train.device", "auto or cpu on a machine without CUDA", t.device,
+        t.device != "cuda" or _cuda_available(),
+        "train.device",
+        "auto or cpu on a machine without CUDA",
+        t.device,
     )
     tok = cfg.data.tokenizer
     _check(
         tok in BUILTIN_TOKENIZERS or Path(tok).is_file() or (Path(tok) / "tokenizer.json").is_file(),
         "data.tokenizer",
         "byte, bpe, the path of an existing tokenizer.json or a directory holding one "
-        "(a Hugging Face model or tokenizer directory)", tok,
+        "(a Hugging Face model or tokenizer directory)",
+        tok,
     )
     _check(bool(cfg.run.dir), "run.dir", "a directory path", cfg.run.dir)
     # numbers: inf/nan pass `> 0` and min/max checks, then poison the run (nan fails them
@@ -278,7 +292,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     for key in ("beta1", "beta2"):
         _check(0.0 <= getattr(t, key) < 1.0, f"train.{key}", "a number in [0, 1)", getattr(t, key))
     _check(
-        t.seq_len <= m.max_seq_len, "train.seq_len", f"at most model.max_seq_len={m.max_seq_len}", t.seq_len,
+        t.seq_len <= m.max_seq_len,
+        "train.seq_len",
+        f"at most model.max_seq_len={m.max_seq_len}",
+        t.seq_len,
     )
     _positive("parallel.tp", p.tp)
     try:  # heads, KV heads and FFN width must split tp ways (torch-free; loomtrain.parallel)
@@ -288,17 +305,23 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check(
-        not p.sequence_parallel or t.seq_len % p.tp == 0, "train.seq_len",
-        f"a multiple of parallel.tp={p.tp} with parallel.sequence_parallel", t.seq_len,
+        not p.sequence_parallel or t.seq_len % p.tp == 0,
+        "train.seq_len",
+        f"a multiple of parallel.tp={p.tp} with parallel.sequence_parallel",
+        t.seq_len,
     )
     _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "0, 1, 2 or 3", p.zero_stage)
     _check(
-        not p.offload_optimizer or p.zero_stage >= 2, "parallel.offload_optimizer",
-        f"false unless parallel.zero_stage is 2 or 3 (it is {p.zero_stage})", p.offload_optimizer,
+        not p.offload_optimizer or p.zero_stage >= 2,
+        "parallel.offload_optimizer",
+        f"false unless parallel.zero_stage is 2 or 3 (it is {p.zero_stage})",
+        p.offload_optimizer,
     )
     _check(
-        not p.compile or (t.device != "cpu" and _cuda_available()) or _cxx_available(), "parallel.compile",
-        "false on a CPU without a C++ compiler (torch.compile's CPU backend builds with $CXX or g++)", p.compile,
+        not p.compile or (t.device != "cpu" and _cuda_available()) or _cxx_available(),
+        "parallel.compile",
+        "false on a CPU without a C++ compiler (torch.compile's CPU backend builds with $CXX or g++)",
+        p.compile,
     )
     _positive("parallel.timeout_s", p.timeout_s)
     _positive("eval.every_steps", cfg.eval.every_steps, allow_zero=True)
@@ -315,19 +338,31 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _positive("checkpoint.timeout_s", cfg.checkpoint.timeout_s)
     ps = list(cfg.log.profile_steps)
     _check(
-        not ps or (len(ps) == 2 and 1 <= ps[0] <= ps[1]), "log.profile_steps",
-        "[] or [START, END] with 1 <= START <= END", ps,
+        not ps or (len(ps) == 2 and 1 <= ps[0] <= ps[1]),
+        "log.profile_steps",
+        "[] or [START, END] with 1 <= START <= END",
+        ps,
     )
-    _check(all(r >= 0 for r in cfg.log.profile_ranks), "log.profile_ranks", "global ranks (>= 0)",
-           list(cfg.log.profile_ranks))
+    _check(
+        all(r >= 0 for r in cfg.log.profile_ranks),
+        "log.profile_ranks",
+        "global ranks (>= 0)",
+        list(cfg.log.profile_ranks),
+    )
     _positive("log.memory_snapshot_step", cfg.log.memory_snapshot_step, allow_zero=True)
     _check(0.0 <= cfg.data.val_fraction < 1.0, "data.val_fraction", "a number in [0, 1)", cfg.data.val_fraction)
     _positive("data.max_files", cfg.data.max_files, allow_zero=True)
-    _check(not (cfg.data.path and cfg.data.sources), "data.sources",
-           "empty when data.path is set (data.path is the one-source form of data.sources)", "a list")
+    _check(
+        not (cfg.data.path and cfg.data.sources),
+        "data.sources",
+        "empty when data.path is set (data.path is the one-source form of data.sources)",
+        "a list",
+    )
     for i, src in enumerate(cfg.data.sources):
         _check(bool(src.path), f"data.sources[{i}].path", "a shard directory made by `loomtrain preprocess`", src.path)
-        _check(math.isfinite(src.weight) and src.weight > 0, f"data.sources[{i}].weight", "a positive number", src.weight)
+        _check(
+            math.isfinite(src.weight) and src.weight > 0, f"data.sources[{i}].weight", "a positive number", src.weight
+        )
     _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
     _positive("ray.num_workers", cfg.ray.num_workers)
     _positive("ray.cpus_per_worker", cfg.ray.cpus_per_worker)
@@ -340,7 +375,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(str(exc)) from None
     # cross-field: world size, tp, dp and the batch sizes
     _check(
-        world_size % p.tp == 0, "parallel.tp", f"a divisor of the world size {world_size}", p.tp,
+        world_size % p.tp == 0,
+        "parallel.tp",
+        f"a divisor of the world size {world_size}",
+        p.tp,
     )
     dp = world_size // p.tp
     _check(
@@ -368,12 +406,19 @@ def _check_init_from(cfg: RunConfig) -> None:
     src = Path(cfg.model.init_from).expanduser()
     if not src.exists() and (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir():
         return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
-    _check(src.is_dir(), "model.init_from",
-           "a run's final/ directory, a run directory or a Hugging Face model directory", cfg.model.init_from)
+    _check(
+        src.is_dir(),
+        "model.init_from",
+        "a run's final/ directory, a run directory or a Hugging Face model directory",
+        cfg.model.init_from,
+    )
     own = Path(cfg.run.dir).expanduser().absolute()
-    _check(src.absolute() not in (own, own / "final"), "model.init_from",
-           f"weights outside run.dir={cfg.run.dir} (the run's end replaces its final/; give the new run "
-           f"its own run.dir)", cfg.model.init_from)
+    _check(
+        src.absolute() not in (own, own / "final"),
+        "model.init_from",
+        f"weights outside run.dir={cfg.run.dir} (the run's end replaces its final/; give the new run its own run.dir)",
+        cfg.model.init_from,
+    )
     from loomtrain.launcher.checkpoints.weight_source import open_matching
 
     open_matching(cfg.model)

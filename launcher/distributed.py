@@ -24,12 +24,11 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from loomtrain.launcher.config import RunConfig
 
 
@@ -84,9 +83,11 @@ def flight_recorder_env(run_dir: str | os.PathLike) -> dict[str, str]:
     folder when a collective times out (set before the NCCL process group exists)."""
     prefix = str(Path(run_dir).absolute() / "logs" / "nccl_trace_rank_")
     return {  # the TORCH_FR_* names, and the TORCH_NCCL_* ones older releases read
-        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
     }
 
 
@@ -113,8 +114,12 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         else:
             launcher = "local"
             os.environ.update(
-                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+                LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()),
             )
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
         dist.init_process_group(backend=backend, timeout=timeout, init_method="env://")

@@ -18,12 +18,12 @@ ZeRO offload, activation checkpointing and fp16 loss-scaling details grow here
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
-
 from loomtrain.launcher.config import RunConfig
+from torch import nn
 
 # "Print every N steps" off: the loop does its own logging.
 _NEVER = 10**12
@@ -127,8 +127,13 @@ def zero3_partitioner(cfg: RunConfig, topology, dtype: torch.dtype) -> Callable[
             return
         holder = nn.Module()
         holder.register_parameter("param", param)
-        deepspeed.zero.Init(module=holder, data_parallel_group=topology.dp_group, mpu=topology.mpu, dtype=dtype,
-                            config_dict_or_path=ds_config(cfg, topology.dp_size))
+        deepspeed.zero.Init(
+            module=holder,
+            data_parallel_group=topology.dp_group,
+            mpu=topology.mpu,
+            dtype=dtype,
+            config_dict_or_path=ds_config(cfg, topology.dp_size),
+        )
         anchor.append(param)
 
     return partition

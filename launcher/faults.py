@@ -31,7 +31,7 @@ class Faults:
     active: bool = field(default=False)
 
     @classmethod
-    def parse(cls, spec: str) -> "Faults":
+    def parse(cls, spec: str) -> Faults:
         stops, delays, signals = set(), [], []
         for part in filter(None, (p.strip() for p in spec.split(","))):
             kind, *args = part.split(":")
@@ -49,7 +49,7 @@ class Faults:
         return cls(frozenset(stops), tuple(delays), tuple(signals), active=bool(stops or delays or signals))
 
     @classmethod
-    def from_env(cls) -> "Faults":
+    def from_env(cls) -> Faults:
         spec = spec_from_env()
         return cls.parse(spec) if spec else NO_FAULTS
 

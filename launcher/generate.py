@@ -15,7 +15,9 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loomtrain generate", description="Continue a prompt with a trained run's weights.")
+    p = argparse.ArgumentParser(
+        prog="loomtrain generate", description="Continue a prompt with a trained run's weights."
+    )
     p.add_argument("run_dir", help="a run directory (or its final/ directory)")
     p.add_argument("--prompt", default="", help="text to continue (default: start from end-of-text)")
     p.add_argument("--max-new-tokens", type=int, default=100)
@@ -49,8 +51,10 @@ def pick_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {requested}: this machine has no usable CUDA device "
-                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu")
+        raise ValueError(
+            f"--device {requested}: this machine has no usable CUDA device "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu"
+        )
     return requested
 
 
@@ -61,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loomtrain generate: {bad}", file=sys.stderr)
         return 2
     import torch
-
     from loomtrain.launcher.weights import FinalWeightsError, load_final
 
     try:
@@ -73,17 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     ids = tok.encode(args.prompt) or [tok.eos_id]
     room = model.cfg.max_seq_len - len(ids)
     if room <= 0:
-        print(f"loomtrain: the prompt is {len(ids)} tokens; the model's context is {model.cfg.max_seq_len}", file=sys.stderr)
+        print(
+            f"loomtrain: the prompt is {len(ids)} tokens; the model's context is {model.cfg.max_seq_len}",
+            file=sys.stderr,
+        )
         return 2
     gen = torch.Generator(device=device).manual_seed(args.seed)
     try:
         out = model.generate(
-            torch.tensor([ids], dtype=torch.long, device=device), min(args.max_new_tokens, room),
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, generator=gen,
+            torch.tensor([ids], dtype=torch.long, device=device),
+            min(args.max_new_tokens, room),
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            eos_id=tok.eos_id,
+            generator=gen,
         )
     except ValueError as exc:  # bad temperature / top-k / top-p
         print(f"loomtrain: {exc}", file=sys.stderr)
         return 2
-    new = [t for t in out[0, len(ids):].tolist() if t != tok.eos_id]
+    new = [t for t in out[0, len(ids) :].tolist() if t != tok.eos_id]
     print(args.prompt + tok.decode(new))
     return 0

@@ -23,9 +23,10 @@ Checkpointing (issue 7) and Ray reporting (issue 8) are hooks; the loop knows ne
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 
 @dataclass

@@ -22,20 +22,20 @@ import contextlib
 import math
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from loomtrain.launcher import components, weights
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import grad_accum_steps, save_config, to_dict, validate
 from loomtrain.launcher.distributed import barrier, init_distributed
 from loomtrain.launcher.engine import build_engine, grad_norm, records_grad_norm
-from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState, default_hooks
 from loomtrain.launcher.faults import Faults
+from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState, default_hooks
 from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, gather_rank_stats, memory_bytes, mfu
 from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard, inject
 from loomtrain.launcher.profiling import StepProfiler
@@ -140,8 +140,11 @@ def samples(ctx: TrainContext) -> list[str]:
     gen = torch.Generator(device=ctx.dist.device).manual_seed(ctx.cfg.train.seed + ctx.state.step)
     with gathered_logits(ctx.model) as model:
         out = model.generate(
-            tokens, min(e.sample_tokens, room), temperature=e.temperature,
-            top_k=e.top_k or None, generator=gen,
+            tokens,
+            min(e.sample_tokens, room),
+            temperature=e.temperature,
+            top_k=e.top_k or None,
+            generator=gen,
         )
     return [ctx.tokenizer.decode(row.tolist()) for row in out]
 
@@ -179,8 +182,9 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
         rank_log.close()
 
 
-def _train(cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopRequest,
-           rank_log: RankLog, wall_start: float) -> TrainResult:
+def _train(
+    cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopRequest, rank_log: RankLog, wall_start: float
+) -> TrainResult:
     components.seed_everything(cfg.train.seed)
     topology = components.build_topology(cfg, env)
     ctx = TrainContext(cfg=cfg, dist=env, topology=topology, run_dir=run_dir)
@@ -201,8 +205,12 @@ def _train(cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopReq
     t = cfg.train
     start_step = ctx.state.step
     ctx.metrics = MetricsLogger(
-        run_dir, t.max_steps, enabled=env.is_logging_rank, tensorboard=cfg.log.tensorboard,
-        progress=cfg.log.progress, start_step=start_step,
+        run_dir,
+        t.max_steps,
+        enabled=env.is_logging_rank,
+        tensorboard=cfg.log.tensorboard,
+        progress=cfg.log.progress,
+        start_step=start_step,
     )
     log = ctx.metrics
     n_params = param_count(cfg.model)
@@ -225,8 +233,9 @@ def _train(cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopReq
     guard = SkipGuard(ctx.engine, t.max_consecutive_skips, t.precision)
     faults = Faults.from_env()  # test-only; NO_FAULTS in a real run
     profiler = StepProfiler(cfg, env.rank, run_dir, env.device)
-    dog = Watchdog(run_dir, env.rank, env.world_size, cfg.parallel.timeout_s, cfg.checkpoint.timeout_s,
-                   rank_log=rank_log).start()
+    dog = Watchdog(
+        run_dir, env.rank, env.world_size, cfg.parallel.timeout_s, cfg.checkpoint.timeout_s, rank_log=rank_log
+    ).start()
     try:
         ctx.engine.train()
         loop_start, elapsed_at_start = time.perf_counter(), ctx.state.elapsed
@@ -245,18 +254,24 @@ def _train(cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopReq
             dog.beat(step)
             tps = tokens_per_step / step_time
             metrics: dict[str, Any] = {
-                "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": norm,
+                "tokens_per_s": tps,
                 "mfu": mfu(flops_per_token, tps, peak),
-                "step_time_s": step_time, "mem_bytes": memory_bytes(env.device),
-                "tokens_seen": ctx.state.tokens_seen, "skipped_steps": guard.skipped_steps,
+                "step_time_s": step_time,
+                "mem_bytes": memory_bytes(env.device),
+                "tokens_seen": ctx.state.tokens_seen,
+                "skipped_steps": guard.skipped_steps,
             }
             result.losses.append(loss)
             result.steps.append(step)
             ctx.last_metrics = metrics
             if step % cfg.log.every_steps == 0 or _is_final(step, cfg):
                 # every rank, same step: the job-wide straggler figures (one small all-gather)
-                metrics.update(gather_rank_stats(step_time, ctx.extras.get("data_wait_s", 0.0),
-                                                 metrics["mem_bytes"], env.device))
+                metrics.update(
+                    gather_rank_stats(step_time, ctx.extras.get("data_wait_s", 0.0), metrics["mem_bytes"], env.device)
+                )
                 log.log(step, metrics)
                 log.console(step, metrics, time.perf_counter() - loop_start, step - start_step)
             if profiler.enabled:  # writing a trace may take long: it is I/O, not a hang
@@ -303,8 +318,10 @@ def _train(cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopReq
     if result.stopped_by:
         if env.is_logging_rank:
             stop.clear_file()
-        log.message(f"loomtrain: {signal_name(result.stopped_by)}: stopped at step {ctx.state.step} "
-                    f"(checkpoint saved); the same command resumes from it")
+        log.message(
+            f"loomtrain: {signal_name(result.stopped_by)}: stopped at step {ctx.state.step} "
+            f"(checkpoint saved); the same command resumes from it"
+        )
     elif ctx.state.step > start_step and result.losses:
         log.message(
             f"done: step {ctx.state.step}, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "

@@ -110,10 +110,22 @@ def memory_bytes(device: torch.device) -> int:
 
 # metrics.jsonl key -> TensorBoard tag (keys that already hold a "/" keep it).
 _TB_GROUPS = {
-    "loss": "train", "lr": "train", "grad_norm": "train", "tokens_seen": "train", "skipped_steps": "train",
-    "tokens_per_s": "perf", "mfu": "perf", "step_time_s": "perf", "step_time_max_s": "perf",
-    "step_time_min_s": "perf", "step_time_median_s": "perf", "slowest_rank": "perf",
-    "data_wait_max_s": "perf", "mem_bytes": "memory", "mem_bytes_max": "memory", "mem_rank_max": "memory",
+    "loss": "train",
+    "lr": "train",
+    "grad_norm": "train",
+    "tokens_seen": "train",
+    "skipped_steps": "train",
+    "tokens_per_s": "perf",
+    "mfu": "perf",
+    "step_time_s": "perf",
+    "step_time_max_s": "perf",
+    "step_time_min_s": "perf",
+    "step_time_median_s": "perf",
+    "slowest_rank": "perf",
+    "data_wait_max_s": "perf",
+    "mem_bytes": "memory",
+    "mem_bytes_max": "memory",
+    "mem_rank_max": "memory",
 }
 STRAGGLER_RATIO = 1.2  # the console names the slowest rank above this x the median
 
@@ -141,9 +153,13 @@ def gather_rank_stats(step_time: float, data_wait: float, mem_bytes: int, device
         table = mine.cpu().unsqueeze(0)
     times, waits, mems = table[:, 0], table[:, 1], table[:, 2]
     return {
-        "step_time_max_s": float(times.max()), "step_time_min_s": float(times.min()),
-        "step_time_median_s": float(times.median()), "slowest_rank": int(times.argmax()),
-        "data_wait_max_s": float(waits.max()), "mem_bytes_max": int(mems.max()), "mem_rank_max": int(mems.argmax()),
+        "step_time_max_s": float(times.max()),
+        "step_time_min_s": float(times.min()),
+        "step_time_median_s": float(times.median()),
+        "slowest_rank": int(times.argmax()),
+        "data_wait_max_s": float(waits.max()),
+        "mem_bytes_max": int(mems.max()),
+        "mem_rank_max": int(mems.argmax()),
     }
 
 
@@ -264,8 +280,7 @@ class MetricsLogger:
             print(
                 f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {metrics.get('lr', float('nan')):.2e} "
                 f"| grad_norm {metrics.get('grad_norm', float('nan')):.3f} | {tps:,.0f} tok/s "
-                f"| mfu {100 * metrics.get('mfu', float('nan')):.1f}% | ETA {_fmt_time(eta)}"
-                + straggler_note(metrics),
+                f"| mfu {100 * metrics.get('mfu', float('nan')):.1f}% | ETA {_fmt_time(eta)}" + straggler_note(metrics),
                 flush=True,
             )
 

@@ -42,7 +42,10 @@ class StepProfiler:
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(
-                activities=activities, record_shapes=True, profile_memory=True, with_stack=True,
+                activities=activities,
+                record_shapes=True,
+                profile_memory=True,
+                with_stack=True,
             )
             self._prof.__enter__()
             self._first = step

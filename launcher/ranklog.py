@@ -77,7 +77,7 @@ class RankLog:
         )
         self._saved = None
 
-    def install(self) -> "RankLog":
+    def install(self) -> RankLog:
         self._saved = (sys.stdout, sys.stderr)
         sys.stdout, sys.stderr = _Tee(sys.stdout, self.file), _Tee(sys.stderr, self.file)
         return self

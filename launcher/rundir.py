@@ -32,8 +32,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 MARKER = ".loomtrain-run"
 LOCK = ".loomtrain.lock"
@@ -155,9 +155,13 @@ class RunLock:
         self.run_dir = run_dir
         self.path = run_dir / LOCK
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.record = {"pid": os.getpid(), "host": socket.gethostname(),
-                       "process_start": _process_start(os.getpid()), "time": time.time(),
-                       "argv": " ".join(sys.argv)[:500]}
+        self.record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "process_start": _process_start(os.getpid()),
+            "time": time.time(),
+            "argv": " ".join(sys.argv)[:500],
+        }
         self.held = False
 
     def acquire(self) -> None:
@@ -191,8 +195,7 @@ class RunLock:
             except FileNotFoundError:
                 return
             stale.unlink(missing_ok=True)
-            self.log(f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} "
-                     "(that process is gone)")
+            self.log(f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} (that process is gone)")
             return
         if holder.get("host") == host:
             raise RunDirError(
@@ -211,8 +214,10 @@ class RunLock:
             except FileNotFoundError:
                 return
             stale.unlink(missing_ok=True)
-            self.log(f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} "
-                     f"(no heartbeat for {silent:.0f} s)")
+            self.log(
+                f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} "
+                f"(no heartbeat for {silent:.0f} s)"
+            )
             return
         raise RunDirError(
             f"run.dir={self.run_dir} is locked by {_describe(holder)}, last heartbeat {max(silent, 0):.0f} s "
@@ -288,5 +293,6 @@ def supersede(run_dir: Path, dest: Path | None, log=None) -> Path | None:
             target = dest / f"{p.name}.{time.time_ns()}"
         os.rename(p, target)
     (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
-        f"checkpoint: fresh start: moved the earlier {', '.join(p.name for p in found)} to {dest}")
+        f"checkpoint: fresh start: moved the earlier {', '.join(p.name for p in found)} to {dest}"
+    )
     return dest

@@ -51,8 +51,7 @@ def request_stop(run_dir: str | os.PathLike, signum: int = signal.SIGTERM) -> Pa
 
 
 class StopRequest:
-    def __init__(self, run_dir: str | os.PathLike | None = None, watch_file: bool = False,
-                 on_signal=None) -> None:
+    def __init__(self, run_dir: str | os.PathLike | None = None, watch_file: bool = False, on_signal=None) -> None:
         self.signum = 0
         self.on_signal = on_signal  # called with the first signal (the Ray driver passes it on)
         self.stop_file = Path(run_dir) / STOP_FILE if run_dir is not None else None
@@ -61,7 +60,7 @@ class StopRequest:
         self._old: dict[int, object] = {}
 
     # --- handlers (main thread only: Python delivers signals there) --------------------
-    def install(self) -> "StopRequest":
+    def install(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
             return self
         for name in SIGNALS:
@@ -87,8 +86,9 @@ class StopRequest:
             if self.on_signal is not None:
                 self.on_signal(signum)
             if signum == signal.SIGINT:
-                sys.stderr.write("\nloomtrain: Ctrl-C: saving a checkpoint at the end of this step "
-                                 "(Ctrl-C again to exit at once)\n")
+                sys.stderr.write(
+                    "\nloomtrain: Ctrl-C: saving a checkpoint at the end of this step (Ctrl-C again to exit at once)\n"
+                )
                 sys.stderr.flush()
 
     # --- the stop file ---------------------------------------------------------------------

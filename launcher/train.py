@@ -26,8 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="YAML config (may `extends:` another)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.max_steps=50")
     parser.add_argument("--ray", action="store_true", help="run the ranks as Ray Train workers (ray.* keys)")
-    parser.add_argument("--force", action="store_true",
-                        help="start even when the `plan` memory estimate says the config will not fit this machine")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="start even when the `plan` memory estimate says the config will not fit this machine",
+    )
     return parser
 
 
@@ -102,4 +105,3 @@ def _run(cfg, args) -> int:
     from loomtrain.launcher.stopping import exit_code
 
     return exit_code(result.stopped_by)  # SIGTERM: 0; Ctrl-C: 130; SIGHUP: 129
-

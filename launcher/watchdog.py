@@ -48,7 +48,7 @@ HANG_EXIT_CODE = 3
 HANG_REPORT_MARGIN_S = 60  # process-group timeout above parallel.timeout_s
 FIRST_STEP_FACTOR = 3
 
-_current: "Watchdog | None" = None
+_current: Watchdog | None = None
 
 
 def heartbeat_path(run_dir, rank: int) -> Path:
@@ -71,8 +71,21 @@ def where(thread_id: int | None = None) -> str:
 
 
 def _in_collective(func: str) -> bool:
-    return any(k in func for k in ("all_reduce", "all_gather", "broadcast", "barrier", "reduce_scatter",
-                                   "wait", "report", "gather", "send", "recv"))
+    return any(
+        k in func
+        for k in (
+            "all_reduce",
+            "all_gather",
+            "broadcast",
+            "barrier",
+            "reduce_scatter",
+            "wait",
+            "report",
+            "gather",
+            "send",
+            "recv",
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -87,8 +100,16 @@ def io_phase(name: str):
 
 
 class Watchdog:
-    def __init__(self, run_dir, rank: int, world_size: int, timeout_s: float, io_timeout_s: float,
-                 rank_log=None, interval_s: float | None = None) -> None:
+    def __init__(
+        self,
+        run_dir,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        io_timeout_s: float,
+        rank_log=None,
+        interval_s: float | None = None,
+    ) -> None:
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
         self.timeout_s, self.io_timeout_s = float(timeout_s), float(io_timeout_s)
         self.interval = interval_s or min(5.0, max(0.5, timeout_s / 10))
@@ -118,7 +139,7 @@ class Watchdog:
             self.phase_name, self.limit = before
             self.progress_at = time.monotonic()
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         global _current
         self._write_heartbeat()
         self._thread.start()
@@ -144,9 +165,17 @@ class Watchdog:
                 print(f"loomtrain: watchdog error on rank {self.rank}: {exc!r}", file=sys.stderr, flush=True)
 
     def _record(self, hung: bool = False) -> dict:
-        return {"rank": self.rank, "host": self.host, "pid": self.pid, "step": self.step,
-                "phase": self.phase_name, "where": where(self._main), "beats": self.beats,
-                "hung": hung, "time": time.time()}
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": self.pid,
+            "step": self.step,
+            "phase": self.phase_name,
+            "where": where(self._main),
+            "beats": self.beats,
+            "hung": hung,
+            "time": time.time(),
+        }
 
     def _write_heartbeat(self, hung: bool = False) -> None:
         self.beats += 1
@@ -168,9 +197,11 @@ class Watchdog:
     def _on_hang(self) -> None:
         waited = time.monotonic() - self.progress_at
         func = where(self._main)
-        self._log(f"loomtrain: watchdog: rank {self.rank} made no progress for {waited:.0f} s "
-                  f"(limit {self.limit:.0f} s) after step {self.step}, in {self.phase_name}, waiting in {func}; "
-                  f"all threads' stacks:")
+        self._log(
+            f"loomtrain: watchdog: rank {self.rank} made no progress for {waited:.0f} s "
+            f"(limit {self.limit:.0f} s) after step {self.step}, in {self.phase_name}, waiting in {func}; "
+            f"all threads' stacks:"
+        )
         self._dump_stacks()
         self._write_heartbeat(hung=True)
         first = self._read_all()
@@ -178,8 +209,11 @@ class Watchdog:
             time.sleep(self.interval + 0.2)
             self._write_heartbeat(hung=True)
         second = self._read_all()
-        stale = {r for r in range(self.world_size)
-                 if r not in second or (r in first and first[r].get("beats") == second[r].get("beats"))}
+        stale = {
+            r
+            for r in range(self.world_size)
+            if r not in second or (r in first and first[r].get("beats") == second[r].get("beats"))
+        }
         stale.discard(self.rank)
         live = [r for r in range(self.world_size) if r not in stale]
         stuck = sorted(stale) or _behind(second, live) or _not_in_collective(second, live) or live
@@ -241,10 +275,14 @@ def _hang_line(run_dir: Path, stuck: list[int], waiting: list[int], beats: dict[
     places: dict[str, list[int]] = {}
     for r in waiting:
         places.setdefault(beats.get(r, {}).get("where", "?"), []).append(r)
-    waited = "; ".join(f"ranks {', '.join(map(str, rs))} waited in {f}" for f, rs in places.items()) \
+    waited = (
+        "; ".join(f"ranks {', '.join(map(str, rs))} waited in {f}" for f, rs in places.items())
         or "no other rank was waiting"
-    return (f"loomtrain: hang: {', '.join(who(r) for r in stuck)} did not reach step {step}; {waited}; "
-            f"stacks in {logs_dir(run_dir)}/")
+    )
+    return (
+        f"loomtrain: hang: {', '.join(who(r) for r in stuck)} did not reach step {step}; {waited}; "
+        f"stacks in {logs_dir(run_dir)}/"
+    )
 
 
 def _append(path: Path, line: str) -> None:

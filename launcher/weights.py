@@ -70,13 +70,13 @@ def _begin(out_dir: Path) -> Path:
 
 def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_map: dict | None) -> Path:
     """Rank 0: the small files, the manifest last, then the rename (an older final/ goes)."""
-    from loomtrain.launcher.checkpoints.store import sha256_file
-    from loomtrain.launcher.checkpoints.store import fsync_path, write_json_durable
+    from loomtrain.launcher.checkpoints.store import fsync_path, sha256_file, write_json_durable
 
     if weight_map is not None:
         sizes = {f: files[f]["size"] for f in set(weight_map.values())}
-        write_json_durable(tmp / WEIGHTS_INDEX, {"metadata": {"total_size": sum(sizes.values())},
-                                                 "weight_map": weight_map})
+        write_json_durable(
+            tmp / WEIGHTS_INDEX, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        )
     (tmp / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
     tokenizer.save(tmp / TOKENIZER_DIR)
     for p in sorted(tmp.rglob("*")):
@@ -102,7 +102,14 @@ def save_final_sharded(engine, topology, model_cfg, tokenizer, out_dir: str | os
     training dtype (fp32 runs: the fp32 masters, bitwise). Rank 0 adds the index, config,
     tokenizer and manifest and renames the directory into place."""
     from loomtrain.launcher.checkpoints.reshard import (
-        _rank, _tp_meta, _world, barrier, full_shape, gather_tp, named_params, read_local,
+        _rank,
+        _tp_meta,
+        _world,
+        barrier,
+        full_shape,
+        gather_tp,
+        named_params,
+        read_local,
     )
     from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
     from loomtrain.launcher.checkpoints.store import write_json_durable
@@ -153,7 +160,8 @@ def _final_dir(run_or_final_dir: str | os.PathLike) -> Path:
 def _broken(path: Path, name: str, why: str) -> FinalWeightsError:
     return FinalWeightsError(
         f"{path / name}: {why}: the final weights are incomplete or corrupt; run the same "
-        "`loomtrain train` command again to rewrite final/ from the newest checkpoint")
+        "`loomtrain train` command again to rewrite final/ from the newest checkpoint"
+    )
 
 
 def verify_final(final_dir: str | os.PathLike) -> None:
@@ -215,10 +223,9 @@ def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device =
     A missing or corrupt file raises FinalWeightsError naming it (a run killed while
     an older loomtrain wrote final/, a copy cut short, a disk error), never a
     safetensors / JSON traceback."""
-    from safetensors import SafetensorError
-
     from loomtrain.data_pipeline import load_tokenizer
     from loomtrain.model import ModelConfig, Transformer
+    from safetensors import SafetensorError
 
     path = _final_dir(run_or_final_dir)
     weights_name = WEIGHTS_INDEX if (path / WEIGHTS_INDEX).exists() else WEIGHTS
@@ -229,7 +236,9 @@ def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device =
     try:
         model_cfg = ModelConfig(**json.loads((path / MODEL_CONFIG).read_text()))
     except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, unknown keys, bad values
-        raise _broken(path, MODEL_CONFIG, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise _broken(
+            path, MODEL_CONFIG, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
     model = Transformer(model_cfg)
     try:
         state = read_final_state(path)
@@ -239,13 +248,19 @@ def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device =
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = ["lm_head.weight"] if model_cfg.tie_embeddings else []
         if unexpected or sorted(missing) != tied:
-            raise RuntimeError(f"tensors do not match model_config.json: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise RuntimeError(
+                f"tensors do not match model_config.json: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
     except (SafetensorError, OSError, StopIteration, RuntimeError) as exc:
         # RuntimeError: tensors missing or of another shape than model_config.json says.
-        raise _broken(path, weights_name, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise _broken(
+            path, weights_name, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
     model.reset_buffers()
     try:
         tokenizer = load_tokenizer(str(path / TOKENIZER_DIR))
     except Exception as exc:  # the tokenizers library raises its own types
-        raise _broken(path, TOKENIZER_DIR, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise _broken(
+            path, TOKENIZER_DIR, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
     return model.to(device).eval(), tokenizer

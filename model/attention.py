@@ -71,7 +71,12 @@ class Attention(nn.Module):
             else:  # new queries at positions start.. see every cached key and the new ones up to themselves
                 mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=start)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
             enable_gqa=gqa,
         )
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))

@@ -93,8 +93,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return scaled(grad_h, ctx.dtypes[0]), scaled(grad_w, ctx.dtypes[1]), None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         rows: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int | None = None
+) -> torch.Tensor:
     """Mean cross-entropy of logits = hidden @ weight.T against targets, computed chunk by
     chunk: equals `cross_entropy((hidden @ weight.T).float(), targets, ignore_index=-100)`
     in value and gradients. A float32 scalar (float64 for float64 inputs).
@@ -108,8 +109,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     grads = torch.is_grad_enabled()
     with torch.autocast(flat_h.device.type, enabled=False):
         return _LinearCrossEntropy.apply(
-            flat_h.to(dtype), weight.to(dtype), flat_t, rows,
-            grads and hidden.requires_grad, grads and weight.requires_grad,
+            flat_h.to(dtype),
+            weight.to(dtype),
+            flat_t,
+            rows,
+            grads and hidden.requires_grad,
+            grads and weight.requires_grad,
         )
 
 

@@ -120,8 +120,9 @@ class Transformer(nn.Module):
                 f"(positions={self.cfg.positions})"
             )
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]. With a cache, tokens are the new ones and their
         positions continue from cache.length; the cache is extended in place. With targets
         [B, T] (-100 = ignore) -> the mean cross-entropy instead of the logits."""

@@ -86,9 +86,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, tag: str, phase: str) -> t
     if n == 1:
         return x
     if x.shape[dim] % n:
-        raise ValueError(
-            f"parallel.sequence_parallel: sequence length {x.shape[dim]} is not divisible by tp={n}"
-        )
+        raise ValueError(f"parallel.sequence_parallel: sequence length {x.shape[dim]} is not divisible by tp={n}")
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((xt.shape[0] // n, *xt.shape[1:]))
     _record(tag, "reduce_scatter", phase, xt, n)

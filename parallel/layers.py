@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
 from loomtrain.parallel import collectives as C
 
 
@@ -37,8 +36,17 @@ class ColumnParallelLinear(nn.Module):
     gather_output: all-gather the output along its last dim and drop padding.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, topology, *, full_out_features: int,
-                 padded_out: int | None = None, input_mode: str = "none", tag: str = ""):
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        topology,
+        *,
+        full_out_features: int,
+        padded_out: int | None = None,
+        input_mode: str = "none",
+        tag: str = "",
+    ):
         super().__init__()
         self.group = topology.tp_group
         self.in_features = weight.shape[1]
@@ -65,8 +73,10 @@ class ColumnParallelLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out_local={self.out_features}, out_full={self.full_out_features}, "
-                f"padded={self.padded_out}, input={self.input_mode}, bias={self.bias is not None}")
+        return (
+            f"in={self.in_features}, out_local={self.out_features}, out_full={self.full_out_features}, "
+            f"padded={self.padded_out}, input={self.input_mode}, bias={self.bias is not None}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -74,8 +84,15 @@ class RowParallelLinear(nn.Module):
     (or reduce-scattered along the sequence under sequence parallelism). The bias is
     replicated and added after the reduction."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, topology, *,
-                 sequence_parallel: bool = False, tag: str = ""):
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        topology,
+        *,
+        sequence_parallel: bool = False,
+        tag: str = "",
+    ):
         super().__init__()
         self.group = topology.tp_group
         self.sequence_parallel = sequence_parallel
@@ -107,8 +124,16 @@ class VocabParallelEmbedding(nn.Module):
     results are summed: all-reduce, or reduce-scatter along the sequence (output_mode
     "reduce_scatter_seq"), or left as partial sums ("partial")."""
 
-    def __init__(self, weight: nn.Parameter, topology, *, num_embeddings: int, padded_vocab: int,
-                 output_mode: str = "all_reduce", tag: str = "embedding"):
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        topology,
+        *,
+        num_embeddings: int,
+        padded_vocab: int,
+        output_mode: str = "all_reduce",
+        tag: str = "embedding",
+    ):
         super().__init__()
         self.group = topology.tp_group
         self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
@@ -131,8 +156,10 @@ class VocabParallelEmbedding(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return (f"vocab={self.num_embeddings}, padded={self.padded_vocab}, local={self.per_rank}, "
-                f"dim={self.embedding_dim}, start={self.vocab_start}, out={self.output_mode}")
+        return (
+            f"vocab={self.num_embeddings}, padded={self.padded_vocab}, local={self.per_rank}, "
+            f"dim={self.embedding_dim}, start={self.vocab_start}, out={self.output_mode}"
+        )
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -177,8 +204,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, topology, vocab_size: int,
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, topology, vocab_size: int, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy of vocab-sharded logits [..., V_padded/tp] against global targets [...]."""
     n_local = logits.shape[-1]
     flat = logits.reshape(-1, n_local).float()
@@ -203,4 +231,3 @@ class VocabParallelLMHead(ColumnParallelLinear):
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.topology, self.full_out_features)
-

@@ -26,12 +26,11 @@ more than its partitions plus one parameter.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
-from torch import nn
-
 from loomtrain.parallel.plan import parallelize, shard_tensor, spec_of
+from torch import nn
 
 
 def sharded_meta_model(model_cfg, topology, sequence_parallel: bool = False) -> nn.Module:
@@ -56,8 +55,9 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 
 
 @torch.no_grad()
-def materialize_param(model: nn.Module, name: str, full: torch.Tensor, *, device, dtype=None,
-                      owners: dict | None = None) -> nn.Parameter:
+def materialize_param(
+    model: nn.Module, name: str, full: torch.Tensor, *, device, dtype=None, owners: dict | None = None
+) -> nn.Parameter:
     """Put this rank's shard of the plain-model parameter `name`, cut from `full` (its whole,
     unpadded tensor), into `model` on `device` in `dtype` (default: full's). Returns the new
     Parameter; it replaces the meta one everywhere (tied names too) and keeps its TP
@@ -68,8 +68,7 @@ def materialize_param(model: nn.Module, name: str, full: torch.Tensor, *, device
         raise ValueError(f"weights: {name!r} is not a parameter of the model") from None
     spec = spec_of(old)
     if tuple(full.shape) != tuple(spec.full_shape):
-        raise ValueError(f"weights: {name!r} has shape {tuple(full.shape)}, the model expects "
-                         f"{tuple(spec.full_shape)}")
+        raise ValueError(f"weights: {name!r} has shape {tuple(full.shape)}, the model expects {tuple(spec.full_shape)}")
     data = shard_tensor(full, spec)
     data = data.to(device=device, dtype=dtype if dtype is not None and data.is_floating_point() else data.dtype)
     return _replace(model, old, data, _owners(model) if owners is None else owners)
@@ -114,8 +113,14 @@ def finish_materialize(model: nn.Module, device, dtype=None) -> nn.Module:
     return model
 
 
-def materialize(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], *, device, dtype=None,
-                after_param: Callable[[str, nn.Parameter], None] | None = None) -> nn.Module:
+def materialize(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    device,
+    dtype=None,
+    after_param: Callable[[str, nn.Parameter], None] | None = None,
+) -> nn.Module:
     """Materialise every parameter of a `sharded_meta_model` from (name, full tensor) pairs
     (see the module docstring); returns the model."""
     owners = _owners(model)

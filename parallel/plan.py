@@ -43,8 +43,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from loomtrain.parallel import collectives as C
 from loomtrain.parallel.layers import (
     ColumnParallelLinear,
@@ -53,7 +51,7 @@ from loomtrain.parallel.layers import (
     VocabParallelLMHead,
 )
 from loomtrain.parallel.topology import check_tp, padded_vocab_size
-
+from torch import nn
 
 # The layout: how each parameter is split ---------------------------------------------
 # The one definition of the tensor-parallel layout. Everything that cuts or joins a
@@ -84,6 +82,7 @@ from loomtrain.parallel.topology import check_tp, padded_vocab_size
 # * spec_of(param) reads the `tp_meta` dict parallelize attaches to every split
 #   parameter (`ShardSpec.as_meta` / `ShardSpec.from_meta` convert); a parameter without
 #   tp_meta is replicated over TP, and its full shape is its (ZeRO-3: `ds_shape`) shape.
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -135,16 +134,29 @@ class ShardSpec:
         """The `tp_meta` dict parallelize attaches to a split parameter (None if replicated)."""
         if self.dim is None:
             return None
-        return dict(partition_dim=self.dim, full_shape=tuple(self.full_shape), padded_size=self.padded_size,
-                    num_shards=self.num_shards, shard_index=self.shard_index, replicas=self.replicas)
+        return dict(
+            partition_dim=self.dim,
+            full_shape=tuple(self.full_shape),
+            padded_size=self.padded_size,
+            num_shards=self.num_shards,
+            shard_index=self.shard_index,
+            replicas=self.replicas,
+        )
 
     @classmethod
-    def from_meta(cls, meta: dict | None, shape=()) -> "ShardSpec":
+    def from_meta(cls, meta: dict | None, shape=()) -> ShardSpec:
         if meta is None:
             return cls(tuple(shape))
         replicas = meta.get("replicas", 1)
-        return cls(tuple(meta["full_shape"]), meta["partition_dim"], meta["padded_size"], meta["num_shards"],
-                   meta["shard_index"], True, replicas)
+        return cls(
+            tuple(meta["full_shape"]),
+            meta["partition_dim"],
+            meta["padded_size"],
+            meta["num_shards"],
+            meta["shard_index"],
+            True,
+            replicas,
+        )
 
 
 # Parameters split by the name of the layer that holds them (the model's contract names).
@@ -200,8 +212,9 @@ def attach_spec(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 def shard_tensor(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """This rank's shard of the full, unpadded tensor (a new contiguous tensor; padding zeros)."""
     if tuple(full.shape) != tuple(spec.full_shape):
-        raise ValueError(f"tensor of shape {tuple(full.shape)} does not match the layout's full shape "
-                         f"{tuple(spec.full_shape)}")
+        raise ValueError(
+            f"tensor of shape {tuple(full.shape)} does not match the layout's full shape {tuple(spec.full_shape)}"
+        )
     if spec.dim is None:
         return full.detach().clone(memory_format=torch.contiguous_format)
     start, stop = spec.bounds()
@@ -316,14 +329,22 @@ def _cut(layer: nn.Module, attr: str, name: str, cfg, topology) -> nn.Parameter 
 
 
 def _column(linear: nn.Linear, name: str, cfg, topology, **kwargs) -> ColumnParallelLinear:
-    return ColumnParallelLinear(_cut(linear, "weight", f"{name}.weight", cfg, topology),
-                                _cut(linear, "bias", f"{name}.bias", cfg, topology), topology,
-                                full_out_features=linear.out_features, **kwargs)
+    return ColumnParallelLinear(
+        _cut(linear, "weight", f"{name}.weight", cfg, topology),
+        _cut(linear, "bias", f"{name}.bias", cfg, topology),
+        topology,
+        full_out_features=linear.out_features,
+        **kwargs,
+    )
 
 
 def _row(linear: nn.Linear, name: str, cfg, topology, **kwargs) -> RowParallelLinear:
-    return RowParallelLinear(_cut(linear, "weight", f"{name}.weight", cfg, topology),
-                             _cut(linear, "bias", f"{name}.bias", cfg, topology), topology, **kwargs)
+    return RowParallelLinear(
+        _cut(linear, "weight", f"{name}.weight", cfg, topology),
+        _cut(linear, "bias", f"{name}.bias", cfg, topology),
+        topology,
+        **kwargs,
+    )
 
 
 def _shard_attention(attn, topology, cfg, sp: bool, tag: str) -> None:
@@ -383,11 +404,16 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
     emb_mode = "reduce_scatter_seq" if sp and not table else "all_reduce"
     emb = model.tok_emb
     if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
-        raise ValueError("parallel.tp: VocabParallelEmbedding supports plain nn.Embedding only "
-                         "(no padding_idx, max_norm or sparse)")
-    model.tok_emb = VocabParallelEmbedding(_cut(emb, "weight", "tok_emb.weight", cfg, topology), topology,
-                                           num_embeddings=emb.num_embeddings, padded_vocab=padded,
-                                           output_mode=emb_mode)
+        raise ValueError(
+            "parallel.tp: VocabParallelEmbedding supports plain nn.Embedding only (no padding_idx, max_norm or sparse)"
+        )
+    model.tok_emb = VocabParallelEmbedding(
+        _cut(emb, "weight", "tok_emb.weight", cfg, topology),
+        topology,
+        num_embeddings=emb.num_embeddings,
+        padded_vocab=padded,
+        output_mode=emb_mode,
+    )
     if sp and table:
         model.drop.register_forward_pre_hook(_split_hook(group, "embedding.split"))
     if sp and model.pos_emb is not None:
@@ -416,8 +442,12 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
 
     head = model.tok_emb.weight if tied else _cut(model.lm_head, "weight", "lm_head.weight", cfg, topology)
     model.lm_head = VocabParallelLMHead(
-        head, topology, full_out_features=cfg.vocab_size, padded_out=padded,
-        input_mode="gather_seq" if sp else "copy", tag="lm_head_in",
+        head,
+        topology,
+        full_out_features=cfg.vocab_size,
+        padded_out=padded,
+        input_mode="gather_seq" if sp else "copy",
+        tag="lm_head_in",
     )
     model.tp_plan = dict(tp=tp, sequence_parallel=sp, vocab_size=cfg.vocab_size, padded_vocab=padded)
     return model

@@ -24,8 +24,9 @@ def bpe():
 
 
 def save_tokenizer(tok, directory):
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                                bos_token="<|endoftext|>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
     fast.save_pretrained(str(directory))
     assert (directory / "tokenizer.json").is_file()
 
@@ -44,9 +45,18 @@ def tiny_llama(directory, tok, vocab_size=None, **extra):
     """GQA 4/2, rope_theta 500000, untied, saved in shards; `extra` overrides LlamaConfig fields."""
     eos = tok.token_to_id("<|endoftext|>")
     fields = dict(
-        vocab_size=vocab_size or tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
-        max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos,
+        vocab_size=vocab_size or tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        bos_token_id=eos,
+        eos_token_id=eos,
     )
     cfg = transformers.LlamaConfig(**{**fields, **extra})
     torch.manual_seed(0)
@@ -59,8 +69,13 @@ def tiny_llama(directory, tok, vocab_size=None, **extra):
 def tiny_gpt2(directory, tok):
     eos = tok.token_to_id("<|endoftext|>")
     cfg = transformers.GPT2Config(  # activation gelu_new, dropout 0.1, tied: GPT-2's own defaults
-        vocab_size=tok.get_vocab_size(), n_embd=64, n_layer=2, n_head=4, n_positions=64,
-        bos_token_id=eos, eos_token_id=eos,
+        vocab_size=tok.get_vocab_size(),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=eos,
+        eos_token_id=eos,
     )
     torch.manual_seed(0)
     model = spread(transformers.GPT2LMHeadModel(cfg), 2)

@@ -80,21 +80,27 @@ def start_ray_head(num_cpus: int = HEAD_CPUS, timeout_s: float = 120.0) -> RayHe
     env.pop("RAY_ADDRESS", None)
     ray_bin = str(Path(sys.executable).with_name("ray"))
     cmd = [
-        ray_bin, "start", "--head", "--block",
-        "--node-ip-address=127.0.0.1", f"--port={gcs}",
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+        ray_bin,
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
         f"--ray-client-server-port={client}",
         f"--dashboard-agent-listen-port={agent_listen}",
         f"--dashboard-agent-grpc-port={agent_grpc}",
         f"--runtime-env-agent-port={rt_env}",
         f"--metrics-export-port={metrics}",
-        f"--num-cpus={num_cpus}", "--num-gpus=0",
-        f"--temp-dir={temp_dir}", "--disable-usage-stats",
+        f"--num-cpus={num_cpus}",
+        "--num-gpus=0",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
     ]
     log = Path(temp_dir) / "ray-start.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     head = RayHead(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}", temp_dir, proc.pid, client_env)
     head._proc = proc  # type: ignore[attr-defined]
     try:

@@ -111,8 +111,13 @@ def main(argv: list[str]) -> int:
         env, model, engine = _start(big)
         counter.stop(thread)
         assert len(counter.params) == len(list(model.parameters())), "every parameter went through ZeRO-3"
-        result = dict(peak=counter.peak, where=counter.where, largest=counter.largest, model_bytes=model_bytes,
-                      partitioned=all(hasattr(p, "ds_tensor") for p in model.parameters()))
+        result = dict(
+            peak=counter.peak,
+            where=counter.where,
+            largest=counter.largest,
+            model_bytes=model_bytes,
+            partitioned=all(hasattr(p, "ds_tensor") for p in model.parameters()),
+        )
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     out.mkdir(parents=True, exist_ok=True)

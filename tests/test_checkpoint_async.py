@@ -15,16 +15,28 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from loomtrain.launcher.config_loader import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 SMALL = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=4", "train.warmup_steps=2",
-    "train.max_steps=9", "data.max_files=40", "eval.every_steps=0", "eval.num_samples=0", "log.progress=plain",
-    "log.tensorboard=false", "checkpoint.every_steps=3", "checkpoint.keep_last=5",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=64",
+    "train.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=4",
+    "train.warmup_steps=2",
+    "train.max_steps=9",
+    "data.max_files=40",
+    "eval.every_steps=0",
+    "eval.num_samples=0",
+    "log.progress=plain",
+    "log.tensorboard=false",
+    "checkpoint.every_steps=3",
+    "checkpoint.keep_last=5",
 ]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,15 +89,36 @@ def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path
 
 
 def _env(**extra):
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "LOOMTRAIN_TEST_CKPT_PAUSE", "LOOMTRAIN_TEST_CKPT_SLOW"}
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, "DS_ACCELERATOR": "cpu",
-            "OMP_NUM_THREADS": "1", **extra}
+    drop = {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOOMTRAIN_TEST_CKPT_PAUSE",
+        "LOOMTRAIN_TEST_CKPT_SLOW",
+    }
+    return {
+        **{k: v for k, v in os.environ.items() if k not in drop},
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 def _cmd(run: Path, cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "loomtrain", "train", str(TINY), *SMALL, f"run.dir={run}",
-            f"data.cache_dir={cache}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "loomtrain",
+        "train",
+        str(TINY),
+        *SMALL,
+        f"run.dir={run}",
+        f"data.cache_dir={cache}",
+        *extra,
+    ]
 
 
 def _until(proc, text: str, out: list[str]) -> None:
@@ -101,8 +134,14 @@ def _until(proc, text: str, out: list[str]) -> None:
 @pytest.mark.slow
 def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(tmp_path):
     run, cache = tmp_path / "killed", tmp_path / "cache"
-    proc = subprocess.Popen(_cmd(run, cache, "train.max_steps=1000"), env=_env(LOOMTRAIN_TEST_CKPT_SLOW="6:120"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    proc = subprocess.Popen(
+        _cmd(run, cache, "train.max_steps=1000"),
+        env=_env(LOOMTRAIN_TEST_CKPT_SLOW="6:120"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
     out: list[str] = []
     try:
         _until(proc, "test slow write of step 6", out)
@@ -123,8 +162,14 @@ def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(
 @pytest.mark.slow
 def test_sigterm_during_background_write_waits_for_it_then_exits_0(tmp_path):
     run, cache = tmp_path / "term", tmp_path / "cache"
-    proc = subprocess.Popen(_cmd(run, cache, "train.max_steps=1000"), env=_env(LOOMTRAIN_TEST_CKPT_SLOW="3:4"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    proc = subprocess.Popen(
+        _cmd(run, cache, "train.max_steps=1000"),
+        env=_env(LOOMTRAIN_TEST_CKPT_SLOW="3:4"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
     out: list[str] = []
     try:
         _until(proc, "test slow write of step 3", out)

@@ -38,9 +38,9 @@ def worker(argv: list[str]) -> None:
     ap.add_argument("--precision", default="fp32")
     a = ap.parse_args(argv)
 
+    import deepspeed
     import torch
     import torch.distributed as dist
-
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint
     from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.config import RunConfig
@@ -48,25 +48,42 @@ def worker(argv: list[str]) -> None:
     from loomtrain.model import ModelConfig, Transformer
     from loomtrain.parallel import Topology, parallelize
 
-    import deepspeed
-
     cfg = RunConfig()
     cfg.train.device = "cpu"
     env = init_distributed(cfg)
     torch.manual_seed(0)
-    mcfg = ModelConfig(vocab_size=67, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, max_seq_len=SEQ,
-                       norm="rmsnorm", activation="swiglu", positions="rope", tie_embeddings=bool(a.tied))
+    mcfg = ModelConfig(
+        vocab_size=67,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        max_seq_len=SEQ,
+        norm="rmsnorm",
+        activation="swiglu",
+        positions="rope",
+        tie_embeddings=bool(a.tied),
+    )
     topo = Topology(env.world_size, env.rank, a.tp, model_cfg=mcfg)
     model = parallelize(Transformer(mcfg, seed=1), topo)
     ga = GLOBAL_BATCH // (MICRO * topo.dp_size)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * (1.0 - 0.03 * s))
-    ds = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
-          "gradient_accumulation_steps": ga, "gradient_clipping": 1.0,
-          "zero_optimization": {"stage": a.zero}, "steps_per_print": 10**9}
+    ds = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ga,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": a.zero},
+        "steps_per_print": 10**9,
+    }
     if a.precision == "bf16":
         ds["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds, mpu=topo.mpu)
@@ -110,8 +127,15 @@ def worker(argv: list[str]) -> None:
             dist.all_reduce(total, group=topo.dp_group)
         losses[step] = total.item() / (ga * topo.dp_size)
         if step == a.save_at:
-            save_checkpoint(store, step, engine, topo, stream=stream, counters={"tokens": step * GLOBAL_BATCH * SEQ},
-                            zero_stage=a.zero)
+            save_checkpoint(
+                store,
+                step,
+                engine,
+                topo,
+                stream=stream,
+                counters={"tokens": step * GLOBAL_BATCH * SEQ},
+                zero_stage=a.zero,
+            )
     if topo.tp_rank == 0:
         all_seen = [None] * topo.dp_size
         if topo.dp_size > 1:
@@ -123,8 +147,16 @@ def worker(argv: list[str]) -> None:
         per_rank = [None] * env.world_size
         dist.all_gather_object(per_rank, bytes_read)
     if env.rank == 0:
-        Path(a.out).write_text(json.dumps({"losses": losses, "seen": sorted(sum(all_seen, [])),
-                                           "lr": engine.optimizer.param_groups[0]["lr"], "bytes_read": per_rank}))
+        Path(a.out).write_text(
+            json.dumps(
+                {
+                    "losses": losses,
+                    "seen": sorted(sum(all_seen, [])),
+                    "lr": engine.optimizer.param_groups[0]["lr"],
+                    "bytes_read": per_rank,
+                }
+            )
+        )
     dist.barrier()
 
 
@@ -136,8 +168,15 @@ def run(tmp_path, nproc, *args, name="out"):
     if nproc == 1:
         cmd = [sys.executable, str(HERE)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               str(HERE)]  # --standalone: torchrun binds a free port itself, no pick-then-bind race
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            str(HERE),
+        ]  # --standalone: torchrun binds a free port itself, no pick-then-bind race
     cmd += [*map(str, args), "--run-dir", str(tmp_path / "run"), "--out", str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
@@ -186,8 +225,10 @@ def test_resume_at_tp2_dp2_zero2_reads_only_its_share(tmp_path):
     budget = 1.1 * (weights / 2 + 2 * weights / 4)
     for src, exact in ((a, True), (b, False)):
         r = run(tmp_path, 4, "--tp", 2, "--zero", 2, "--steps", 6, "--load", ckpt(src, 3), name=f"from_{src.name}")
-        print(f"resume from {src.name}: bytes read per rank {r['bytes_read']}, budget {budget:.0f} "
-              f"(weights {weights}, moments {2 * weights})")
+        print(
+            f"resume from {src.name}: bytes read per rank {r['bytes_read']}, budget {budget:.0f} "
+            f"(weights {weights}, moments {2 * weights})"
+        )
         assert len(r["bytes_read"]) == 4 and all(0 < n <= budget for n in r["bytes_read"]), (r["bytes_read"], budget)
         got, want = [r["losses"][s] for s in (4, 5, 6)], [straight["losses"][s] for s in (4, 5, 6)]
         assert got == want if exact else got == pytest.approx(want, abs=1e-5), (src.name, got, want)

@@ -26,17 +26,36 @@ TINY = ROOT / "configs" / "tiny.yaml"
 STEPS, GLOBAL_BATCH, SEQ = 20, 8, 32
 # vocab 259: padded to 260 at tp 2, so the export/reshard path has to drop the padding.
 SMALL = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-    "model.vocab_size=259", f"train.seq_len={SEQ}", "train.micro_batch_size=2",
-    f"train.global_batch_size={GLOBAL_BATCH}", "train.warmup_steps=2", f"train.max_steps={STEPS}",
-    "data.max_files=40", "data.val_fraction=0.1", "eval.every_steps=0", "eval.num_samples=0",
-    "log.progress=plain", "log.tensorboard=false",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=64",
+    "model.vocab_size=259",
+    f"train.seq_len={SEQ}",
+    "train.micro_batch_size=2",
+    f"train.global_batch_size={GLOBAL_BATCH}",
+    "train.warmup_steps=2",
+    f"train.max_steps={STEPS}",
+    "data.max_files=40",
+    "data.val_fraction=0.1",
+    "eval.every_steps=0",
+    "eval.num_samples=0",
+    "log.progress=plain",
+    "log.tensorboard=false",
 ]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "LOOMTRAIN_TEST_CKPT_PAUSE"}
+    drop = {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOOMTRAIN_TEST_CKPT_PAUSE",
+    }
     base = {k: v for k, v in os.environ.items() if k not in drop}
     return {**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **extra}
 
@@ -44,14 +63,28 @@ def clean_env(**extra: str) -> dict[str, str]:
 def train_cmd(run_dir: Path, cache: Path, *overrides: str, nproc: int = 1) -> list[str]:
     head = [sys.executable, "-m", "loomtrain"]
     if nproc > 1:  # --standalone: torchrun binds a free port itself, no pick-then-bind race
-        head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                "-m", "loomtrain"]
+        head = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            "-m",
+            "loomtrain",
+        ]
     return [*head, "train", str(TINY), *SMALL, f"run.dir={run_dir}", f"data.cache_dir={cache}", *overrides]
 
 
 def train(run_dir: Path, cache: Path, *overrides: str, nproc: int = 1, env=None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(train_cmd(run_dir, cache, *overrides, nproc=nproc), capture_output=True, text=True,
-                          timeout=600, cwd=run_dir.parent, env=env or clean_env())
+    proc = subprocess.run(
+        train_cmd(run_dir, cache, *overrides, nproc=nproc),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=run_dir.parent,
+        env=env or clean_env(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -108,8 +141,14 @@ def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path, cache, straig
     run = tmp_path / "killed"
     run.parent.mkdir(parents=True, exist_ok=True)
     env = clean_env(LOOMTRAIN_TEST_CKPT_PAUSE="10:120")  # rank 0 sleeps just before publishing step 10
-    proc = subprocess.Popen(train_cmd(run, cache, "checkpoint.every_steps=5"), cwd=run.parent, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        train_cmd(run, cache, "checkpoint.every_steps=5"),
+        cwd=run.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         for line in proc.stdout:
@@ -133,9 +172,14 @@ def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path, cache, straig
 
 
 def test_resume_with_another_model_shape_is_a_config_error(tmp_path, cache, straight1):
-    proc = subprocess.run(train_cmd(tmp_path / "other", cache, "model.d_model=32",
-                                    f"checkpoint.resume={ckpt(straight1, 20)}"),
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=clean_env())
+    proc = subprocess.run(
+        train_cmd(tmp_path / "other", cache, "model.d_model=32", f"checkpoint.resume={ckpt(straight1, 20)}"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=clean_env(),
+    )
     assert proc.returncode == 2
     err = [l for l in proc.stderr.splitlines() if l.startswith("loomtrain: config error")]
     assert len(err) == 1 and "checkpoint.resume=" in err[0] and "tok_emb.weight" in err[0], proc.stderr[-2000:]
@@ -163,8 +207,14 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, cache):
     run = tmp_path / "term"
     run.parent.mkdir(parents=True, exist_ok=True)
     # a long run (so it is still going when the signal lands), no periodic checkpoints
-    proc = subprocess.Popen(train_cmd(run, cache, "train.max_steps=100000", "checkpoint.every_steps=0"),
-                            cwd=run.parent, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        train_cmd(run, cache, "train.max_steps=100000", "checkpoint.every_steps=0"),
+        cwd=run.parent,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = []
     try:
         for line in proc.stdout:
@@ -225,9 +275,21 @@ def test_tp2_dp2_checkpoint_resumes_at_another_layout(tmp_path, cache, straight4
     run = tmp_path / "resharded"
     run.parent.mkdir(parents=True, exist_ok=True)
     src = ckpt(split4, 10)  # written by a TP2 x DP2 process that then exited
-    assert json.loads((src / "trainer.json").read_text())["layout"] == {"tp": 2, "dp": 2, "world_size": 4, "zero_stage": 2}
-    out = train(run, cache, f"parallel.tp={tp}", f"parallel.zero_stage={zero}", "checkpoint.every_steps=10",
-                f"checkpoint.resume={src}", nproc=nproc)
+    assert json.loads((src / "trainer.json").read_text())["layout"] == {
+        "tp": 2,
+        "dp": 2,
+        "world_size": 4,
+        "zero_stage": 2,
+    }
+    out = train(
+        run,
+        cache,
+        f"parallel.tp={tp}",
+        f"parallel.zero_stage={zero}",
+        "checkpoint.every_steps=10",
+        f"checkpoint.resume={src}",
+        nproc=nproc,
+    )
     assert "saved at tp 2 x dp 2 zero 2" in out.stdout + out.stderr
     want, got = losses(straight4), losses(run)
     assert sorted(got) == list(range(11, STEPS + 1))

@@ -7,8 +7,6 @@ import itertools
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from loomtrain.launcher.checkpoints.shards import (
     CorruptCheckpoint,
     Region,
@@ -17,6 +15,7 @@ from loomtrain.launcher.checkpoints.shards import (
     tile_hashes,
     write_safetensors,
 )
+from safetensors import safe_open
 
 
 def padded_shard(full: torch.Tensor, dim, n, i):
@@ -51,8 +50,11 @@ def save(tmp_path, tensors, dims, tp, dp):
             a, b = dp_parts(shard.numel(), dp)[d]
             region = Region(box, (a, b))
             out[name] = shard.reshape(-1)[a:b].clone()
-            pieces[name] = {"file": f"rank_{rank}.safetensors", **region.to_json(),
-                            "tiles": tile_hashes(region, full.shape, {"w": out[name]})}
+            pieces[name] = {
+                "file": f"rank_{rank}.safetensors",
+                **region.to_json(),
+                "tiles": tile_hashes(region, full.shape, {"w": out[name]}),
+            }
         write_safetensors(tmp_path / "m" / f"rank_{rank}.safetensors", out)
         for name in tensors:
             index["params"][name]["pieces"].append(pieces[name])
@@ -110,16 +112,29 @@ def test_a_flipped_value_is_named_by_the_rank_reading_it(tmp_path):
 def test_a_damaged_tile_is_found_by_the_rank_reading_it_and_resume_takes_the_previous(tmp_path, one_thread):
     """Rank 0 checks only sizes before a resume; the reader checks the sha256 of every tile it
     reads, so one flipped bit in a moment names the file, and the previous checkpoint is used."""
+    from pathlib import Path
+
     from loomtrain.launcher.config_loader import load_config
     from loomtrain.launcher.loop import run_training
 
-    from pathlib import Path
-
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
-    over = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "train.seq_len=32",
-            "train.micro_batch_size=2", "train.global_batch_size=2", "data.max_files=20", "eval.every_steps=0",
-            "eval.num_samples=0", "log.progress=plain", "log.tensorboard=false", "checkpoint.every_steps=2",
-            f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    over = [
+        "model.d_model=32",
+        "model.n_layers=1",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "train.seq_len=32",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=2",
+        "data.max_files=20",
+        "eval.every_steps=0",
+        "eval.num_samples=0",
+        "log.progress=plain",
+        "log.tensorboard=false",
+        "checkpoint.every_steps=2",
+        f"run.dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
     run_training(load_config(tiny, [*over, "train.max_steps=4"]))
     victim = tmp_path / "run" / "checkpoints" / "step_00000004" / "optim" / "rank_00000.safetensors"
     raw = bytearray(victim.read_bytes())

@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-
 from loomtrain.launcher.checkpoints.store import (
     LATEST,
     MANIFEST,

@@ -6,16 +6,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 SMALL = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=4", "train.warmup_steps=2",
-    "train.max_steps=4", "data.max_files=40", "eval.every_steps=0", "eval.num_samples=0", "log.progress=plain",
-    "log.tensorboard=false", "checkpoint.every_steps=2",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=64",
+    "train.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=4",
+    "train.warmup_steps=2",
+    "train.max_steps=4",
+    "data.max_files=40",
+    "eval.every_steps=0",
+    "eval.num_samples=0",
+    "log.progress=plain",
+    "log.tensorboard=false",
+    "checkpoint.every_steps=2",
 ]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,11 +37,9 @@ def _cfg(run_dir: Path, cache: Path, *extra: str):
 
 
 def test_compiled_run_matches_eager_and_its_checkpoint_resumes_eagerly(tmp_path):
-    from safetensors import safe_open
-
-    from loomtrain.launcher.loop import run_training
-
     from loomtrain.launcher.hooks import Hooks
+    from loomtrain.launcher.loop import run_training
+    from safetensors import safe_open
 
     class CountGraphs(Hooks):  # the blocks really ran compiled: dynamo captured their frames
         def on_train_end(self, ctx):

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher.config_loader import ConfigError, load_config, save_config, valid_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +79,9 @@ def test_errors_name_the_dotted_key(override, needle):
 
 def test_unknown_key_in_yaml_names_the_file(tmp_path):
     bad = write(tmp_path / "bad.yaml", "extends: %s\ntrain:\n  warmup: 5\n" % (CONFIGS / "tiny.yaml"))
-    with pytest.raises(ConfigError, match=r"train.warmup: unknown key \(did you mean 'train.warmup_steps'\?\) \[.*bad.yaml\]"):
+    with pytest.raises(
+        ConfigError, match=r"train.warmup: unknown key \(did you mean 'train.warmup_steps'\?\) \[.*bad.yaml\]"
+    ):
         load_config(bad)
 
 
@@ -99,16 +100,35 @@ def test_saved_config_round_trips(tmp_path):
 
 def test_valid_keys_cover_every_section():
     keys = valid_keys()
-    for key in ("model.d_model", "parallel.tp", "parallel.zero_stage", "train.precision", "train.max_steps",
-                "train.seed", "train.micro_batch_size", "train.global_batch_size", "run.dir"):
+    for key in (
+        "model.d_model",
+        "parallel.tp",
+        "parallel.zero_stage",
+        "train.precision",
+        "train.max_steps",
+        "train.seed",
+        "train.micro_batch_size",
+        "train.global_batch_size",
+        "run.dir",
+    ):
         assert key in keys
 
 
 def test_cli_config_error_exits_2_before_any_work(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "loomtrain", "train", str(CONFIGS / "tiny.yaml"),
-         f"run.dir={tmp_path / 'run'}", "train.precison=bf16"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "loomtrain",
+            "train",
+            str(CONFIGS / "tiny.yaml"),
+            f"run.dir={tmp_path / 'run'}",
+            "train.precison=bf16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from loomtrain.data_pipeline import ByteTokenizer, DataError, TokenStream, prepare_sources, preprocess_files
 from loomtrain.data_pipeline.shards import write_arrays
 from loomtrain.data_pipeline.stream import Blend
@@ -26,8 +25,15 @@ INFO = {"hash": "synthetic0000000", "name": "synthetic", "vocab_size": 1 << 20, 
 
 def make_source(path, n_samples, base):
     """Tokens base, base+1, ... so a sample's first token names its source and index."""
-    write_arrays(path, {"train": np.arange(base, base + n_samples * T + 1, dtype=np.uint32),
-                        "val": np.arange(base, base + 3 * T + 1, dtype=np.uint32)}, INFO, shard_tokens=29)
+    write_arrays(
+        path,
+        {
+            "train": np.arange(base, base + n_samples * T + 1, dtype=np.uint32),
+            "val": np.arange(base, base + 3 * T + 1, dtype=np.uint32),
+        },
+        INFO,
+        shard_tokens=29,
+    )
     return path
 
 
@@ -44,8 +50,9 @@ def decode_ids(inputs):
 
 
 def global_order(sources, m, d, rounds, start_state=None):
-    streams = [TokenStream(sources, seq_len=T, micro_batch_size=m, dp_rank=r, dp_size=d, seed=7, prefetch=1)
-               for r in range(d)]
+    streams = [
+        TokenStream(sources, seq_len=T, micro_batch_size=m, dp_rank=r, dp_size=d, seed=7, prefetch=1) for r in range(d)
+    ]
     if start_state is not None:
         for s in streams:
             s.load_state_dict(start_state)
@@ -76,7 +83,7 @@ def test_each_source_read_at_most_once_per_its_own_epoch(two_sources):
     order, _ = global_order(two_sources, 2, 2, 40)  # 160 samples: ~9 epochs of a, ~6 of b
     for k, n in ((0, 13), (1, 7)):
         ids = [i for s, i in order if s == k]
-        epochs = [ids[j:j + n] for j in range(0, len(ids), n)]
+        epochs = [ids[j : j + n] for j in range(0, len(ids), n)]
         for e in epochs:
             assert len(set(e)) == len(e)  # at most once per epoch
         for e in epochs[:-1]:
@@ -94,7 +101,7 @@ def test_mixture_resume_at_another_dp_size_equals_the_straight_run(two_sources, 
     assert len({json.dumps(s, sort_keys=True) for s in states}) == 1
     pos = states[0]["global_position"]
     second, _ = global_order(two_sources, m, d_after, (total - pos) // (m * d_after), start_state=states[0])
-    assert first + second == full[:len(first) + len(second)]
+    assert first + second == full[: len(first) + len(second)]
 
 
 def test_resume_with_other_weights_is_refused(two_sources):
@@ -147,9 +154,25 @@ def test_data_stats_reports_shares_and_shows_decoded_samples(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, "-m", "loomtrain", "data-stats", str(config), "train.seq_len=32",
-         "train.global_batch_size=8", "train.micro_batch_size=4", "--steps", "400", "--show", "3"],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "loomtrain",
+            "data-stats",
+            str(config),
+            "train.seq_len=32",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=4",
+            "--steps",
+            "400",
+            "--show",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # one JSON object, nothing else on stdout
@@ -165,9 +188,23 @@ def test_data_stats_reports_shares_and_shows_decoded_samples(tmp_path):
         word = "alpha" if item["source"] == str(tmp_path / "web") else "beta"
         assert word in item["text"]
 
-    bad = subprocess.run([sys.executable, "-m", "loomtrain", "data-stats", str(config),
-                          f"data.sources=[{{path: {tmp_path / 'nope'}, weight: 1}}]", "--steps", "1"],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loomtrain",
+            "data-stats",
+            str(config),
+            f"data.sources=[{{path: {tmp_path / 'nope'}, weight: 1}}]",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 1
     assert len(bad.stderr.strip().splitlines()) == 1 and "data.sources[0].path" in bad.stderr
 
@@ -183,10 +220,22 @@ def test_training_on_a_mixture_resumes_exactly(tmp_path):
         docs.write_text("".join(json.dumps({"text": f"{word} {i}\n" * 6}) + "\n" for i in range(80)))
         preprocess_files([docs], tmp_path / name, "byte", val_fraction=0.05, progress=False, log=None)
     common = [
-        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.max_seq_len=32",
-        "train.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=4", "train.max_steps=4",
-        "train.warmup_steps=1", "eval.every_steps=2", "eval.batches=1", "eval.num_samples=0",
-        "log.progress=plain", "log.tensorboard=false", "checkpoint.every_steps=2",
+        "model.d_model=32",
+        "model.n_layers=1",
+        "model.n_heads=2",
+        "model.n_kv_heads=1",
+        "model.max_seq_len=32",
+        "train.seq_len=16",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.max_steps=4",
+        "train.warmup_steps=1",
+        "eval.every_steps=2",
+        "eval.batches=1",
+        "eval.num_samples=0",
+        "log.progress=plain",
+        "log.tensorboard=false",
+        "checkpoint.every_steps=2",
         f"data.sources=[{{path: {tmp_path / 'web'}, weight: 2}}, {{path: {tmp_path / 'code'}, weight: 1}}]",
     ]
     tiny = ROOT / "configs" / "tiny.yaml"

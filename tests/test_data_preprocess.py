@@ -11,11 +11,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from loomtrain.data_pipeline import (
-    ByteTokenizer, DataError, TokenStream, load_tokenizer, prepare_data, train_bpe,
+    ByteTokenizer,
+    DataError,
+    TokenStream,
+    documents,
+    load_tokenizer,
+    prepare_data,
+    train_bpe,
 )
-from loomtrain.data_pipeline import documents
 from loomtrain.data_pipeline import preprocess as pp
 from loomtrain.data_pipeline.shards import ShardSet
 from loomtrain.launcher.config import DataConfig
@@ -76,8 +80,21 @@ def test_bpe_train_save_load(tmp_path):
 def test_preprocess_cli_txt_jsonl_parquet(tmp_path):
     write_inputs(tmp_path)
     out = tmp_path / "shards"
-    rc = pp.main(["--input", str(tmp_path / "txt/*.txt"), str(tmp_path / "*.jsonl"), str(tmp_path / "*.parquet"),
-                  "--output", str(out), "--val-fraction", "0.2", "--seed", "3", "--no-progress"])
+    rc = pp.main(
+        [
+            "--input",
+            str(tmp_path / "txt/*.txt"),
+            str(tmp_path / "*.jsonl"),
+            str(tmp_path / "*.parquet"),
+            "--output",
+            str(out),
+            "--val-fraction",
+            "0.2",
+            "--seed",
+            "3",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     index = json.loads((out / "index.json").read_text())
     assert index["dtype"] == "uint16" and index["tokenizer"]["hash"] == ByteTokenizer().hash
@@ -90,8 +107,24 @@ def test_preprocess_cli_txt_jsonl_parquet(tmp_path):
     assert not [p for p in out.iterdir() if ".tmp" in p.name]
     # Same seed -> same split; another seed -> another split; any worker count -> same bytes.
     out2 = tmp_path / "again"
-    assert pp.main(["--input", str(tmp_path / "txt/*.txt"), str(tmp_path / "*.jsonl"), str(tmp_path / "*.parquet"),
-                    "--output", str(out2), "--val-fraction", "0.2", "--seed", "4", "--no-progress"]) == 0
+    assert (
+        pp.main(
+            [
+                "--input",
+                str(tmp_path / "txt/*.txt"),
+                str(tmp_path / "*.jsonl"),
+                str(tmp_path / "*.parquet"),
+                "--output",
+                str(out2),
+                "--val-fraction",
+                "0.2",
+                "--seed",
+                "4",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert sorted(read_docs(out2, "val", tok)) != sorted(val)
 
 
@@ -100,8 +133,25 @@ def test_preprocess_bpe_and_stream(tmp_path):
     out = tmp_path / "bpe"
     from loomtrain.launcher.cli import main as cli_main
 
-    assert cli_main(["preprocess", "--input", str(tmp_path / "*.jsonl"), "--output", str(out), "--tokenizer", "bpe",
-                    "--bpe-vocab-size", "280", "--val-fraction", "0", "--no-progress"]) == 0
+    assert (
+        cli_main(
+            [
+                "preprocess",
+                "--input",
+                str(tmp_path / "*.jsonl"),
+                "--output",
+                str(out),
+                "--tokenizer",
+                "bpe",
+                "--bpe-vocab-size",
+                "280",
+                "--val-fraction",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     tok = load_tokenizer(out)
     assert tok.vocab_size == 280
     assert read_docs(out, "train", tok) == DOCS[10:20]
@@ -144,7 +194,9 @@ def test_val_split_is_stratified_and_exact():
         picks = [i for i in range(n) if split.is_val(i)]
         assert abs(len(picks) - n * f) <= 1
         assert picks == [i for i in range(n) if pp.ValSplit(f, seed=5).is_val(i)]
-    assert [i for i in range(400) if pp.ValSplit(0.01, 0).is_val(i)] != [i for i in range(400) if pp.ValSplit(0.01, 1).is_val(i)]
+    assert [i for i in range(400) if pp.ValSplit(0.01, 0).is_val(i)] != [
+        i for i in range(400) if pp.ValSplit(0.01, 1).is_val(i)
+    ]
 
 
 # Errors ---------------------------------------------------------------------
@@ -183,8 +235,9 @@ def test_error_parquet_without_the_column(tmp_path):
 def test_non_utf8_bytes_replaced_and_counted(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"ok \xff\xfe done \xef\xbf\xbd\n")
     (tmp_path / "b.jsonl").write_bytes(b'{"text": "bad \xc3 byte"}\n')
-    index = pp.preprocess_files([tmp_path / "a.txt", tmp_path / "b.jsonl"], tmp_path / "o", val_fraction=0,
-                                progress=False, log=None)
+    index = pp.preprocess_files(
+        [tmp_path / "a.txt", tmp_path / "b.jsonl"], tmp_path / "o", val_fraction=0, progress=False, log=None
+    )
     assert index["stats"]["replaced_chars"] == 3  # the literal U+FFFD in a.txt is not counted
     assert read_docs(tmp_path / "o", "train", ByteTokenizer())[0] == "ok \ufffd\ufffd done \ufffd\n"
 
@@ -206,13 +259,17 @@ def test_error_shards_from_another_tokenizer_refused(tmp_path):
 
 def test_error_truncated_shard_detected(tmp_path):
     write_inputs(tmp_path)
-    pp.preprocess_files(pp.expand_inputs([str(tmp_path / "txt/*.txt")]), tmp_path / "o", val_fraction=0,
-                        progress=False, log=None)
+    pp.preprocess_files(
+        pp.expand_inputs([str(tmp_path / "txt/*.txt")]), tmp_path / "o", val_fraction=0, progress=False, log=None
+    )
     shard = tmp_path / "o" / "train_00000.bin"
     size = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(size - 10)
-    with pytest.raises(DataError, match=rf"shard .*train_00000.bin is truncated or corrupt: index says {size // 2} tokens = {size} bytes, file has {size - 10} bytes"):
+    with pytest.raises(
+        DataError,
+        match=rf"shard .*train_00000.bin is truncated or corrupt: index says {size // 2} tokens = {size} bytes, file has {size - 10} bytes",
+    ):
         prepare_data(DataConfig(path=str(tmp_path / "o")))
     with pytest.raises(DataError, match="no index.json: not a complete shard directory"):
         prepare_data(DataConfig(path=str(tmp_path / "txt")))
@@ -232,8 +289,9 @@ print(shard_dir, tok.hash)
 def test_prepare_data_embedded_corpus_cached_and_concurrent(tmp_path):
     cache = tmp_path / "cache"
     # Three processes at once (light ones: no torch), as ranks on one machine would.
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(cache)], stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHILD, str(cache)], stdout=subprocess.PIPE, text=True) for _ in range(3)
+    ]
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=120)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from loomtrain.data_pipeline import DataError, TokenStream, prepare_data
 from loomtrain.data_pipeline import preprocess as pp
 from loomtrain.launcher.config import DataConfig
@@ -27,13 +26,20 @@ def jsonl(path: Path, docs=DOCS) -> Path:
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loomtrain", "preprocess", "--no-progress", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "loomtrain", "preprocess", "--no-progress", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def tree(path: Path) -> dict[str, str]:
-    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def one_error_line(proc, *words):
@@ -60,7 +66,9 @@ def test_non_empty_foreign_output_needs_overwrite(tmp_path):
     out = tmp_path / "notes"
     out.mkdir()
     (out / "readme.txt").write_text("mine")
-    one_error_line(run_cli("--input", jsonl(tmp_path / "a.jsonl"), "--output", out), "not a loomtrain preprocess output")
+    one_error_line(
+        run_cli("--input", jsonl(tmp_path / "a.jsonl"), "--output", out), "not a loomtrain preprocess output"
+    )
     assert (out / "readme.txt").read_text() == "mine"
     proc = run_cli("--input", tmp_path / "a.jsonl", "--output", out, "--overwrite")
     assert proc.returncode == 0, proc.stderr
@@ -103,8 +111,9 @@ def test_shard_tokens_must_be_positive(tmp_path):
     for n in (0, -5):
         with pytest.raises(DataError, match=rf"--shard-tokens: expected a positive number.*got {n}"):
             pp.preprocess_files([tmp_path / "a.jsonl"], tmp_path / "o", shard_tokens=n, progress=False, log=None)
-    one_error_line(run_cli("--input", tmp_path / "a.jsonl", "--output", tmp_path / "o", "--shard-tokens", "0"),
-                   "--shard-tokens")
+    one_error_line(
+        run_cli("--input", tmp_path / "a.jsonl", "--output", tmp_path / "o", "--shard-tokens", "0"), "--shard-tokens"
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -144,6 +153,10 @@ def test_index_with_a_missing_key_is_one_line_naming_file_and_key(tmp_path):
     (out / "index.json").write_text(json.dumps(index))
     config = tmp_path / "c.yaml"
     config.write_text(f"data:\n  path: {out}\n")
-    proc = subprocess.run([sys.executable, "-m", "loomtrain", "data-stats", str(config), "--steps", "1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loomtrain", "data-stats", str(config), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     one_error_line(proc, str(out / "index.json"), "splits.train.shards[0].num_tokens")

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from loomtrain.data_pipeline import DataError, train_bpe
 from loomtrain.data_pipeline import preprocess as pp
 
@@ -25,12 +24,14 @@ def corpus(tmp_path: Path, n_files: int = 8) -> list[Path]:
     for f in range(n_files):
         path = tmp_path / "in" / f"part{f:02d}.jsonl"
         path.parent.mkdir(exist_ok=True)
-        docs = [" ".join(WORDS[(f * 7 + d * 3 + k) % len(WORDS)] for k in range(20 + d % 13)) + f" {f}.{d}\n"
-                for d in range(30 + 5 * f)]
+        docs = [
+            " ".join(WORDS[(f * 7 + d * 3 + k) % len(WORDS)] for k in range(20 + d % 13)) + f" {f}.{d}\n"
+            for d in range(30 + 5 * f)
+        ]
         path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
         files.append(path)
     text = tmp_path / "in" / "zz_notes.txt"
-    text.write_text("".join(f"line {i}: {' '.join(WORDS[i % 5:])}\n" for i in range(300)))
+    text.write_text("".join(f"line {i}: {' '.join(WORDS[i % 5 :])}\n" for i in range(300)))
     return [*files, text]
 
 
@@ -42,13 +43,21 @@ def bpe_json(tmp_path) -> Path:
 
 
 def tree(path: Path) -> dict[str, str]:
-    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loomtrain", "preprocess", "--no-progress", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "loomtrain", "preprocess", "--no-progress", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 # Killed with SIGKILL inside the 5th input file (tokens half written, no completion marker),
@@ -81,14 +90,28 @@ pp.preprocess_files(files, sys.argv[2], sys.argv[3], workers=1, val_fraction=0.1
 def test_killed_preprocess_rerun_resumes_and_equals_a_clean_run(tmp_path, bpe_json, when):
     corpus(tmp_path)
     pattern = str(tmp_path / "in" / "*")
-    args = ["--input", pattern, "--tokenizer", bpe_json, "--val-fraction", "0.1", "--shard-tokens", "500",
-            "--workers", "1"]
+    args = [
+        "--input",
+        pattern,
+        "--tokenizer",
+        bpe_json,
+        "--val-fraction",
+        "0.1",
+        "--shard-tokens",
+        "500",
+        "--workers",
+        "1",
+    ]
     clean = cli(*args, "--output", tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr
 
     out = tmp_path / "resumed"
-    killed = subprocess.run([sys.executable, "-c", KILLER, pattern, str(out), str(bpe_json), when],
-                            capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLER, pattern, str(out), str(bpe_json), when],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -9, killed.stderr
     work = tmp_path / "resumed.partial"
     assert not out.exists() and work.is_dir()
@@ -128,10 +151,12 @@ def test_bpe_sample_bytes_is_deterministic_and_bounded(tmp_path):
     size = sum(len(t.encode()) for t in sample)
     assert 4000 <= size <= 4000 + len(files) * 200
     assert all(any(t.startswith(w) for w in WORDS + ["line"]) for t in sample)
-    a = pp.preprocess_files(files, tmp_path / "a", "bpe", bpe_vocab_size=300, bpe_sample_bytes=4000,
-                            progress=False, log=None)
-    b = pp.preprocess_files(files, tmp_path / "b", "bpe", bpe_vocab_size=300, bpe_sample_bytes=4000,
-                            progress=False, log=None)
+    a = pp.preprocess_files(
+        files, tmp_path / "a", "bpe", bpe_vocab_size=300, bpe_sample_bytes=4000, progress=False, log=None
+    )
+    b = pp.preprocess_files(
+        files, tmp_path / "b", "bpe", bpe_vocab_size=300, bpe_sample_bytes=4000, progress=False, log=None
+    )
     assert a["tokenizer"]["hash"] == b["tokenizer"]["hash"]
     assert tree(tmp_path / "a") == tree(tmp_path / "b")
 
@@ -144,8 +169,9 @@ def test_preprocess_on_ray_equals_the_local_command(tmp_path, bpe_json, ray_head
     local = cli(*args, "--output", tmp_path / "local", "--workers", "2")
     assert local.returncode == 0, local.stderr
     env = {**os.environ, **ray_head.env}
-    on_ray = cli(*args, "--output", tmp_path / "ray", "--ray", "--address", ray_head.gcs_address, "--workers", "2",
-                 env=env)
+    on_ray = cli(
+        *args, "--output", tmp_path / "ray", "--ray", "--address", ray_head.gcs_address, "--workers", "2", env=env
+    )
     assert on_ray.returncode == 0, on_ray.stderr
     assert "9 input files as Ray tasks, 2 at a time" in on_ray.stdout + on_ray.stderr
     assert tree(tmp_path / "ray") == tree(tmp_path / "local")
@@ -168,7 +194,10 @@ def test_malformed_ray_address_is_one_line(tmp_path):
 def test_a_file_given_twice_is_tokenized_twice(tmp_path):
     files = corpus(tmp_path, 2)
     once = pp.preprocess_files(files[:2], tmp_path / "once", val_fraction=0, workers=2, progress=False, log=None)
-    twice = pp.preprocess_files([files[0], files[1], files[0]], tmp_path / "twice", val_fraction=0, workers=2,
-                                progress=False, log=None)
-    docs0 = pp.preprocess_files(files[:1], tmp_path / "one", val_fraction=0, progress=False, log=None)["stats"]["documents"]
+    twice = pp.preprocess_files(
+        [files[0], files[1], files[0]], tmp_path / "twice", val_fraction=0, workers=2, progress=False, log=None
+    )
+    docs0 = pp.preprocess_files(files[:1], tmp_path / "one", val_fraction=0, progress=False, log=None)["stats"][
+        "documents"
+    ]
     assert twice["stats"]["documents"] == once["stats"]["documents"] + docs0

@@ -4,7 +4,6 @@ across a DP-size change), determinism, prefetch, permutation."""
 import numpy as np
 import pytest
 import torch
-
 from loomtrain.data_pipeline import DataError, TokenStream
 from loomtrain.data_pipeline.shards import write_arrays
 from loomtrain.data_pipeline.stream import SeededPermutation
@@ -16,8 +15,12 @@ INFO = {"hash": "synthetic0000000", "name": "synthetic", "vocab_size": 1 << 20, 
 def make_shards(path, n_samples, shard_tokens=37):
     """Tokens 0..N-1 (uint32), so sample i's first input token is i * T."""
     n_tokens = n_samples * T + 1
-    write_arrays(path, {"train": np.arange(n_tokens, dtype=np.uint32), "val": np.arange(3 * T + 1, dtype=np.uint32)},
-                 INFO, shard_tokens=shard_tokens)
+    write_arrays(
+        path,
+        {"train": np.arange(n_tokens, dtype=np.uint32), "val": np.arange(3 * T + 1, dtype=np.uint32)},
+        INFO,
+        shard_tokens=shard_tokens,
+    )
     return path
 
 
@@ -27,8 +30,10 @@ def sample_ids(inputs):
 
 def global_order(shard_dir, m, d, rounds, seed=0, start_state=None, prefetch=2, **kw):
     """Run d ranks for `rounds` rounds; return the global sequence of sample ids and the final states."""
-    streams = [TokenStream(shard_dir, seq_len=T, micro_batch_size=m, dp_rank=r, dp_size=d, seed=seed,
-                           prefetch=prefetch, **kw) for r in range(d)]
+    streams = [
+        TokenStream(shard_dir, seq_len=T, micro_batch_size=m, dp_rank=r, dp_size=d, seed=seed, prefetch=prefetch, **kw)
+        for r in range(d)
+    ]
     if start_state is not None:
         for s in streams:
             s.load_state_dict(start_state)
@@ -48,11 +53,11 @@ def test_every_sample_once_per_epoch_across_dp_ranks(tmp_path, n_samples, m, d):
     rounds = -(-2 * n_samples // (m * d)) + 1  # a bit over two epochs
     order, _ = global_order(shard_dir, m, d, rounds)
     assert sorted(order[:n_samples]) == list(range(n_samples))
-    assert sorted(order[n_samples:2 * n_samples]) == list(range(n_samples))
-    assert order[:n_samples] != order[n_samples:2 * n_samples]  # each epoch reshuffled
+    assert sorted(order[n_samples : 2 * n_samples]) == list(range(n_samples))
+    assert order[:n_samples] != order[n_samples : 2 * n_samples]  # each epoch reshuffled
     # The global order does not depend on how it is cut into micro batches and ranks.
     reference, _ = global_order(shard_dir, 1, 1, len(order))
-    assert order == reference[:len(order)]
+    assert order == reference[: len(order)]
 
 
 def test_ranks_disjoint_and_contract_positions(tmp_path):
@@ -64,7 +69,7 @@ def test_ranks_disjoint_and_contract_positions(tmp_path):
         s = TokenStream(shard_dir, seq_len=T, micro_batch_size=m, dp_rank=r, dp_size=d, seed=5)
         for k in range(2):
             got = sample_ids(next(s)[0])
-            assert got == expected[k * m * d + r * m: k * m * d + (r + 1) * m]
+            assert got == expected[k * m * d + r * m : k * m * d + (r + 1) * m]
         s.close()
 
 
@@ -112,7 +117,7 @@ def test_resume_equals_uninterrupted(tmp_path, m, d_before, d_after, rounds_befo
     assert pos == rounds_before * m * d_before
     rest_rounds = (total - pos) // (m * d_after)
     second, _ = global_order(shard_dir, m, d_after, rest_rounds, start_state=states[0])
-    assert first + second == full[:len(first) + len(second)]
+    assert first + second == full[: len(first) + len(second)]
 
 
 def test_resume_refuses_a_position_off_the_round_boundary(tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from loomtrain.launcher.checkpoints import export
 from loomtrain.launcher.weights import save_final
 from loomtrain.model import ModelConfig, Transformer
@@ -41,8 +40,15 @@ VARIANTS = {
     # Llama-style: GQA, tied embeddings
     "llama": dict(norm="rmsnorm", activation="swiglu", positions="rope", n_kv_heads=2, tie_embeddings=True),
     # Llama-style with biases and an untied head
-    "llama_bias_untied": dict(norm="rmsnorm", activation="swiglu", positions="rope", n_kv_heads=4,
-                              tie_embeddings=False, bias=True, rope_theta=500.0),
+    "llama_bias_untied": dict(
+        norm="rmsnorm",
+        activation="swiglu",
+        positions="rope",
+        n_kv_heads=4,
+        tie_embeddings=False,
+        bias=True,
+        rope_theta=500.0,
+    ),
     # GPT-2-style: biases, untied head
     "gpt2": dict(norm="layernorm", activation="gelu", positions="learned", bias=True, tie_embeddings=False),
     # GPT-2-style without biases (zeros written), tied
@@ -81,15 +87,18 @@ def test_exported_byte_tokenizer_gives_the_same_ids(tmp_path):
     assert hf_tok.convert_tokens_to_ids("<|endoftext|>") == ours.eos_id
 
 
-@pytest.mark.parametrize("change,field", [
-    (dict(positions="alibi"), "model.positions"),
-    (dict(positions="sinusoidal"), "model.positions"),
-    (dict(norm="layernorm", activation="swiglu", positions="rope"), "model.norm"),
-    (dict(norm="rmsnorm", activation="gelu", positions="rope"), "model.activation"),
-    (dict(norm="rmsnorm", activation="gelu", positions="learned"), "model.norm"),
-    (dict(norm="layernorm", activation="gelu", positions="learned", n_kv_heads=2), "model.n_kv_heads"),
-    (dict(norm="rmsnorm", activation="swiglu", positions="rope", norm_placement="post"), "model.norm_placement"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (dict(positions="alibi"), "model.positions"),
+        (dict(positions="sinusoidal"), "model.positions"),
+        (dict(norm="layernorm", activation="swiglu", positions="rope"), "model.norm"),
+        (dict(norm="rmsnorm", activation="gelu", positions="rope"), "model.activation"),
+        (dict(norm="rmsnorm", activation="gelu", positions="learned"), "model.norm"),
+        (dict(norm="layernorm", activation="gelu", positions="learned", n_kv_heads=2), "model.n_kv_heads"),
+        (dict(norm="rmsnorm", activation="swiglu", positions="rope", norm_placement="post"), "model.norm_placement"),
+    ],
+)
 def test_unsupported_variants_are_refused_naming_the_field(tmp_path, capsys, change, field):
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16, **change)
     _, run = make_run(tmp_path, cfg)

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from loomtrain.launcher import generate
 from loomtrain.launcher.checkpoints import export
 from loomtrain.launcher.weights import save_final
 from loomtrain.model import ModelConfig, Transformer
+from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,8 +65,13 @@ def test_sharded_export_then_a_single_file_export_over_it_leaves_no_stale_file(t
 
     (out / "model.safetensors.index.json").touch()  # an earlier export: replaced whole
     assert export.main([str(run), "--output", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temp or old folder left
     assert torch.equal(logits(out, tokens), sharded)
 
@@ -115,13 +119,16 @@ def _export_rss(*argv: str) -> int:
 
 @pytest.mark.slow
 def test_100m_export_bf16_in_50mb_shards_streams(tmp_path):
-    big = ModelConfig(vocab_size=8192, d_model=768, n_layers=14, n_heads=12, max_seq_len=64, tie_embeddings=False,
-                      **LLAMA)  # 112 M parameters, the largest tensor 25 MB in fp32
+    big = ModelConfig(
+        vocab_size=8192, d_model=768, n_layers=14, n_heads=12, max_seq_len=64, tie_embeddings=False, **LLAMA
+    )  # 112 M parameters, the largest tensor 25 MB in fp32
     tiny = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, max_seq_len=16, **LLAMA)
     run, small = make_final(tmp_path, big), make_final(tmp_path, tiny, "tiny")
     out, out32 = tmp_path / "bf16", tmp_path / "fp32"
     rss_big = _export_rss(str(run), "--output", str(out), "--dtype", "bf16", "--max-shard-size", "50MB")
-    rss_tiny = _export_rss(str(small), "--output", str(tmp_path / "tiny_hf"), "--dtype", "bf16", "--max-shard-size", "50MB")
+    rss_tiny = _export_rss(
+        str(small), "--output", str(tmp_path / "tiny_hf"), "--dtype", "bf16", "--max-shard-size", "50MB"
+    )
     print(f"export peak RSS: 112 M model {rss_big / 2**20:.0f} MiB, tiny {rss_tiny / 2**20:.0f} MiB")
     assert rss_big - rss_tiny <= 150 * 2**20, (rss_big, rss_tiny)
 

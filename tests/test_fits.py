@@ -9,7 +9,6 @@ import io
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher import train
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import fit
@@ -17,9 +16,20 @@ from loomtrain.launcher.planning import fit
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 SMALL = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.max_seq_len=32",
-    "train.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=1",
-    "data.max_files=20", "eval.every_steps=0", "eval.num_samples=0", "log.progress=plain", "log.tensorboard=false",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.max_seq_len=32",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.max_steps=1",
+    "data.max_files=20",
+    "eval.every_steps=0",
+    "eval.num_samples=0",
+    "log.progress=plain",
+    "log.tensorboard=false",
 ]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,10 +45,16 @@ def run_train(*argv: str) -> tuple[int, str]:
 def test_a_config_larger_than_this_machine_is_refused_before_anything(tmp_path):
     run = tmp_path / "run"
     # gpt-7b 4x wider (~100 B parameters) on one rank: ~1.6 TB, more than any one host or GPU has.
-    rc, err = run_train(str(ROOT / "configs" / "gpt-7b.yaml"), "parallel.tp=1", "model.d_model=16384",
-                        "model.ffn_hidden=44032",
-                        "train.global_batch_size=1", "train.micro_batch_size=1", "train.device=auto",
-                        f"run.dir={run}")
+    rc, err = run_train(
+        str(ROOT / "configs" / "gpt-7b.yaml"),
+        "parallel.tp=1",
+        "model.d_model=16384",
+        "model.ffn_hidden=44032",
+        "train.global_batch_size=1",
+        "train.micro_batch_size=1",
+        "train.device=auto",
+        f"run.dir={run}",
+    )
     assert rc == 2 and "Traceback" not in err, err
     (line,) = err.strip().splitlines()
     assert line.startswith("loomtrain: will not fit: needs ") and " GiB per rank" in line, line
@@ -61,12 +77,36 @@ def test_force_starts_a_config_the_estimate_refuses(tmp_path, monkeypatch):
 # test_zero: up to 4 ranks on one host at ZeRO 3) and configs/tiny.yaml as shipped.
 TEST_SHAPES = [
     ([], 1),
-    (["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-      "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8", "parallel.tp=2",
-      "parallel.zero_stage=2"], 4),
-    (["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-      "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8", "parallel.zero_stage=3",
-      "train.precision=bf16"], 4),
+    (
+        [
+            "model.d_model=64",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.max_seq_len=64",
+            "train.seq_len=32",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "parallel.tp=2",
+            "parallel.zero_stage=2",
+        ],
+        4,
+    ),
+    (
+        [
+            "model.d_model=64",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.max_seq_len=64",
+            "train.seq_len=32",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "parallel.zero_stage=3",
+            "train.precision=bf16",
+        ],
+        4,
+    ),
 ]
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.model import linear_cross_entropy
 
@@ -58,8 +57,10 @@ def test_fused_loss_matches_logits_then_cross_entropy(dtype, tol):
 def test_fused_loss_needs_a_fraction_of_the_memory():
     h, w, t = _output_layer(torch.bfloat16, tokens=16384, d=2048)
     peaks = {}
-    for name, fn in (("plain", lambda: F.cross_entropy((h @ w.t()).float(), t)),
-                     ("fused", lambda: linear_cross_entropy(h, w, t))):
+    for name, fn in (
+        ("plain", lambda: F.cross_entropy((h @ w.t()).float(), t)),
+        ("fused", lambda: linear_cross_entropy(h, w, t)),
+    ):
         h.grad = w.grad = None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -74,12 +75,24 @@ def test_fused_loss_needs_a_fraction_of_the_memory():
 def _train(tmp_path: Path, *overrides: str) -> list[dict]:
     from loomtrain.launcher.loop import run_training
 
-    cfg = load_config(TINY, [
-        "train.max_steps=40", "train.seq_len=64", "model.max_seq_len=64", "data.max_files=100",
-        "eval.every_steps=0", "eval.num_samples=0", "checkpoint.every_steps=0", "log.tensorboard=false",
-        "log.progress=plain", f"train.device={DEVICE.type}", f"run.dir={tmp_path / 'run'}",
-        f"data.cache_dir={tmp_path / 'cache'}", *overrides,
-    ])
+    cfg = load_config(
+        TINY,
+        [
+            "train.max_steps=40",
+            "train.seq_len=64",
+            "model.max_seq_len=64",
+            "data.max_files=100",
+            "eval.every_steps=0",
+            "eval.num_samples=0",
+            "checkpoint.every_steps=0",
+            "log.tensorboard=false",
+            "log.progress=plain",
+            f"train.device={DEVICE.type}",
+            f"run.dir={tmp_path / 'run'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            *overrides,
+        ],
+    )
     run_training(cfg)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r]

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher.config_loader import load_config
 
 pytestmark = pytest.mark.slow
@@ -26,18 +25,39 @@ TINY = ROOT / "configs" / "tiny.yaml"
 # Long schedules (max_steps 1000) so that a run is still going when a signal lands; the
 # LR schedule depends on max_steps, so every run here (and the reference) uses the same.
 SMALL = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
-    "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.warmup_steps=2",
-    "train.max_steps=1000", "data.max_files=20", "data.val_fraction=0.1", "data.prefetch=0",
-    "eval.every_steps=0", "eval.num_samples=0", "log.progress=plain", "log.tensorboard=false",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=32",
+    "train.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.warmup_steps=2",
+    "train.max_steps=1000",
+    "data.max_files=20",
+    "data.val_fraction=0.1",
+    "data.prefetch=0",
+    "eval.every_steps=0",
+    "eval.num_samples=0",
+    "log.progress=plain",
+    "log.tensorboard=false",
     "checkpoint.every_steps=0",
 ]
 HANG_TIMEOUT_S = 20
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS",
-            "LOOMTRAIN_TEST_FAULTS"}
+    drop = {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RAY_ADDRESS",
+        "LOOMTRAIN_TEST_FAULTS",
+    }
     base = {k: v for k, v in os.environ.items() if k not in drop}
     return {**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
 
@@ -45,10 +65,26 @@ def clean_env(**extra: str) -> dict[str, str]:
 def cmd(run_dir: Path, cache: Path, *overrides: str, nproc: int = 1, ray: bool = False) -> list[str]:
     head = [sys.executable, "-m", "loomtrain"]
     if nproc > 1:
-        head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                "-m", "loomtrain"]
-    return [*head, "train", str(TINY), *SMALL, f"run.dir={run_dir}", f"data.cache_dir={cache}", *overrides,
-            *(["--ray"] if ray else [])]
+        head = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            "-m",
+            "loomtrain",
+        ]
+    return [
+        *head,
+        "train",
+        str(TINY),
+        *SMALL,
+        f"run.dir={run_dir}",
+        f"data.cache_dir={cache}",
+        *overrides,
+        *(["--ray"] if ray else []),
+    ]
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -78,8 +114,9 @@ class Run:
     def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, run_dir: Path | None = None) -> None:
         cwd.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
-        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         self.lines: list[str] = []
 
     def wait_for(self, predicate, timeout: float) -> str:
@@ -135,8 +172,12 @@ def reference(tmp_path_factory, cache) -> dict[int, float]:
 
 def test_torchrun_hang_names_the_stopped_rank_and_dumps_stacks(tmp_path, cache):
     run_dir = tmp_path / "run"
-    run = Run(cmd(run_dir, cache, f"parallel.timeout_s={HANG_TIMEOUT_S}", nproc=2),
-              clean_env(LOOMTRAIN_TEST_FAULTS="sigstop:1:5"), tmp_path, run_dir)
+    run = Run(
+        cmd(run_dir, cache, f"parallel.timeout_s={HANG_TIMEOUT_S}", nproc=2),
+        clean_env(LOOMTRAIN_TEST_FAULTS="sigstop:1:5"),
+        tmp_path,
+        run_dir,
+    )
     try:
         run.wait_for(lambda line: "rank 1 stops itself" in line, timeout=300)
         stopped_at = time.monotonic()
@@ -156,7 +197,7 @@ def test_torchrun_hang_names_the_stopped_rank_and_dumps_stacks(tmp_path, cache):
     assert "ranks 0 waited in " in hang[0] and f"stacks in {run_dir / 'logs'}/" in hang[0]
     log0 = (run_dir / "logs" / "rank_00000.log").read_text()
     assert hang[0].strip() in log0
-    dump = log0[log0.index("loomtrain: watchdog: rank 0 made no progress"):]
+    dump = log0[log0.index("loomtrain: watchdog: rank 0 made no progress") :]
     # faulthandler's dump of rank 0 while it waited: its training thread inside the loop
     assert "Thread 0x" in dump and "(most recent call first)" in dump
     assert 'launcher/loop.py", line' in dump and "in run_training" in dump
@@ -192,8 +233,14 @@ def test_torchrun_straggler_sigterm_to_every_rank_then_exact_resume(tmp_path, ca
     acc.Reload()
     assert [e.value for e in acc.Scalars("perf/slowest_rank")][1:] == [1.0] * (len(recs) - 1)
 
-    again = subprocess.run(cmd(run_dir, cache, f"checkpoint.stop_at_step={step + 2}", nproc=2),
-                           env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        cmd(run_dir, cache, f"checkpoint.stop_at_step={step + 2}", nproc=2),
+        env=clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:08d}'}" in again.stdout + again.stderr
     got = losses(run_dir)
@@ -201,20 +248,34 @@ def test_torchrun_straggler_sigterm_to_every_rank_then_exact_resume(tmp_path, ca
     for s in range(1, step + 3):  # DP 2 vs one rank on the same global batch
         assert got[s] == pytest.approx(reference[s], rel=1e-5, abs=1e-6), (s, got, reference)
     for rank in (0, 1):  # both ranks' logs hold both attempts
-        assert [h.split(":")[0] for h in headers(run_dir, rank)] == ["=== loomtrain attempt 1",
-                                                                      "=== loomtrain attempt 2"]
+        assert [h.split(":")[0] for h in headers(run_dir, rank)] == [
+            "=== loomtrain attempt 1",
+            "=== loomtrain attempt 2",
+        ]
 
 
 def test_ctrl_c_at_step_16_saves_exits_130_and_the_rerun_resumes_at_16(tmp_path, cache):
     run_dir = tmp_path / "run"
-    first = subprocess.run(cmd(run_dir, cache), env=clean_env(LOOMTRAIN_TEST_FAULTS="signal:0:16:SIGINT"),
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    first = subprocess.run(
+        cmd(run_dir, cache),
+        env=clean_env(LOOMTRAIN_TEST_FAULTS="signal:0:16:SIGINT"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = first.stdout + first.stderr
     assert first.returncode == 130, out[-3000:]
     assert "stopped at step 16 (checkpoint saved)" in out and "[SIGINT]" in out
     assert latest(run_dir) == "step_00000016"
-    again = subprocess.run(cmd(run_dir, cache, "checkpoint.stop_at_step=17"), env=clean_env(), cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        cmd(run_dir, cache, "checkpoint.stop_at_step=17"),
+        env=clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000016'} (step 16" in again.stdout + again.stderr
     assert sorted(losses(run_dir)) == list(range(1, 18))
@@ -227,12 +288,19 @@ def test_ray_hang_restarts_by_itself_and_sigterm_to_the_driver_saves(ray_head, t
     from loomtrain.launcher.cluster.ray_train import ATTEMPTS_FILE
 
     run_dir = tmp_path / "run"
-    ray = ["ray.num_workers=2", "ray.cpus_per_worker=1", "ray.max_failures=2",
-           f"ray.address={ray_head.gcs_address}", "parallel.timeout_s=8", "checkpoint.every_steps=2"]
+    ray = [
+        "ray.num_workers=2",
+        "ray.cpus_per_worker=1",
+        "ray.max_failures=2",
+        f"ray.address={ray_head.gcs_address}",
+        "parallel.timeout_s=8",
+        "checkpoint.every_steps=2",
+    ]
     env = clean_env(**ray_head.env, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1")
     # slow steps (0.4 s on rank 0), so that the signal lands a few steps after step 5
-    run = Run(cmd(run_dir, cache, *ray, ray=True), {**env, "LOOMTRAIN_TEST_FAULTS": "sigstop:1:5,delay:0:0.4"},
-              tmp_path)
+    run = Run(
+        cmd(run_dir, cache, *ray, ray=True), {**env, "LOOMTRAIN_TEST_FAULTS": "sigstop:1:5,delay:0:0.4"}, tmp_path
+    )
     seen = {"hang": False}
 
     def restarted_and_training(line: str) -> bool:
@@ -255,8 +323,14 @@ def test_ray_hang_restarts_by_itself_and_sigterm_to_the_driver_saves(ray_head, t
     assert attempts[1]["previous_end"].startswith("loomtrain: hang: rank 1 (host "), attempts
     assert "did not reach step 6" in attempts[1]["previous_end"]
 
-    again = subprocess.run(cmd(run_dir, cache, *ray, f"checkpoint.stop_at_step={step + 2}", ray=True), env=env,
-                           cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    again = subprocess.run(
+        cmd(run_dir, cache, *ray, f"checkpoint.stop_at_step={step + 2}", ray=True),
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     got = losses(run_dir)
     assert sorted(got) == list(range(1, step + 3))

@@ -9,10 +9,9 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
-
 from hf_fixtures import bpe, tiny_gpt2, tiny_llama  # noqa: F401  (bpe: a fixture)
 from loomtrain.launcher import cli
+from safetensors import safe_open
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,9 +22,8 @@ def hf_greedy_text(model, tok, prompt: str, n: int) -> str:
     ids = tok.encode(prompt, add_special_tokens=False).ids
     eos = tok.token_to_id("<|endoftext|>")
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                             pad_token_id=eos)
-    new = out[0, len(ids):].tolist()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    new = out[0, len(ids) :].tolist()
     new = new[: new.index(eos)] if eos in new else new
     return prompt + tok.decode(new, skip_special_tokens=False)
 
@@ -44,8 +42,23 @@ def import_generate_export(tmp_path, capsys, model, tok, src):
     assert cli.main(["import", "--format", "hf", str(src), "--output", str(run)]) == 0
     assert (run / "final" / "model.safetensors").is_file() and (run / "config.yaml").is_file()
     capsys.readouterr()
-    assert cli.main(["generate", str(run), "--prompt", PROMPT, "--temperature", "0",
-                     "--max-new-tokens", "24", "--device", "cpu"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                str(run),
+                "--prompt",
+                PROMPT,
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "24",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     ours = capsys.readouterr().out[:-1]  # print's newline
     theirs = hf_greedy_text(model, tok, PROMPT, 24)
     assert ours == theirs
@@ -73,7 +86,12 @@ def test_gpt2_import_generates_like_transformers_and_exports_bitwise(tmp_path, c
     model = tiny_gpt2(src, bpe)
     run = import_generate_export(tmp_path, capsys, model, bpe, src)
     cfg = json.loads((run / "final" / "model_config.json").read_text())
-    assert (cfg["activation"], cfg["positions"], cfg["bias"], cfg["tie_embeddings"]) == ("gelu_tanh", "learned", True, True)
+    assert (cfg["activation"], cfg["positions"], cfg["bias"], cfg["tie_embeddings"]) == (
+        "gelu_tanh",
+        "learned",
+        True,
+        True,
+    )
     # exported as activation_function gelu_pytorch_tanh: transformers computes the same logits
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
     tokens = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -95,8 +113,13 @@ def test_rope_scaling_is_refused_naming_the_field(tmp_path, capsys, bpe):
     tiny_llama(src, bpe)
     config = json.loads((src / "config.json").read_text())
     # as Llama 3.1 checkpoints write it
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     (src / "config.json").write_text(json.dumps(config))
     assert "rope_scaling=" in refusal(capsys, src, tmp_path)
 
@@ -119,10 +142,13 @@ def loomtrain_logits(run, tokens):
         return model(tokens)
 
 
-@pytest.mark.parametrize("variant", [
-    dict(num_key_value_heads=1, tie_word_embeddings=True),  # MQA, tied
-    dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),  # MHA with biases
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(num_key_value_heads=1, tie_word_embeddings=True),  # MQA, tied
+        dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),  # MHA with biases
+    ],
+)
 def test_llama_variants_give_transformers_logits(tmp_path, bpe, variant):
     model = tiny_llama(tmp_path / "hf", bpe, **variant)
     assert cli.main(["import", "--format", "hf", str(tmp_path / "hf"), "--output", str(tmp_path / "run")]) == 0
@@ -151,10 +177,17 @@ def test_gpt2_saved_without_prefix_and_with_mask_buffers(tmp_path, bpe):
     assert (loomtrain_logits(tmp_path / "run", tokens) - theirs).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("field, value", [
-    ("sliding_window", 4096), ("num_local_experts", 8), ("quantization_config", {"quant_method": "awq"}),
-    ("hidden_act", "gelu"), ("head_dim", 32), ("architectures", ["MistralForCausalLM"]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("sliding_window", 4096),
+        ("num_local_experts", 8),
+        ("quantization_config", {"quant_method": "awq"}),
+        ("hidden_act", "gelu"),
+        ("head_dim", 32),
+        ("architectures", ["MistralForCausalLM"]),
+    ],
+)
 def test_unrepresentable_fields_are_refused_by_name(tmp_path, capsys, bpe, field, value):
     src = tmp_path / "hf"
     tiny_llama(src, bpe)

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hf_fixtures import bpe, tiny_llama  # noqa: F401  (bpe: a fixture)
 from loomtrain.launcher import cli
 from loomtrain.launcher.config_loader import ConfigError, load_config
@@ -37,8 +36,10 @@ def imported(tmp_path_factory, bpe):
 
 def test_config_disagreeing_with_the_weights_is_refused(imported, tmp_path):
     hf, _, run = imported
-    for override, field, ours, theirs in (("model.n_kv_heads=4", "model.n_kv_heads", 4, 2),
-                                          ("model.d_model=128", "model.d_model", 128, 64)):
+    for override, field, ours, theirs in (
+        ("model.n_kv_heads=4", "model.n_kv_heads", 4, 2),
+        ("model.d_model=128", "model.d_model", 128, 64),
+    ):
         for source in (hf, run):
             with pytest.raises(ConfigError) as err:
                 load_config(run / "config.yaml", [f"run.dir={tmp_path}", override, f"model.init_from={source}"])
@@ -79,16 +80,41 @@ def _losses(run_dir: Path) -> list[float]:
 @pytest.mark.slow
 def test_init_from_at_tp2_follows_tp1_and_starts_at_transformers_loss(imported, tmp_path):
     hf, model, run = imported
-    common = ["train.max_steps=5", "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=4",
-              "train.lr=1e-3", "train.warmup_steps=1", "eval.every_steps=0", "checkpoint.every_steps=0",
-              "data.max_files=20", f"data.cache_dir={tmp_path / 'cache'}", "log.tensorboard=false",
-              "log.progress=plain"]
+    common = [
+        "train.max_steps=5",
+        "train.seq_len=32",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=4",
+        "train.lr=1e-3",
+        "train.warmup_steps=1",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=0",
+        "data.max_files=20",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "log.tensorboard=false",
+        "log.progress=plain",
+    ]
     one = [f"run.dir={tmp_path / 'tp1'}", f"model.init_from={hf}", f"data.tokenizer={hf}", *common]
     _train([sys.executable, "-m", "loomtrain", "train", str(run / "config.yaml"), *one])
     # tp 2 starts from the imported run (its final/), tp 1 from the Hugging Face directory
-    _train([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "loomtrain", "train", str(run / "config.yaml"), f"run.dir={tmp_path / 'tp2'}",
-            f"model.init_from={run}", "parallel.tp=2", *common])
+    _train(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "loomtrain",
+            "train",
+            str(run / "config.yaml"),
+            f"run.dir={tmp_path / 'tp2'}",
+            f"model.init_from={run}",
+            "parallel.tp=2",
+            *common,
+        ]
+    )
     ref, tp = _losses(tmp_path / "tp1"), _losses(tmp_path / "tp2")
     assert len(ref) == len(tp) == 5
     diff = max(abs(a - b) for a, b in zip(ref, tp))
@@ -101,8 +127,15 @@ def test_init_from_at_tp2_follows_tp1_and_starts_at_transformers_loss(imported, 
 
     cfg = load_config(run / "config.yaml", one)
     shard_dir, tok = prepare_data(cfg.data, tmp_path / "cache")
-    stream = TokenStream(shard_dir, "train", seq_len=32, micro_batch_size=4, seed=cfg.train.seed, prefetch=0,
-                         expected_tokenizer_hash=tok.hash)
+    stream = TokenStream(
+        shard_dir,
+        "train",
+        seq_len=32,
+        micro_batch_size=4,
+        seed=cfg.train.seed,
+        prefetch=0,
+        expected_tokenizer_hash=tok.hash,
+    )
     x, y = next(stream)
     stream.close()
     with torch.no_grad():

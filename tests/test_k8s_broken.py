@@ -13,19 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from k8s_support import K8S, check
 
 BROKEN = K8S / "tests" / "broken"
 CASES = sorted(p for p in BROKEN.iterdir() if (p / "kustomization.yaml").is_file())
 
 
-
 def expectations(case: Path) -> list[tuple[str, str]]:
     out = []
     for line in (case / "kustomization.yaml").read_text().splitlines():
         if line.startswith("# expect: "):
-            check_name, _, message = line[len("# expect: "):].partition(" ")
+            check_name, _, message = line[len("# expect: ") :].partition(" ")
             out.append((check_name, message))
     return out
 
@@ -59,4 +57,6 @@ def test_broken_manifest_is_rejected_for_the_right_reason(results, case):
             f"{case.name}: no {check_name} problem saying {message!r}; got:\n{shown}"
         )
     for p in problems:
-        assert any(p.check == c and m in p.message for c, m in expected), f"{case.name}: unexpected finding {p}\nall:\n{shown}"
+        assert any(p.check == c and m in p.message for c, m in expected), (
+            f"{case.name}: unexpected finding {p}\nall:\n{shown}"
+        )

@@ -77,7 +77,7 @@ def test_runs_as_a_numeric_non_root_user():
     assert users, "no USER: the image would run as root"
     uid = users[-1].split(":")[0]
     assert uid.isdigit() and int(uid) != 0  # numeric, so runAsNonRoot can verify it
-    after = [i for i, _ in instructions()[[i for i, _ in instructions()].index("USER"):]]
+    after = [i for i, _ in instructions()[[i for i, _ in instructions()].index("USER") :]]
     assert "RUN" not in after  # nothing runs as root after dropping to the user
     manifests = "\n".join(p.read_text() for p in (REPO / "k8s" / "base").glob("*.yaml"))
     assert f"runAsUser: {uid}" in manifests

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from k8s_support import K8S, REPO, check
 
 TARGETS = {"base": K8S / "base", "cpu-small": K8S / "overlays" / "cpu-small", "gpu": K8S / "overlays" / "gpu"}
@@ -74,8 +73,13 @@ def test_overlay_has_every_piece(rendered, name):
     docs = rendered[name]
     kinds = sorted({(d["apiVersion"], d["kind"]) for d in docs})
     assert kinds == [
-        ("apps/v1", "Deployment"), ("ray.io/v1", "RayCluster"), ("ray.io/v1", "RayJob"),
-        ("v1", "ConfigMap"), ("v1", "PersistentVolumeClaim"), ("v1", "Service"), ("v1", "ServiceAccount"),
+        ("apps/v1", "Deployment"),
+        ("ray.io/v1", "RayCluster"),
+        ("ray.io/v1", "RayJob"),
+        ("v1", "ConfigMap"),
+        ("v1", "PersistentVolumeClaim"),
+        ("v1", "Service"),
+        ("v1", "ServiceAccount"),
     ]
     job = one(docs, "RayJob")
     argv = shlex.split(job["spec"]["entrypoint"])
@@ -94,7 +98,10 @@ def test_overlay_has_every_piece(rendered, name):
         pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
         for pod in pods:
             shm = [v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
-            assert shm and any(m["mountPath"] == "/dev/shm" and m["name"] == shm[0]["name"] for m in pod["containers"][0]["volumeMounts"])
+            assert shm and any(
+                m["mountPath"] == "/dev/shm" and m["name"] == shm[0]["name"]
+                for m in pod["containers"][0]["volumeMounts"]
+            )
             assert pod["securityContext"]["runAsNonRoot"] is True
             assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
             sc = pod["containers"][0]["securityContext"]
@@ -137,9 +144,13 @@ def test_gpu_overlay_gpus_match_the_world_size_of_its_config(rendered, tmp_path)
     gpus_per_pod = gpus // pods
     assert gpus_per_pod == 8  # nodes of 8 GPUs
     assert gpus_per_pod * pods == cfg.ray.num_workers == 8  # GPUs per worker pod x worker pods = world size
-    limits = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    limits = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"][
+        "limits"
+    ]
     assert check.policy.quantity(limits["cpu"]) >= gpus_per_pod * cfg.ray.cpus_per_worker
-    assert job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["image"].endswith("-gpu")
+    assert job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["image"].endswith(
+        "-gpu"
+    )
 
 
 def test_cpu_small_runs_tiny_on_two_cpu_workers(rendered, tmp_path):
@@ -149,7 +160,9 @@ def test_cpu_small_runs_tiny_on_two_cpu_workers(rendered, tmp_path):
     assert name == "tiny.yaml" and not cfg.ray.use_gpu
     pods, gpus = _cluster_gpus_and_workers(job["spec"]["rayClusterSpec"])
     assert (pods, gpus, cfg.ray.num_workers) == (2, 0, 2)
-    cpu = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]
+    cpu = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"][
+        "limits"
+    ]["cpu"]
     assert check.policy.quantity(cpu) == cfg.ray.cpus_per_worker  # one Ray Train worker per pod
     assert cfg.run.dir.startswith("/mnt/loomtrain/")
 
@@ -214,8 +227,11 @@ def test_configmap_holds_every_config_and_their_extends(rendered):
 
 
 def test_every_k8s_yaml_file_is_lint_clean():
-    files = [p for p in K8S.rglob("*") if p.is_file() and p.suffix in (".yaml", ".yml")
-             and "broken" not in p.relative_to(K8S).parts]
+    files = [
+        p
+        for p in K8S.rglob("*")
+        if p.is_file() and p.suffix in (".yaml", ".yml") and "broken" not in p.relative_to(K8S).parts
+    ]
     files.append(REPO / "configs" / "Kustomization")
     assert len(files) > 10
     problems = check.lint(files)

@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
 from loomtrain.model import Attention, ModelConfig, Transformer, param_count
 from loomtrain.model.positions import alibi_bias, alibi_slopes, apply_rope, rope_tables
+from torch import nn
 
 PLACEMENTS = ("pre", "post")
 NORMS = ("layernorm", "rmsnorm")
@@ -28,8 +27,13 @@ def tiny(**kw) -> ModelConfig:
 def variant(i, placement, norm, activation, positions, heads) -> ModelConfig:
     # bias and tying alternate so both settings meet every other axis.
     return tiny(
-        norm_placement=placement, norm=norm, activation=activation, positions=positions,
-        n_kv_heads=KV_HEADS[heads], bias=bool(i % 2), tie_embeddings=bool(i // 2 % 2),
+        norm_placement=placement,
+        norm=norm,
+        activation=activation,
+        positions=positions,
+        n_kv_heads=KV_HEADS[heads],
+        bias=bool(i % 2),
+        tie_embeddings=bool(i // 2 % 2),
     )
 
 
@@ -191,6 +195,7 @@ def test_attention_head_attributes_drive_forward_like_a_tensor_parallel_shard():
 
 # Initialisation -------------------------------------------------------------------------
 
+
 def test_init_is_gpt2_style_and_deterministic():
     cfg = tiny(d_model=256, n_heads=4, n_layers=8, vocab_size=512, bias=True, norm="layernorm")
     model = Transformer(cfg, seed=3)
@@ -224,7 +229,10 @@ def test_meta_device_build_then_init_matches_eager(positions):
 
 # Parameter count and FLOPs ----------------------------------------------------------------
 
-@pytest.mark.parametrize("i,placement,norm,activation,positions,heads", [(i, *c) for i, c in enumerate(ALL) if i % 3 == 0])
+
+@pytest.mark.parametrize(
+    "i,placement,norm,activation,positions,heads", [(i, *c) for i, c in enumerate(ALL) if i % 3 == 0]
+)
 @pytest.mark.parametrize("bias,tie", [(False, True), (True, False)])
 def test_num_params_equals_closed_form(i, placement, norm, activation, positions, heads, bias, tie):
     cfg = variant(i, placement, norm, activation, positions, heads)
@@ -236,16 +244,27 @@ def test_num_params_equals_closed_form(i, placement, norm, activation, positions
 
 def test_params_and_flops_by_hand():
     # vocab 100, d 32, 2 layers, 4 heads of 8, 2 KV heads, SwiGLU hidden 64, RMSNorm, pre, RoPE, untied.
-    cfg = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                      max_seq_len=16, norm="rmsnorm", activation="swiglu", positions="rope",
-                      tie_embeddings=False, bias=False)
+    cfg = ModelConfig(
+        vocab_size=100,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=64,
+        max_seq_len=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        positions="rope",
+        tie_embeddings=False,
+        bias=False,
+    )
     model = Transformer(cfg)
     attn = 32 * 32 + 2 * 32 * 16 + 32 * 32  # wq, wk + wv (2 heads x 8), wo  = 3072
-    ffn = 3 * 32 * 64                       # up, gate, down                = 6144
-    layer = attn + ffn + 2 * 32             # + two RMSNorm weights         = 9280
+    ffn = 3 * 32 * 64  # up, gate, down                = 6144
+    layer = attn + ffn + 2 * 32  # + two RMSNorm weights         = 9280
     total = 100 * 32 + 2 * layer + 32 + 32 * 100  # tok_emb, blocks, final norm, lm_head
     assert total == 24992 == model.num_params()
-    n = total - 100 * 32                    # without the input table; lm_head stays
+    n = total - 100 * 32  # without the input table; lm_head stays
     assert n == 21792 == model.num_params(exclude_embeddings=True)
     # 6N + 12 * L * H * Q * T at T = 16
     assert model.flops_per_token(16) == 6 * 21792 + 12 * 2 * 4 * 8 * 16 == 143040

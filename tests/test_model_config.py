@@ -1,7 +1,6 @@
 """A bad ModelConfig raises ValueError naming the field (and, for choices, listing the valid ones)."""
 
 import pytest
-
 from loomtrain.model import ModelConfig
 
 GOOD = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
@@ -37,12 +36,15 @@ def test_bad_config_names_the_field(field, change):
         ModelConfig(**{**GOOD, **change})
 
 
-@pytest.mark.parametrize("field,bad,valid", [
-    ("norm", "batchnorm", ("layernorm", "rmsnorm")),
-    ("norm_placement", "mid", ("pre", "post")),
-    ("activation", "tanh", ("relu", "gelu", "swiglu")),
-    ("positions", "xpos", ("learned", "sinusoidal", "rope", "alibi", "none")),
-])
+@pytest.mark.parametrize(
+    "field,bad,valid",
+    [
+        ("norm", "batchnorm", ("layernorm", "rmsnorm")),
+        ("norm_placement", "mid", ("pre", "post")),
+        ("activation", "tanh", ("relu", "gelu", "swiglu")),
+        ("positions", "xpos", ("learned", "sinusoidal", "rope", "alibi", "none")),
+    ],
+)
 def test_choice_errors_list_the_valid_values(field, bad, valid):
     with pytest.raises(ValueError) as err:
         ModelConfig(**{**GOOD, field: bad})

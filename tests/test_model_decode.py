@@ -3,9 +3,7 @@ top_k / top_p / eos / length limits."""
 
 import pytest
 import torch
-
 from loomtrain.model import ModelConfig, Transformer, sample_next
-
 
 # Tiny models gain nothing from threads; on a shared 2-core box they only spin.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -96,8 +94,11 @@ def test_generate_stops_at_eos_and_pads_finished_rows():
     prompt = torch.randint(0, 64, (2, 3), generator=torch.Generator().manual_seed(5))
     prompt = prompt[[0, 0, 1]]  # rows 0 and 1 equal: they finish together
     greedy = model.generate(prompt, 12)
-    cases = [(prompt, greedy, greedy[0, 3].item()), (prompt, greedy, greedy[2, 3].item()),
-             (prompt[:2], greedy[:2], greedy[0, 3].item())]  # the last one stops after one token
+    cases = [
+        (prompt, greedy, greedy[0, 3].item()),
+        (prompt, greedy, greedy[2, 3].item()),
+        (prompt[:2], greedy[:2], greedy[0, 3].item()),
+    ]  # the last one stops after one token
     for prompt, greedy, eos in cases:
         out = model.generate(prompt, 12, eos_id=eos)
         firsts = []

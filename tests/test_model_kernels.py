@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from loomtrain.model.norms import RMSNorm, _RMSNormCPU
 from loomtrain.model.positions import apply_rope, rope_tables
 

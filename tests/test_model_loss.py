@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from loomtrain.model import LMHead, ModelConfig, Transformer, linear_cross_entropy
 from loomtrain.model.loss import chunk_rows
 

@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from loomtrain.model import ModelConfig, Transformer
 
 STEPS, BOUND = 40, 0.5
@@ -24,13 +23,22 @@ KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
 
 def variants():
     if os.environ.get("LOOMTRAIN_FULL_SWEEP"):
-        combos = itertools.product(("pre", "post"), ("layernorm", "rmsnorm"), ("relu", "gelu", "swiglu"),
-                                   POSITIONS, KV_HEADS)
+        combos = itertools.product(
+            ("pre", "post"), ("layernorm", "rmsnorm"), ("relu", "gelu", "swiglu"), POSITIONS, KV_HEADS
+        )
         return [(i, *c) for i, c in enumerate(combos)]
     out = []
     for i, (positions, heads) in enumerate(itertools.product(POSITIONS, KV_HEADS)):
-        out.append((i, ("pre", "post")[i % 2], ("layernorm", "rmsnorm")[i // 2 % 2],
-                    ("relu", "gelu", "swiglu")[i % 3], positions, heads))
+        out.append(
+            (
+                i,
+                ("pre", "post")[i % 2],
+                ("layernorm", "rmsnorm")[i // 2 % 2],
+                ("relu", "gelu", "swiglu")[i % 3],
+                positions,
+                heads,
+            )
+        )
     return out
 
 
@@ -40,9 +48,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("i,placement,norm,activation,positions,heads", variants())
 def test_overfits_one_batch(i, placement, norm, activation, positions, heads):
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=KV_HEADS[heads],
-                      max_seq_len=16, norm=norm, norm_placement=placement, activation=activation,
-                      positions=positions, bias=bool(i % 2), tie_embeddings=bool(i // 3 % 2))
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=KV_HEADS[heads],
+        max_seq_len=16,
+        norm=norm,
+        norm_placement=placement,
+        activation=activation,
+        positions=positions,
+        bias=bool(i % 2),
+        tie_embeddings=bool(i // 3 % 2),
+    )
     model = Transformer(cfg, seed=0)
     batch = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(i))
     inputs, targets = batch[:, :-1], batch[:, 1:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher import generate, train
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
@@ -36,10 +35,16 @@ def test_any_non_finite_float_knob_is_named(capsys):
         load_config(TINY, ["eval.temperature=nan"])
 
 
-@pytest.mark.parametrize("address, says", [
-    ("http://head:80x", "port"), ("http://:8265", "no host name"), ("ftp://head:8265", "scheme 'ftp'"),
-    ("head:99999", "port"), ("http://he ad:8265", "white space"),
-])
+@pytest.mark.parametrize(
+    "address, says",
+    [
+        ("http://head:80x", "port"),
+        ("http://:8265", "no host name"),
+        ("ftp://head:8265", "scheme 'ftp'"),
+        ("head:99999", "port"),
+        ("http://he ad:8265", "white space"),
+    ],
+)
 @pytest.mark.parametrize("command", ["status", "logs", "stop"])
 def test_malformed_jobs_address_is_one_line(command, address, says, capsys):
     from loomtrain.launcher.cluster import jobs
@@ -86,17 +91,29 @@ def test_generate_device_cuda_without_cuda_and_nan_temperature(final_dir, capsys
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert generate.main([str(final_dir), "--device", "cuda"]) == 2
     assert "--device cuda: this machine has no usable CUDA device" in one_line(capsys.readouterr().err)
-    for flag, value in (("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-1"),
-                        ("--top-p", "nan"), ("--device", "tpu")):
+    for flag, value in (
+        ("--temperature", "nan"),
+        ("--temperature", "inf"),
+        ("--temperature", "-1"),
+        ("--top-p", "nan"),
+        ("--device", "tpu"),
+    ):
         assert generate.main([str(final_dir), flag, value]) == 2
         assert f"{flag}: expected" in one_line(capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("damage, name", [
-    ("truncate", "model.safetensors"), ("garble", "model.safetensors"), ("delete", "model.safetensors"),
-    ("delete", "model_config.json"), ("garble", "model_config.json"), ("garble", "tokenizer/tokenizer.json"),
-    ("delete", "tokenizer"),
-])
+@pytest.mark.parametrize(
+    "damage, name",
+    [
+        ("truncate", "model.safetensors"),
+        ("garble", "model.safetensors"),
+        ("delete", "model.safetensors"),
+        ("delete", "model_config.json"),
+        ("garble", "model_config.json"),
+        ("garble", "tokenizer/tokenizer.json"),
+        ("delete", "tokenizer"),
+    ],
+)
 def test_corrupt_or_incomplete_final_is_one_line(final_dir, tmp_path, damage, name, capsys):
     import shutil
 

@@ -9,19 +9,28 @@ import sys
 
 import psutil
 import pytest
-
+from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.planning import plan
-from loomtrain.launcher.config_loader import load_config
 from loomtrain.model import ModelConfig
 from loomtrain.model.flops import param_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 
-LLAMA_70B = dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                 ffn_hidden=28672, max_seq_len=8192, norm="rmsnorm", activation="swiglu",
-                 positions="rope", tie_embeddings=False)
+LLAMA_70B = dict(
+    vocab_size=128256,
+    d_model=8192,
+    n_layers=80,
+    n_heads=64,
+    n_kv_heads=8,
+    ffn_hidden=28672,
+    max_seq_len=8192,
+    norm="rmsnorm",
+    activation="swiglu",
+    positions="rope",
+    tie_embeddings=False,
+)
 
 
 def test_zero_paper_arithmetic():
@@ -41,8 +50,9 @@ def test_zero_paper_arithmetic():
 
 def test_activation_formula_matches_korthikanti():
     # GPT-3-like block with dropout: per layer s*b*h*(34 + 5*a*s/h) bytes (eager attention).
-    cfg = ModelConfig(vocab_size=1024, d_model=1024, n_layers=1, n_heads=16, max_seq_len=2048,
-                      activation="gelu", dropout=0.1)
+    cfg = ModelConfig(
+        vocab_size=1024, d_model=1024, n_layers=1, n_heads=16, max_seq_len=2048, activation="gelu", dropout=0.1
+    )
     s, b, h, a = 2048, 2, 1024, 16
     act = mm.activation_bytes(cfg, s, b, tp=1, precision="bf16")
     assert act.per_layer == s * b * h * 34
@@ -81,18 +91,30 @@ def test_tied_embedding_counts_once_and_vocab_padding():
     per1 = mm.count_params(model, 1).per_rank
     # 1001 rows padded to 1002 across 2 ranks: 501 local rows.
     emb_local = 501 * 64
-    assert per2 - emb_local == (per1 - 1001 * 64 - mm.count_params(model, 1).replicated_per_rank) // 2 \
+    assert (
+        per2 - emb_local
+        == (per1 - 1001 * 64 - mm.count_params(model, 1).replicated_per_rank) // 2
         + mm.count_params(model, 1).replicated_per_rank
+    )
 
 
-@pytest.mark.parametrize("name,world", [("tiny.yaml", 1), ("dryrun-1gpu.yaml", 1), ("gpt-1b.yaml", 8),
-                                        ("gpt-7b.yaml", 32)])
+@pytest.mark.parametrize(
+    "name,world", [("tiny.yaml", 1), ("dryrun-1gpu.yaml", 1), ("gpt-1b.yaml", 8), ("gpt-7b.yaml", 32)]
+)
 def test_plan_on_configs(name, world, capsys):
     rc = plan.main([os.path.join(CONFIGS, name), "--world-size", str(world), "--gpu", "h100"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for text in ("memory per rank", "optimizer states", "activations", "model FLOPs per step", "step time",
-                 "tokens/s", "TP ", "FITS:"):
+    for text in (
+        "memory per rank",
+        "optimizer states",
+        "activations",
+        "model FLOPs per step",
+        "step time",
+        "tokens/s",
+        "TP ",
+        "FITS:",
+    ):
         assert text in out
 
 
@@ -103,8 +125,9 @@ def test_plan_gpt1b_numbers():
     n = p.params.per_rank
     # ZeRO-1 bf16: 2 + 2 bytes replicated, 12 bytes over dp=4.
     assert p.states.total == pytest.approx(n * (2 + 2 + 12 / 4))
-    assert p.flops_per_step == pytest.approx(6 * param_count(run.model, True) * p.tokens_per_step
-                                             + 12 * 24 * 2048 * 2048 * p.tokens_per_step)
+    assert p.flops_per_step == pytest.approx(
+        6 * param_count(run.model, True) * p.tokens_per_step + 12 * 24 * 2048 * 2048 * p.tokens_per_step
+    )
     assert p.step_time_s == pytest.approx(p.flops_per_step / (8 * 989e12 * 0.4))
 
 
@@ -128,8 +151,22 @@ def test_plan_json_and_bad_config(capsys):
 
 
 def test_cli_dispatch():
-    out = subprocess.run([sys.executable, "-m", "loomtrain", "plan", os.path.join(CONFIGS, "tiny.yaml"),
-                          "--world-size", "1", "--gpu", "cpu"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loomtrain",
+            "plan",
+            os.path.join(CONFIGS, "tiny.yaml"),
+            "--world-size",
+            "1",
+            "--gpu",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert "FITS" in out.stdout
 
@@ -145,4 +182,6 @@ def test_output_layer_at_tp1_is_the_fused_loss_working_set_not_the_logits():
     assert mm.output_layer_bytes(cfg, s, b, 1, "bf16") == rows * v * 6 + s * b * h * 2 + v * h * 4
     assert mm.output_layer_bytes(cfg, s, b, 1, "bf16") < s * b * v * 6 / 4  # vs 9.9 GB of logits
     assert mm.output_layer_bytes(cfg, s, b, 2, "bf16") == s * b * (v // 2) * 6
-    assert mm.output_layer_bytes(cfg, s, b, 1, "fp32", "cpu") == chunk_rows(v, "cpu") * v * 4 + s * b * h * 4 + v * h * 4
+    assert (
+        mm.output_layer_bytes(cfg, s, b, 1, "fp32", "cpu") == chunk_rows(v, "cpu") * v * 4 + s * b * h * 4 + v * h * 4
+    )

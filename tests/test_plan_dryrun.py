@@ -10,16 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.config_loader import load_config
+from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.planning.dryrun import build_rank_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT1B = ROOT / "configs" / "gpt-1b.yaml"
 # gpt-1b's layout (tp 2 x dp 4, ZeRO-1, bf16, untied embeddings, RoPE, SwiGLU) at toy size.
-SHRINK = ["model.n_layers=2", "model.d_model=128", "model.n_heads=4", "model.n_kv_heads=4",
-          "model.vocab_size=1000", "train.seq_len=32", "train.micro_batch_size=2"]
+SHRINK = [
+    "model.n_layers=2",
+    "model.d_model=128",
+    "model.n_heads=4",
+    "model.n_kv_heads=4",
+    "model.vocab_size=1000",
+    "train.seq_len=32",
+    "train.micro_batch_size=2",
+]
 
 
 def test_rank_shard_has_one_ranks_shapes():
@@ -47,13 +53,28 @@ def test_dryrun_cli_prints_measured_vs_plan():
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "loomtrain", "dryrun", str(GPT1B), *SHRINK, "--steps", "2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loomtrain", "dryrun", str(GPT1B), *SHRINK, "--steps", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "one rank of 8 = tp 2 x dp 4, ZeRO-1, bf16" in out
-    for label in ("parameters", "gradients (peak)", "optimizer states", "model states", "activations",
-                  "time per micro-batch step", "tokens/s (this rank)", "MFU", "largest micro-batch"):
+    for label in (
+        "parameters",
+        "gradients (peak)",
+        "optimizer states",
+        "model states",
+        "activations",
+        "time per micro-batch step",
+        "tokens/s (this rank)",
+        "MFU",
+        "largest micro-batch",
+    ):
         assert label in out, label
 
     def gib(label: str) -> list[float]:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import host_model as hm
 from loomtrain.launcher.planning import memory_model as mm
@@ -23,8 +22,9 @@ GiB = 1024**3
 
 
 def test_70b_plan_prints_host_ram_per_node_and_fits_an_8_gpu_1_tb_node():
-    out = subprocess.run([sys.executable, "-m", "loomtrain", "plan", GPT70B], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "loomtrain", "plan", GPT70B], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "world 64 = tp 8 x dp 8" in text

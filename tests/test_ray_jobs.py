@@ -20,10 +20,19 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/tiny.yaml"
 SMALL = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "model.max_seq_len=32", "train.seq_len=32", "train.micro_batch_size=2",
-    "train.global_batch_size=2", "data.max_files=20", "data.val_fraction=0.1",
-    "eval.every_steps=0", "log.progress=plain", "ray.num_workers=1",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=32",
+    "train.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "data.max_files=20",
+    "data.val_fraction=0.1",
+    "eval.every_steps=0",
+    "log.progress=plain",
+    "ray.num_workers=1",
 ]
 
 
@@ -51,10 +60,26 @@ def test_submit_status_logs_stop_round_trip(ray_head, tmp_path, capsys):
     job_id = f"loomtrain-test-{os.getpid()}"
     # The real command line, in a fresh process: it must find the token by itself.
     proc = subprocess.run(
-        [sys.executable, "-m", "loomtrain", "submit", CONFIG, "--address", ray_head.dashboard_url,
-         "--submission-id", job_id, *SMALL, "train.max_steps=100000",
-         f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"],
-        cwd=ROOT, env={**os.environ, **ray_head.env}, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "loomtrain",
+            "submit",
+            CONFIG,
+            "--address",
+            ray_head.dashboard_url,
+            "--submission-id",
+            job_id,
+            *SMALL,
+            "train.max_steps=100000",
+            f"run.dir={run_dir}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, **ray_head.env},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[0] == job_id
@@ -124,7 +149,11 @@ def test_submit_without_token_is_refused_clearly(ray_head, tmp_path):
     env["RAY_AUTH_MODE"] = "disabled"
     proc = subprocess.run(
         [sys.executable, "-m", "loomtrain", "status", "x", "--address", ray_head.dashboard_url],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1
     assert "refused our credentials" in proc.stderr and "token" in proc.stderr, proc.stderr
@@ -134,11 +163,18 @@ def test_oversized_request_fails_within_start_timeout(ray_head, tmp_path, capsys
     from loomtrain.launcher import train
 
     t0 = time.monotonic()
-    rc = train.main([
-        str(ROOT / CONFIG), *SMALL, "ray.cpus_per_worker=64",
-        "ray.start_timeout_s=3", f"ray.address={ray_head.gcs_address}", "ray.max_failures=0",
-        f"run.dir={tmp_path / 'run'}", "--ray",
-    ])
+    rc = train.main(
+        [
+            str(ROOT / CONFIG),
+            *SMALL,
+            "ray.cpus_per_worker=64",
+            "ray.start_timeout_s=3",
+            f"ray.address={ray_head.gcs_address}",
+            "ray.max_failures=0",
+            f"run.dir={tmp_path / 'run'}",
+            "--ray",
+        ]
+    )
     took = time.monotonic() - t0
     err = capsys.readouterr().err
     assert rc == 1

@@ -22,13 +22,27 @@ CONFIG = str(ROOT / "configs" / "tiny.yaml")
 STEPS, EVERY = 6, 2
 
 SHRUNK = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "model.max_seq_len=32", "train.seq_len=32", "train.micro_batch_size=2",
-    "train.global_batch_size=4", "train.warmup_steps=1", f"train.max_steps={STEPS}",
-    "parallel.tp=2", "parallel.zero_stage=2", "train.precision=fp32",
-    "data.max_files=20", "data.val_fraction=0.1", "data.prefetch=0",
-    "eval.every_steps=0", "log.progress=plain", "log.tensorboard=false",
-    f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=32",
+    "train.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.warmup_steps=1",
+    f"train.max_steps={STEPS}",
+    "parallel.tp=2",
+    "parallel.zero_stage=2",
+    "train.precision=fp32",
+    "data.max_files=20",
+    "data.val_fraction=0.1",
+    "data.prefetch=0",
+    "eval.every_steps=0",
+    "log.progress=plain",
+    "log.tensorboard=false",
+    f"checkpoint.every_steps={EVERY}",
+    "checkpoint.keep_last=2",
 ]
 
 
@@ -53,8 +67,18 @@ def torchrun_losses(tmp_path_factory, data_cache) -> dict[int, float]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
         env.pop(k, None)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-        "-m", "loomtrain", "train", CONFIG, *SHRUNK, f"run.dir={run_dir}", f"data.cache_dir={data_cache}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        "-m",
+        "loomtrain",
+        "train",
+        CONFIG,
+        *SHRUNK,
+        f"run.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -66,11 +90,19 @@ def torchrun_losses(tmp_path_factory, data_cache) -> dict[int, float]:
 def ray_cfg(ray_head, run_dir: Path, data_cache: Path, *extra: str):
     from loomtrain.launcher.config_loader import resolve, validate
 
-    cfg = resolve(CONFIG, [
-        *SHRUNK, f"run.dir={run_dir}", f"data.cache_dir={data_cache}",
-        "ray.num_workers=4", "ray.cpus_per_worker=1", "ray.max_failures=2",
-        f"ray.address={ray_head.gcs_address}", *extra,
-    ])
+    cfg = resolve(
+        CONFIG,
+        [
+            *SHRUNK,
+            f"run.dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "ray.num_workers=4",
+            "ray.cpus_per_worker=1",
+            "ray.max_failures=2",
+            f"ray.address={ray_head.gcs_address}",
+            *extra,
+        ],
+    )
     validate(cfg, cfg.ray.num_workers)
     return cfg
 
@@ -156,7 +188,11 @@ def test_unregistered_pointer_dirs_are_removed_and_ours_are_kept(tmp_path):
 
     removed = ray_train.clean_orphan_pointers(cfg, keep)
     assert sorted(Path(p).name for p in removed) == [
-        "checkpoint_2026-01-01_00-00-02.000002", "checkpoint_2026-01-01_00-00-03.000003"]
+        "checkpoint_2026-01-01_00-00-02.000002",
+        "checkpoint_2026-01-01_00-00-03.000003",
+    ]
     assert sorted(p.name for p in root.iterdir()) == [
-        "checkpoint_2026-01-01_00-00-01.000001", "checkpoint_manager_snapshot.json"]
+        "checkpoint_2026-01-01_00-00-01.000001",
+        "checkpoint_manager_snapshot.json",
+    ]
     assert ray_train.clean_orphan_pointers(cfg, None) and not any(p.is_dir() for p in root.iterdir())

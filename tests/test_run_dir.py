@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher import rundir
 from loomtrain.launcher.rundir import LOCK, MARKER, RunDirError, claim
 
@@ -34,10 +33,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 SMALL = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.max_seq_len=32",
-    "train.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=2", "train.warmup_steps=1",
-    "data.max_files=20", "data.val_fraction=0.1", "eval.every_steps=0", "eval.num_samples=0",
-    "log.progress=plain", "log.tensorboard=false",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.max_seq_len=32",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.warmup_steps=1",
+    "data.max_files=20",
+    "data.val_fraction=0.1",
+    "eval.every_steps=0",
+    "eval.num_samples=0",
+    "log.progress=plain",
+    "log.tensorboard=false",
 ]
 
 
@@ -53,8 +63,17 @@ def cache(tmp_path_factory) -> Path:
 
 
 def train_cmd(run: Path, cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "loomtrain", "train", TINY, *SMALL, f"run.dir={run}",
-            f"data.cache_dir={cache}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "loomtrain",
+        "train",
+        TINY,
+        *SMALL,
+        f"run.dir={run}",
+        f"data.cache_dir={cache}",
+        *extra,
+    ]
 
 
 def train(run: Path, cache: Path, *extra: str, rc: int = 0) -> str:
@@ -90,8 +109,11 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 def steps_of(run: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)]
+    return [
+        json.loads(line)["step"]
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +131,14 @@ def base(tmp_path_factory, cache) -> Path:
 @pytest.mark.slow
 def test_second_train_on_a_run_in_use_is_refused_and_a_dead_holder_is_taken_over(tmp_path, cache, base):
     run = tmp_path / "run"  # (base: the data cache is ready, the holder starts training at once)
-    first = subprocess.Popen(train_cmd(run, cache, "train.max_steps=1000000", "log.every_steps=1",
-                                       "checkpoint.every_steps=0"),
-                             cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    first = subprocess.Popen(
+        train_cmd(run, cache, "train.max_steps=1000000", "log.every_steps=1", "checkpoint.every_steps=0"),
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 240
         for line in first.stdout:  # running: it holds the lock
@@ -121,7 +147,9 @@ def test_second_train_on_a_run_in_use_is_refused_and_a_dead_holder_is_taken_over
             assert time.time() < deadline and first.poll() is None
         out = train(run, cache, "train.max_steps=2", rc=2)
         (line,) = error_lines(out)
-        assert "is in use by another loomtrain run" in line and f"pid {first.pid} on host {socket.gethostname()}" in line
+        assert (
+            "is in use by another loomtrain run" in line and f"pid {first.pid} on host {socket.gethostname()}" in line
+        )
         first.send_signal(signal.SIGKILL)  # dies holding the lock
         first.wait(timeout=60)
     finally:
@@ -155,8 +183,10 @@ def test_lock_rules_in_process(tmp_path):
                 pass
     assert not (run / LOCK).exists() and (run / MARKER).is_file()
     # a dead process on this host; a live pid that now belongs to another process
-    for record in ({"pid": _dead_pid(), "host": socket.gethostname()},
-                   {"pid": os.getpid(), "host": socket.gethostname(), "process_start": 1.0}):
+    for record in (
+        {"pid": _dead_pid(), "host": socket.gethostname()},
+        {"pid": os.getpid(), "host": socket.gethostname(), "process_start": 1.0},
+    ):
         (run / LOCK).write_text(json.dumps(record))
         with claim(run, log=logs.append):
             assert json.loads((run / LOCK).read_text())["pid"] == os.getpid()
@@ -264,8 +294,13 @@ def test_resume_never_moves_metrics_final_and_checkpoints_aside(tmp_path, cache,
     old_final = snapshot(run / "final")
     train(run, cache, "train.max_steps=2", "checkpoint.resume=never")
     (aside,) = (run / "checkpoints").glob("superseded-*")
-    assert sorted(p.name for p in aside.iterdir()) == ["final", "latest", "metrics.jsonl",
-                                                         "step_00000002", "step_00000004"]
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "final",
+        "latest",
+        "metrics.jsonl",
+        "step_00000002",
+        "step_00000004",
+    ]
     assert (aside / "metrics.jsonl").read_text() == old_metrics and snapshot(aside / "final") == old_final
     assert steps_of(run) == [1, 2] and (run / "final" / "model.safetensors").is_file()
 
@@ -273,8 +308,14 @@ def test_resume_never_moves_metrics_final_and_checkpoints_aside(tmp_path, cache,
 def test_resume_path_seeds_only_the_first_start(tmp_path, cache, base):
     run = tmp_path / "seeded"
     seed = base / "checkpoints" / "step_00000002"
-    out = train(run, cache, "train.max_steps=6", "checkpoint.every_steps=0", "checkpoint.stop_at_step=3",
-                f"checkpoint.resume={seed}")
+    out = train(
+        run,
+        cache,
+        "train.max_steps=6",
+        "checkpoint.every_steps=0",
+        "checkpoint.stop_at_step=3",
+        f"checkpoint.resume={seed}",
+    )
     assert f"resumed from {seed}" in out and steps_of(run) == [3]
     out = train(run, cache, "train.max_steps=6", "checkpoint.every_steps=0", f"checkpoint.resume={seed}")
     own = run / "checkpoints" / "step_00000003"
@@ -342,7 +383,9 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_latest(tmp_path, cache, bas
     file_size_limit()
     out = train(run, cache, "train.max_steps=6", "checkpoint.every_steps=2", rc=1)
     (line,) = error_lines(out)
-    assert line.startswith("loomtrain: write error: checkpoint: cannot save step 6: File too large: ") and \
-        str(run / "checkpoints") in line, line
+    assert (
+        line.startswith("loomtrain: write error: checkpoint: cannot save step 6: File too large: ")
+        and str(run / "checkpoints") in line
+    ), line
     assert f"{run / 'checkpoints' / 'step_00000004'} stays the newest checkpoint" in line, line
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"

@@ -15,16 +15,26 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher.config_loader import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 SMALL = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8", "train.warmup_steps=2",
-    "data.max_files=20", "data.val_fraction=0.1", "eval.every_steps=0", "eval.num_samples=0",
-    "log.progress=plain", "checkpoint.every_steps=0",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=64",
+    "train.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.warmup_steps=2",
+    "data.max_files=20",
+    "data.val_fraction=0.1",
+    "eval.every_steps=0",
+    "eval.num_samples=0",
+    "log.progress=plain",
+    "checkpoint.every_steps=0",
 ]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,8 +49,9 @@ def two_runs(tmp_path_factory):
     cache = root.parent / "cache"
 
     def cfg(name, *extra):
-        return load_config(TINY, [*SMALL, f"run.name={name}", f"run.dir={root / name}",
-                                  f"data.cache_dir={cache}", *extra])
+        return load_config(
+            TINY, [*SMALL, f"run.name={name}", f"run.dir={root / name}", f"data.cache_dir={cache}", *extra]
+        )
 
     run_training(cfg("a", "train.max_steps=4"))
     run_training(cfg("b", "train.max_steps=4", "log.profile_steps=[2,3]"))
@@ -56,14 +67,35 @@ def test_each_run_is_one_tensorboard_run_with_grouped_tags(two_runs):
     mux.Reload()
     assert set(mux.Runs()) == {"a", "b"}  # `tensorboard --logdir runs/` shows a and b
     scalars = set(mux.GetAccumulator("a").Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "perf/step_time_s",
-            "memory/mem_bytes", "perf/step_time_max_s", "perf/step_time_min_s", "perf/slowest_rank",
-            "perf/data_wait_max_s", "memory/mem_bytes_max", "memory/mem_rank_max"} <= scalars
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "perf/step_time_s",
+        "memory/mem_bytes",
+        "perf/step_time_max_s",
+        "perf/step_time_min_s",
+        "perf/slowest_rank",
+        "perf/data_wait_max_s",
+        "memory/mem_bytes_max",
+        "memory/mem_rank_max",
+    } <= scalars
     assert [e.step for e in mux.Scalars("a", "train/loss")] == [1, 2, 3, 4, 5]  # across the resume
     # metrics.jsonl keeps its plain keys, now with the job-wide straggler figures
     rec = json.loads((two_runs / "a" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert {"loss", "lr", "step_time_s", "mem_bytes", "step_time_max_s", "slowest_rank",
-            "data_wait_max_s", "mem_bytes_max", "mem_rank_max"} <= set(rec)
+    assert {
+        "loss",
+        "lr",
+        "step_time_s",
+        "mem_bytes",
+        "step_time_max_s",
+        "slowest_rank",
+        "data_wait_max_s",
+        "mem_bytes_max",
+        "mem_rank_max",
+    } <= set(rec)
     assert rec["slowest_rank"] == 0 and rec["mem_rank_max"] == 0
 
 

@@ -19,26 +19,34 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from loomtrain.launcher.components import build_model
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning.dryrun import OneRankTopology
 from loomtrain.model import ModelConfig, RMSNorm, init_tensors
 from loomtrain.model.transformer import Transformer
 from loomtrain.parallel.materialize import materialize, sharded_meta_model
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 DRIVER = ROOT / "tests" / "startup_driver.py"
 
 VARIANTS = {
-    "mqa_alibi_bias_tied": dict(vocab_size=61, n_heads=4, n_kv_heads=1, positions="alibi", bias=True,
-                                norm="layernorm", tie_embeddings=True),
-    "gqa_rope_swiglu": dict(vocab_size=70, n_heads=8, n_kv_heads=2, positions="rope", activation="swiglu",
-                            tie_embeddings=False),
-    "learned_post_gelu": dict(vocab_size=64, n_heads=4, positions="learned", norm_placement="post",
-                              activation="gelu", bias=True, tie_embeddings=False),
+    "mqa_alibi_bias_tied": dict(
+        vocab_size=61, n_heads=4, n_kv_heads=1, positions="alibi", bias=True, norm="layernorm", tie_embeddings=True
+    ),
+    "gqa_rope_swiglu": dict(
+        vocab_size=70, n_heads=8, n_kv_heads=2, positions="rope", activation="swiglu", tie_embeddings=False
+    ),
+    "learned_post_gelu": dict(
+        vocab_size=64,
+        n_heads=4,
+        positions="learned",
+        norm_placement="post",
+        activation="gelu",
+        bias=True,
+        tie_embeddings=False,
+    ),
 }
 
 
@@ -96,8 +104,9 @@ def _reference_shards(cfg: ModelConfig, seed: int, tp: int, r: int) -> dict[str,
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_init_values_bitwise_the_old_full_init_then_slice(variant):
     model = {**VARIANTS[variant], "d_model": 32, "n_layers": 2, "max_seq_len": 16}
-    cfg = load_config(TINY, [f"model.{k}={str(v).lower()}" for k, v in model.items()]
-                      + ["train.seed=7", "train.seq_len=16"])
+    cfg = load_config(
+        TINY, [f"model.{k}={str(v).lower()}" for k, v in model.items()] + ["train.seed=7", "train.seq_len=16"]
+    )
     for tp in (1, 2, 4):
         cfg.parallel.tp = tp
         for r in range(tp):
@@ -119,8 +128,9 @@ def test_a_supplier_plugs_in_and_mistakes_name_the_parameter():
     assert torch.equal(model.lm_head.weight[:30], full["lm_head.weight"][31:].bfloat16())
     assert not model.lm_head.weight[30:].any()  # the vocabulary padding row
     with pytest.raises(ValueError, match=r"^weights: no values for lm_head.weight$"):
-        materialize(sharded_meta_model(cfg, topo), [(k, v) for k, v in full.items() if k != "lm_head.weight"],
-                    device="cpu")
+        materialize(
+            sharded_meta_model(cfg, topo), [(k, v) for k, v in full.items() if k != "lm_head.weight"], device="cpu"
+        )
     with pytest.raises(ValueError, match=r"^weights: 'norm.weight' has shape \(31,\), the model expects \(32,\)$"):
         materialize(sharded_meta_model(cfg, topo), [("norm.weight", torch.ones(31))], device="cpu")
     with pytest.raises(ValueError, match=r"^weights: 'nope.weight' is not a parameter of the model$"):
@@ -131,38 +141,79 @@ def _torchrun(mode: str, out: Path, tiny: list[str], big: list[str]) -> list[dic
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(DRIVER),
-           mode, str(out), str(TINY), "--tiny", *tiny, "--big", *big]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "4",
+        str(DRIVER),
+        mode,
+        str(out),
+        str(TINY),
+        "--tiny",
+        *tiny,
+        "--big",
+        *big,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((out / f"{mode}.rank{r}.json").read_text()) for r in range(4)]
 
 
-COMMON = ["parallel.tp=4", "parallel.zero_stage=0", "train.precision=fp32", "model.max_seq_len=128",
-          "train.micro_batch_size=4", "train.global_batch_size=4"]
+COMMON = [
+    "parallel.tp=4",
+    "parallel.zero_stage=0",
+    "train.precision=fp32",
+    "model.max_seq_len=128",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=4",
+]
 
 
 @pytest.mark.slow
 def test_startup_peak_rss_is_a_shard_not_the_model(tmp_path):
     tiny = [*COMMON, "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4"]
-    big = [*COMMON, "model.vocab_size=8192", "model.d_model=1024", "model.n_layers=8", "model.n_heads=16",
-           "model.n_kv_heads=4", "model.tie_embeddings=false"]
+    big = [
+        *COMMON,
+        "model.vocab_size=8192",
+        "model.d_model=1024",
+        "model.n_layers=8",
+        "model.n_heads=16",
+        "model.n_kv_heads=4",
+        "model.tie_embeddings=false",
+    ]
     for rank, m in enumerate(_torchrun("rss", tmp_path, tiny, big)):
         grown = m["big_peak"] - m["tiny_peak"]
-        print(f"\nrank {rank}: start-up peak RSS above the tiny model's {grown / 2**20:.0f} MiB "
-              f"= {grown / m['model_bytes']:.2f} x the full fp32 model ({m['model_bytes'] / 2**20:.0f} MiB)")
+        print(
+            f"\nrank {rank}: start-up peak RSS above the tiny model's {grown / 2**20:.0f} MiB "
+            f"= {grown / m['model_bytes']:.2f} x the full fp32 model ({m['model_bytes'] / 2**20:.0f} MiB)"
+        )
         assert 100e6 < m["model_bytes"] / 4 < 110e6
         assert grown <= 0.5 * m["model_bytes"], m
 
 
 @pytest.mark.slow
 def test_zero3_rank_never_holds_more_than_a_quarter_plus_one_parameter(tmp_path):
-    big = ["parallel.tp=1", "parallel.zero_stage=3", "train.precision=fp32", "model.vocab_size=1024",
-           "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
-           "model.tie_embeddings=false", "train.micro_batch_size=4", "train.global_batch_size=16"]
+    big = [
+        "parallel.tp=1",
+        "parallel.zero_stage=3",
+        "train.precision=fp32",
+        "model.vocab_size=1024",
+        "model.d_model=256",
+        "model.n_layers=4",
+        "model.n_heads=4",
+        "model.n_kv_heads=4",
+        "model.tie_embeddings=false",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=16",
+    ]
     for rank, m in enumerate(_torchrun("params", tmp_path, [], big)):
         bound = m["model_bytes"] / 4 + m["largest"]
-        print(f"\nrank {rank}: peak parameter bytes {m['peak'] / 2**20:.2f} MiB; a quarter of the model plus the "
-              f"largest parameter {bound / 2**20:.2f} MiB; the model {m['model_bytes'] / 2**20:.2f} MiB")
+        print(
+            f"\nrank {rank}: peak parameter bytes {m['peak'] / 2**20:.2f} MiB; a quarter of the model plus the "
+            f"largest parameter {bound / 2**20:.2f} MiB; the model {m['model_bytes'] / 2**20:.2f} MiB"
+        )
         assert m["partitioned"]
         assert m["peak"] <= bound * 1.001, m  # ZeRO pads each partition to the DP size: a few elements

@@ -16,18 +16,36 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher.cluster import jobs
 from loomtrain.launcher.cluster.packaging import plan_shipment
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "FAKE-SECRET-7f3a"
 SECRETS = [
-    ".env", ".env.production", "id_rsa", "id_rsa.pub", "server.pem", "tls.key", ".netrc", "kubeconfig",
-    "kubeconfig.yaml", "gcp-credentials.json", "secrets.yaml", ".aws/credentials", ".aws/config",
-    ".ray/auth_token", ".ssh/id_ed25519", "configs/secrets.yaml", "launcher/.env",
-    "launcher/cluster/credentials.py", "model/secrets_local.py", "runs/tiny/checkpoints/step_00000001/x.py",
-    "runs/tiny/metrics.jsonl", "exports/hf/model.safetensors", "data/corpus.jsonl", "data_pipeline/data/notes.py",
+    ".env",
+    ".env.production",
+    "id_rsa",
+    "id_rsa.pub",
+    "server.pem",
+    "tls.key",
+    ".netrc",
+    "kubeconfig",
+    "kubeconfig.yaml",
+    "gcp-credentials.json",
+    "secrets.yaml",
+    ".aws/credentials",
+    ".aws/config",
+    ".ray/auth_token",
+    ".ssh/id_ed25519",
+    "configs/secrets.yaml",
+    "launcher/.env",
+    "launcher/cluster/credentials.py",
+    "model/secrets_local.py",
+    "runs/tiny/checkpoints/step_00000001/x.py",
+    "runs/tiny/metrics.jsonl",
+    "exports/hf/model.safetensors",
+    "data/corpus.jsonl",
+    "data_pipeline/data/notes.py",
     "notes.txt",
 ]
 
@@ -60,7 +78,11 @@ def test_dry_run_lists_package_and_named_configs_with_sizes_and_no_secret(salted
     env = {**os.environ, "PYTHONPATH": str(salted.parent)}  # imports the salted copy itself
     proc = subprocess.run(
         [sys.executable, "-m", "loomtrain", "submit", "configs/tiny.yaml", "train.max_steps=5", "--dry-run"],
-        cwd=salted, env=env, capture_output=True, text=True, timeout=120,
+        cwd=salted,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = _shipped_names(proc.stdout)
@@ -72,8 +94,11 @@ def test_dry_run_lists_package_and_named_configs_with_sizes_and_no_secret(salted
     for rel in SECRETS:
         assert f"loomtrain/{rel}" not in names
     assert not any("linked" in n or "runs" in n for n in names)
-    size = {line.split()[1]: int(line.split()[0].replace(",", "")) for line in proc.stdout.splitlines()
-            if len(line.split()) == 2 and line.split()[0].replace(",", "").isdigit()}
+    size = {
+        line.split()[1]: int(line.split()[0].replace(",", ""))
+        for line in proc.stdout.splitlines()
+        if len(line.split()) == 2 and line.split()[0].replace(",", "").isdigit()
+    }
     assert size["loomtrain/launcher/loop.py"] == (salted / "launcher" / "loop.py").stat().st_size
     assert "total: " in proc.stdout and "symbolic link" in proc.stdout
     assert "--ray" in proc.stderr and "nothing submitted" in proc.stderr
@@ -90,9 +115,14 @@ def test_staged_working_dir_holds_no_secret_and_imports(salted, tmp_path):
     rel = {str(p.relative_to(stage)) for p in files}
     entries, _, _ = plan_shipment(salted / "configs" / "tiny.yaml", salted)
     assert rel == {e.dest for e in entries}
-    proc = subprocess.run([sys.executable, "-c", "import loomtrain.launcher.cluster.ray_train, loomtrain.launcher.loop"],
-                          env={**os.environ, "PYTHONPATH": str(stage)}, cwd=stage, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import loomtrain.launcher.cluster.ray_train, loomtrain.launcher.loop"],
+        env={**os.environ, "PYTHONPATH": str(stage)},
+        cwd=stage,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -111,7 +141,6 @@ def test_extends_chain_ships_and_a_secret_named_config_is_refused(salted, tmp_pa
 def test_every_subpackage_pyproject_lists_is_shipped(salted):
     """A subpackage named like an output folder (launcher/checkpoints) is code, and ships."""
     import tomllib
-
     from loomtrain.launcher.cluster.packaging import package_files
 
     shipped, _ = package_files(salted)

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, parallelize
 from loomtrain.parallel.plan import gather_full
@@ -29,17 +28,42 @@ TOL = 1e-5
 # Each variant differs from the single-process model in a way the plan must handle.
 VARIANTS = {
     # learned positions, LayerNorm pre-norm, GELU, tied embeddings, vocab 51 (not divisible by 2 or 4)
-    "base_tied_learned": dict(vocab_size=51, n_heads=4, positions="learned", norm="layernorm",
-                              activation="gelu", tie_embeddings=True),
+    "base_tied_learned": dict(
+        vocab_size=51, n_heads=4, positions="learned", norm="layernorm", activation="gelu", tie_embeddings=True
+    ),
     # MQA (1 KV head < tp), RoPE, RMSNorm, SwiGLU, untied
-    "mqa_rope_swiglu": dict(vocab_size=61, n_heads=4, n_kv_heads=1, positions="rope", norm="rmsnorm",
-                            activation="swiglu", tie_embeddings=False),
+    "mqa_rope_swiglu": dict(
+        vocab_size=61,
+        n_heads=4,
+        n_kv_heads=1,
+        positions="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        tie_embeddings=False,
+    ),
     # GQA 2 KV heads (== tp at 2, < tp at 4), ALiBi, post-norm, ReLU, biases everywhere
-    "gqa_alibi_post_bias": dict(vocab_size=64, n_heads=4, n_kv_heads=2, positions="alibi", norm="layernorm",
-                                norm_placement="post", activation="relu", bias=True, tie_embeddings=False),
+    "gqa_alibi_post_bias": dict(
+        vocab_size=64,
+        n_heads=4,
+        n_kv_heads=2,
+        positions="alibi",
+        norm="layernorm",
+        norm_placement="post",
+        activation="relu",
+        bias=True,
+        tie_embeddings=False,
+    ),
     # 8 heads / 4 KV heads, sinusoidal positions, SwiGLU with biases, tied
-    "gqa_sinusoidal_tied": dict(vocab_size=70, n_heads=8, n_kv_heads=4, positions="sinusoidal", norm="rmsnorm",
-                                activation="swiglu", bias=True, tie_embeddings=True),
+    "gqa_sinusoidal_tied": dict(
+        vocab_size=70,
+        n_heads=8,
+        n_kv_heads=4,
+        positions="sinusoidal",
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=True,
+        tie_embeddings=True,
+    ),
 }
 COMMON = dict(d_model=32, n_layers=2, max_seq_len=32, dropout=0.0)
 BATCH, SEQ = 2, 8
@@ -239,8 +263,9 @@ def _worker(rank, world, tp, port, out_path, train):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_matches_single_process(tp, tmp_path):
     out = tmp_path / "diffs.json"
-    mp.start_processes(_worker, args=(tp, tp, _free_port(), str(out), tp == 2), nprocs=tp,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _worker, args=(tp, tp, _free_port(), str(out), tp == 2), nprocs=tp, start_method="spawn", join=True
+    )
     results = json.loads(out.read_text())
     print(f"\nTP={tp} max abs diffs:")
     for key, diffs in results.items():

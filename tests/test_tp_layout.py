@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-
 from loomtrain.launcher.checkpoints.reshard import gather_tp, shard_tp
 from loomtrain.launcher.planning.dryrun import OneRankTopology
 from loomtrain.model import ModelConfig, Transformer
@@ -35,8 +34,10 @@ def test_specs_by_name():
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("overrides", [dict(n_kv_heads=1, tie_embeddings=True, bias=True),
-                                       dict(n_kv_heads=2, activation="swiglu", positions="alibi")])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(n_kv_heads=1, tie_embeddings=True, bias=True), dict(n_kv_heads=2, activation="swiglu", positions="alibi")],
+)
 def test_parallelize_cuts_what_the_layout_says_and_join_restores(tp, overrides):
     cfg = ModelConfig(**CFG, **overrides)
     full = Transformer(cfg, seed=3)

@@ -15,14 +15,23 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
-    "train.max_steps=10", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=1", "model.n_layers=2",
-    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8", "eval.every_steps=0",
-    "checkpoint.every_steps=0", "data.max_files=50", "log.tensorboard=false", "log.progress=plain",
+    "train.max_steps=10",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=1",
+    "model.n_layers=2",
+    "train.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "eval.every_steps=0",
+    "checkpoint.every_steps=0",
+    "data.max_files=50",
+    "log.tensorboard=false",
+    "log.progress=plain",
 ]
 
 
@@ -43,11 +52,31 @@ def _run(cmd: list[str], tmp_path: Path) -> None:
 def test_torchrun_tp2_dp2_sp_follows_single_process(tmp_path):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     ref_dir, tp_dir = tmp_path / "ref", tmp_path / "tp2"
-    _run([sys.executable, "-m", "loomtrain", "train", "configs/tiny.yaml", f"run.dir={ref_dir}", cache, *COMMON],
-         tmp_path)
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-          "-m", "loomtrain", "train", "configs/tiny.yaml", f"run.dir={tp_dir}", cache, *COMMON,
-          "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"], tmp_path)
+    _run(
+        [sys.executable, "-m", "loomtrain", "train", "configs/tiny.yaml", f"run.dir={ref_dir}", cache, *COMMON],
+        tmp_path,
+    )
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "4",
+            "-m",
+            "loomtrain",
+            "train",
+            "configs/tiny.yaml",
+            f"run.dir={tp_dir}",
+            cache,
+            *COMMON,
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.zero_stage=1",
+        ],
+        tmp_path,
+    )
     ref, tp = _losses(ref_dir), _losses(tp_dir)
     assert len(ref) == len(tp) == 10
     diff = max(abs(a - b) for a, b in zip(ref, tp))

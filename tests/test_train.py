@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from loomtrain.launcher.config_loader import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,16 +16,37 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 # tiny.yaml shrunk to seconds: a 2-layer d=64 model, 32-token sequences, grad_accum 2.
 SMALL = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8", "train.warmup_steps=2",
-    "data.max_files=40", "data.val_fraction=0.1", "eval.batches=2", "eval.sample_tokens=16",
-    "log.progress=plain", "checkpoint.every_steps=0",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=64",
+    "train.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.warmup_steps=2",
+    "data.max_files=40",
+    "data.val_fraction=0.1",
+    "eval.batches=2",
+    "eval.sample_tokens=16",
+    "log.progress=plain",
+    "checkpoint.every_steps=0",
 ]
 TRAIN_TAGS = {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "mem_bytes"}
 EVAL_TAGS = {"eval/loss", "eval/ppl"}
 # TensorBoard groups the same metrics (metrics.jsonl keeps the plain keys above).
-TB_TAGS = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "perf/step_time_s",
-           "memory/mem_bytes", "perf/step_time_max_s", "perf/slowest_rank", "memory/mem_bytes_max"}
+TB_TAGS = {
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "perf/tokens_per_s",
+    "perf/mfu",
+    "perf/step_time_s",
+    "memory/mem_bytes",
+    "perf/step_time_max_s",
+    "perf/slowest_rank",
+    "memory/mem_bytes_max",
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +78,14 @@ def cli_run(tmp_path_factory, data_cache):
     work = tmp_path_factory.mktemp("cli")
     run_dir = work / "runs" / "small"
     proc = cli(
-        "train", str(TINY), *SMALL, "train.max_steps=4", "eval.every_steps=2",
-        f"run.dir={run_dir}", f"data.cache_dir={data_cache}", cwd=work,
+        "train",
+        str(TINY),
+        *SMALL,
+        "train.max_steps=4",
+        "eval.every_steps=2",
+        f"run.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        cwd=work,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, proc
@@ -175,10 +201,27 @@ def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
     # --standalone: torchrun binds its own free port at once (a port picked here first could
     # be taken by another process, e.g. a Ray worker of the shared test cluster, before use)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "loomtrain", "train", str(TINY), *SMALL, *extra,
-         f"run.dir={tmp_path / 'two'}", f"data.cache_dir={data_cache}"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "loomtrain",
+            "train",
+            str(TINY),
+            *SMALL,
+            *extra,
+            f"run.dir={tmp_path / 'two'}",
+            f"data.cache_dir={data_cache}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.engine import ds_config, lr_lambda, param_groups
 from loomtrain.launcher.metrics import MetricsLogger, gpu_peak_flops
@@ -16,8 +15,17 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 def test_ds_config_derives_accumulation_from_global_micro_and_dp():
-    cfg = load_config(TINY, ["train.micro_batch_size=4", "train.global_batch_size=32", "train.precision=bf16",
-                             "parallel.zero_stage=2", "train.grad_clip=0.5"], world_size=2)
+    cfg = load_config(
+        TINY,
+        [
+            "train.micro_batch_size=4",
+            "train.global_batch_size=32",
+            "train.precision=bf16",
+            "parallel.zero_stage=2",
+            "train.grad_clip=0.5",
+        ],
+        world_size=2,
+    )
     ds = ds_config(cfg, dp_size=2)
     assert ds["train_micro_batch_size_per_gpu"] == 4
     assert ds["gradient_accumulation_steps"] == 4  # 32 / (4 * 2)
@@ -31,8 +39,19 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
     from loomtrain.model import ModelConfig, Transformer
 
     for tied, positions in ((True, "rope"), (False, "learned")):
-        model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, bias=True,
-                                        tie_embeddings=tied, positions=positions, norm="layernorm"), seed=0)
+        model = Transformer(
+            ModelConfig(
+                vocab_size=64,
+                d_model=32,
+                n_layers=2,
+                n_heads=4,
+                bias=True,
+                tie_embeddings=tied,
+                positions=positions,
+                norm="layernorm",
+            ),
+            seed=0,
+        )
         decay, no_decay = param_groups(model, 0.1)
         names = {id(p): n for n, p in model.named_parameters()}
         decayed = {names[id(p)] for p in decay["params"]}
@@ -46,8 +65,16 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_lr_schedule_warmup_then_decay(schedule):
-    cfg = load_config(TINY, [f"train.lr_schedule={schedule}", "train.lr=1e-3", "train.min_lr=1e-4",
-                             "train.warmup_steps=10", "train.max_steps=110"])
+    cfg = load_config(
+        TINY,
+        [
+            f"train.lr_schedule={schedule}",
+            "train.lr=1e-3",
+            "train.min_lr=1e-4",
+            "train.warmup_steps=10",
+            "train.max_steps=110",
+        ],
+    )
     f = lr_lambda(cfg)
     assert f(0) == pytest.approx(0.1) and f(4) == pytest.approx(0.5) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0)

@@ -26,17 +26,28 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.config_loader import load_config
+from loomtrain.launcher.planning import memory_model as mm
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "configs/tiny.yaml"
 COMMON = [
-    "train.max_steps=10", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
-    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8", "train.lr=1e-3",
-    "train.warmup_steps=2", "eval.every_steps=0", "checkpoint.every_steps=0", "checkpoint.resume=never",
-    "data.max_files=50", "log.tensorboard=false", "log.progress=plain",
+    "train.max_steps=10",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.n_layers=2",
+    "train.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.lr=1e-3",
+    "train.warmup_steps=2",
+    "eval.every_steps=0",
+    "checkpoint.every_steps=0",
+    "checkpoint.resume=never",
+    "data.max_files=50",
+    "log.tensorboard=false",
+    "log.progress=plain",
 ]
 TP2 = ["parallel.tp=2"]
 VARIANTS_4 = {
@@ -77,8 +88,15 @@ def _env() -> dict[str, str]:
 
 
 def _driver(prefix: list[str], out: Path, cache: Path, variants: dict[str, list[str]]) -> None:
-    cmd = [*prefix, str(ROOT / "tests" / "zero_driver.py"), str(out), TINY, "--common", *COMMON,
-           f"data.cache_dir={cache}"]
+    cmd = [
+        *prefix,
+        str(ROOT / "tests" / "zero_driver.py"),
+        str(out),
+        TINY,
+        "--common",
+        *COMMON,
+        f"data.cache_dir={cache}",
+    ]
     for name, overrides in variants.items():
         cmd += ["--variant", name, *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
@@ -90,8 +108,9 @@ def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero")
     cache = out / "cache"
     _driver([sys.executable], out, cache, VARIANTS_1)
-    _driver([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"],
-            out, cache, VARIANTS_4)
+    _driver(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"], out, cache, VARIANTS_4
+    )
     return out
 
 
@@ -157,8 +176,9 @@ def test_plan_model_states_within_10_percent(runs, stage):
         m = json.loads((runs / f"z{stage}" / f"memory.rank{rank}.json").read_text())
         assert plan.params.per_rank == m["local_params"]
         rel = abs(plan.states.total - m["model_states"]) / m["model_states"]
-        print(f"\nZeRO-{stage} rank {rank}: plan {plan.states.total:,.0f} B, measured {m['model_states']:,} B "
-              f"({rel:.1%})")
+        print(
+            f"\nZeRO-{stage} rank {rank}: plan {plan.states.total:,.0f} B, measured {m['model_states']:,} B ({rel:.1%})"
+        )
         assert rel <= 0.10
 
 
@@ -175,9 +195,24 @@ def test_nonfinite_cli_fp32_zero0_path(runs, tmp_path):
     run_dir = tmp_path / "nan0"
     env = {**_env(), "LOOMTRAIN_TEST_NONFINITE_STEPS": "2,4-6"}
     proc = subprocess.run(
-        [sys.executable, "-m", "loomtrain", "train", TINY, *COMMON, "train.max_steps=8",
-         "train.max_consecutive_skips=3", f"run.dir={run_dir}", f"data.cache_dir={runs / 'cache'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "loomtrain",
+            "train",
+            TINY,
+            *COMMON,
+            "train.max_steps=8",
+            "train.max_consecutive_skips=3",
+            f"run.dir={run_dir}",
+            f"data.cache_dir={runs / 'cache'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loomtrain: training stopped: train.max_consecutive_skips=3: optimizer steps 4-6" in proc.stderr
     rows = _metrics(run_dir)

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard, fault_steps, inject
 from loomtrain.model import ModelConfig, Transformer

@@ -21,8 +21,8 @@ from pathlib import Path
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.hooks import Hooks
 from loomtrain.launcher.loop import run_training
-from loomtrain.launcher.planning.memory_measure import GradPeak, measure
 from loomtrain.launcher.nonfinite import FAULT_ENV, NonFiniteError
+from loomtrain.launcher.planning.memory_measure import GradPeak, measure
 
 
 class MeasureMemory(Hooks):
@@ -44,8 +44,9 @@ class MeasureMemory(Hooks):
         if ctx.state.step != 1:
             return
         result = measure(ctx.engine, self.peak)
-        result["local_params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                                     for p in ctx.engine.module.parameters())
+        result["local_params"] = sum(
+            p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in ctx.engine.module.parameters()
+        )
         result["tp"], result["dp"] = ctx.topology.tp_size, ctx.topology.dp_size
         self.peak.remove()
         (self.out / f"memory.rank{ctx.dist.rank}.json").write_text(json.dumps(result))
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
         keys = [o for o in overrides if not o.startswith("env:")]
         cfg = load_config(config, [*common, *keys, f"run.dir={run_dir}"])
         run_dir.mkdir(parents=True, exist_ok=True)
-        env = [o[len("env:"):] for o in overrides if o.startswith("env:")]
+        env = [o[len("env:") :] for o in overrides if o.startswith("env:")]
         os.environ.pop(FAULT_ENV, None)
         if env:
             os.environ[FAULT_ENV] = env[0]

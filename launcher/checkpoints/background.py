@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from loomtrain.launcher.checkpoints.state import (
     Snapshot,
@@ -32,8 +32,13 @@ POLL_S = 0.05
 
 
 class BackgroundSave:
-    def __init__(self, snap: Snapshot, store: CheckpointStore, tmp: Path,
-                 on_published: Callable[["BackgroundSave"], None] | None = None):
+    def __init__(
+        self,
+        snap: Snapshot,
+        store: CheckpointStore,
+        tmp: Path,
+        on_published: Callable[[BackgroundSave], None] | None = None,
+    ):
         self.snap, self.store, self.tmp = snap, store, Path(tmp)
         self.on_published = on_published
         self.step = snap.step
@@ -42,7 +47,7 @@ class BackgroundSave:
         self.write_start = self.write_end = self.published_at = None
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-step-{snap.step}", daemon=True)
 
-    def start(self) -> "BackgroundSave":
+    def start(self) -> BackgroundSave:
         self._thread.start()
         return self
 
@@ -74,11 +79,16 @@ class BackgroundSave:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def wait(self) -> "BackgroundSave":
+    def wait(self) -> BackgroundSave:
         self._thread.join()
         return self
 
     def record(self) -> dict:
-        return {"step": self.step, "write_start": self.write_start, "write_end": self.write_end,
-                "published_at": self.published_at, "path": None if self.path is None else str(self.path),
-                "error": None if self.error is None else str(self.error)}
+        return {
+            "step": self.step,
+            "write_start": self.write_start,
+            "write_end": self.write_end,
+            "published_at": self.published_at,
+            "path": None if self.path is None else str(self.path),
+            "error": None if self.error is None else str(self.error),
+        }

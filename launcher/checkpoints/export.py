@@ -38,9 +38,9 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -63,8 +63,17 @@ def parse_size(text: str) -> int:
     if not m:
         raise ExportError(f"--max-shard-size {text!r}: expected a size such as 500MB, 5GB or 2GiB")
     unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}.get(unit)
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }.get(unit)
     size = int(float(m.group(1)) * scale) if scale else 0
     if size <= 0:
         raise ExportError(f"--max-shard-size {text!r}: expected a positive size such as 500MB or 5GB")
@@ -74,7 +83,6 @@ def parse_size(text: str) -> int:
 # Reading a run --------------------------------------------------------------------------
 def _model_config_from_yaml(path: Path):
     import yaml
-
     from loomtrain.model import ModelConfig
 
     data = yaml.safe_load(path.read_text())
@@ -103,7 +111,13 @@ def open_source(src: str | Path) -> Source:
     from loomtrain.launcher.checkpoints.state import ConsolidatedReader
     from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
     from loomtrain.launcher.weights import (
-        MODEL_CONFIG, TOKENIZER_DIR, WEIGHTS, WEIGHTS_INDEX, FinalWeightsError, final_weight_files, verify_final,
+        MODEL_CONFIG,
+        TOKENIZER_DIR,
+        WEIGHTS,
+        WEIGHTS_INDEX,
+        FinalWeightsError,
+        final_weight_files,
+        verify_final,
     )
 
     src = Path(src)
@@ -123,8 +137,13 @@ def open_source(src: str | Path) -> Source:
         except CorruptCheckpoint as exc:
             raise ExportError(str(exc)) from None
         tok = ckpt / "tokenizer"
-        return Source({n: reader.reader.shape(n) for n in reader.names()}, reader.get,
-                      _model_config_from_yaml(ckpt / "config.yaml"), tok if tok.is_dir() else None, f"checkpoint {ckpt}")
+        return Source(
+            {n: reader.reader.shape(n) for n in reader.names()},
+            reader.get,
+            _model_config_from_yaml(ckpt / "config.yaml"),
+            tok if tok.is_dir() else None,
+            f"checkpoint {ckpt}",
+        )
     final = src if ((src / WEIGHTS).is_file() or (src / WEIGHTS_INDEX).is_file()) else src / "final"
     if (final / WEIGHTS).is_file() or (final / WEIGHTS_INDEX).is_file():
         from loomtrain.model import ModelConfig
@@ -173,11 +192,15 @@ def hf_architecture(cfg) -> str:
         need("norm", ("layernorm",), arch)
         need("activation", ("gelu", "gelu_tanh", "relu"), arch)
         if cfg.kv_heads != cfg.n_heads:
-            raise ExportError(f"model.n_kv_heads={cfg.n_kv_heads}: GPT-2 has no grouped-query attention "
-                              f"(needs n_kv_heads == n_heads = {cfg.n_heads})")
+            raise ExportError(
+                f"model.n_kv_heads={cfg.n_kv_heads}: GPT-2 has no grouped-query attention "
+                f"(needs n_kv_heads == n_heads = {cfg.n_heads})"
+            )
         return "gpt2"
-    raise ExportError(f"model.positions={cfg.positions!r}: Hugging Face export supports 'rope' (Llama-style: "
-                      f"rmsnorm + swiglu) and 'learned' (GPT-2-style: layernorm + gelu)")
+    raise ExportError(
+        f"model.positions={cfg.positions!r}: Hugging Face export supports 'rope' (Llama-style: "
+        f"rmsnorm + swiglu) and 'learned' (GPT-2-style: layernorm + gelu)"
+    )
 
 
 def _eos_id(tok_dir: Path | None, vocab_size: int) -> int | None:
@@ -219,9 +242,15 @@ def _cat(parts: list[Recipe]) -> Recipe:
 # Llama --------------------------------------------------------------------------------------
 def to_llama(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], dict]:
     out = {"model.embed_tokens.weight": _ref(src, "tok_emb.weight")}
-    names = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
-             "attn.wo": "self_attn.o_proj", "ffn.gate": "mlp.gate_proj", "ffn.up": "mlp.up_proj",
-             "ffn.down": "mlp.down_proj"}
+    names = {
+        "attn.wq": "self_attn.q_proj",
+        "attn.wk": "self_attn.k_proj",
+        "attn.wv": "self_attn.v_proj",
+        "attn.wo": "self_attn.o_proj",
+        "ffn.gate": "mlp.gate_proj",
+        "ffn.up": "mlp.up_proj",
+        "ffn.down": "mlp.down_proj",
+    }
     for i in range(cfg.n_layers):
         s, dst = f"blocks.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = _ref(src, s + "attn_norm.weight")
@@ -234,15 +263,29 @@ def to_llama(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], d
     if not cfg.tie_embeddings:  # tied: config.json says so and transformers re-ties on load
         out["lm_head.weight"] = _ref(src, "lm_head.weight")
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0,
-        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-        "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": "float32", "dtype": "float32",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": cfg.bias,
+        "mlp_bias": cfg.bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "dtype": "float32",
         "use_cache": True,
     }
     return out, config
@@ -257,7 +300,9 @@ def to_gpt2(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], di
         out[t + "ln_1.weight"] = _ref(src, s + "attn_norm.weight")
         out[t + "ln_1.bias"] = _bias(src, s + "attn_norm.bias", d)
         # Conv1D: y = x @ W + b with W [in, out]
-        out[t + "attn.c_attn.weight"] = _transposed(_cat([_ref(src, s + f"attn.{p}.weight") for p in ("wq", "wk", "wv")]))
+        out[t + "attn.c_attn.weight"] = _transposed(
+            _cat([_ref(src, s + f"attn.{p}.weight") for p in ("wq", "wk", "wv")])
+        )
         out[t + "attn.c_attn.bias"] = _cat([_bias(src, s + f"attn.{p}.bias", d) for p in ("wq", "wk", "wv")])
         out[t + "attn.c_proj.weight"] = _transposed(_ref(src, s + "attn.wo.weight"))
         out[t + "attn.c_proj.bias"] = _bias(src, s + "attn.wo.bias", d)
@@ -272,15 +317,30 @@ def to_gpt2(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], di
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = _ref(src, "lm_head.weight")
     config = {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size, "n_embd": d, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
-        "n_inner": cfg.ffn_dim, "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_embd": d,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": cfg.ffn_dim,
+        "n_positions": cfg.max_seq_len,
+        "n_ctx": cfg.max_seq_len,
         # "gelu" is the exact erf GELU, as in loomtrain; gelu_pytorch_tanh is F.gelu(approximate="tanh")
         "activation_function": HF_ACTIVATION[cfg.activation],
-        "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-        "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": "float32", "dtype": "float32",
+        "layer_norm_epsilon": cfg.norm_eps,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "dtype": "float32",
         "use_cache": True,
     }
     return out, config
@@ -326,7 +386,11 @@ def export_tokenizer(tok_dir: Path | None, out: Path, max_len: int) -> None:
     else:
         eos = getattr(tok, "eos_token", None)
         shutil.copyfile(tok_dir / "tokenizer.json", out / "tokenizer.json")
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len, "clean_up_tokenization_spaces": False}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
     if eos:
         cfg.update(eos_token=eos, bos_token=eos)
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -383,14 +447,19 @@ def _earlier_export(path: Path) -> bool:
 
 def _check_output(out: Path) -> None:
     if out.is_file() or (out.exists() and not out.is_dir()):
-        raise ExportError(f"--output {out}: is a file; expected a directory to create (or an earlier export to replace)")
+        raise ExportError(
+            f"--output {out}: is a file; expected a directory to create (or an earlier export to replace)"
+        )
     if out.is_dir() and any(out.iterdir()) and not _earlier_export(out):
-        raise ExportError(f"--output {out}: a non-empty directory that is not an earlier export; "
-                          f"choose a new or empty directory (nothing in it was touched)")
+        raise ExportError(
+            f"--output {out}: a non-empty directory that is not an earlier export; "
+            f"choose a new or empty directory (nothing in it was touched)"
+        )
 
 
-def export_hf(src: str | Path, output: str | Path, dtype: str = "fp32",
-              max_shard_size: str | int = DEFAULT_MAX_SHARD) -> Path:
+def export_hf(
+    src: str | Path, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = DEFAULT_MAX_SHARD
+) -> Path:
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -427,19 +496,26 @@ def export_hf(src: str | Path, output: str | Path, dtype: str = "fp32",
         for v in r.shape:
             k *= v
         n_params += k
-    print(f"export: {source.what} -> {out} ({config['architectures'][0]}, {n_params:,} parameters, {dtype}, "
-          f"{len(names)} file{'s' if len(names) > 1 else ''})")
+    print(
+        f"export: {source.what} -> {out} ({config['architectures'][0]}, {n_params:,} parameters, {dtype}, "
+        f"{len(names)} file{'s' if len(names) > 1 else ''})"
+    )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="loomtrain export", description="Export a run's weights to Hugging Face format.")
-    ap.add_argument("run_dir", help="a run directory (newest complete checkpoint, else final/) or a checkpoint directory")
+    ap.add_argument(
+        "run_dir", help="a run directory (newest complete checkpoint, else final/) or a checkpoint directory"
+    )
     ap.add_argument("--format", default="hf", choices=FORMATS)
     ap.add_argument("--output", required=True, help="output directory (created; an earlier export there is replaced)")
     ap.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weights' dtype in the export (default fp32)")
-    ap.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD,
-                    help="largest weights file, Hugging Face style: 500MB, 5GB, 2GiB (default 5GB)")
+    ap.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD,
+        help="largest weights file, Hugging Face style: 500MB, 5GB, 2GiB (default 5GB)",
+    )
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         export_hf(args.run_dir, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size)

@@ -43,23 +43,39 @@ from loomtrain.launcher.checkpoints.weight_source import (
 FORMATS = ("hf",)
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 # GPT-2 activation_function -> model.activation computing the same function
-GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-                    "gelu": "gelu", "relu": "relu"}
+GPT2_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+}
 # config.json fields whose presence (with a value other than off) changes the computation in a
 # way loomtrain's model does not have.
 UNSUPPORTED = {
-    "rope_scaling": "RoPE scaling", "sliding_window": "sliding-window attention",
-    "use_sliding_window": "sliding-window attention", "num_local_experts": "a mixture of experts",
-    "num_experts": "a mixture of experts", "n_routed_experts": "a mixture of experts",
-    "moe_intermediate_size": "a mixture of experts", "quantization_config": "quantized weights",
-    "add_cross_attention": "cross-attention", "attention_chunk_size": "chunked attention",
+    "rope_scaling": "RoPE scaling",
+    "sliding_window": "sliding-window attention",
+    "use_sliding_window": "sliding-window attention",
+    "num_local_experts": "a mixture of experts",
+    "num_experts": "a mixture of experts",
+    "n_routed_experts": "a mixture of experts",
+    "moe_intermediate_size": "a mixture of experts",
+    "quantization_config": "quantized weights",
+    "add_cross_attention": "cross-attention",
+    "attention_chunk_size": "chunked attention",
 }
 # Buffers some checkpoints carry that loomtrain recomputes: the RoPE frequencies and
 # GPT-2's causal mask.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
-LLAMA_LINEARS = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
-                 "attn.wo": "self_attn.o_proj", "ffn.gate": "mlp.gate_proj", "ffn.up": "mlp.up_proj",
-                 "ffn.down": "mlp.down_proj"}
+LLAMA_LINEARS = {
+    "attn.wq": "self_attn.q_proj",
+    "attn.wk": "self_attn.k_proj",
+    "attn.wv": "self_attn.v_proj",
+    "attn.wo": "self_attn.o_proj",
+    "ffn.gate": "mlp.gate_proj",
+    "ffn.up": "mlp.up_proj",
+    "ffn.down": "mlp.down_proj",
+}
 
 
 class HFImportError(WeightSourceError):
@@ -81,7 +97,9 @@ def _llama_config(c: dict, where: Path) -> dict:
     d, heads = c["hidden_size"], c["num_attention_heads"]
     head_dim = c.get("head_dim")
     if head_dim is not None and head_dim * heads != d:
-        _refuse(where, "head_dim", head_dim, f"loomtrain's head dim is hidden_size / num_attention_heads = {d // heads}")
+        _refuse(
+            where, "head_dim", head_dim, f"loomtrain's head dim is hidden_size / num_attention_heads = {d // heads}"
+        )
     rope = c.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         _refuse(where, "rope_parameters.rope_type", rope["rope_type"], "RoPE scaling is not in loomtrain's model")
@@ -89,18 +107,37 @@ def _llama_config(c: dict, where: Path) -> dict:
         _refuse(where, "partial_rotary_factor", c["partial_rotary_factor"], "loomtrain rotates the whole head")
     attn_bias, mlp_bias = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
     if attn_bias != mlp_bias:
-        _refuse(where, "mlp_bias", mlp_bias, f"loomtrain's model.bias covers attention and MLP alike "
-                f"(attention_bias={attn_bias})")
+        _refuse(
+            where,
+            "mlp_bias",
+            mlp_bias,
+            f"loomtrain's model.bias covers attention and MLP alike (attention_bias={attn_bias})",
+        )
     if not _off(c.get("attention_dropout")):
-        _refuse(where, "attention_dropout", c["attention_dropout"], "loomtrain's model.dropout also drops "
-                "the residual stream; set it after import instead")
+        _refuse(
+            where,
+            "attention_dropout",
+            c["attention_dropout"],
+            "loomtrain's model.dropout also drops the residual stream; set it after import instead",
+        )
     return dict(
-        vocab_size=c["vocab_size"], d_model=d, n_layers=c["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=c.get("num_key_value_heads") or heads, ffn_hidden=c["intermediate_size"],
-        max_seq_len=c.get("max_position_embeddings", 2048), norm="rmsnorm", norm_placement="pre",
-        activation="swiglu", positions="rope", rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)), bias=attn_bias, dropout=0.0,
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)), init_std=float(c.get("initializer_range", 0.02)),
+        vocab_size=c["vocab_size"],
+        d_model=d,
+        n_layers=c["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=c.get("num_key_value_heads") or heads,
+        ffn_hidden=c["intermediate_size"],
+        max_seq_len=c.get("max_position_embeddings", 2048),
+        norm="rmsnorm",
+        norm_placement="pre",
+        activation="swiglu",
+        positions="rope",
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bias=attn_bias,
+        dropout=0.0,
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        init_std=float(c.get("initializer_range", 0.02)),
     )
 
 
@@ -114,15 +151,31 @@ def _gpt2_config(c: dict, where: Path) -> dict:
         _refuse(where, "scale_attn_by_inverse_layer_idx", True, "loomtrain scales every layer alike")
     drops = {k: float(c.get(k, 0.1)) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     if len(set(drops.values())) > 1:
-        _refuse(where, "attn_pdrop", drops["attn_pdrop"], f"loomtrain has one model.dropout for all three "
-                f"(resid_pdrop={drops['resid_pdrop']}, embd_pdrop={drops['embd_pdrop']})")
+        _refuse(
+            where,
+            "attn_pdrop",
+            drops["attn_pdrop"],
+            f"loomtrain has one model.dropout for all three "
+            f"(resid_pdrop={drops['resid_pdrop']}, embd_pdrop={drops['embd_pdrop']})",
+        )
     d = c["n_embd"]
     return dict(
-        vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=c["n_head"], n_kv_heads=None,
-        ffn_hidden=c.get("n_inner") or 4 * d, max_seq_len=c.get("n_positions", 1024), norm="layernorm",
-        norm_placement="pre", activation=GPT2_ACTIVATIONS[act], positions="learned",
-        tie_embeddings=bool(c.get("tie_word_embeddings", True)), bias=True, dropout=drops["resid_pdrop"],
-        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), init_std=float(c.get("initializer_range", 0.02)),
+        vocab_size=c["vocab_size"],
+        d_model=d,
+        n_layers=c["n_layer"],
+        n_heads=c["n_head"],
+        n_kv_heads=None,
+        ffn_hidden=c.get("n_inner") or 4 * d,
+        max_seq_len=c.get("n_positions", 1024),
+        norm="layernorm",
+        norm_placement="pre",
+        activation=GPT2_ACTIVATIONS[act],
+        positions="learned",
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bias=True,
+        dropout=drops["resid_pdrop"],
+        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+        init_std=float(c.get("initializer_range", 0.02)),
     )
 
 
@@ -169,8 +222,12 @@ def llama_refs(cfg) -> dict[str, TensorRef]:
 def gpt2_refs(cfg, prefix: str) -> dict[str, TensorRef]:
     """prefix: "transformer." as GPT2LMHeadModel saves, "" in checkpoints saved from GPT2Model."""
     d, t = cfg.d_model, prefix
-    refs = {"tok_emb.weight": TensorRef(t + "wte.weight"), "pos_emb.weight": TensorRef(t + "wpe.weight"),
-            "norm.weight": TensorRef(t + "ln_f.weight"), "norm.bias": TensorRef(t + "ln_f.bias")}
+    refs = {
+        "tok_emb.weight": TensorRef(t + "wte.weight"),
+        "pos_emb.weight": TensorRef(t + "wpe.weight"),
+        "norm.weight": TensorRef(t + "ln_f.weight"),
+        "norm.bias": TensorRef(t + "ln_f.bias"),
+    }
     for i in range(cfg.n_layers):
         ours, theirs = f"blocks.{i}.", f"{t}h.{i}."
         for o, n in (("attn_norm", "ln_1"), ("ffn_norm", "ln_2")):
@@ -206,8 +263,9 @@ def open_hf(src: str | Path) -> WeightSource:
     used = {r.key for r in refs.values()} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     extra = sorted(k for k in keys - used if not k.endswith(IGNORED_SUFFIXES))
     if extra:
-        raise HFImportError(f"{src}: tensor {extra[0]!r} has no place in a loomtrain {arch} model "
-                            f"({len(extra)} such tensors)")
+        raise HFImportError(
+            f"{src}: tensor {extra[0]!r} has no place in a loomtrain {arch} model ({len(extra)} such tensors)"
+        )
     tok = src if (src / "tokenizer.json").is_file() else None
     return WeightSource(cfg, files, refs, f"Hugging Face {arch} model {src}", tok)
 
@@ -217,16 +275,22 @@ def _load_tokenizer(source: WeightSource, src: Path):
     from loomtrain.data_pipeline import DataError, load_tokenizer
 
     if source.tokenizer_dir is None:
-        hint = " (it has a sentencepiece tokenizer.model: save it as tokenizer.json with transformers' " \
-               "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))" if (src / "tokenizer.model").is_file() else ""
+        hint = (
+            " (it has a sentencepiece tokenizer.model: save it as tokenizer.json with transformers' "
+            "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))"
+            if (src / "tokenizer.model").is_file()
+            else ""
+        )
         raise HFImportError(f"{src}: no tokenizer.json{hint}")
     try:
         tok = load_tokenizer(source.tokenizer_dir)
     except DataError as exc:
         raise HFImportError(str(exc)) from None
     if tok.vocab_size > source.model_cfg.vocab_size:
-        raise HFImportError(f"{src / 'tokenizer.json'}: {tok.vocab_size} tokens, more than the model's "
-                            f"vocab_size {source.model_cfg.vocab_size}")
+        raise HFImportError(
+            f"{src / 'tokenizer.json'}: {tok.vocab_size} tokens, more than the model's "
+            f"vocab_size {source.model_cfg.vocab_size}"
+        )
     return tok
 
 
@@ -266,8 +330,9 @@ def import_hf(src: str | Path, output: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="loomtrain import",
-                                 description="Turn a Hugging Face model directory into a loomtrain run directory.")
+    ap = argparse.ArgumentParser(
+        prog="loomtrain import", description="Turn a Hugging Face model directory into a loomtrain run directory."
+    )
     ap.add_argument("src", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
     ap.add_argument("--format", default="hf", choices=FORMATS)
     ap.add_argument("--output", required=True, help="the run directory to create (final/ and config.yaml)")

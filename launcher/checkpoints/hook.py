@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-
 from loomtrain.launcher.checkpoints.background import BackgroundSave
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
 from loomtrain.launcher.checkpoints.state import (
@@ -97,8 +96,10 @@ class CheckpointHook(Hooks):
         ctx.extras["resumed_from"] = str(found)
         ctx.extras["checkpoint_bytes_read"] = trainer.get("bytes_read", 0)
         lay = trainer["layout"]
-        log(f"resumed from {found} (step {ctx.state.step}, saved at tp {lay['tp']} x dp {lay['dp']} "
-            f"zero {lay['zero_stage']}) in {time.perf_counter() - t0:.1f} s")
+        log(
+            f"resumed from {found} (step {ctx.state.step}, saved at tp {lay['tp']} x dp {lay['dp']} "
+            f"zero {lay['zero_stage']}) in {time.perf_counter() - t0:.1f} s"
+        )
 
     def _tidy(self, ctx: TrainContext, fresh: bool, log) -> None:
         """Rank 0, once the start is decided (a refused resume changes no file): drop
@@ -118,8 +119,14 @@ class CheckpointHook(Hooks):
         while True:
             bad = None
             try:
-                trainer = load_checkpoint(found, ctx.engine, ctx.topology, stream=ctx.train_stream,
-                                          lr_scheduler=ctx.scheduler, zero_stage=self.cfg.parallel.zero_stage)
+                trainer = load_checkpoint(
+                    found,
+                    ctx.engine,
+                    ctx.topology,
+                    stream=ctx.train_stream,
+                    lr_scheduler=ctx.scheduler,
+                    zero_stage=self.cfg.parallel.zero_stage,
+                )
             except CorruptCheckpoint as exc:
                 bad = str(exc)
             except ValueError as exc:  # another model shape: the same verdict on every rank
@@ -144,8 +151,10 @@ class CheckpointHook(Hooks):
                         break
             older = broadcast_str(older)
             if older is None:
-                raise ConfigError(f"checkpoint: no usable checkpoint in {self.store.root}: {bad}; "
-                                  f"start afresh with checkpoint.resume=never")
+                raise ConfigError(
+                    f"checkpoint: no usable checkpoint in {self.store.root}: {bad}; "
+                    f"start afresh with checkpoint.resume=never"
+                )
             found = older
 
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
@@ -182,8 +191,9 @@ class CheckpointHook(Hooks):
         if bg.error is not None:
             if is_write_error(bg.error):  # a full or read-only disk: one line, `latest` untouched
                 raise write_error(bg.error, self.store, bg.step) from None
-            self._message(ctx, f"checkpoint: step {bg.step} was not saved (rank {ctx.dist.rank}): {bg.error}",
-                          every_rank=True)
+            self._message(
+                ctx, f"checkpoint: step {bg.step} was not saved (rank {ctx.dist.rank}): {bg.error}", every_rank=True
+            )
 
     def flush_local(self, timeout_s: float = 300.0) -> None:
         """Block until the save in flight is published, without a collective (rank 0's writer
@@ -219,10 +229,18 @@ class CheckpointHook(Hooks):
             tmp = self.store.begin(step) if rank == 0 else self.store.temp_dir(step)
             barrier()
             asynchronous = bool(self.cfg.checkpoint.async_save)
-            snap = take_snapshot(step, ctx.engine, ctx.topology, copy=asynchronous, stream=ctx.train_stream,
-                                 counters={"state": ctx.state.state_dict()}, lr_scheduler=ctx.scheduler,
-                                 config_yaml=to_yaml(self.cfg), tokenizer=ctx.tokenizer,
-                                 zero_stage=self.cfg.parallel.zero_stage)
+            snap = take_snapshot(
+                step,
+                ctx.engine,
+                ctx.topology,
+                copy=asynchronous,
+                stream=ctx.train_stream,
+                counters={"state": ctx.state.state_dict()},
+                lr_scheduler=ctx.scheduler,
+                config_yaml=to_yaml(self.cfg),
+                tokenizer=ctx.tokenizer,
+                zero_stage=self.cfg.parallel.zero_stage,
+            )
             self.last_saved = step
             record = {"step": step, "reason": reason, "async": asynchronous}
             self.saves.append(record)
@@ -230,8 +248,10 @@ class CheckpointHook(Hooks):
 
             def published(bg: BackgroundSave) -> None:
                 record.update(bg.record())
-                msg = (f"checkpoint: step {bg.step} -> {bg.path} ({time.perf_counter() - t0:.1f} s, "
-                       f"training blocked {record['blocked_s']:.2f} s)")
+                msg = (
+                    f"checkpoint: step {bg.step} -> {bg.path} ({time.perf_counter() - t0:.1f} s, "
+                    f"training blocked {record['blocked_s']:.2f} s)"
+                )
                 self._message(ctx, msg + (f" [{reason}]" if reason else ""))
 
             if asynchronous:

@@ -35,17 +35,26 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
 
 GRID_ROWS, GRID_COLS = 32, 8
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-           torch.int32: "I32", torch.uint8: "U8", torch.float64: "F64", torch.int16: "I16", torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.int16: "I16",
+    torch.bool: "BOOL",
+}
 
 
 class CorruptCheckpoint(ValueError):
@@ -83,7 +92,7 @@ class Region:
         return self.flat[1] - self.flat[0]
 
     @classmethod
-    def whole(cls, box) -> "Region":
+    def whole(cls, box) -> Region:
         r0, r1, c0, c1 = box
         return cls(tuple(box), (0, (r1 - r0) * (c1 - c0)))
 
@@ -91,7 +100,7 @@ class Region:
         return {"box": list(self.box), "flat": list(self.flat)}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Region":
+    def from_json(cls, d: dict) -> Region:
         return cls(tuple(int(v) for v in d["box"]), tuple(int(v) for v in d["flat"]))
 
 
@@ -169,7 +178,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 def _take(data: torch.Tensor, off: np.ndarray) -> torch.Tensor:
     if len(off) and int(off[-1]) - int(off[0]) + 1 == len(off):
-        return data[int(off[0]): int(off[-1]) + 1]
+        return data[int(off[0]) : int(off[-1]) + 1]
     return data[torch.from_numpy(off)]
 
 
@@ -190,8 +199,12 @@ class SafetensorsWriter:
     then each tensor's bytes as the caller produces them, hashed on the way; so a file of many
     tensors never needs them all in memory. `close()` fsyncs and returns {"size", "sha256"}."""
 
-    def __init__(self, path: str | os.PathLike, specs: list[tuple[str, torch.dtype, list[int]]],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        specs: list[tuple[str, torch.dtype, list[int]]],
+        metadata: dict[str, str] | None = None,
+    ):
         header: dict = {}
         pos = 0
         for name, dtype, shape in specs:
@@ -219,7 +232,9 @@ class SafetensorsWriter:
     def write(self, name: str, t: torch.Tensor) -> None:
         want, dtype, shape = self._specs[self._next]
         if name != want or t.dtype != dtype or list(t.shape) != [int(v) for v in shape]:
-            raise ValueError(f"{self.path}: expected {want} {dtype} {list(shape)} next, got {name} {t.dtype} {list(t.shape)}")
+            raise ValueError(
+                f"{self.path}: expected {want} {dtype} {list(shape)} next, got {name} {t.dtype} {list(t.shape)}"
+            )
         self._write(_bytes_of(t.cpu() if t.device.type != "cpu" else t))
         self._next += 1
 
@@ -232,8 +247,9 @@ class SafetensorsWriter:
         return {"size": self._size, "sha256": self._hash.hexdigest()}
 
 
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> dict:
+def write_safetensors(
+    path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> dict:
     """Write a safetensors file, hashing as it goes; fsynced. Returns {"size", "sha256"}."""
     w = SafetensorsWriter(path, [(k, t.dtype, list(t.shape)) for k, t in tensors.items()], metadata)
     for k, t in tensors.items():
@@ -320,7 +336,8 @@ class ShardedReader:
                     got = _sha(data[torch.from_numpy(m)])
                     if want != got:
                         raise CorruptCheckpoint(
-                            f"{self.root / rel}: {tname} (tile {ti},{int(tg)}) fails its sha256 checksum")
+                            f"{self.root / rel}: {tname} (tile {ti},{int(tg)}) fails its sha256 checksum"
+                        )
                 ok = ds >= 0
                 out[torch.from_numpy(ds[ok])] = data[torch.from_numpy(ok)].float()
         return out

@@ -46,28 +46,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-
-from loomtrain.launcher.checkpoints.shards import (
-    GRID_COLS,
-    GRID_ROWS,
-    CorruptCheckpoint,
-    Region,
-    ShardedReader,
-    matrix_shape,
-    region_runs,
-    tile_hashes,
-    write_safetensors,
-)
-from loomtrain.launcher.checkpoints.store import (
-    PARTS_DIR,
-    CheckpointStore,
-    describe_files,
-    read_manifest,
-    sleep_for_test_at_step,
-    write_bytes_durable,
-    write_json_durable,
-)
 from loomtrain.launcher.checkpoints.reshard import (  # noqa: F401  (broadcast_str, consolidated_weights: re-exported)
     MOMENTS,
     _adam_step,
@@ -89,6 +67,27 @@ from loomtrain.launcher.checkpoints.reshard import (  # noqa: F401  (broadcast_s
     write_local,
     written_range,
 )
+from loomtrain.launcher.checkpoints.shards import (
+    GRID_COLS,
+    GRID_ROWS,
+    CorruptCheckpoint,
+    Region,
+    ShardedReader,
+    matrix_shape,
+    region_runs,
+    tile_hashes,
+    write_safetensors,
+)
+from loomtrain.launcher.checkpoints.store import (
+    PARTS_DIR,
+    CheckpointStore,
+    describe_files,
+    read_manifest,
+    sleep_for_test_at_step,
+    write_bytes_durable,
+    write_json_durable,
+)
+from safetensors import safe_open
 
 FORMAT = "loomtrain-sharded-v2"
 KEYS = (None, *MOMENTS)
@@ -153,9 +152,19 @@ def _to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:
     return host
 
 
-def take_snapshot(step: int, engine, topology, *, copy: bool, stream=None, counters: dict | None = None,
-                  lr_scheduler=None, config_yaml: str | None = None, tokenizer=None,
-                  zero_stage: int = 0) -> Snapshot:
+def take_snapshot(
+    step: int,
+    engine,
+    topology,
+    *,
+    copy: bool,
+    stream=None,
+    counters: dict | None = None,
+    lr_scheduler=None,
+    config_yaml: str | None = None,
+    tokenizer=None,
+    zero_stage: int = 0,
+) -> Snapshot:
     """This rank's share of the checkpoint of `step`; no collective. With copy=False the pieces
     are views of DeepSpeed's live buffers (the caller writes them before the next step)."""
     rank = _rank()
@@ -167,8 +176,9 @@ def take_snapshot(step: int, engine, topology, *, copy: bool, stream=None, count
         a, b = written_range(engine, p, topology)
         if b <= a:
             continue
-        values = {("weight" if k is None else k): _to_host(held_values(engine, p, k)[a - ha:b - ha], copy)
-                  for k in KEYS}
+        values = {
+            ("weight" if k is None else k): _to_host(held_values(engine, p, k)[a - ha : b - ha], copy) for k in KEYS
+        }
         snap.pieces[name] = (Region(local_box(p), (a, b)), values)
     snap.rng = rng_state()
     if stream is not None and (topology is None or topology.tp_rank == 0):
@@ -183,9 +193,16 @@ def take_snapshot(step: int, engine, topology, *, copy: bool, stream=None, count
             "step": int(step),
             "counters": dict(counters or {}),
             "adam_step": _adam_step(engine),
-            "lr_scheduler": _jsonable(sched.state_dict()) if sched is not None and hasattr(sched, "state_dict") else None,
-            "param_groups": [{k: v for k, v in g.items() if k != "params" and _is_plain(v)} for g in inner.param_groups],
-            "engine": {k: int(getattr(engine, k, 0) or 0) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")},
+            "lr_scheduler": _jsonable(sched.state_dict())
+            if sched is not None and hasattr(sched, "state_dict")
+            else None,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params" and _is_plain(v)} for g in inner.param_groups
+            ],
+            "engine": {
+                k: int(getattr(engine, k, 0) or 0)
+                for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+            },
             "loss_scaler": _loss_scaler_state(engine),
             "layout": layout(topology, zero_stage),
         }
@@ -215,8 +232,11 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
             weights[name] = values["weight"]
             for k in MOMENTS:
                 moments[f"{name}/{k}"] = values[k]
-            index_part[name] = {"file": f"rank_{rank:05d}.safetensors", **region.to_json(),
-                                "tiles": tile_hashes(region, snap.shapes[name], values)}
+            index_part[name] = {
+                "file": f"rank_{rank:05d}.safetensors",
+                **region.to_json(),
+                "tiles": tile_hashes(region, snap.shapes[name], values),
+            }
         files[model_rel] = write_safetensors(tmp / model_rel, weights, metadata={"format": FORMAT})
         files[optim_rel] = write_safetensors(tmp / optim_rel, moments, metadata={"format": FORMAT})
     rng_rel = f"rng/rank_{rank:05d}.safetensors"
@@ -232,8 +252,11 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
         if snap.tokenizer is not None and hasattr(snap.tokenizer, "save"):
             (tmp / "tokenizer").mkdir(exist_ok=True)
             snap.tokenizer.save(str(tmp / "tokenizer"))  # small files the tokenizer writes itself
-            files.update(describe_files(tmp, [str(p.relative_to(tmp)) for p in sorted((tmp / "tokenizer").rglob("*"))
-                                              if p.is_file()]))
+            files.update(
+                describe_files(
+                    tmp, [str(p.relative_to(tmp)) for p in sorted((tmp / "tokenizer").rglob("*")) if p.is_file()]
+                )
+            )
     part = {"pieces": index_part}
     if rank == 0:
         part["shapes"] = snap.shapes
@@ -276,17 +299,36 @@ def publish_snapshot(store: CheckpointStore, tmp: Path, step: int, world: int) -
     return store.publish(tmp, step, meta)
 
 
-def save_checkpoint(store: CheckpointStore, step: int, engine, topology, *, stream=None,
-                    counters: dict | None = None, lr_scheduler=None, config_yaml: str | None = None,
-                    tokenizer=None, zero_stage: int = 0) -> Path:
+def save_checkpoint(
+    store: CheckpointStore,
+    step: int,
+    engine,
+    topology,
+    *,
+    stream=None,
+    counters: dict | None = None,
+    lr_scheduler=None,
+    config_yaml: str | None = None,
+    tokenizer=None,
+    zero_stage: int = 0,
+) -> Path:
     """Synchronous save: every rank calls this at the same step boundary; returns the published
     directory. Each rank writes only what it holds (no gather)."""
     rank = _rank()
     tmp = store.begin(step) if rank == 0 else store.temp_dir(step)
     barrier()
-    snap = take_snapshot(step, engine, topology, copy=False, stream=stream, counters=counters,
-                         lr_scheduler=lr_scheduler, config_yaml=config_yaml, tokenizer=tokenizer,
-                         zero_stage=zero_stage)
+    snap = take_snapshot(
+        step,
+        engine,
+        topology,
+        copy=False,
+        stream=stream,
+        counters=counters,
+        lr_scheduler=lr_scheduler,
+        config_yaml=config_yaml,
+        tokenizer=tokenizer,
+        zero_stage=zero_stage,
+    )
     write_snapshot(snap, store, tmp)
     barrier()
     path = publish_snapshot(store, tmp, step, snap.world) if rank == 0 else None
@@ -301,6 +343,7 @@ TEST_SLOW_ENV = "LOOMTRAIN_TEST_CKPT_SLOW"
 
 def _test_slow_write(step: int) -> None:
     sleep_for_test_at_step(TEST_SLOW_ENV, step, "slow write of", 10)
+
 
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
@@ -322,7 +365,8 @@ def _loss_scaler_state(engine) -> dict | None:
 
 def _is_plain(v) -> bool:
     return isinstance(v, (int, float, str, bool, type(None))) or (
-        isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str, bool)) for x in v))
+        isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str, bool)) for x in v)
+    )
 
 
 def _jsonable(obj):
@@ -340,8 +384,11 @@ def _jsonable(obj):
 
 
 # Load ---------------------------------------------------------------------------------
-FILES = {None: ("model", "{name}"), "exp_avg": ("optim", "{name}/exp_avg"),
-         "exp_avg_sq": ("optim", "{name}/exp_avg_sq")}
+FILES = {
+    None: ("model", "{name}"),
+    "exp_avg": ("optim", "{name}/exp_avg"),
+    "exp_avg_sq": ("optim", "{name}/exp_avg_sq"),
+}
 TILE_KEYS = ["exp_avg", "exp_avg_sq", None]  # the order of the tile hashes (sorted key names)
 
 
@@ -360,8 +407,10 @@ def open_reader(path: str | os.PathLike, manifest: dict | None = None) -> Sharde
     manifest = manifest if manifest is not None else read_manifest(path)
     index = json.loads(verified_bytes(path, "model/index.json", manifest))
     if index.get("format") != FORMAT:
-        raise CorruptCheckpoint(f"{path / 'model' / 'index.json'}: format {index.get('format')!r}, expected "
-                                f"{FORMAT!r} (checkpoints of older loomtrain versions do not load)")
+        raise CorruptCheckpoint(
+            f"{path / 'model' / 'index.json'}: format {index.get('format')!r}, expected "
+            f"{FORMAT!r} (checkpoints of older loomtrain versions do not load)"
+        )
     return ShardedReader(path, index, FILES, TILE_KEYS)
 
 
@@ -382,8 +431,9 @@ class ConsolidatedReader:
         return {n: self.get(n) for n in self.names()}
 
 
-def load_checkpoint(path: str | os.PathLike, engine, topology, *, stream=None, lr_scheduler=None,
-                    zero_stage: int = 0) -> dict:
+def load_checkpoint(
+    path: str | os.PathLike, engine, topology, *, stream=None, lr_scheduler=None, zero_stage: int = 0
+) -> dict:
     """Put a checkpoint back into a freshly built engine at any (tp, dp, zero stage).
 
     Every rank calls it after deepspeed.initialize and reads only its slices: its TP shard of
@@ -398,12 +448,15 @@ def load_checkpoint(path: str | os.PathLike, engine, topology, *, stream=None, l
     missing = [n for n, _ in params if n not in reader.params]
     extra = [n for n in reader.params if n not in dict(params)]
     if missing or extra:
-        raise ValueError(f"checkpoint {path}: parameters do not match the model "
-                         f"(missing {missing[:5]}, unexpected {extra[:5]}); was it saved with another model config?")
+        raise ValueError(
+            f"checkpoint {path}: parameters do not match the model "
+            f"(missing {missing[:5]}, unexpected {extra[:5]}); was it saved with another model config?"
+        )
     for name, p in params:
         if reader.shape(name) != full_shape(p):
-            raise ValueError(f"checkpoint {path}: {name} has full shape {reader.shape(name)}, this model's "
-                             f"is {full_shape(p)}")
+            raise ValueError(
+                f"checkpoint {path}: {name} has full shape {reader.shape(name)}, this model's is {full_shape(p)}"
+            )
     ensure_optimizer_state(engine)
     for name, p in params:
         box = local_box(p)

@@ -34,9 +34,9 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -134,8 +134,13 @@ def verify(path: str | os.PathLike, checksums: bool = True) -> Verdict:
 class CheckpointStore:
     """File-level checkpoint directories of one run (rank-agnostic helpers)."""
 
-    def __init__(self, run_dir: str | os.PathLike, keep_last: int = 3, keep_every: int = 0,
-                 log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        keep_last: int = 3,
+        keep_every: int = 0,
+        log: Callable[[str], None] | None = None,
+    ):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = int(keep_last)
         self.keep_every = int(keep_every)
@@ -185,8 +190,11 @@ class CheckpointStore:
         for part in sorted(parts.glob("rank_*.json")):
             files.update(json.loads(part.read_text()))
         # Anything written without a part entry (e.g. by a library) is described here.
-        rest = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*"))
-                if p.is_file() and PARTS_DIR not in p.relative_to(tmp).parts and str(p.relative_to(tmp)) not in files]
+        rest = [
+            str(p.relative_to(tmp))
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file() and PARTS_DIR not in p.relative_to(tmp).parts and str(p.relative_to(tmp)) not in files
+        ]
         rest = [r for r in rest if r != MANIFEST]
         files.update(describe_files(tmp, rest))
         shutil.rmtree(parts)
@@ -262,7 +270,7 @@ class CheckpointStore:
         pub = self.published()
         if self.keep_last <= 0:
             return []
-        keep = {step for step, _ in pub[-self.keep_last:]}
+        keep = {step for step, _ in pub[-self.keep_last :]}
         if self.keep_every > 0:
             keep |= {step for step, _ in pub if step % self.keep_every == 0}
         pointer = self.latest_pointer()
@@ -328,8 +336,10 @@ class CheckpointStore:
         path = Path(resume)
         if self.published() and not self.owns(path):
             found = self.resume_point(checksums=checksums)
-            self.log(f"checkpoint: checkpoint.resume={resume} only seeds a run's first start; "
-                     f"{self.root.parent} has its own checkpoints: resuming from {found}")
+            self.log(
+                f"checkpoint: checkpoint.resume={resume} only seeds a run's first start; "
+                f"{self.root.parent} has its own checkpoints: resuming from {found}"
+            )
             return found
         if path.resolve() == self.root.parent.resolve():
             return self.resume_point(checksums=checksums)
@@ -355,8 +365,9 @@ _OS_ERROR_IN_TEXT = re.compile(r'I/O error: ([^(\n]+?) \(os error|message: "([^"
 
 def is_write_error(exc: BaseException) -> bool:
     """An OSError, or safetensors' wrapping of one (SafetensorError("...I/O error: ... (os error N)"))."""
-    return isinstance(exc, OSError) or (type(exc).__name__ == "SafetensorError"
-                                        and _OS_ERROR_IN_TEXT.search(str(exc)) is not None)
+    return isinstance(exc, OSError) or (
+        type(exc).__name__ == "SafetensorError" and _OS_ERROR_IN_TEXT.search(str(exc)) is not None
+    )
 
 
 def write_error(exc: BaseException, store: CheckpointStore, step: int) -> CheckpointWriteError:

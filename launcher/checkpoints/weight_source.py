@@ -157,8 +157,9 @@ def open_source(path: str | Path) -> WeightSource:
 
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise WeightSourceError(f"{path}: no such directory (expected a run's final/, a run directory "
-                                f"or a Hugging Face model directory)")
+        raise WeightSourceError(
+            f"{path}: no such directory (expected a run's final/, a run directory or a Hugging Face model directory)"
+        )
     final = _final_dir(path)
     if final is not None:
         try:
@@ -167,14 +168,17 @@ def open_source(path: str | Path) -> WeightSource:
             raise WeightSourceError(f"{final / MODEL_CONFIG}: not a loomtrain model config: {exc}") from None
         refs = {name: TensorRef(name) for name in model_tensor_names(cfg)}
         tok = final / TOKENIZER_DIR
-        return WeightSource(cfg, SafetensorsFiles(final), refs, f"loomtrain weights {final}",
-                            tok if tok.is_dir() else None)
+        return WeightSource(
+            cfg, SafetensorsFiles(final), refs, f"loomtrain weights {final}", tok if tok.is_dir() else None
+        )
     if (path / "config.json").is_file():
         from loomtrain.launcher.checkpoints.hf_import import open_hf
 
         return open_hf(path)
-    raise WeightSourceError(f"{path}: neither a run's final/ ({MODEL_CONFIG}), a run directory with one, "
-                            f"nor a Hugging Face model directory (config.json)")
+    raise WeightSourceError(
+        f"{path}: neither a run's final/ ({MODEL_CONFIG}), a run directory with one, "
+        f"nor a Hugging Face model directory (config.json)"
+    )
 
 
 def check_complete(source: WeightSource) -> None:
@@ -186,16 +190,30 @@ def check_complete(source: WeightSource) -> None:
             raise WeightSourceError(f"{source.description}: no tensor for loomtrain's {name}")
         got = source.shape(name)
         if got != shape:
-            raise WeightSourceError(f"{source.description}: {ref.key} has shape {list(got)}, "
-                                    f"the model config gives {name} the shape {list(shape)}")
+            raise WeightSourceError(
+                f"{source.description}: {ref.key} has shape {list(got)}, "
+                f"the model config gives {name} the shape {list(shape)}"
+            )
 
 
 # model.init_from ---------------------------------------------------------------------------
 # Fields that decide which tensors a model has and their shapes, or what the weights mean.
 # Others (rope_theta, norm_eps, dropout, max_seq_len without learned positions) may differ:
 # changing them is how one fine-tunes for a longer context or another regularisation.
-_MUST_MATCH = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "norm",
-               "norm_placement", "activation", "positions", "bias", "tie_embeddings")
+_MUST_MATCH = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden",
+    "norm",
+    "norm_placement",
+    "activation",
+    "positions",
+    "bias",
+    "tie_embeddings",
+)
 
 
 def _effective(cfg, field: str):
@@ -224,8 +242,10 @@ def read_shard(source: WeightSource, name: str, spec) -> torch.Tensor:
     past the real rows is zeros."""
     got = source.shape(name)
     if got != tuple(spec.full_shape):
-        raise WeightSourceError(f"{source.description}: {source.refs[name].key} has shape {list(got)}, "
-                                f"the model's {name} has {list(spec.full_shape)}")
+        raise WeightSourceError(
+            f"{source.description}: {source.refs[name].key} has shape {list(got)}, "
+            f"the model's {name} has {list(spec.full_shape)}"
+        )
     if spec.replicated:
         return source.read(name)
     lo, hi = spec.bounds()

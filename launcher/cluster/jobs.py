@@ -174,9 +174,11 @@ def build_entrypoint(config_in_job: str, overrides: list[str]) -> str:
 def _warn_relative_run_dir(overrides: list[str]) -> None:
     for o in overrides:
         if o.startswith("run.dir=") and not (o.split("=", 1)[1].startswith("/") or "://" in o):
-            print("loomtrain: note: a relative run.dir lands in the job's temporary working "
-                  "directory on the cluster; use a shared path (run.dir=/mnt/shared/...)",
-                  file=sys.stderr)
+            print(
+                "loomtrain: note: a relative run.dir lands in the job's temporary working "
+                "directory on the cluster; use a shared path (run.dir=/mnt/shared/...)",
+                file=sys.stderr,
+            )
 
 
 def submit(args) -> int:
@@ -202,8 +204,11 @@ def submit(args) -> int:
     if args.dry_run:
         entries, left_out, config_in_job = _plan(args.config)
         print(format_listing(entries, left_out))
-        print(f"loomtrain: dry run: nothing submitted; the entrypoint would be "
-              f"{build_entrypoint(config_in_job, args.overrides)}", file=sys.stderr)
+        print(
+            f"loomtrain: dry run: nothing submitted; the entrypoint would be "
+            f"{build_entrypoint(config_in_job, args.overrides)}",
+            file=sys.stderr,
+        )
         return 0
     client = make_client(args.address)
     _warn_relative_run_dir(args.overrides)
@@ -301,17 +306,24 @@ def stop(args) -> int:
 
 def _parser(command: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"loomtrain {command}")
-    p.add_argument("--address", default=None,
-                   help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)")
+    p.add_argument(
+        "--address", default=None, help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)"
+    )
     if command == "submit":
         p.add_argument("config", help="YAML config (paths inside this project ship as they are)")
         p.add_argument("overrides", nargs="*", help="key=value config overrides")
         p.add_argument("--submission-id", default=None, help="job id to use (default: Ray picks)")
-        p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                       help="environment variable for the job (repeatable)")
+        p.add_argument(
+            "--env",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="environment variable for the job (repeatable)",
+        )
         p.add_argument("--follow", action="store_true", help="stream the logs until the job ends")
-        p.add_argument("--dry-run", action="store_true",
-                       help="list the files that would be shipped, with sizes; submit nothing")
+        p.add_argument(
+            "--dry-run", action="store_true", help="list the files that would be shipped, with sizes; submit nothing"
+        )
     else:
         p.add_argument("job", help="job (submission) id printed by `loomtrain submit`")
     if command == "logs":

@@ -29,13 +29,56 @@ from pathlib import Path
 
 PACKAGE = "loomtrain"
 # Never shipped, wherever they are (matched against each path component, lower case).
-SECRET_PATTERNS = (".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_dsa*",
-                   "id_ecdsa*", "id_ed25519*", ".netrc", "_netrc", ".pgpass", "kubeconfig*", "*credentials*",
-                   "secrets*", "*.secret", "auth_token", ".npmrc", ".pypirc", ".dockercfg")
+SECRET_PATTERNS = (
+    ".env",
+    ".env.*",
+    "*.env",
+    "*.pem",
+    "*.key",
+    "*.p12",
+    "*.pfx",
+    "id_rsa*",
+    "id_dsa*",
+    "id_ecdsa*",
+    "id_ed25519*",
+    ".netrc",
+    "_netrc",
+    ".pgpass",
+    "kubeconfig*",
+    "*credentials*",
+    "secrets*",
+    "*.secret",
+    "auth_token",
+    ".npmrc",
+    ".pypirc",
+    ".dockercfg",
+)
 # Folders that hold secrets, run outputs, exports or data: nothing under them ships.
-DENIED_DIRS = (".aws", ".ssh", ".gnupg", ".kube", ".ray", ".docker", ".config", ".azure", ".gcloud",
-               ".git", ".venv", "venv", "__pycache__", "runs", "exports", "export", "data", "datasets",
-               ".data_cache", "checkpoints", "final", "wandb", "tb")
+DENIED_DIRS = (
+    ".aws",
+    ".ssh",
+    ".gnupg",
+    ".kube",
+    ".ray",
+    ".docker",
+    ".config",
+    ".azure",
+    ".gcloud",
+    ".git",
+    ".venv",
+    "venv",
+    "__pycache__",
+    "runs",
+    "exports",
+    "export",
+    "data",
+    "datasets",
+    ".data_cache",
+    "checkpoints",
+    "final",
+    "wandb",
+    "tb",
+)
 # The package's own subpackages whose names are also on that list (pyproject's `packages`).
 OWN_SUBPACKAGES = ("launcher/checkpoints",)
 
@@ -56,7 +99,7 @@ def denied(rel: str | os.PathLike, folders: bool = True) -> str | None:
     parts = Path(rel).parts
     for i, part in enumerate(parts):
         low = part.lower()
-        own = "/".join(parts[:i + 1]) in OWN_SUBPACKAGES
+        own = "/".join(parts[: i + 1]) in OWN_SUBPACKAGES
         if folders and i < len(parts) - 1 and low in DENIED_DIRS and not own:
             return f"folder {part}/"
         for pat in SECRET_PATTERNS:

@@ -38,19 +38,29 @@ def _connect(address: str | None, max_in_flight: int | None) -> bool:
         else:
             ray.init(num_cpus=max_in_flight or os.cpu_count() or 1, log_to_driver=False)
     except Exception as exc:  # a bad or unreachable address: Ray's own text, first line
-        raise DataError(f"--address {address or '(local instance)'}: cannot connect to Ray: {_first_line(exc)}") from None
+        raise DataError(
+            f"--address {address or '(local instance)'}: cannot connect to Ray: {_first_line(exc)}"
+        ) from None
     return True
 
 
-def tokenize_on_ray(jobs: list[tuple[int, str]], tokenizer, text_field: str, skip_bad_lines: bool, *,
-                    address: str | None, max_in_flight: int | None, on_file, log=None) -> int:
+def tokenize_on_ray(
+    jobs: list[tuple[int, str]],
+    tokenizer,
+    text_field: str,
+    skip_bad_lines: bool,
+    *,
+    address: str | None,
+    max_in_flight: int | None,
+    on_file,
+    log=None,
+) -> int:
     """Run tokenize_file for each (i, path) of `jobs` as a Ray task, at most
     max_in_flight at once (default: the cluster's CPUs); call on_file(i, results)
     on the driver as each finishes. -> the number of tasks kept in flight."""
     import ray
-    from ray.exceptions import RayTaskError
-
     from loomtrain.data_pipeline.preprocess import tokenize_file
+    from ray.exceptions import RayTaskError
 
     started = _connect(address, max_in_flight)
     try:

@@ -91,12 +91,15 @@ def _is_uri(s: str) -> bool:
 
 def absolutize(cfg: RunConfig) -> RunConfig:
     """Workers run in a directory Ray chooses: make the config's paths absolute."""
+
     def ab(p: str) -> str:
         return p if (not p or _is_uri(p)) else str(Path(os.path.expanduser(p)).absolute())
 
     run = dataclasses.replace(cfg.run, dir=ab(cfg.run.dir))
     data = dataclasses.replace(
-        cfg.data, path=ab(cfg.data.path), cache_dir=ab(cfg.data.cache_dir),
+        cfg.data,
+        path=ab(cfg.data.path),
+        cache_dir=ab(cfg.data.cache_dir),
         tokenizer=cfg.data.tokenizer if cfg.data.tokenizer in ("byte", "bpe") else ab(cfg.data.tokenizer),
     )
     resume = cfg.checkpoint.resume
@@ -167,8 +170,11 @@ def clean_orphan_pointers(cfg: RunConfig, keep) -> list[str]:
     keep_name = Path(keep.path).name if keep is not None else None
     removed = []
     for info in infos:
-        if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_") \
-                and info.base_name != keep_name:
+        if (
+            info.type == pafs.FileType.Directory
+            and info.base_name.startswith("checkpoint_")
+            and info.base_name != keep_name
+        ):
             fs.delete_dir(info.path)
             removed.append(info.path)
     return removed
@@ -251,8 +257,12 @@ class RayReportHook(Hooks):
             shutil.rmtree(self.pointer_root, ignore_errors=True)  # leftovers of a killed report
             path = Path(self.cfg.run.dir) / ATTEMPTS_FILE
             previous = len(path.read_text().splitlines()) if path.exists() else 0
-            rec = {"attempt": previous + 1, "start_step": ctx.state.step,
-                   "ray_checkpoint_step": self.ray_step, "time": time.time()}
+            rec = {
+                "attempt": previous + 1,
+                "start_step": ctx.state.step,
+                "ray_checkpoint_step": self.ray_step,
+                "time": time.time(),
+            }
             if previous:
                 rec["previous_end"] = _previous_end(path)
             with open(path, "a") as f:
@@ -268,8 +278,11 @@ class RayReportHook(Hooks):
     def on_train_end(self, ctx: TrainContext) -> None:
         if ctx.dist.rank == 0:  # why this attempt ended, for the next one's record
             signum = ctx.extras.get("stop_signal", 0)
-            reason = f"stopped by {signal_name(signum)}" if signum else (
-                "finished" if ctx.state.step >= self.cfg.train.max_steps else "stopped (checkpoint.stop_at_step)")
+            reason = (
+                f"stopped by {signal_name(signum)}"
+                if signum
+                else ("finished" if ctx.state.step >= self.cfg.train.max_steps else "stopped (checkpoint.stop_at_step)")
+            )
             _write_end(Path(self.cfg.run.dir), f"{reason} at step {ctx.state.step}")
         # A final checkpoint (published by the checkpoint hook's on_train_end) or,
         # without one, the final metrics so that the driver's Result has them.
@@ -313,7 +326,6 @@ def _previous_end(attempts: Path) -> str:
 def train_worker(config: dict) -> None:
     """Ray Train's per-worker function: the same run_training as everywhere else."""
     import ray.train
-
     from loomtrain.launcher.faults import FAULTS_ENV
 
     if config.get("test_faults"):
@@ -340,8 +352,11 @@ def train_worker(config: dict) -> None:
         found = newest_complete(cfg)
         found_step = int(found.name.split("_")[-1]) if found else None
         note = "" if found_step == ray_step else " (newer than Ray's: written but not yet reported)"
-        print(f"loomtrain: Ray handed back step {ray_step}; newest complete checkpoint in "
-              f"{cfg.run.dir}: step {found_step}{note}", flush=True)
+        print(
+            f"loomtrain: Ray handed back step {ray_step}; newest complete checkpoint in "
+            f"{cfg.run.dir}: step {found_step}{note}",
+            flush=True,
+        )
     run_training(cfg, hooks=[RayReportHook(cfg, fault=config.get("fault", ""), ray_step=ray_step)])
 
 
@@ -360,8 +375,11 @@ def _connect(cfg: RunConfig, need_cpus: int) -> None:
         return
     cpus = os.cpu_count() or 1
     if need_cpus > cpus:
-        print(f"loomtrain: local Ray instance: {need_cpus} CPUs requested on a {cpus}-core machine "
-              "(oversubscribed: slower, but it runs)", file=sys.stderr)
+        print(
+            f"loomtrain: local Ray instance: {need_cpus} CPUs requested on a {cpus}-core machine "
+            "(oversubscribed: slower, but it runs)",
+            file=sys.stderr,
+        )
     ray.init(num_cpus=max(cpus, need_cpus))
 
 
@@ -390,18 +408,22 @@ def _startup_error(exc: BaseException) -> bool:
 def build_trainer(cfg: RunConfig, started_at: float):
     from loomtrain.launcher.distributed import collective_timeout_s
     from loomtrain.launcher.faults import spec_from_env
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
+    from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     return TorchTrainer(
         train_loop_per_worker=train_worker,
         train_loop_config={
-            "cfg": _to_dict(cfg), "started_at": started_at, "fault": _fault_spec(),
+            "cfg": _to_dict(cfg),
+            "started_at": started_at,
+            "fault": _fault_spec(),
             "test_faults": spec_from_env(),
         },
         torch_config=TorchConfig(timeout_s=collective_timeout_s(cfg)),
         scaling_config=ScalingConfig(
-            num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,
+            num_workers=cfg.ray.num_workers,
+            use_gpu=cfg.ray.use_gpu,
             resources_per_worker=_resources(cfg),
         ),
         run_config=RayRunConfig(
@@ -438,13 +460,18 @@ def run(cfg: RunConfig, stop=None):
     want = {k: v * cfg.ray.num_workers for k, v in _resources(cfg).items()}
     short = {k: (v, total.get(k, 0.0)) for k, v in want.items() if v > total.get(k, 0.0)}
     if short:
-        print("loomtrain: the cluster has less than this run asks for right now "
-              f"({', '.join(f'{k}: {v:g} wanted, {h:g} there' for k, (v, h) in short.items())}); "
-              f"waiting up to ray.start_timeout_s={cfg.ray.start_timeout_s} s for it (autoscaling)",
-              file=sys.stderr)
+        print(
+            "loomtrain: the cluster has less than this run asks for right now "
+            f"({', '.join(f'{k}: {v:g} wanted, {h:g} there' for k, (v, h) in short.items())}); "
+            f"waiting up to ray.start_timeout_s={cfg.ray.start_timeout_s} s for it (autoscaling)",
+            file=sys.stderr,
+        )
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    print(f"loomtrain: Ray Train: {cfg.ray.num_workers} workers x {_resources(cfg)}, "
-          f"run dir {cfg.run.dir}, Ray storage {storage_path(cfg)}", flush=True)
+    print(
+        f"loomtrain: Ray Train: {cfg.ray.num_workers} workers x {_resources(cfg)}, "
+        f"run dir {cfg.run.dir}, Ray storage {storage_path(cfg)}",
+        flush=True,
+    )
     trainer = build_trainer(cfg, started_at=time.time())
     try:
         return trainer.fit()
@@ -469,16 +496,18 @@ def _stop_for_workers(run_dir: str):
 
     def forward(signum: int) -> None:
         request_stop(run_dir, signum)
-        print(f"loomtrain: {signal_name(signum)}: asking the workers to save a checkpoint and stop",
-              file=sys.stderr, flush=True)
+        print(
+            f"loomtrain: {signal_name(signum)}: asking the workers to save a checkpoint and stop",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return StopRequest(on_signal=forward)
 
 
 def main(cfg: RunConfig, args=None) -> int:
-    from ray.train import TrainingFailedError
-
     from loomtrain.launcher.stopping import exit_code
+    from ray.train import TrainingFailedError
 
     stop = _stop_for_workers(absolutize(cfg).run.dir)
     try:

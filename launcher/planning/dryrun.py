@@ -37,7 +37,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from loomtrain.launcher.planning import memory_model as mm
 
 GiB = mm.GiB
@@ -191,8 +190,13 @@ def _row(label: str, *cells: str) -> str:
 def _t(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "-"
-    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 \
+    return (
+        f"{seconds:.3g} s"
+        if seconds >= 1
+        else f"{seconds * 1e3:.3g} ms"
+        if seconds >= 1e-3
         else f"{seconds * 1e6:.3g} us"
+    )
 
 
 def _g(x: float | None) -> str:
@@ -201,8 +205,16 @@ def _g(x: float | None) -> str:
     return f"{x / GiB:.3f} GiB" if abs(x) >= GiB else f"{x / 2**20:.2f} MiB"
 
 
-def format_table(cfg, cluster: mm.Plan, local: mm.Plan, meas: Measured, device: torch.device,
-                 local_peak: float, mfu: float, cpu_micro_estimate: int | None) -> str:
+def format_table(
+    cfg,
+    cluster: mm.Plan,
+    local: mm.Plan,
+    meas: Measured,
+    device: torch.device,
+    local_peak: float,
+    mfu: float,
+    cpu_micro_estimate: int | None,
+) -> str:
     t = cfg.train
     st = meas.states
     tokens = t.micro_batch_size * t.seq_len
@@ -219,9 +231,11 @@ def format_table(cfg, cluster: mm.Plan, local: mm.Plan, meas: Measured, device: 
         act_meas = meas.peak_bytes - st["model_states"] - st["buffers"]
     peak_label = "peak allocated (CUDA)" if device.type == "cuda" else "peak RSS growth (CPU)"
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    head = (f"dryrun: one rank of {cluster.world_size} = tp {cluster.tp} x dp {cluster.dp}, ZeRO-{cluster.zero_stage}, "
-            f"{t.precision}, micro-batch {t.micro_batch_size} x seq {t.seq_len}, "
-            f"{cluster.params.per_rank / 1e6:,.1f} M params on this rank; measured on {dev_name}")
+    head = (
+        f"dryrun: one rank of {cluster.world_size} = tp {cluster.tp} x dp {cluster.dp}, ZeRO-{cluster.zero_stage}, "
+        f"{t.precision}, micro-batch {t.micro_batch_size} x seq {t.seq_len}, "
+        f"{cluster.params.per_rank / 1e6:,.1f} M params on this rank; measured on {dev_name}"
+    )
     lines = [
         head,
         "",
@@ -233,17 +247,30 @@ def format_table(cfg, cluster: mm.Plan, local: mm.Plan, meas: Measured, device: 
         _row("model states", _g(cluster.states.total), _g(local.states.total), _g(st["model_states"])),
         _row("DeepSpeed reduce bucket", _g(cluster.ds_bucket), _g(local.ds_bucket), _g(st["buffers"])),
         _row("activations, 1 micro-batch", _g(cluster.activations.total), _g(local.activations.total), _g(act_meas)),
-        _row(peak_label if device.type == "cuda" else "total / " + peak_label,
-             _g(cluster.total_per_rank), _g(local.total_per_rank - local.reserve), _g(meas.peak_bytes)),
+        _row(
+            peak_label if device.type == "cuda" else "total / " + peak_label,
+            _g(cluster.total_per_rank),
+            _g(local.total_per_rank - local.reserve),
+            _g(meas.peak_bytes),
+        ),
         _row("time per micro-batch step", _t(plan_cluster_t), _t(plan_local_t), _t(measured_t)),
-        _row("tokens/s (this rank)", f"{tokens / plan_cluster_t:,.0f}", f"{tokens / plan_local_t:,.0f}"
-             if math.isfinite(plan_local_t) else "-", f"{tokens / measured_t:,.0f}"),
-        _row("MFU", f"{mfu:.0%} (assumed)", f"{mfu:.0%} (assumed)",
-             f"{flops_rank / measured_t / local_peak:.1%}" if math.isfinite(local_peak) else "-"),
+        _row(
+            "tokens/s (this rank)",
+            f"{tokens / plan_cluster_t:,.0f}",
+            f"{tokens / plan_local_t:,.0f}" if math.isfinite(plan_local_t) else "-",
+            f"{tokens / measured_t:,.0f}",
+        ),
+        _row(
+            "MFU",
+            f"{mfu:.0%} (assumed)",
+            f"{mfu:.0%} (assumed)",
+            f"{flops_rank / measured_t / local_peak:.1%}" if math.isfinite(local_peak) else "-",
+        ),
         "",
         f"cluster step: {cluster.grad_accum} micro-batches x {plan_cluster_t:.3f} s -> {cluster.step_time_s:.2f} s "
         f"predicted ({cluster.tokens_per_s:,.0f} tokens/s over {cluster.world_size} ranks); "
-        + ("fits" if cluster.fits else "WILL NOT FIT") + f" in {cluster.device.memory_gib:.1f} GiB "
+        + ("fits" if cluster.fits else "WILL NOT FIT")
+        + f" in {cluster.device.memory_gib:.1f} GiB "
         f"({cluster.total_per_rank / GiB:.2f} GiB per rank)",
         f"local peak {local_peak / 1e12:.3g} TFLOP/s ({'measured matmul' if device.type == 'cpu' else 'datasheet'}); "
         f"steps timed: {', '.join(f'{x:.3f}' for x in meas.step_times)} s (first = warm-up, excluded); "
@@ -251,27 +278,38 @@ def format_table(cfg, cluster: mm.Plan, local: mm.Plan, meas: Measured, device: 
         f"{cluster.grad_accum} micro-batches, and no TP/DP communication.",
     ]
     if meas.skipped:
-        lines.append(f"WARNING: {meas.skipped} of {len(meas.step_times)} steps were skipped (non-finite gradients); "
-                     "Adam's states exist only after an applied step.")
+        lines.append(
+            f"WARNING: {meas.skipped} of {len(meas.step_times)} steps were skipped (non-finite gradients); "
+            "Adam's states exist only after an applied step."
+        )
     if meas.largest_micro is not None or meas.micro_note:
         lines.append(f"largest micro-batch on this {device.type}: {meas.largest_micro} ({meas.micro_note})")
     elif cpu_micro_estimate is not None:
-        lines.append(f"largest micro-batch on this host (plan's estimate from free memory; no search on CPU): "
-                     f"{cpu_micro_estimate}")
+        lines.append(
+            f"largest micro-batch on this host (plan's estimate from free memory; no search on CPU): "
+            f"{cpu_micro_estimate}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="loomtrain dryrun", description=__doc__.split("\n\n")[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="loomtrain dryrun",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides (they apply to the plan columns too)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps to run (default 3; the first is warm-up)")
     ap.add_argument("--world-size", type=int, default=None, help="cluster ranks (default: ray.num_workers)")
     ap.add_argument("--gpu", default="h100", choices=sorted(mm.DEVICES), help="cluster GPU for the plan column")
     ap.add_argument("--mfu", type=float, default=mm.DEFAULT_MFU, help="assumed MFU for the predictions")
-    ap.add_argument("--max-micro", type=int, default=0,
-                    help="GPU only: search the largest micro-batch from this size down (0 = 4 x micro)")
+    ap.add_argument(
+        "--max-micro",
+        type=int,
+        default=0,
+        help="GPU only: search the largest micro-batch from this size down (0 = 4 x micro)",
+    )
     args = ap.parse_intermixed_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")

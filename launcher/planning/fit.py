@@ -80,8 +80,7 @@ def check_fits(cfg, world_size: int, local_ranks: int = 1, local_rank: int = 0) 
         f"{(per_rank - plan.states.total - plan.activations.total) / GiB:.2f}), {where} is {free / GiB:.2f} GiB"
     )
     if not fits:
-        message = (f"will not fit: {message}; try {'; '.join(suggestions(plan))}; "
-                   f"or pass --force to start anyway")
+        message = f"will not fit: {message}; try {'; '.join(suggestions(plan))}; or pass --force to start anyway"
     return FitVerdict(fits, needed, free, where, message)
 
 

@@ -65,10 +65,20 @@ class HostPlan:
         return self.save_per_node <= self.node_ram
 
 
-def host_plan(*, total_params: int, per_rank_params: int, largest_param: int, tp: int, dp: int,
-              world_size: int, device_states_on_host: float = 0.0, gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
-              node_ram_gib: float = DEFAULT_NODE_RAM_GIB, storage_gbps: float = DEFAULT_STORAGE_GBPS,
-              on_cpu: bool = False) -> HostPlan:
+def host_plan(
+    *,
+    total_params: int,
+    per_rank_params: int,
+    largest_param: int,
+    tp: int,
+    dp: int,
+    world_size: int,
+    device_states_on_host: float = 0.0,
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    node_ram_gib: float = DEFAULT_NODE_RAM_GIB,
+    storage_gbps: float = DEFAULT_STORAGE_GBPS,
+    on_cpu: bool = False,
+) -> HostPlan:
     """device_states_on_host: bytes per rank of model states that live in host RAM (a CPU
     device, or an offloaded optimizer)."""
     if gpus_per_node < 1:
@@ -88,11 +98,21 @@ def host_plan(*, total_params: int, per_rank_params: int, largest_param: int, tp
     storage = storage_gbps * 1e9
     copy = (CPU_COPY_GBPS if on_cpu else HOST_COPY_GBPS) * 1e9
     return HostPlan(
-        ranks_per_node=per_node, nodes=nodes, node_ram=node_ram_gib * GiB, largest_param=largest_param,
-        startup_per_rank=startup, startup_per_node=per_node * startup,
+        ranks_per_node=per_node,
+        nodes=nodes,
+        node_ram=node_ram_gib * GiB,
+        largest_param=largest_param,
+        startup_per_rank=startup,
+        startup_per_node=per_node * startup,
         full_model_startup_per_node=per_node * (process + 4 * total_params + device_states_on_host),
-        checkpoint_bytes=ckpt, checkpoint_bytes_per_rank=share, save_per_rank=save, save_per_node=per_node * save,
-        storage_bps=storage, save_sync_s=ckpt / (nodes * storage), save_async_blocked_s=share / copy)
+        checkpoint_bytes=ckpt,
+        checkpoint_bytes_per_rank=share,
+        save_per_rank=save,
+        save_per_node=per_node * save,
+        storage_bps=storage,
+        save_sync_s=ckpt / (nodes * storage),
+        save_async_blocked_s=share / copy,
+    )
 
 
 def format_bytes(x: float) -> str:
@@ -133,7 +153,9 @@ def format_host(h: HostPlan) -> list[str]:
         f"{format_seconds(h.save_async_blocked_s)} (the copy to host memory), then writes in the background",
     ]
     verdict = "fits" if h.startup_fits else "DOES NOT FIT"
-    lines.append(f"  start-up {verdict} a node with {gpus} and {format_node_ram(h.node_ram)} of RAM "
-                 f"({format_bytes(h.startup_per_node)} needed)"
-                 + ("" if h.save_fits else f"; saving needs {format_bytes(h.save_per_node)}, MORE than the node has"))
+    lines.append(
+        f"  start-up {verdict} a node with {gpus} and {format_node_ram(h.node_ram)} of RAM "
+        f"({format_bytes(h.startup_per_node)} needed)"
+        + ("" if h.save_fits else f"; saving needs {format_bytes(h.save_per_node)}, MORE than the node has")
+    )
     return lines

@@ -27,14 +27,19 @@ their alignment padding, which is real memory).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-
 # DeepSpeed's fp32 master copies: ZeRO 1-2, ZeRO-3, BF16_Optimizer, FP16 (un)fused optimizers.
-_MASTER = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
-           "fp32_groups", "fp32_groups_flat")
+_MASTER = (
+    "single_partition_of_fp32_groups",
+    "fp32_partitioned_groups_flat",
+    "fp32_groups_flat_partition",
+    "fp32_groups",
+    "fp32_groups_flat",
+)
 
 
 def _flatten(obj: Any) -> Iterable[torch.Tensor]:
@@ -100,8 +105,11 @@ class GradPeak:
         self.engine = engine
         self.peak = 0
         self.bucket_peak = 0  # stages 1-2 free their reduce bucket after the step
-        self._handles = [p.register_post_accumulate_grad_hook(lambda _p: self.sample())
-                         for p in engine.module.parameters() if p.requires_grad]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(lambda _p: self.sample())
+            for p in engine.module.parameters()
+            if p.requires_grad
+        ]
 
     def sample(self) -> None:
         opt = self.engine.optimizer
@@ -126,8 +134,11 @@ def measure(engine: Any, grad_peak: GradPeak | None = None) -> dict[str, int]:
     params = _storages(_params(engine))
     opt_st = {k: v for k, v in _storages(_optimizer_tensors(engine)).items() if k not in params}
     buckets = _storages(_bucket_tensors(engine.optimizer))
-    out = dict(params=sum(params.values()), optimizer=sum(opt_st.values()),
-               buffers=max(sum(buckets.values()), grad_peak.bucket_peak if grad_peak is not None else 0))
+    out = dict(
+        params=sum(params.values()),
+        optimizer=sum(opt_st.values()),
+        buffers=max(sum(buckets.values()), grad_peak.bucket_peak if grad_peak is not None else 0),
+    )
     if grad_peak is not None:
         out["grads"] = grad_peak.peak
     out["model_states"] = out["params"] + out["optimizer"] + out.get("grads", 0)

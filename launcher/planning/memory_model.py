@@ -147,7 +147,6 @@ def count_params(model: Any, tp: int) -> ParamCount:
 def build_meta_model(cfg: ModelConfig):
     """The full-size loomtrain Transformer with empty (meta) weights: no memory."""
     from accelerate import init_empty_weights
-
     from loomtrain.model import Transformer
 
     with init_empty_weights(include_buffers=False):
@@ -192,8 +191,9 @@ def model_state_bytes(n_rank: int, stage: int, dp: int, precision: str, offload:
     return ModelStates(params, grads, optim, offloaded, (p_b, g_b, o_b))
 
 
-def ds_buffers(n_rank: int, stage: int, dp: int, precision: str, offload: bool = False,
-               bucket_elems: int = DS_BUCKET_ELEMS) -> tuple[float, float]:
+def ds_buffers(
+    n_rank: int, stage: int, dp: int, precision: str, offload: bool = False, bucket_elems: int = DS_BUCKET_ELEMS
+) -> tuple[float, float]:
     """(reduce bucket, fp32 gradient copy) bytes DeepSpeed allocates besides the model states.
 
     The ZeRO paper counts such constant-size buffers as residual states, not model states.
@@ -224,8 +224,9 @@ class Activations:
     variant: str
 
 
-def output_layer_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str,
-                       device_type: str = "cuda") -> float:
+def output_layer_bytes(
+    cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str, device_type: str = "cuda"
+) -> float:
     """What the output layer and the loss hold between forward and backward (peak)."""
     p, tokens = _DTYPE_BYTES[precision], seq * micro
     if tp > 1:  # vocab-parallel: this rank's logits and the loss's float32 working copy
@@ -235,9 +236,16 @@ def output_layer_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precisio
     return chunk + tokens * cfg.d_model * p + cfg.vocab_size * cfg.d_model * 4
 
 
-def activation_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str,
-                     sequence_parallel: bool = False, checkpointing: bool = False,
-                     device_type: str = "cuda") -> Activations:
+def activation_bytes(
+    cfg: ModelConfig,
+    seq: int,
+    micro: int,
+    tp: int,
+    precision: str,
+    sequence_parallel: bool = False,
+    checkpointing: bool = False,
+    device_type: str = "cuda",
+) -> Activations:
     s, b, h, a, L = seq, micro, cfg.d_model, cfg.n_heads, cfg.n_layers
     p = _DTYPE_BYTES[precision]
     f = cfg.ffn_dim
@@ -257,8 +265,14 @@ def activation_bytes(cfg: ModelConfig, seq: int, micro: int, tp: int, precision:
     else:
         layers, layers_eager = L * per_layer, L * per_layer_eager
     output = output_layer_bytes(cfg, s, b, tp, precision, device_type) + s * b * h * p * 2 / rep_div  # + final norm
-    return Activations(per_layer, layers, output, layers + output, layers_eager + output,
-                       "flash/SDPA (no s x s scores)" + (", full recompute" if checkpointing else ""))
+    return Activations(
+        per_layer,
+        layers,
+        output,
+        layers + output,
+        layers_eager + output,
+        "flash/SDPA (no s x s scores)" + (", full recompute" if checkpointing else ""),
+    )
 
 
 # ---------------------------------------------------------------- FLOPs and comm
@@ -269,8 +283,9 @@ def flops_per_token(matmul_params: int, cfg: ModelConfig, seq: int, recompute: b
     return 6 * matmul_params + attn
 
 
-def tp_comm_bytes_per_microbatch(cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str,
-                                 recompute: bool = False) -> tuple[float, float]:
+def tp_comm_bytes_per_microbatch(
+    cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str, recompute: bool = False
+) -> tuple[float, float]:
     """(payload bytes all-reduced, bytes each rank sends on a ring) per micro-batch."""
     if tp == 1:
         return 0.0, 0.0
@@ -344,8 +359,9 @@ def _bucket_elems(run: Any, dp: int) -> int:
         return DS_BUCKET_ELEMS
 
 
-def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT_MFU, model: Any = None,
-              **host: Any) -> Plan:
+def make_plan(
+    run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT_MFU, model: Any = None, **host: Any
+) -> Plan:
     """Predict one rank of `run` (a RunConfig) on `world_size` ranks of `gpu`. `host`: keyword
     arguments of host_model.host_plan (gpus_per_node, node_ram_gib, storage_gbps)."""
     from loomtrain.launcher.planning.host_model import host_plan
@@ -359,7 +375,8 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
     if tr.global_batch_size % (tr.micro_batch_size * dp):
         raise ValueError(
             f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
-            f"train.micro_batch_size={tr.micro_batch_size} x dp={dp}")
+            f"train.micro_batch_size={tr.micro_batch_size} x dp={dp}"
+        )
     if par.offload_optimizer and stage < 2:
         raise ValueError(f"parallel.offload_optimizer needs parallel.zero_stage 2 or 3, got {stage}")
     accum = tr.global_batch_size // (tr.micro_batch_size * dp)
@@ -368,9 +385,16 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
         model = build_meta_model(cfg)
     pc = count_params(model, tp)
     states = model_state_bytes(pc.per_rank, stage, dp, prec, par.offload_optimizer)
-    acts = activation_bytes(cfg, tr.seq_len, tr.micro_batch_size, tp, prec,
-                            par.sequence_parallel, par.activation_checkpointing,
-                            "cpu" if gpu == "cpu" else "cuda")
+    acts = activation_bytes(
+        cfg,
+        tr.seq_len,
+        tr.micro_batch_size,
+        tp,
+        prec,
+        par.sequence_parallel,
+        par.activation_checkpointing,
+        "cpu" if gpu == "cpu" else "cuda",
+    )
     reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
     bucket, fp32_grads = ds_buffers(pc.per_rank, stage, dp, prec, par.offload_optimizer, _bucket_elems(run, dp))
     total = states.total + acts.total + reserve + bucket + fp32_grads
@@ -379,31 +403,68 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
         fpt = float(model.flops_per_token(tr.seq_len))
     else:
         fpt = flops_per_token(pc.matmul, cfg, tr.seq_len)
-    hw = fpt * (flops_per_token(pc.matmul, cfg, tr.seq_len, True) / flops_per_token(pc.matmul, cfg, tr.seq_len)
-                if par.activation_checkpointing else 1.0)
+    hw = fpt * (
+        flops_per_token(pc.matmul, cfg, tr.seq_len, True) / flops_per_token(pc.matmul, cfg, tr.seq_len)
+        if par.activation_checkpointing
+        else 1.0
+    )
     peak = (dev.fp32_tflops if prec == "fp32" else dev.bf16_tflops) * 1e12
     # The assumed MFU holds for the hardware FLOPs; recomputation adds work MFU ignores.
     step_time = hw * tokens / (world_size * peak * mfu)
-    payload, sent = tp_comm_bytes_per_microbatch(cfg, tr.seq_len, tr.micro_batch_size, tp, prec,
-                                                 par.activation_checkpointing)
+    payload, sent = tp_comm_bytes_per_microbatch(
+        cfg, tr.seq_len, tr.micro_batch_size, tp, prec, par.activation_checkpointing
+    )
     on_host = (states.total + acts.total + bucket + fp32_grads) if gpu == "cpu" else states.offloaded
-    hp = host_plan(total_params=pc.total, per_rank_params=pc.per_rank,
-                   largest_param=max(p.numel() for p in model.parameters()), tp=tp, dp=dp, world_size=world_size,
-                   device_states_on_host=on_host, on_cpu=gpu == "cpu", **host)
+    hp = host_plan(
+        total_params=pc.total,
+        per_rank_params=pc.per_rank,
+        largest_param=max(p.numel() for p in model.parameters()),
+        tp=tp,
+        dp=dp,
+        world_size=world_size,
+        device_states_on_host=on_host,
+        on_cpu=gpu == "cpu",
+        **host,
+    )
     notes = []
     if prec == "bf16" and stage == 0:
-        notes.append("bf16 at ZeRO-0 runs DeepSpeed's FP16_UnfusedOptimizer, whose first AdamW update differs "
-                     "from a plain fp32-master AdamW in ~57% of elements here (ZeRO-1 matches it exactly); "
-                     "prefer parallel.zero_stage >= 1 (at dp=1 it holds the same bytes)")
+        notes.append(
+            "bf16 at ZeRO-0 runs DeepSpeed's FP16_UnfusedOptimizer, whose first AdamW update differs "
+            "from a plain fp32-master AdamW in ~57% of elements here (ZeRO-1 matches it exactly); "
+            "prefer parallel.zero_stage >= 1 (at dp=1 it holds the same bytes)"
+        )
     if cfg.vocab_size % tp:
         notes.append(f"vocab {cfg.vocab_size} padded to {padded_vocab(cfg.vocab_size, tp)} for tp={tp}")
     return Plan(
-        world_size=world_size, tp=tp, dp=dp, zero_stage=stage, precision=prec, grad_accum=accum,
-        micro_batch=tr.micro_batch_size, seq_len=tr.seq_len, tokens_per_step=tokens,
-        params=pc, analytic_params=analytic_param_count(cfg), states=states, activations=acts,
-        reserve=reserve, ds_bucket=bucket, ds_fp32_grads=fp32_grads, total_per_rank=total, device=dev,
-        fits=dev.memory_gib * GiB >= total, flops_per_token=fpt, hw_flops_per_token=hw,
-        flops_per_step=fpt * tokens, tp_comm_payload=payload * accum, tp_comm_sent=sent * accum,
-        dp_comm_sent=dp_comm_bytes_per_step(pc.per_rank, stage, dp, prec), assumed_mfu=mfu,
-        step_time_s=step_time, tokens_per_s=tokens / step_time,
-        tokens_per_s_per_rank=tokens / step_time / world_size, host=hp, notes=notes)
+        world_size=world_size,
+        tp=tp,
+        dp=dp,
+        zero_stage=stage,
+        precision=prec,
+        grad_accum=accum,
+        micro_batch=tr.micro_batch_size,
+        seq_len=tr.seq_len,
+        tokens_per_step=tokens,
+        params=pc,
+        analytic_params=analytic_param_count(cfg),
+        states=states,
+        activations=acts,
+        reserve=reserve,
+        ds_bucket=bucket,
+        ds_fp32_grads=fp32_grads,
+        total_per_rank=total,
+        device=dev,
+        fits=dev.memory_gib * GiB >= total,
+        flops_per_token=fpt,
+        hw_flops_per_token=hw,
+        flops_per_step=fpt * tokens,
+        tp_comm_payload=payload * accum,
+        tp_comm_sent=sent * accum,
+        dp_comm_sent=dp_comm_bytes_per_step(pc.per_rank, stage, dp, prec),
+        assumed_mfu=mfu,
+        step_time_s=step_time,
+        tokens_per_s=tokens / step_time,
+        tokens_per_s_per_rank=tokens / step_time / world_size,
+        host=hp,
+        notes=notes,
+    )

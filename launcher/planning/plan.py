@@ -41,8 +41,7 @@ def format_plan(p: mm.Plan, config: str = "") -> str:
     dp_s = f" / dp {p.dp}"
     stage = p.zero_stage
     lines = [
-        f"plan {config}: world {p.world_size} = tp {p.tp} x dp {p.dp}, ZeRO-{stage}, {p.precision}, "
-        f"on {p.device.name}",
+        f"plan {config}: world {p.world_size} = tp {p.tp} x dp {p.dp}, ZeRO-{stage}, {p.precision}, on {p.device.name}",
         f"model      {_si(pc.total)} params (ModelConfig arithmetic: {_si(p.analytic_params)}); "
         f"per TP rank {_si(pc.per_rank)} ({_si(pc.replicated_per_rank)} replicated over TP)",
         f"batch      global {p.tokens_per_step // p.seq_len} x seq {p.seq_len} = {p.tokens_per_step:,} tokens/step; "
@@ -64,31 +63,39 @@ def format_plan(p: mm.Plan, config: str = "") -> str:
         "",
         "compute",
         f"  model FLOPs per token   {_si(p.flops_per_token, 'FLOP')} (6N + 12 L d s)"
-        + (f"; hardware {_si(p.hw_flops_per_token, 'FLOP')} with full recompute"
-           if p.hw_flops_per_token != p.flops_per_token else ""),
+        + (
+            f"; hardware {_si(p.hw_flops_per_token, 'FLOP')} with full recompute"
+            if p.hw_flops_per_token != p.flops_per_token
+            else ""
+        ),
         f"  model FLOPs per step    {_si(p.flops_per_step, 'FLOP')} ({_si(p.flops_per_step / p.world_size, 'FLOP')} per rank)",
         f"  at an assumed {p.assumed_mfu:.0%} of {p.device.name}'s "
         f"{'fp32' if p.precision == 'fp32' else 'bf16 dense'} peak "
         f"({(p.device.fp32_tflops if p.precision == 'fp32' else p.device.bf16_tflops):g} TFLOP/s)"
-        + (" for the hardware FLOPs" if p.hw_flops_per_token != p.flops_per_token else "") + ":",
+        + (" for the hardware FLOPs" if p.hw_flops_per_token != p.flops_per_token else "")
+        + ":",
         f"    step time {p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s "
         f"({p.tokens_per_s_per_rank:,.0f} per rank), MFU "
         f"{p.assumed_mfu * p.flops_per_token / p.hw_flops_per_token:.0%}",
         "communication per rank per step (not in the step time: assumed overlapped or inside the MFU)",
         f"  TP   {p.tp_comm_payload / GiB:.2f} GiB all-reduced, {p.tp_comm_sent / GiB:.2f} GiB sent (ring)",
         f"  DP   {p.dp_comm_sent / GiB:.2f} GiB sent (ZeRO-{stage} gradient reduce"
-        + (" + parameter all-gathers" if stage == 3 else "") + ")",
+        + (" + parameter all-gathers" if stage == 3 else "")
+        + ")",
     ]
     if p.host is not None:
         lines += hm.format_host(p.host)
     lines += [f"note: {n}" for n in p.notes]
     lines.append("")
     if p.fits:
-        lines.append(f"FITS: {p.total_per_rank / GiB:.2f} GiB per rank of {p.device.memory_gib:.1f} GiB "
-                     f"({p.total_per_rank / (p.device.memory_gib * GiB):.0%})")
+        lines.append(
+            f"FITS: {p.total_per_rank / GiB:.2f} GiB per rank of {p.device.memory_gib:.1f} GiB "
+            f"({p.total_per_rank / (p.device.memory_gib * GiB):.0%})"
+        )
     else:
-        lines.append(f"WILL NOT FIT: needs {p.total_per_rank / GiB:.2f} GiB per rank, "
-                     f"the GPU has {p.device.memory_gib:.1f} GiB")
+        lines.append(
+            f"WILL NOT FIT: needs {p.total_per_rank / GiB:.2f} GiB per rank, the GPU has {p.device.memory_gib:.1f} GiB"
+        )
         lines += [f"  try: {h}" for h in suggestions(p)]
     return "\n".join(lines)
 
@@ -98,8 +105,9 @@ def suggestions(p: mm.Plan) -> list[str]:
     if p.zero_stage < 3 and p.dp > 1:
         out.append(f"parallel.zero_stage={p.zero_stage + 1} (shards more model states over dp={p.dp})")
     if p.activations.total > p.states.total / 4 and p.micro_batch > 1:
-        out.append(f"train.micro_batch_size={max(1, p.micro_batch // 2)} (activations are "
-                   f"{p.activations.total / GiB:.1f} GiB)")
+        out.append(
+            f"train.micro_batch_size={max(1, p.micro_batch // 2)} (activations are {p.activations.total / GiB:.1f} GiB)"
+        )
     if "recompute" not in p.activations.variant:
         out.append("parallel.activation_checkpointing=true")
     if p.zero_stage >= 2 and p.states.optimizer:
@@ -109,30 +117,54 @@ def suggestions(p: mm.Plan) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="loomtrain plan", description=__doc__.split("\n\n")[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="loomtrain plan",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
-    ap.add_argument("--world-size", type=int, default=None,
-                    help="number of ranks (default: the config's ray.num_workers)")
+    ap.add_argument(
+        "--world-size", type=int, default=None, help="number of ranks (default: the config's ray.num_workers)"
+    )
     ap.add_argument("--gpu", default="h100", choices=sorted(mm.DEVICES), help="device to predict for")
-    ap.add_argument("--mfu", type=float, default=mm.DEFAULT_MFU,
-                    help=f"assumed model-FLOPs utilization (default {mm.DEFAULT_MFU})")
-    ap.add_argument("--gpus-per-node", type=int, default=hm.DEFAULT_GPUS_PER_NODE,
-                    help=f"ranks per node, for host RAM per node (default {hm.DEFAULT_GPUS_PER_NODE})")
-    ap.add_argument("--node-ram-gib", type=float, default=hm.DEFAULT_NODE_RAM_GIB,
-                    help=f"host RAM per node in GiB (default {hm.DEFAULT_NODE_RAM_GIB:g}, a 1 TB node)")
-    ap.add_argument("--storage-gbps", type=float, default=hm.DEFAULT_STORAGE_GBPS,
-                    help=f"checkpoint storage write bandwidth in GB/s per node (default {hm.DEFAULT_STORAGE_GBPS:g})")
+    ap.add_argument(
+        "--mfu", type=float, default=mm.DEFAULT_MFU, help=f"assumed model-FLOPs utilization (default {mm.DEFAULT_MFU})"
+    )
+    ap.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=hm.DEFAULT_GPUS_PER_NODE,
+        help=f"ranks per node, for host RAM per node (default {hm.DEFAULT_GPUS_PER_NODE})",
+    )
+    ap.add_argument(
+        "--node-ram-gib",
+        type=float,
+        default=hm.DEFAULT_NODE_RAM_GIB,
+        help=f"host RAM per node in GiB (default {hm.DEFAULT_NODE_RAM_GIB:g}, a 1 TB node)",
+    )
+    ap.add_argument(
+        "--storage-gbps",
+        type=float,
+        default=hm.DEFAULT_STORAGE_GBPS,
+        help=f"checkpoint storage write bandwidth in GB/s per node (default {hm.DEFAULT_STORAGE_GBPS:g})",
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_intermixed_args(argv)
 
     from loomtrain.launcher.config_loader import ConfigError
 
     try:
-        _, p = load_plan(args.config, args.overrides, args.world_size, args.gpu, args.mfu,
-                         gpus_per_node=args.gpus_per_node, node_ram_gib=args.node_ram_gib,
-                         storage_gbps=args.storage_gbps)
+        _, p = load_plan(
+            args.config,
+            args.overrides,
+            args.world_size,
+            args.gpu,
+            args.mfu,
+            gpus_per_node=args.gpus_per_node,
+            node_ram_gib=args.node_ram_gib,
+            storage_gbps=args.storage_gbps,
+        )
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"loomtrain plan: {exc}", file=sys.stderr)
         return 2
