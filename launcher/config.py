@@ -7,8 +7,19 @@ OmegaConf; see `loomtrain.launcher.config_loader` for loading and validation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from loomtrain.model.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line that names the dotted key."""
+
+
+def check(ok: bool, key: str, expected: str, value: Any) -> None:
+    """The one-line error format of every config rule: `<dotted key>: expected ..., got <value>`."""
+    if not ok:
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
 
 
 @dataclass
@@ -46,11 +57,16 @@ class DataConfig:
     prefetch: int = 2
 
 
+# DeepSpeed also offloads at stage 1, but the memory plan and test_zero's offload runs cover 2 and 3.
+OFFLOAD_ZERO_STAGES = (2, 3)
+
+
 @dataclass
 class ParallelConfig:
     tp: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
+    # Optimizer states and the AdamW step in host memory: only at OFFLOAD_ZERO_STAGES.
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
     # torch.compile each transformer block (parameter names, so checkpoints, unchanged)
@@ -58,6 +74,16 @@ class ParallelConfig:
     # No progress for this long = a hang: every rank dumps its stacks into its log and
     # the run ends naming the stuck rank (the collective timeout is set a minute above).
     timeout_s: int = 600
+
+    def check_offload(self, prefix: str = "parallel") -> None:
+        """The offload rule, asked by config validation, the engine and the memory plan alike."""
+        stages = " or ".join(map(str, OFFLOAD_ZERO_STAGES))
+        check(
+            not self.offload_optimizer or self.zero_stage in OFFLOAD_ZERO_STAGES,
+            f"{prefix}.offload_optimizer",
+            f"false unless {prefix}.zero_stage is {stages} (it is {self.zero_stage})",
+            self.offload_optimizer,
+        )
 
 
 @dataclass
@@ -80,6 +106,17 @@ class TrainConfig:
     # Stop the run after this many consecutive non-finite (skipped) steps.
     max_consecutive_skips: int = 5
     device: str = "auto"  # auto | cpu | cuda
+
+    def grad_accum_steps(self, dp_size: int) -> int:
+        """Micro steps per optimizer step: global_batch_size / (micro_batch_size x dp_size), the one
+        place it is derived (engine, loop, memory plan); a global batch that does not split is refused."""
+        check(
+            self.global_batch_size % (self.micro_batch_size * dp_size) == 0,
+            "train.global_batch_size",
+            f"a multiple of train.micro_batch_size * dp_size = {self.micro_batch_size} * {dp_size}",
+            self.global_batch_size,
+        )
+        return self.global_batch_size // (self.micro_batch_size * dp_size)
 
 
 @dataclass

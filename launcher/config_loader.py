@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.config import ConfigError, RunConfig, check
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -35,10 +35,6 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "bar", "plain")
 BUILTIN_TOKENIZERS = ("byte", "bpe")
-
-
-class ConfigError(ValueError):
-    """A bad config: the message is one line that names the dotted key."""
 
 
 # --- schema helpers ---------------------------------------------------------
@@ -233,18 +229,13 @@ def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
 
 
 # --- rules ---------------------------------------------------------------------
-def _check(ok: bool, key: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
-
-
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    _check(value in choices, key, "one of " + ", ".join(choices), value)
+    check(value in choices, key, "one of " + ", ".join(choices), value)
 
 
 def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
     ok = value >= 0 if allow_zero else value > 0
-    _check(ok, key, "a non-negative number" if allow_zero else "a positive number", value)
+    check(ok, key, "a non-negative number" if allow_zero else "a positive number", value)
 
 
 def validate(cfg: RunConfig, world_size: int = 1) -> None:
@@ -255,7 +246,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _choice("train.device", t.device, DEVICES)
     _choice("log.progress", cfg.log.progress, PROGRESS)
-    _check(
+    check(
         cfg.checkpoint.resume in ("auto", "never")
         or "://" in cfg.checkpoint.resume
         or Path(cfg.checkpoint.resume).exists()
@@ -265,33 +256,33 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         "auto, never or the path of an existing checkpoint",
         cfg.checkpoint.resume,
     )
-    _check(
+    check(
         t.device != "cuda" or _cuda_available(),
         "train.device",
         "auto or cpu on a machine without CUDA",
         t.device,
     )
     tok = cfg.data.tokenizer
-    _check(
+    check(
         tok in BUILTIN_TOKENIZERS or Path(tok).is_file() or (Path(tok) / "tokenizer.json").is_file(),
         "data.tokenizer",
         "byte, bpe, the path of an existing tokenizer.json or a directory holding one "
         "(a Hugging Face model or tokenizer directory)",
         tok,
     )
-    _check(bool(cfg.run.dir), "run.dir", "a directory path", cfg.run.dir)
+    check(bool(cfg.run.dir), "run.dir", "a directory path", cfg.run.dir)
     # numbers: inf/nan pass `> 0` and min/max checks, then poison the run (nan fails them
     # with a less helpful message); every float knob must be a finite number.
     for key, value in _float_leaves(cfg):
-        _check(math.isfinite(value), key, "a finite number", value)
+        check(math.isfinite(value), key, "a finite number", value)
     for key in ("max_steps", "seq_len", "micro_batch_size", "global_batch_size", "lr"):
         _positive(f"train.{key}", getattr(t, key))
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eps", "max_consecutive_skips"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
-    _check(t.min_lr <= t.lr, "train.min_lr", f"at most train.lr={t.lr}", t.min_lr)
+    check(t.min_lr <= t.lr, "train.min_lr", f"at most train.lr={t.lr}", t.min_lr)
     for key in ("beta1", "beta2"):
-        _check(0.0 <= getattr(t, key) < 1.0, f"train.{key}", "a number in [0, 1)", getattr(t, key))
-    _check(
+        check(0.0 <= getattr(t, key) < 1.0, f"train.{key}", "a number in [0, 1)", getattr(t, key))
+    check(
         t.seq_len <= m.max_seq_len,
         "train.seq_len",
         f"at most model.max_seq_len={m.max_seq_len}",
@@ -304,20 +295,15 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         check_tp(m, p.tp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _check(
+    check(
         not p.sequence_parallel or t.seq_len % p.tp == 0,
         "train.seq_len",
         f"a multiple of parallel.tp={p.tp} with parallel.sequence_parallel",
         t.seq_len,
     )
-    _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "0, 1, 2 or 3", p.zero_stage)
-    _check(
-        not p.offload_optimizer or p.zero_stage >= 2,
-        "parallel.offload_optimizer",
-        f"false unless parallel.zero_stage is 2 or 3 (it is {p.zero_stage})",
-        p.offload_optimizer,
-    )
-    _check(
+    check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "0, 1, 2 or 3", p.zero_stage)
+    p.check_offload()
+    check(
         not p.compile or (t.device != "cpu" and _cuda_available()) or _cxx_available(),
         "parallel.compile",
         "false on a CPU without a C++ compiler (torch.compile's CPU backend builds with $CXX or g++)",
@@ -337,30 +323,30 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _positive("checkpoint.stop_at_step", cfg.checkpoint.stop_at_step, allow_zero=True)
     _positive("checkpoint.timeout_s", cfg.checkpoint.timeout_s)
     ps = list(cfg.log.profile_steps)
-    _check(
+    check(
         not ps or (len(ps) == 2 and 1 <= ps[0] <= ps[1]),
         "log.profile_steps",
         "[] or [START, END] with 1 <= START <= END",
         ps,
     )
-    _check(
+    check(
         all(r >= 0 for r in cfg.log.profile_ranks),
         "log.profile_ranks",
         "global ranks (>= 0)",
         list(cfg.log.profile_ranks),
     )
     _positive("log.memory_snapshot_step", cfg.log.memory_snapshot_step, allow_zero=True)
-    _check(0.0 <= cfg.data.val_fraction < 1.0, "data.val_fraction", "a number in [0, 1)", cfg.data.val_fraction)
+    check(0.0 <= cfg.data.val_fraction < 1.0, "data.val_fraction", "a number in [0, 1)", cfg.data.val_fraction)
     _positive("data.max_files", cfg.data.max_files, allow_zero=True)
-    _check(
+    check(
         not (cfg.data.path and cfg.data.sources),
         "data.sources",
         "empty when data.path is set (data.path is the one-source form of data.sources)",
         "a list",
     )
     for i, src in enumerate(cfg.data.sources):
-        _check(bool(src.path), f"data.sources[{i}].path", "a shard directory made by `loomtrain preprocess`", src.path)
-        _check(
+        check(bool(src.path), f"data.sources[{i}].path", "a shard directory made by `loomtrain preprocess`", src.path)
+        check(
             math.isfinite(src.weight) and src.weight > 0, f"data.sources[{i}].weight", "a positive number", src.weight
         )
     _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
@@ -374,19 +360,13 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     # cross-field: world size, tp, dp and the batch sizes
-    _check(
+    check(
         world_size % p.tp == 0,
         "parallel.tp",
         f"a divisor of the world size {world_size}",
         p.tp,
     )
-    dp = world_size // p.tp
-    _check(
-        t.global_batch_size % (t.micro_batch_size * dp) == 0,
-        "train.global_batch_size",
-        f"a multiple of train.micro_batch_size * dp_size = {t.micro_batch_size} * {dp}",
-        t.global_batch_size,
-    )
+    t.grad_accum_steps(world_size // p.tp)  # refuses a global batch that does not split
     if m.init_from:  # last: it reads the weights' config (and may name a path only a cluster has)
         _check_init_from(cfg)
 
@@ -406,14 +386,14 @@ def _check_init_from(cfg: RunConfig) -> None:
     src = Path(cfg.model.init_from).expanduser()
     if not src.exists() and (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir():
         return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
-    _check(
+    check(
         src.is_dir(),
         "model.init_from",
         "a run's final/ directory, a run directory or a Hugging Face model directory",
         cfg.model.init_from,
     )
     own = Path(cfg.run.dir).expanduser().absolute()
-    _check(
+    check(
         src.absolute() not in (own, own / "final"),
         "model.init_from",
         f"weights outside run.dir={cfg.run.dir} (the run's end replaces its final/; give the new run its own run.dir)",
@@ -435,12 +415,3 @@ def _cuda_available() -> bool:
         return torch.cuda.is_available()
     except Exception:  # pragma: no cover
         return False
-
-
-def dp_size(cfg: RunConfig, world_size: int) -> int:
-    return world_size // cfg.parallel.tp
-
-
-def grad_accum_steps(cfg: RunConfig, world_size: int) -> int:
-    """Micro steps per optimizer step: global / (micro * dp)."""
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size(cfg, world_size))

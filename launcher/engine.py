@@ -31,9 +31,10 @@ _NEVER = 10**12
 
 def ds_config(cfg: RunConfig, dp_size: int) -> dict[str, Any]:
     t, p = cfg.train, cfg.parallel
-    grad_accum = t.global_batch_size // (t.micro_batch_size * dp_size)
+    grad_accum = t.grad_accum_steps(dp_size)
+    p.check_offload()  # the stages the config allows, not DeepSpeed's wider set
     zero: dict[str, Any] = {"stage": p.zero_stage}
-    if p.offload_optimizer and p.zero_stage >= 1:
+    if p.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config: dict[str, Any] = {
         "train_batch_size": t.micro_batch_size * grad_accum * dp_size,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from loomtrain.launcher import components, weights
 from loomtrain.launcher.config import RunConfig
-from loomtrain.launcher.config_loader import grad_accum_steps, save_config, to_dict, validate
+from loomtrain.launcher.config_loader import save_config, to_dict, validate
 from loomtrain.launcher.distributed import barrier, init_distributed
 from loomtrain.launcher.engine import build_engine, grad_norm, records_grad_norm
 from loomtrain.launcher.faults import Faults
@@ -195,7 +195,7 @@ def _train(
     ctx.model = components.build_model(cfg, topology, env.device)
     ctx.engine, ctx.optimizer, ctx.scheduler = build_engine(cfg, ctx.model, topology.dp_size, mpu=topology.mpu)
     ctx.model = ctx.engine.module
-    grad_accum = grad_accum_steps(cfg, env.world_size)
+    grad_accum = cfg.train.grad_accum_steps(topology.dp_size)
 
     hook = HookList([*default_hooks(cfg), *hooks])
     hook.on_train_start(ctx)  # resume happens here

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from loomtrain.launcher.config_loader import load_config
+from loomtrain.launcher.config import OFFLOAD_ZERO_STAGES, ConfigError
+from loomtrain.launcher.config_loader import load_config, resolve, validate
 from loomtrain.launcher.engine import ds_config, lr_lambda, param_groups
 from loomtrain.launcher.metrics import MetricsLogger, gpu_peak_flops
+from loomtrain.launcher.planning import memory_model
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -33,6 +35,46 @@ def test_ds_config_derives_accumulation_from_global_micro_and_dp():
     assert ds["gradient_clipping"] == 0.5
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+
+
+def refusal(call) -> str | None:
+    """The ConfigError's message, or None when the call is accepted."""
+    try:
+        call()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_grad_accumulation_and_batch_rule_agree_in_loader_engine_and_plan():
+    cfg = resolve(TINY, ["train.micro_batch_size=4", "train.global_batch_size=32"])
+    assert cfg.train.grad_accum_steps(2) == 4
+    assert ds_config(cfg, dp_size=2)["gradient_accumulation_steps"] == 4
+    assert memory_model.make_plan(cfg, 2, "cpu").grad_accum == 4
+    # dp 3: 32 does not split into micro-batches of 4 over 3 ranks; all three refuse it alike
+    messages = {
+        refusal(lambda: validate(cfg, world_size=3)),
+        refusal(lambda: ds_config(cfg, dp_size=3)),
+        refusal(lambda: memory_model.make_plan(cfg, 3, "cpu")),
+    }
+    assert messages == {
+        "train.global_batch_size: expected a multiple of train.micro_batch_size * dp_size = 4 * 3, got 32"
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_optimizer_offload_stages_agree_in_loader_engine_and_plan(stage):
+    cfg = resolve(TINY, [f"parallel.zero_stage={stage}", "parallel.offload_optimizer=true"])
+    loader = refusal(lambda: validate(cfg))
+    engine = refusal(lambda: ds_config(cfg, dp_size=1))
+    plan = refusal(lambda: memory_model.make_plan(cfg, 1, "cpu"))
+    assert loader == engine == plan
+    if stage in OFFLOAD_ZERO_STAGES:
+        assert loader is None and ds_config(cfg, dp_size=1)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    else:
+        assert loader == (
+            f"parallel.offload_optimizer: expected false unless parallel.zero_stage is 2 or 3 (it is {stage}), got True"
+        )
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():

@@ -372,14 +372,8 @@ def make_plan(
     if world_size < 1 or world_size % tp:
         raise ValueError(f"--world-size {world_size} must be a positive multiple of parallel.tp={tp}")
     dp = world_size // tp
-    if tr.global_batch_size % (tr.micro_batch_size * dp):
-        raise ValueError(
-            f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
-            f"train.micro_batch_size={tr.micro_batch_size} x dp={dp}"
-        )
-    if par.offload_optimizer and stage < 2:
-        raise ValueError(f"parallel.offload_optimizer needs parallel.zero_stage 2 or 3, got {stage}")
-    accum = tr.global_batch_size // (tr.micro_batch_size * dp)
+    accum = tr.grad_accum_steps(dp)
+    par.check_offload()
     dev = device_spec(gpu)
     if model is None:
         model = build_meta_model(cfg)
