@@ -28,7 +28,8 @@ t = time.perf_counter()
 index = preprocess_files(files, out, "byte", workers=workers, progress=False, log=None, val_fraction=0.01)
 secs = time.perf_counter() - t
 tokens = sum(s["num_tokens"] for s in index["splits"].values())
-print(json.dumps({"tokens": tokens, "bytes": index["stats"]["bytes"], "seconds": secs, "workers": index["run"]["workers"],
+print(json.dumps({"tokens": tokens, "bytes": index["stats"]["bytes"], "seconds": secs,
+                  "workers": index["run"]["workers"],
                   "rss_main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "rss_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """
@@ -47,7 +48,8 @@ status = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith
 s.close()
 print(json.dumps({"tokens_per_s": n * seq * mb / secs, "samples_per_epoch": s.samples_per_epoch,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "anon_mb": int(status["RssAnon"].split()[0]) / 1024, "file_mb": int(status["RssFile"].split()[0]) / 1024}))
+                  "anon_mb": int(status["RssAnon"].split()[0]) / 1024,
+                  "file_mb": int(status["RssFile"].split()[0]) / 1024}))
 """
 
 
@@ -133,7 +135,8 @@ def main() -> int:
             print(
                 f"stream {copies:>2}x corpus, prefetch={prefetch}: {s['tokens_per_s'] / 1e6:6.2f} M tokens/s "
                 f"(seq {args.seq_len} x micro batch {args.micro_batch}, {s['samples_per_epoch']} samples/epoch); "
-                f"RSS anonymous {s['anon_mb']:.0f} MB + file-backed (libraries, mapped shard pages) {s['file_mb']:.0f} MB"
+                f"RSS anonymous {s['anon_mb']:.0f} MB + file-backed (libraries, mapped shard pages) "
+                f"{s['file_mb']:.0f} MB"
             )
     have = streams[(1, 2)]["tokens_per_s"]
     for need, how in tiny_step_consumption(args.seq_len, args.micro_batch):

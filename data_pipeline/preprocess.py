@@ -426,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=None,
-        help="tokenizing processes (default: all cores), or with --ray Ray tasks in flight (default: the cluster's CPUs)",
+        help="tokenizing processes (default: all cores), or with --ray Ray tasks in flight "
+        "(default: the cluster's CPUs)",
     )
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines instead of failing")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
@@ -444,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--address",
         default=None,
-        help="with --ray: the cluster (HOST:PORT, 'auto', or ray://HOST:10001); default $RAY_ADDRESS, else a local instance",
+        help="with --ray: the cluster (HOST:PORT, 'auto', or ray://HOST:10001); default $RAY_ADDRESS, "
+        "else a local instance",
     )
     p.add_argument("--no-progress", action="store_true")
     return p

@@ -138,7 +138,8 @@ def read_index(shard_dir: str | os.PathLike) -> dict:
         raise DataError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise DataError(
-            f"{path} is not a loomtrain shard index (format {index.get('format') if isinstance(index, dict) else None!r})"
+            f"{path} is not a loomtrain shard index (format "
+            f"{index.get('format') if isinstance(index, dict) else None!r})"
         )
     if index.get("version") != VERSION:
         raise DataError(
@@ -211,7 +212,8 @@ class ShardSet:
             if actual != expected:
                 raise DataError(
                     f"shard {path} is {'missing' if actual is None else 'truncated or corrupt'}: "
-                    f"index says {shard['num_tokens']} tokens = {expected} bytes, file has {actual if actual is not None else 0} bytes"
+                    f"index says {shard['num_tokens']} tokens = {expected} bytes, file has "
+                    f"{actual if actual is not None else 0} bytes"
                 )
             if shard["num_tokens"]:
                 self.arrays.append(np.memmap(path, dtype="<" + self.dtype.str[1:], mode="r"))

@@ -397,7 +397,8 @@ class TokenStream:
         ):
             if state.get(key) != mine:
                 raise DataError(
-                    f"cannot resume the data stream: the saved state has {key}={state.get(key)!r}, this stream has {key}={mine!r}"
+                    f"cannot resume the data stream: the saved state has {key}={state.get(key)!r}, this stream has "
+                    f"{key}={mine!r}"
                 )
         position = int(state["global_position"])
         if position < 0 or position % self.round_size:

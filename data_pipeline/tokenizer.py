@@ -71,7 +71,8 @@ class ByteTokenizer:
                 "version": 1,
                 "eos_id": self.eos_id,
                 "vocab_size": self.vocab_size,
-                "note": "ids 0..255 are UTF-8 bytes, 256 is <|endoftext|>; load with loomtrain.data_pipeline.load_tokenizer",
+                "note": "ids 0..255 are UTF-8 bytes, 256 is <|endoftext|>; "
+                "load with loomtrain.data_pipeline.load_tokenizer",
             },
             indent=1,
         )
@@ -94,7 +95,8 @@ class HFTokenizer:
         eos = next((t for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
         if eos is None:
             raise DataError(
-                f"tokenizer {source or '(in memory)'} has no end-of-document token (looked for {', '.join(_EOS_CANDIDATES)})"
+                f"tokenizer {source or '(in memory)'} has no end-of-document token (looked for "
+                f"{', '.join(_EOS_CANDIDATES)})"
             )
         self.eos_token = eos
         self.eos_id = int(tok.token_to_id(eos))
@@ -185,7 +187,8 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         return ByteTokenizer()
     if str(spec) == "bpe":
         raise DataError(
-            'tokenizer "bpe" must be trained on a corpus first (loomtrain preprocess --tokenizer bpe); pass the resulting tokenizer.json'
+            'tokenizer "bpe" must be trained on a corpus first (loomtrain preprocess --tokenizer bpe); '
+            "pass the resulting tokenizer.json"
         )
     path = Path(spec)
     if path.is_dir():

@@ -39,7 +39,8 @@ SECURITY_RULES = {
     "requests-equal-limits": "cpu and memory requested and limited, requests == limits for every resource",
     "cluster-ip-only": "every Service, and the Ray head service with its dashboard, ClusterIP only; no Ingress",
     "no-service-account-token": "automountServiceAccountToken: false (nothing here calls the Kubernetes API)",
-    "ray-token-auth": "every Ray cluster requires Ray's auth token (authOptions.mode: token): its dashboard runs any code it is sent",
+    "ray-token-auth": "every Ray cluster requires Ray's auth token (authOptions.mode: token): "
+    "its dashboard runs any code it is sent",
 }
 
 # --- security policy: what is skipped, and why ---------------------------------
@@ -153,7 +154,8 @@ def project_rules(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
             out.append(
                 (
                     f"PersistentVolumeClaim/{name}",
-                    "[pvc-rwx] accessModes must include ReadWriteMany: every Ray pod writes checkpoints and TensorBoard reads them",
+                    "[pvc-rwx] accessModes must include ReadWriteMany: every Ray pod writes checkpoints and "
+                    "TensorBoard reads them",
                 )
             )
     for obj in docs:
@@ -168,7 +170,8 @@ def project_rules(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
                     out.append(
                         (
                             where,
-                            "[dev-shm] mount an emptyDir with medium: Memory at /dev/shm (NCCL and Ray's object store outgrow the default 64 MiB)",
+                            "[dev-shm] mount an emptyDir with medium: Memory at /dev/shm (NCCL and Ray's object store "
+                            "outgrow the default 64 MiB)",
                         )
                     )
     rayjobs = list(by_kind.get("RayJob", {}).values())
@@ -183,7 +186,8 @@ def project_rules(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
                 out.append(
                     (
                         name_of(cluster),
-                        f"[cluster-shapes-match] differs from {name_of(job)}'s rayClusterSpec at {diff}: the interactive cluster must have the job's shape",
+                        f"[cluster-shapes-match] differs from {name_of(job)}'s rayClusterSpec at {diff}: the "
+                        "interactive cluster must have the job's shape",
                     )
                 )
     return out
@@ -225,7 +229,8 @@ def _references(docs: list[dict], by_kind: dict) -> list[tuple[str, str]]:
                         out.append(
                             (
                                 where,
-                                f"[references-resolve] volume {vol.get('name')!r}: no ConfigMap {cm.get('name')!r} in the manifests",
+                                f"[references-resolve] volume {vol.get('name')!r}: no ConfigMap {cm.get('name')!r} in "
+                                "the manifests",
                             )
                         )
                     for item in (cm.get("items") or []) if target else []:
@@ -233,14 +238,16 @@ def _references(docs: list[dict], by_kind: dict) -> list[tuple[str, str]]:
                             out.append(
                                 (
                                     where,
-                                    f"[references-resolve] volume {vol.get('name')!r}: ConfigMap {cm.get('name')!r} has no key {item.get('key')!r}",
+                                    f"[references-resolve] volume {vol.get('name')!r}: ConfigMap {cm.get('name')!r} "
+                                    f"has no key {item.get('key')!r}",
                                 )
                             )
                 if pvc is not None and pvc.get("claimName") not in by_kind.get("PersistentVolumeClaim", {}):
                     out.append(
                         (
                             where,
-                            f"[references-resolve] volume {vol.get('name')!r}: no PersistentVolumeClaim {pvc.get('claimName')!r} in the manifests",
+                            f"[references-resolve] volume {vol.get('name')!r}: no PersistentVolumeClaim "
+                            f"{pvc.get('claimName')!r} in the manifests",
                         )
                     )
             for c in containers(pod):
@@ -249,7 +256,8 @@ def _references(docs: list[dict], by_kind: dict) -> list[tuple[str, str]]:
                         out.append(
                             (
                                 where,
-                                f"[references-resolve] container {c.get('name')!r} mounts volume {m.get('name')!r}, which the pod does not declare",
+                                f"[references-resolve] container {c.get('name')!r} mounts volume {m.get('name')!r}, "
+                                "which the pod does not declare",
                             )
                         )
     for name, svc in by_kind.get("Service", {}).items():
@@ -287,7 +295,8 @@ def _images(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
                     out.append(
                         (
                             where,
-                            f"[images-pinned] image {image!r} is not pinned: give it an exact tag (not latest) or a digest",
+                            f"[images-pinned] image {image!r} is not pinned: give it an exact tag (not latest) or a "
+                            "digest",
                         )
                     )
                 if (
@@ -299,14 +308,16 @@ def _images(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
                     out.append(
                         (
                             where,
-                            f"[image-version] image {image!r} is not the version this checkout builds ({version}-cpu or {version}-gpu, pyproject.toml)",
+                            f"[image-version] image {image!r} is not the version this checkout builds ({version}-cpu "
+                            f"or {version}-gpu, pyproject.toml)",
                         )
                     )
                 if _limit(c, GPU) > 0 and name.rsplit("/", 1)[-1] == "loomtrain" and not tag.endswith("-gpu"):
                     out.append(
                         (
                             where,
-                            f"[image-variant] container {c.get('name')!r} requests {GPU} but runs {image!r}, not the CUDA image (tag ...-gpu)",
+                            f"[image-variant] container {c.get('name')!r} requests {GPU} but runs {image!r}, not the "
+                            "CUDA image (tag ...-gpu)",
                         )
                     )
         for cwhere, cspec in ray_cluster_specs(obj):
@@ -314,7 +325,8 @@ def _images(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
                 out.append(
                     (
                         cwhere,
-                        f"[ray-version] rayVersion {cspec.get('rayVersion')!r} is not the Ray the image installs ({ray_version}, k8s/image/Dockerfile)",
+                        f"[ray-version] rayVersion {cspec.get('rayVersion')!r} is not the Ray the image installs "
+                        f"({ray_version}, k8s/image/Dockerfile)",
                     )
                 )
     return out
@@ -363,7 +375,8 @@ def _configmaps(configmaps: dict[str, dict]) -> list[tuple[str, str]]:
                     out.append(
                         (
                             f"ConfigMap/{name}",
-                            f"[extends-resolve] {key} extends {base!r}, which is not in this ConfigMap (the mounted folder has only its keys)",
+                            f"[extends-resolve] {key} extends {base!r}, which is not in this ConfigMap (the mounted "
+                            "folder has only its keys)",
                         )
                     )
     return out
@@ -382,7 +395,8 @@ def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
         return [
             (
                 where,
-                f"[entrypoint-runs-loomtrain] the entrypoint must be `loomtrain train CONFIG [key=value ...] --ray`, got {entrypoint!r}",
+                "[entrypoint-runs-loomtrain] the entrypoint must be `loomtrain train CONFIG [key=value ...] --ray`, "
+                f"got {entrypoint!r}",
             )
         ]
     out = []
@@ -390,7 +404,8 @@ def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
         out.append(
             (
                 where,
-                "[entrypoint-runs-loomtrain] the entrypoint lacks --ray: without it the driver trains alone on the head pod",
+                "[entrypoint-runs-loomtrain] the entrypoint lacks --ray: without it the driver trains alone on the "
+                "head pod",
             )
         )
     config_path, overrides = argv[2], [a for a in argv[3:] if "=" in a and not a.startswith("-")]
@@ -409,7 +424,8 @@ def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
         return out + [
             (
                 where,
-                f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a ConfigMap mounted at its folder in the head pod",
+                f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a ConfigMap mounted "
+                "at its folder in the head pod",
             )
         ]
     cfg = _load_config(tuple(sorted(data.items())), name, tuple(overrides))
@@ -505,15 +521,17 @@ def _world_size(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[str,
             out.append(
                 (
                     where,
-                    f"[world-size] {name} runs ray.num_workers={n} workers with one GPU each, but the Ray cluster has {shown} = {int(gpus)} GPUs (GPUs per worker pod x worker pods must equal the world size)",
+                    f"[world-size] {name} runs ray.num_workers={n} workers with one GPU each, but the Ray cluster has "
+                    f"{shown} = {int(gpus)} GPUs (GPUs per worker pod x worker pods must equal the world size)",
                 )
             )
-        for g, c, cpus, gp in rows:
+        for g, _, cpus, gp in rows:
             if gp and cpus < gp * cpw:
                 out.append(
                     (
                         where,
-                        f"[world-size] group {g!r}: {int(gp)} GPUs need {int(gp)} x ray.cpus_per_worker={cpw} CPUs per pod, it has {float(cpus):g}",
+                        f"[world-size] group {g!r}: {int(gp)} GPUs need {int(gp)} x ray.cpus_per_worker={cpw} CPUs "
+                        f"per pod, it has {float(cpus):g}",
                     )
                 )
     else:
@@ -521,7 +539,8 @@ def _world_size(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[str,
             out.append(
                 (
                     where,
-                    f"[world-size] {name} has ray.use_gpu false, but the Ray cluster requests {int(gpus)} GPUs that would sit idle",
+                    f"[world-size] {name} has ray.use_gpu false, but the Ray cluster requests {int(gpus)} GPUs that "
+                    "would sit idle",
                 )
             )
         slots = sum(c * (cpus // cpw) for _, c, cpus, _ in rows)
@@ -529,7 +548,8 @@ def _world_size(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[str,
             out.append(
                 (
                     where,
-                    f"[world-size] {name} runs ray.num_workers={n} workers x ray.cpus_per_worker={cpw} CPU(s), but the Ray cluster fits only {int(slots)}",
+                    f"[world-size] {name} runs ray.num_workers={n} workers x ray.cpus_per_worker={cpw} CPU(s), but "
+                    f"the Ray cluster fits only {int(slots)}",
                 )
             )
     return out
@@ -554,7 +574,8 @@ def _run_dir(where: str, run_dir: str, cspec: dict, by_kind: dict) -> list[tuple
             out.append(
                 (
                     where,
-                    f"[run-dir-on-pvc] run.dir={run_dir!r} is not on a PersistentVolumeClaim mounted in the {label} pod: checkpoints and logs would die with the pod",
+                    f"[run-dir-on-pvc] run.dir={run_dir!r} is not on a PersistentVolumeClaim mounted in the {label} "
+                    "pod: checkpoints and logs would die with the pod",
                 )
             )
         for mount, claim in hits:
@@ -582,7 +603,8 @@ def _run_dir(where: str, run_dir: str, cspec: dict, by_kind: dict) -> list[tuple
                         out.append(
                             (
                                 f"Deployment/{name}",
-                                f"[tensorboard-reads-runs] --logdir={logdir} does not cover the run directory {rel} on PVC {claim!r} that {where} writes",
+                                f"[tensorboard-reads-runs] --logdir={logdir} does not cover the run directory {rel} "
+                                f"on PVC {claim!r} that {where} writes",
                             )
                         )
     return out
@@ -600,7 +622,8 @@ def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
                 out.append(
                     (
                         name_of(obj),
-                        f"[cluster-ip-only] Service type {kind} exposes it outside the cluster; use ClusterIP and kubectl port-forward",
+                        f"[cluster-ip-only] Service type {kind} exposes it outside the cluster; use ClusterIP and "
+                        "kubectl port-forward",
                     )
                 )
         if obj.get("kind") == "Ingress":
@@ -615,7 +638,8 @@ def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
                 out.append(
                     (
                         where,
-                        f"[cluster-ip-only] the Ray head service is {kind}: that puts the dashboard (which runs arbitrary jobs) outside the cluster",
+                        f"[cluster-ip-only] the Ray head service is {kind}: that puts the dashboard (which runs "
+                        "arbitrary jobs) outside the cluster",
                     )
                 )
             if head.get("enableIngress"):
@@ -624,7 +648,8 @@ def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
                 out.append(
                     (
                         where,
-                        "[ray-token-auth] set authOptions.mode: token: without it any pod that reaches the Ray head can run code on the cluster",
+                        "[ray-token-auth] set authOptions.mode: token: without it any pod that reaches the Ray head "
+                        "can run code on the cluster",
                     )
                 )
     return out
@@ -664,7 +689,8 @@ def _pod_security(where: str, pod: dict) -> list[tuple[str, str]]:
             out.append(
                 (
                     where,
-                    f"[seccomp-runtime-default] {cname}: seccompProfile is {seccomp or 'unset'}, must be RuntimeDefault",
+                    f"[seccomp-runtime-default] {cname}: seccompProfile is {seccomp or 'unset'}, must be "
+                    "RuntimeDefault",
                 )
             )
         for port in c.get("ports") or []:

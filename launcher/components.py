@@ -106,18 +106,21 @@ def data_cache_dir(cfg: RunConfig) -> Path:
     return Path(cfg.run.dir).absolute().parent / ".data_cache"
 
 
+def _quiet(*args, **kwargs) -> None:
+    """A log that drops everything: ranks other than 0 reuse the data rank 0 prepared."""
+
+
 def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
     """-> (shard_dir, tokenizer, train_stream). Rank 0 prepares the data first.
     shard_dir is one directory, or for data.sources the list [(dir, weight), ...]."""
     from loomtrain.data_pipeline import TokenStream, prepare_sources
 
     cache = data_cache_dir(cfg)
-    quiet = lambda *a, **k: None
     if env.rank == 0:
         shard_dir, tok = prepare_sources(cfg.data, cache, log=log)
     barrier()
     if env.rank != 0:
-        shard_dir, tok = prepare_sources(cfg.data, cache, log=quiet)
+        shard_dir, tok = prepare_sources(cfg.data, cache, log=_quiet)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size: expected at least the tokenizer's vocabulary size {tok.vocab_size} "

@@ -85,7 +85,8 @@ def check_marker(run_dir: Path) -> None:
     if entries and not is_loomtrain_run(run_dir):
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise RunDirError(
-            f"run.dir={run_dir}: not a loomtrain run directory (it holds {len(entries)} {'entry' if len(entries) == 1 else 'entries'}: {shown}, "
+            f"run.dir={run_dir}: not a loomtrain run directory (it holds {len(entries)} "
+            f"{'entry' if len(entries) == 1 else 'entries'}: {shown}, "
             f"and no {MARKER}); pick a new or empty folder, e.g. run.dir={run_dir}/run"
         )
 

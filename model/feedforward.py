@@ -1,4 +1,5 @@
-"""Position-wise feed-forward network: down(act(up(x))) for ReLU/GELU (exact or tanh), down(silu(gate(x)) * up(x)) for SwiGLU."""
+"""Position-wise feed-forward network: down(act(up(x))) for ReLU/GELU (exact or tanh),
+down(silu(gate(x)) * up(x)) for SwiGLU."""
 
 from __future__ import annotations
 

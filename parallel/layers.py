@@ -115,7 +115,10 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_local={self.in_features}, out={self.out_features}, sp={self.sequence_parallel}, bias={self.bias is not None}"
+        return (
+            f"in_local={self.in_features}, out={self.out_features}, sp={self.sequence_parallel}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -19,4 +19,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def bpe():
+    """A small byte-level BPE trained here with `tokenizers` (<|endoftext|> as EOS), for the
+    Hugging Face import tests (tests/hf_fixtures.py builds the models around it)."""
+    from hf_fixtures import TEXT
+    from loomtrain.data_pipeline.tokenizer import train_bpe
+
+    return train_bpe(iter(TEXT), vocab_size=300)._tok
+
+
 from ray_fixtures import ray_head  # noqa: E402,F401  (session-scoped private Ray head, issue 8)

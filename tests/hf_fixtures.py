@@ -3,7 +3,6 @@ here with `tokenizers` (for the import and init_from tests)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 
@@ -13,14 +12,6 @@ TEXT = [
     "for i in range(10):\n    print(i * i)\n",
     "import os\nimport sys\nprint(os.getcwd(), sys.argv)\n",
 ] * 4
-
-
-@pytest.fixture(scope="module")
-def bpe():
-    """A small byte-level BPE trained here with `tokenizers` (<|endoftext|> as EOS)."""
-    from loomtrain.data_pipeline.tokenizer import train_bpe
-
-    return train_bpe(iter(TEXT), vocab_size=300)._tok
 
 
 def save_tokenizer(tok, directory):

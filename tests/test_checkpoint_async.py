@@ -181,7 +181,7 @@ def test_sigterm_during_background_write_waits_for_it_then_exits_0(tmp_path):
             proc.kill()
     text = "".join(out)
     assert rc == 0, text[-3000:]
-    saved = [l for l in out if "[SIGTERM]" in l]
+    saved = [line for line in out if "[SIGTERM]" in line]
     assert len(saved) == 1, text[-3000:]
     step = int(saved[0].split("checkpoint: step ")[1].split()[0])
     root = run / "checkpoints"

@@ -181,7 +181,7 @@ def test_resume_with_another_model_shape_is_a_config_error(tmp_path, cache, stra
         env=clean_env(),
     )
     assert proc.returncode == 2
-    err = [l for l in proc.stderr.splitlines() if l.startswith("loomtrain: config error")]
+    err = [line for line in proc.stderr.splitlines() if line.startswith("loomtrain: config error")]
     assert len(err) == 1 and "checkpoint.resume=" in err[0] and "tok_emb.weight" in err[0], proc.stderr[-2000:]
 
 
@@ -196,7 +196,7 @@ def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, cache, straight1
     shutil.rmtree(run / "final")
     again = train(run, cache, "checkpoint.every_steps=5")
     out = again.stdout + again.stderr
-    lines = [l for l in out.splitlines() if "skipping" in l]
+    lines = [line for line in out.splitlines() if "skipping" in line]
     assert len(lines) == 1 and "step_00000020" in lines[0] and "optim/rank_00000.safetensors" in lines[0], out[-3000:]
     assert f"resumed from {ckpt(run, 15)}" in out
     want, got = losses(straight1), losses(run)
@@ -229,7 +229,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, cache):
             proc.kill()
     text = "".join(out)
     assert rc == 0, text[-3000:]
-    saved = [l for l in out if "[SIGTERM]" in l]
+    saved = [line for line in out if "[SIGTERM]" in line]
     assert len(saved) == 1, text[-3000:]
     step = int(saved[0].split("checkpoint: step ")[1].split()[0])
     assert step >= 3 and (run / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"

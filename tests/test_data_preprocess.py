@@ -268,7 +268,8 @@ def test_error_truncated_shard_detected(tmp_path):
         f.truncate(size - 10)
     with pytest.raises(
         DataError,
-        match=rf"shard .*train_00000.bin is truncated or corrupt: index says {size // 2} tokens = {size} bytes, file has {size - 10} bytes",
+        match=rf"shard .*train_00000.bin is truncated or corrupt: index says {size // 2} tokens = {size} bytes, "
+        rf"file has {size - 10} bytes",
     ):
         prepare_data(DataConfig(path=str(tmp_path / "o")))
     with pytest.raises(DataError, match="no index.json: not a complete shard directory"):

@@ -16,7 +16,7 @@ def perturbed(cfg: ModelConfig, seed: int = 0) -> Transformer:
     model = Transformer(cfg, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
     return model.eval()

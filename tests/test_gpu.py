@@ -2,8 +2,9 @@
 bf16 and in fp16 with DeepSpeed's dynamic loss scaling on the device.
 
 Skipped where no CUDA device exists (CI has none); benchmarks/gpu_session.sh runs this
-file, on its own, on a leased GPU (`python -m pytest tests/test_gpu.py`). LOOMTRAIN_GPU_TEST_DEVICE=cpu runs the device-agnostic tests on
-the CPU, to check the tests themselves.
+file, on its own, on a leased GPU (`python -m pytest tests/test_gpu.py`).
+LOOMTRAIN_GPU_TEST_DEVICE=cpu runs the device-agnostic tests on the CPU, to check the
+tests themselves.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from hf_fixtures import bpe, tiny_gpt2, tiny_llama  # noqa: F401  (bpe: a fixture)
+from hf_fixtures import tiny_gpt2, tiny_llama
 from loomtrain.launcher import cli
 from safetensors import safe_open
 

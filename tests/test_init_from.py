@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_fixtures import bpe, tiny_llama  # noqa: F401  (bpe: a fixture)
+from hf_fixtures import tiny_llama
 from loomtrain.launcher import cli
 from loomtrain.launcher.config_loader import ConfigError, load_config
 

@@ -205,7 +205,8 @@ def test_scaling_the_gpu_overlay_to_gpt_7b(tmp_path, kubectl, crds, nodes):
     else:
         assert [p.message for p in problems] == [
             "[world-size] gpt-7b.yaml runs ray.num_workers=32 workers with one GPU each, but the Ray cluster has "
-            "3 pod(s) of group 'workers' x 8 GPU(s) = 24 GPUs (GPUs per worker pod x worker pods must equal the world size)"
+            "3 pod(s) of group 'workers' x 8 GPU(s) = 24 GPUs "
+            "(GPUs per worker pod x worker pods must equal the world size)"
         ]
 
 

@@ -136,7 +136,7 @@ def test_will_not_fit_message(capsys):
     rc = plan.main([cfg, "--world-size", "8", "--gpu", "l40s", "parallel.tp=1", "parallel.zero_stage=0"])
     out = capsys.readouterr().out
     assert rc == 1
-    line = next(l for l in out.splitlines() if l.startswith("WILL NOT FIT"))
+    line = next(x for x in out.splitlines() if x.startswith("WILL NOT FIT"))
     assert "needs" in line and "GiB per rank, the GPU has 44.4 GiB" in line
     assert "parallel.zero_stage=1" in out
 

@@ -78,7 +78,7 @@ def test_dryrun_cli_prints_measured_vs_plan():
         assert label in out, label
 
     def gib(label: str) -> list[float]:
-        line = next(l for l in out.splitlines() if l.strip().startswith(label))
+        line = next(x for x in out.splitlines() if x.strip().startswith(label))
         return [float(x) * (1 if unit == "GiB" else 2**-10) for x, unit in re.findall(r"([\d.]+) (GiB|MiB)", line)]
 
     cluster, local, measured = gib("model states")

@@ -155,10 +155,10 @@ def _train_10_steps(topo, sp):
         x, y = batch[:, :-1], batch[:, 1:]
         ref_loss = F.cross_entropy(ref(x).reshape(-1, cfg.vocab_size), y.reshape(-1))
         loss = model(x, targets=y)
-        for o, l in ((opt_ref, ref_loss), (opt, loss)):
-            o.zero_grad()
-            l.backward()
-            o.step()
+        for optimizer, step_loss in ((opt_ref, ref_loss), (opt, loss)):
+            optimizer.zero_grad()
+            step_loss.backward()
+            optimizer.step()
         worst = max(worst, abs(loss.item() - ref_loss.item()))
         losses.append((ref_loss.item(), loss.item()))
     assert losses[-1][0] < losses[0][0], losses  # it learns

@@ -43,7 +43,7 @@ def test_parallelize_cuts_what_the_layout_says_and_join_restores(tp, overrides):
     full = Transformer(cfg, seed=3)
     full_params = dict(full.named_parameters())
     ranks = [parallelize(copy.deepcopy(full), OneRankTopology(tp, r)) for r in range(tp)]
-    for name, p in ranks[0].named_parameters():
+    for name, _ in ranks[0].named_parameters():
         specs = [shard_spec(name, full_params[name].shape, cfg, tp, r) for r in range(tp)]
         locals_ = [dict(m.named_parameters())[name] for m in ranks]
         for r in range(tp):

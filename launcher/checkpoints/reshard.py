@@ -62,11 +62,7 @@ def broadcast_str(value: str | None) -> str | None:
 # Where DeepSpeed keeps fp32 masters and optimizer state --------------------------------
 def _inner_optimizer(opt):
     """The torch optimizer whose `.state` holds the Adam moments."""
-    return (
-        opt.optimizer
-        if hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer)
-        else opt
-    )
+    return opt.optimizer if hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer) else opt
 
 
 def _flat_groups(opt) -> tuple[list, list] | None:

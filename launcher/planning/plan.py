@@ -4,8 +4,9 @@ Predicts one rank of a run before it is submitted: memory for parameters, gradie
 and optimizer states at the configured ZeRO stage and TP, activations, FLOPs per
 step, TP/DP communication per step, and step time / tokens/s / MFU on the named
 GPU at an assumed MFU; then host RAM per node at start-up and during a save or resume,
-the checkpoint's size and the time to save it at a stated storage bandwidth. The model is built full-size on the meta device (accelerate's
-`init_empty_weights`), so a 70 B config is counted without allocating its weights.
+the checkpoint's size and the time to save it at a stated storage bandwidth. The model
+is built full-size on the meta device (accelerate's `init_empty_weights`), so a 70 B
+config is counted without allocating its weights.
 The arithmetic and its sources are in `loomtrain.launcher.planning.memory_model` and
 (host, checkpoint) `loomtrain.launcher.planning.host_model`.
 
@@ -68,7 +69,8 @@ def format_plan(p: mm.Plan, config: str = "") -> str:
             if p.hw_flops_per_token != p.flops_per_token
             else ""
         ),
-        f"  model FLOPs per step    {_si(p.flops_per_step, 'FLOP')} ({_si(p.flops_per_step / p.world_size, 'FLOP')} per rank)",
+        f"  model FLOPs per step    {_si(p.flops_per_step, 'FLOP')} ({_si(p.flops_per_step / p.world_size, 'FLOP')} "
+        "per rank)",
         f"  at an assumed {p.assumed_mfu:.0%} of {p.device.name}'s "
         f"{'fp32' if p.precision == 'fp32' else 'bf16 dense'} peak "
         f"({(p.device.fp32_tflops if p.precision == 'fp32' else p.device.bf16_tflops):g} TFLOP/s)"
