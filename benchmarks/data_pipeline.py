@@ -60,7 +60,7 @@ def run_child(code: str, *args) -> dict:
 
 def tiny_step_consumption(seq_len: int, micro_batch: int, steps: int = 3) -> list[tuple[float, str]]:
     """Tokens/s a tiny-config training step eats on this CPU: estimated from the model's
-    FLOPs at the ANCHORS fp32 matmul rate, and measured on loomtrain.model.Transformer
+    FLOPs at the measured fp32 matmul rate of the 2-core CI CPU, and measured on loomtrain.model.Transformer
     (fwd + bwd + AdamW) when it imports."""
     from loomtrain.model.config import ModelConfig
     from omegaconf import OmegaConf
@@ -72,7 +72,7 @@ def tiny_step_consumption(seq_len: int, micro_batch: int, steps: int = 3) -> lis
     kv = cfg.kv_heads * cfg.head_dim
     n = L * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim) + V * d  # tied head: counted once, in the matmul
     flops_per_token = 6 * n + 12 * L * d * seq_len
-    gflops = 180.0  # fp32 matmul on the 2-core CPU (ANCHORS.md)
+    gflops = 180.0  # fp32 matmul, measured on the 2-core CI CPU
     out = [
         (gflops * 1e9 / flops_per_token, f"estimated: {flops_per_token / 1e6:.1f} MFLOP/token at {gflops:.0f} GFLOP/s")
     ]

@@ -11,8 +11,8 @@
   as a `torch.optim.lr_scheduler.LambdaLR` that DeepSpeed steps once per
   optimizer step.
 
-ZeRO offload, activation checkpointing and fp16 loss-scaling details grow here
-(issue 6); keep engine construction in this file.
+ZeRO offload, activation checkpointing and fp16 loss scaling are engine settings:
+engine construction has this one home.
 """
 
 from __future__ import annotations

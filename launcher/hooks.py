@@ -18,7 +18,7 @@ A hook may set `ctx.stop_requested = True` (e.g. on SIGTERM, after saving); the 
 stops after the current step as if max_steps had been reached, without writing final
 weights unless `ctx.state.step == cfg.train.max_steps`.
 
-Checkpointing (issue 7) and Ray reporting (issue 8) are hooks; the loop knows neither.
+Checkpointing and Ray reporting are hooks; the loop knows neither.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ class HookList(Hooks):
 def default_hooks(cfg) -> list[Hooks]:
     """Hooks every run gets, whatever launched it (torchrun, Ray, tests).
 
-    Issue 7 adds the checkpoint hook here (save every checkpoint.every_steps, at the
-    end and on SIGTERM; resume per checkpoint.resume). Launcher-specific hooks (Ray's
-    report hook) are passed to run_training by that launcher instead.
+    The checkpoint hook saves every checkpoint.every_steps, at the end and on SIGTERM,
+    and resumes per checkpoint.resume. Launcher-specific hooks (Ray's report hook) are
+    passed to run_training by that launcher instead.
     """
     from loomtrain.launcher.checkpoints.hook import CheckpointHook
 

@@ -8,7 +8,7 @@ materialise only this rank's shards, one full parameter at a time.
 keeps, of each, the slice the plan (`loomtrain.parallel.plan.shard_spec`) gives this rank,
 cast to `dtype` and moved to `device`; the full tensor is dropped before the next one is
 asked for. With `loomtrain.model.init_tensors` (the seeded init, generated on the CPU in
-the model's own order) the shards are bitwise today's "full init, then slice", and a
+the model's own order) the shards are bitwise those of "full init, then slice", and a
 rank's peak is its shards plus about one full parameter.
 
 The seam for loading weights instead (a Hugging Face checkpoint, `model.init_from`):
@@ -16,7 +16,7 @@ pass a generator that reads one tensor at a time (e.g. safetensors `safe_open(..
 get_tensor(name)`, names mapped to loomtrain's) to `materialize`, or call
 `materialize_param(model, name, full, ...)` per tensor followed by `finish_materialize`.
 Every parameter must be supplied once (a tied `lm_head.weight` is `tok_emb.weight`
-and needs no entry); a missing one is reported by name. `model.init_from` today fills
+and needs no entry); a missing one is reported by name. `model.init_from` fills
 shards in place instead (`allocate_shards`, then its slice reads).
 
 `after_param(name, param)` runs after each parameter is in place: ZeRO-3 partitions it

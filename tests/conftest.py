@@ -29,4 +29,4 @@ def bpe():
     return train_bpe(iter(TEXT), vocab_size=300)._tok
 
 
-from ray_fixtures import ray_head  # noqa: E402,F401  (session-scoped private Ray head, issue 8)
+from ray_fixtures import ray_head  # noqa: E402,F401  (a session-scoped private Ray head)

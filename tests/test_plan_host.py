@@ -33,7 +33,7 @@ def test_70b_plan_prints_host_ram_per_node_and_fits_an_8_gpu_1_tb_node():
     save = re.search(r"^  save or resume +([\d.]+) GiB", text, re.M)
     assert startup and save, text
     # Shards plus one full parameter: tens of GiB per node, where a full fp32 model per rank
-    # (the old start-up) would be 8 x 276 GB.
+    # would be 8 x 276 GB.
     assert 8 * hm.HOST_PROCESS_GIB < float(startup.group(1)) < 64
     assert "building the full fp32 model on every rank would need 2.03 TiB" in text
     assert "start-up fits a node with 8 GPUs and 1 TB of RAM" in text

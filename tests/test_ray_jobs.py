@@ -1,4 +1,4 @@
-"""Ray Jobs commands and cluster errors (issue 8) against the session's private Ray head.
+"""Ray Jobs commands and cluster errors against the session's private Ray head.
 
 The head (tests/ray_fixtures.py) listens on loopback with token authentication on;
 the client side gets the token through RAY_AUTH_MODE / RAY_AUTH_TOKEN.

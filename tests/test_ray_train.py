@@ -1,4 +1,4 @@
-"""Ray Train orchestration (issue 8): the same losses as torchrun, and restarts after a worker dies.
+"""Ray Train orchestration: the same losses as torchrun, and restarts after a worker dies.
 
 4 Ray workers at TP2 x DP2, ZeRO 2, fp32 run the tiny config shrunk by overrides
 against the session's private Ray head (tests/ray_fixtures.py). The reference is

@@ -83,7 +83,7 @@ def test_each_run_is_one_tensorboard_run_with_grouped_tags(two_runs):
         "memory/mem_rank_max",
     } <= scalars
     assert [e.step for e in mux.Scalars("a", "train/loss")] == [1, 2, 3, 4, 5]  # across the resume
-    # metrics.jsonl keeps its plain keys, now with the job-wide straggler figures
+    # metrics.jsonl keeps its plain keys, and has the job-wide straggler figures too
     rec = json.loads((two_runs / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     assert {
         "loss",

@@ -1,7 +1,7 @@
 """Start-up builds only this rank's shards (meta model, TP plan, one full parameter at a time).
 
-* Values: bitwise the old path's, "seeded full init, then slice", at tp 1, 2 and 4. The
-  old path is kept here as the reference (`_reference_shards`), not in production code.
+* Values: bitwise those of "seeded full init, then slice", at tp 1, 2 and 4. That path
+  lives here only, as the reference (`_reference_shards`), not in production code.
 * Memory: world 4 x tp 4, ZeRO-0, fp32, ~106 M parameters: each rank's start-up peak RSS
   above a tiny model's is at most half the full fp32 model.
 * ZeRO-3 at dp 4: the parameter bytes a rank holds during build and engine creation never
@@ -50,7 +50,7 @@ VARIANTS = {
 }
 
 
-# The old path, verbatim in spirit: Transformer.init_weights' module walk on a full model,
+# The reference, a full model then slices: Transformer.init_weights' module walk on a full model,
 # then each TP layer's own slicing (pad the vocabulary, chunk, KV heads replicated).
 def _reference_full(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     with torch.device("meta"):

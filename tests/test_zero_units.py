@@ -1,4 +1,4 @@
-"""Small pieces of issue 6 without processes: activation checkpointing, the fault knob, SkipGuard."""
+"""Engine pieces checked without processes: activation checkpointing, the fault knob, SkipGuard."""
 
 from __future__ import annotations
 

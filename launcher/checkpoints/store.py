@@ -22,7 +22,8 @@ is reported in one line naming it, and the next older one is tried. The
 `latest` pointer is for people and tools: the scan does not trust it, so a
 checkpoint published just before a crash (pointer not yet updated) is not lost.
 
-This module knows nothing of torch, DeepSpeed or ranks; see checkpoint.py.
+This module knows nothing of torch, DeepSpeed or ranks; what goes into a checkpoint
+is state.py's.
 """
 
 from __future__ import annotations

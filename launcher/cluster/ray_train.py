@@ -17,7 +17,7 @@ GPU); each worker calls the SAME `run_training(cfg)` as torchrun and the local
 run, with one extra hook, `RayReportHook`. loop.py has no Ray code.
 
 Checkpoint hand-back (the decision, and why):
-  Our checkpoint protocol (checkpoint_store.py) already makes every checkpoint
+  Our checkpoint protocol (checkpoints/store.py) already makes every checkpoint
   atomic, verified and discoverable in RUN_DIR/checkpoints. Copying it into
   Ray's storage would double the disk use and block training on the copy (the
   Ray issues #48801, #43917). So Ray gets a *pointer*: after a step at which a

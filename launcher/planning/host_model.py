@@ -7,8 +7,8 @@ Every figure comes from the config and the layout (`loomtrain.parallel.plan`):
   at a time on the host, keeps its shard (cut in fp32, then cast) and moves it to the
   device. Host peak per rank: the largest full parameter plus two copies of its shard,
   on top of the process itself (HOST_PROCESS_GIB: Python, torch, CUDA/NCCL host buffers,
-  DeepSpeed; an allowance, not derived). For comparison the old path, a full fp32 model
-  per rank, is reported next to it. On a CPU "device" the model states live in host RAM
+  DeepSpeed; an allowance, not derived). For comparison a start-up that builds a full fp32
+  model per rank is reported next to it. On a CPU "device" the model states live in host RAM
   too and are added.
 * Checkpoint: layout-free, fp32 master weights plus Adam's two moments, 12 B per
   parameter of the plain model, written once however many ranks hold it (plus small
@@ -47,7 +47,7 @@ class HostPlan:
     largest_param: int  # elements of the largest full parameter
     startup_per_rank: float
     startup_per_node: float
-    full_model_startup_per_node: float  # the old path: the full fp32 model on every rank
+    full_model_startup_per_node: float  # for comparison: the full fp32 model on every rank
     checkpoint_bytes: float
     checkpoint_bytes_per_rank: float
     save_per_rank: float  # host RAM while saving or resuming
