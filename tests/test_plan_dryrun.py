@@ -1,9 +1,11 @@
-"""`loomtrain dryrun`: one cluster rank's shard, measured next to plan (shrunken gpt-1b)."""
+"""`loomtrain dryrun`: one cluster rank's shard, measured next to plan (shrunken gpt-1b); the
+README's `plan` and `dryrun` commands run as written, shrunk to a toy of the same layout."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -48,41 +50,101 @@ def test_rank_shard_has_one_ranks_shapes():
     assert torch.isfinite(loss)
 
 
+# README.md's section that shows `plan` and `dryrun` on a cluster config, with their output.
+README_SECTION = "## Try a cluster config here first"
+
+
+def readme_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(README_SECTION)
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def readme_blocks() -> list[list[str]]:
+    """The lines of each fenced code block in the README's dry-run section."""
+    return [b.splitlines() for b in re.findall(r"^```[^\n]*\n(.*?)^```", readme_section(), re.S | re.M)]
+
+
+def readme_runs(verb: str) -> list[tuple[list[str], str | None]]:
+    """(argv after `loomtrain`, shrunk; the headline the README shows for it, or None) for each
+    `loomtrain VERB` command of the section, from its bash block and its `$ ` output lines.
+    Commands that the shrinking makes the same run (a later override replaces an earlier one)
+    are one run."""
+    runs: dict[tuple, tuple[list[str], str | None]] = {}
+    for lines in readme_blocks():
+        for i, line in enumerate(lines):
+            if not line.removeprefix("$ ").startswith(f"loomtrain {verb} "):
+                continue
+            argv = [*shlex.split(line.removeprefix("$ "), comments=True)[1:], *SHRINK]
+            shown = lines[i + 1] if line.startswith("$ ") and i + 1 < len(lines) else None
+            overrides = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
+            others = tuple(a for a in argv if a.split("=", 1)[0] not in overrides)
+            key = (others, tuple(sorted(overrides.items())))
+            runs[key] = (argv, shown or runs.get(key, (None, None))[1])
+    return list(runs.values())
+
+
+def layout(headline: str) -> str:
+    """A headline up to what the shrinking changes (micro-batch, sequence, parameter count)."""
+    return headline.split(", micro-batch")[0]
+
+
+def test_readme_plan_commands_run_shrunk(capsys, monkeypatch):
+    from loomtrain.launcher.cli import main
+
+    runs = readme_runs("plan")
+    assert runs and all(shown for _, shown in runs), runs  # each shown with its output
+    monkeypatch.chdir(ROOT)  # the README's paths are relative to the repository root
+    for argv, shown in runs:
+        assert main(argv) == 0, argv  # 0: the plan fits
+        out = capsys.readouterr().out.splitlines()
+        assert layout(out[0]) == layout(shown)
+        assert out[-1].startswith("FITS: "), out[-1]
+
+
+def gib_cells(out: str, label: str) -> list[float]:
+    """The GiB figures (MiB converted) of the table row that starts with `label`."""
+    row = next(line for line in out.splitlines() if line.strip().startswith(label))
+    return [float(x) * (1 if unit == "GiB" else 2**-10) for x, unit in re.findall(r"([\d.]+) (GiB|MiB)", row)]
+
+
 @pytest.mark.slow
-def test_dryrun_cli_prints_measured_vs_plan():
+def test_readme_dryrun_commands_run_shrunk():
+    """One cluster rank's shard, trained here, measured next to plan: the README's commands at
+    toy size (the same tp 2 x dp 4, ZeRO-1, bf16 layout)."""
+    runs = readme_runs("dryrun")
+    assert runs and all(shown for _, shown in runs), runs  # each shown with its output
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "loomtrain", "dryrun", str(GPT1B), *SHRINK, "--steps", "2"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
-    assert "one rank of 8 = tp 2 x dp 4, ZeRO-1, bf16" in out
-    for label in (
-        "parameters",
-        "gradients (peak)",
-        "optimizer states",
-        "model states",
-        "activations",
-        "time per micro-batch step",
-        "tokens/s (this rank)",
-        "MFU",
-        "largest micro-batch",
-    ):
-        assert label in out, label
-
-    def gib(label: str) -> list[float]:
-        line = next(x for x in out.splitlines() if x.strip().startswith(label))
-        return [float(x) * (1 if unit == "GiB" else 2**-10) for x, unit in re.findall(r"([\d.]+) (GiB|MiB)", line)]
-
-    cluster, local, measured = gib("model states")
-    # The dry run's measured model states follow the dp=1 arithmetic; the cluster rank at
-    # ZeRO-1 over dp=4 holds 2 + 2 + 12/4 instead of 16 bytes per parameter.
-    assert measured == pytest.approx(local, rel=0.10)
-    assert cluster == pytest.approx(local * 7 / 16, rel=0.02)
+    for argv, shown in runs:
+        proc = subprocess.run(
+            [sys.executable, "-m", "loomtrain", *argv, "--steps", "2"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out = proc.stdout
+        headline = next(line for line in out.splitlines() if line.startswith("dryrun: "))
+        assert layout(headline) == layout(shown)
+        for label in (
+            "parameters",
+            "gradients (peak)",
+            "optimizer states",
+            "model states",
+            "activations",
+            "time per micro-batch step",
+            "tokens/s (this rank)",
+            "MFU",
+            "largest micro-batch",
+        ):
+            assert label in out, label
+        cluster, local, measured = gib_cells(out, "model states")
+        # The dry run's measured model states follow the dp=1 arithmetic; the cluster rank at
+        # ZeRO-1 over dp=4 holds 2 + 2 + 12/4 instead of 16 bytes per parameter.
+        assert measured == pytest.approx(local, rel=0.10)
+        assert cluster == pytest.approx(local * 7 / 16, rel=0.02)
