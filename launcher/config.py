@@ -1,14 +1,22 @@
-"""The run's typed schema: the one place every knob is defined, with its default.
+"""The run's typed schema: the one place every knob is defined, with its default and its rules.
 
 A YAML config (and `key=value` overrides) is merged onto `RunConfig` with
-OmegaConf; see `loomtrain.launcher.config_loader` for loading and validation.
+OmegaConf; see `loomtrain.launcher.config_loader` for loading. Each section checks
+its own fields in `validate(prefix)` (prefix: its dotted name in the file), beside
+the fields and their allowed values; the loader's `validate` calls every section and
+checks the rules that span sections. Every failure is a `ConfigError` whose message
+is one line naming the dotted key.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
+from loomtrain.launcher.cluster.addresses import check_ray_address
 from loomtrain.model.config import ModelConfig
 
 
@@ -22,11 +30,23 @@ def check(ok: bool, key: str, expected: str, value: Any) -> None:
         raise ConfigError(f"{key}: expected {expected}, got {value!r}")
 
 
+def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    check(value in choices, key, "one of " + ", ".join(choices), value)
+
+
+def check_positive(key: str, value: Any, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    check(ok, key, "a non-negative number" if allow_zero else "a positive number", value)
+
+
 @dataclass
 class RunSection:
     name: str = "run"
     # Where checkpoints, metrics.jsonl, tb/ and the resolved config go.
     dir: str = "runs/${run.name}"
+
+    def validate(self, prefix: str) -> None:
+        check(bool(self.dir), f"{prefix}.dir", "a directory path", self.dir)
 
 
 @dataclass
@@ -36,6 +56,15 @@ class DataSource:
     # Relative share of the samples (normalised over all sources).
     weight: float = 1.0
 
+    def validate(self, prefix: str) -> None:
+        check(bool(self.path), f"{prefix}.path", "a shard directory made by `loomtrain preprocess`", self.path)
+        # A list item: the loader's finite-number rule covers section fields only.
+        ok = math.isfinite(self.weight) and self.weight > 0
+        check(ok, f"{prefix}.weight", "a positive number", self.weight)
+
+
+BUILTIN_TOKENIZERS = ("byte", "bpe")
+
 
 @dataclass
 class DataConfig:
@@ -44,7 +73,7 @@ class DataConfig:
     path: str = ""
     # A weighted mixture of shard directories (all made by one tokenizer), instead of `path`.
     sources: list[DataSource] = field(default_factory=list)
-    # "byte", "bpe" (trained on the corpus), or a path to a tokenizer.json.
+    # One of BUILTIN_TOKENIZERS ("bpe" is trained on the corpus), or a path to a tokenizer.json.
     tokenizer: str = "byte"
     bpe_vocab_size: int = 4096
     # Embedded corpus only: cap on the number of stdlib files read (0 = all).
@@ -56,7 +85,29 @@ class DataConfig:
     # Micro-batches made ahead of time by a background thread (0 = none).
     prefetch: int = 2
 
+    def validate(self, prefix: str) -> None:
+        tok = self.tokenizer
+        check(
+            tok in BUILTIN_TOKENIZERS or Path(tok).is_file() or (Path(tok) / "tokenizer.json").is_file(),
+            f"{prefix}.tokenizer",
+            "byte, bpe, the path of an existing tokenizer.json or a directory holding one "
+            "(a Hugging Face model or tokenizer directory)",
+            tok,
+        )
+        check(0.0 <= self.val_fraction < 1.0, f"{prefix}.val_fraction", "a number in [0, 1)", self.val_fraction)
+        check_positive(f"{prefix}.max_files", self.max_files, allow_zero=True)
+        check(
+            not (self.path and self.sources),
+            f"{prefix}.sources",
+            f"empty when {prefix}.path is set ({prefix}.path is the one-source form of {prefix}.sources)",
+            "a list",
+        )
+        for i, src in enumerate(self.sources):
+            src.validate(f"{prefix}.sources[{i}]")
+        check_positive(f"{prefix}.prefetch", self.prefetch, allow_zero=True)
 
+
+ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed also offloads at stage 1, but the memory plan and test_zero's offload runs cover 2 and 3.
 OFFLOAD_ZERO_STAGES = (2, 3)
 
@@ -64,6 +115,7 @@ OFFLOAD_ZERO_STAGES = (2, 3)
 @dataclass
 class ParallelConfig:
     tp: int = 1
+    # One of ZERO_STAGES.
     zero_stage: int = 0
     sequence_parallel: bool = False
     # Optimizer states and the AdamW step in host memory: only at OFFLOAD_ZERO_STAGES.
@@ -74,6 +126,13 @@ class ParallelConfig:
     # No progress for this long = a hang: every rank dumps its stacks into its log and
     # the run ends naming the stuck rank (the collective timeout is set a minute above).
     timeout_s: int = 600
+
+    def validate(self, prefix: str) -> None:
+        check_positive(f"{prefix}.tp", self.tp)
+        stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
+        check(self.zero_stage in ZERO_STAGES, f"{prefix}.zero_stage", stages, self.zero_stage)
+        self.check_offload(prefix)
+        check_positive(f"{prefix}.timeout_s", self.timeout_s)
 
     def check_offload(self, prefix: str = "parallel") -> None:
         """The offload rule, asked by config validation, the engine and the memory plan alike."""
@@ -86,6 +145,11 @@ class ParallelConfig:
         )
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 100
@@ -93,11 +157,11 @@ class TrainConfig:
     seq_len: int = 128
     micro_batch_size: int = 8
     global_batch_size: int = 8
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # PRECISIONS
     lr: float = 3e-4
     min_lr: float = 3e-5
     warmup_steps: int = 10
-    lr_schedule: str = "cosine"  # cosine | linear | constant
+    lr_schedule: str = "cosine"  # LR_SCHEDULES
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -105,7 +169,25 @@ class TrainConfig:
     grad_clip: float = 1.0
     # Stop the run after this many consecutive non-finite (skipped) steps.
     max_consecutive_skips: int = 5
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # DEVICES
+
+    def validate(self, prefix: str) -> None:
+        check_choice(f"{prefix}.precision", self.precision, PRECISIONS)
+        check_choice(f"{prefix}.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice(f"{prefix}.device", self.device, DEVICES)
+        check(
+            self.device != "cuda" or torch.cuda.is_available(),
+            f"{prefix}.device",
+            "auto or cpu on a machine without CUDA",
+            self.device,
+        )
+        for key in ("max_steps", "seq_len", "micro_batch_size", "global_batch_size", "lr"):
+            check_positive(f"{prefix}.{key}", getattr(self, key))
+        for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eps", "max_consecutive_skips"):
+            check_positive(f"{prefix}.{key}", getattr(self, key), allow_zero=True)
+        check(self.min_lr <= self.lr, f"{prefix}.min_lr", f"at most {prefix}.lr={self.lr}", self.min_lr)
+        for key in ("beta1", "beta2"):
+            check(0.0 <= getattr(self, key) < 1.0, f"{prefix}.{key}", "a number in [0, 1)", getattr(self, key))
 
     def grad_accum_steps(self, dp_size: int) -> int:
         """Micro steps per optimizer step: global_batch_size / (micro_batch_size x dp_size), the one
@@ -129,12 +211,20 @@ class EvalConfig:
     temperature: float = 0.8
     top_k: int = 40
 
+    def validate(self, prefix: str) -> None:
+        check_positive(f"{prefix}.batches", self.batches)
+        for key in ("every_steps", "num_samples", "sample_tokens", "temperature", "top_k"):
+            check_positive(f"{prefix}.{key}", getattr(self, key), allow_zero=True)
+
+
+PROGRESS = ("auto", "bar", "plain")
+
 
 @dataclass
 class LogConfig:
     every_steps: int = 1
     tensorboard: bool = True
-    progress: str = "auto"  # auto | bar | plain
+    progress: str = "auto"  # PROGRESS
     # [START, END]: torch.profiler traces of these steps into RUN_DIR/profile/ ([] = off).
     profile_steps: list[int] = field(default_factory=list)
     # Global ranks that profile ([] = every rank): one slow rank is what you look for.
@@ -142,13 +232,31 @@ class LogConfig:
     # On CUDA, a memory snapshot (for pytorch.org/memory_viz) after this step (0 = none).
     memory_snapshot_step: int = 0
 
+    def validate(self, prefix: str) -> None:
+        check_positive(f"{prefix}.every_steps", self.every_steps)
+        check_choice(f"{prefix}.progress", self.progress, PROGRESS)
+        steps = list(self.profile_steps)
+        check(
+            not steps or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
+            f"{prefix}.profile_steps",
+            "[] or [START, END] with 1 <= START <= END",
+            steps,
+        )
+        ranks = list(self.profile_ranks)
+        check(all(r >= 0 for r in ranks), f"{prefix}.profile_ranks", "global ranks (>= 0)", ranks)
+        check_positive(f"{prefix}.memory_snapshot_step", self.memory_snapshot_step, allow_zero=True)
+
+
+# checkpoint.resume besides a PATH (whose existence the loader checks against run.dir).
+RESUME_MODES = ("auto", "never")
+
 
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0  # 0 = only at the end (and on SIGTERM)
     keep_last: int = 3
     keep_every: int = 0  # also keep every M-th step's checkpoint (0 = none)
-    resume: str = "auto"  # auto | never | PATH
+    resume: str = "auto"  # RESUME_MODES or PATH
     # Save and exit cleanly after this step (0 = never): splits a run across scheduler
     # jobs with a time limit (Megatron's --exit-interval); a later start resumes.
     stop_at_step: int = 0
@@ -157,6 +265,12 @@ class CheckpointConfig:
     # Write checkpoints on a background thread from a host copy taken at the step boundary,
     # so training goes on while the files are written (false: the step waits for the save).
     async_save: bool = True
+
+    def validate(self, prefix: str) -> None:
+        for key in ("keep_last", "timeout_s"):
+            check_positive(f"{prefix}.{key}", getattr(self, key))
+        for key in ("every_steps", "keep_every", "stop_at_step"):
+            check_positive(f"{prefix}.{key}", getattr(self, key), allow_zero=True)
 
 
 @dataclass
@@ -173,6 +287,15 @@ class RayConfig:
     # Ray Train's storage (its run state and our checkpoint pointers):
     # "" = RUN_DIR/ray; else a shared path or a URI (s3://, gs://).
     storage: str = ""
+
+    def validate(self, prefix: str) -> None:
+        check_positive(f"{prefix}.num_workers", self.num_workers)
+        check_positive(f"{prefix}.cpus_per_worker", self.cpus_per_worker)
+        check_positive(f"{prefix}.max_failures", self.max_failures, allow_zero=True)
+        try:  # Ray's own parser would fail later with a traceback, or hang resolving the host
+            check_ray_address(self.address, f"{prefix}.address")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 @dataclass

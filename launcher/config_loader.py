@@ -11,8 +11,9 @@
 * every problem raises `ConfigError` whose message is one line naming the
   dotted key and what was expected (with the closest valid key for a typo).
 
-`validate` holds the value and cross-field rules; call it again once the real
-world size is known (the loop does).
+`validate` calls each section's own rules (beside its fields, in
+`loomtrain.launcher.config`) and checks the rules that span sections; call it again
+once the real world size is known (the loop does).
 """
 
 from __future__ import annotations
@@ -26,15 +27,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from loomtrain.launcher.config import ConfigError, RunConfig, check
+import torch
+from loomtrain.launcher.checkpoints.weight_source import open_matching
+from loomtrain.launcher.config import RESUME_MODES, ConfigError, RunConfig, check
+from loomtrain.parallel.topology import check_tp
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-LR_SCHEDULES = ("cosine", "linear", "constant")
-DEVICES = ("auto", "cpu", "cuda")
-PROGRESS = ("auto", "bar", "plain")
-BUILTIN_TOKENIZERS = ("byte", "bpe")
 
 
 # --- schema helpers ---------------------------------------------------------
@@ -229,69 +227,36 @@ def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
 
 
 # --- rules ---------------------------------------------------------------------
-def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    check(value in choices, key, "one of " + ", ".join(choices), value)
-
-
-def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    check(ok, key, "a non-negative number" if allow_zero else "a positive number", value)
-
-
 def validate(cfg: RunConfig, world_size: int = 1) -> None:
-    """Value and cross-field rules; raises ConfigError naming the dotted key."""
-    t, p, m = cfg.train, cfg.parallel, cfg.model
-    # choices
-    _choice("train.precision", t.precision, PRECISIONS)
-    _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    _choice("train.device", t.device, DEVICES)
-    _choice("log.progress", cfg.log.progress, PROGRESS)
-    check(
-        cfg.checkpoint.resume in ("auto", "never")
-        or "://" in cfg.checkpoint.resume
-        or Path(cfg.checkpoint.resume).exists()
-        # a PATH only seeds the first start: once the run has checkpoints, the seed may be gone
-        or (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir(),
-        "checkpoint.resume",
-        "auto, never or the path of an existing checkpoint",
-        cfg.checkpoint.resume,
-    )
-    check(
-        t.device != "cuda" or _cuda_available(),
-        "train.device",
-        "auto or cpu on a machine without CUDA",
-        t.device,
-    )
-    tok = cfg.data.tokenizer
-    check(
-        tok in BUILTIN_TOKENIZERS or Path(tok).is_file() or (Path(tok) / "tokenizer.json").is_file(),
-        "data.tokenizer",
-        "byte, bpe, the path of an existing tokenizer.json or a directory holding one "
-        "(a Hugging Face model or tokenizer directory)",
-        tok,
-    )
-    check(bool(cfg.run.dir), "run.dir", "a directory path", cfg.run.dir)
-    # numbers: inf/nan pass `> 0` and min/max checks, then poison the run (nan fails them
-    # with a less helpful message); every float knob must be a finite number.
+    """Every section's own rules (`section.validate(prefix)`, beside its fields), then the rules
+    that span sections; raises ConfigError naming the dotted key."""
+    # inf/nan pass `> 0` and min/max checks, then poison the run (nan fails them with a less
+    # helpful message): every float knob of every section must be a finite number, first.
     for key, value in _float_leaves(cfg):
         check(math.isfinite(value), key, "a finite number", value)
-    for key in ("max_steps", "seq_len", "micro_batch_size", "global_batch_size", "lr"):
-        _positive(f"train.{key}", getattr(t, key))
-    for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eps", "max_consecutive_skips"):
-        _positive(f"train.{key}", getattr(t, key), allow_zero=True)
-    check(t.min_lr <= t.lr, "train.min_lr", f"at most train.lr={t.lr}", t.min_lr)
-    for key in ("beta1", "beta2"):
-        check(0.0 <= getattr(t, key) < 1.0, f"train.{key}", "a number in [0, 1)", getattr(t, key))
-    check(
-        t.seq_len <= m.max_seq_len,
-        "train.seq_len",
-        f"at most model.max_seq_len={m.max_seq_len}",
-        t.seq_len,
-    )
-    _positive("parallel.tp", p.tp)
-    try:  # heads, KV heads and FFN width must split tp ways (torch-free; loomtrain.parallel)
-        from loomtrain.parallel.topology import check_tp
+    for f in dataclasses.fields(cfg):
+        try:
+            getattr(cfg, f.name).validate(f.name)
+        except ConfigError:
+            raise
+        except ValueError as exc:  # ModelConfig's: the model knows nothing of ConfigError
+            raise ConfigError(_first_line(exc)) from None
+    _check_across_sections(cfg, world_size)
 
+
+def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    # a PATH only seeds the first start: once the run has checkpoints, the seed may be gone
+    run_has_checkpoints = (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir()
+    resume = cfg.checkpoint.resume
+    check(
+        resume in RESUME_MODES or "://" in resume or Path(resume).exists() or run_has_checkpoints,
+        "checkpoint.resume",
+        "auto, never or the path of an existing checkpoint",
+        resume,
+    )
+    check(t.seq_len <= m.max_seq_len, "train.seq_len", f"at most model.max_seq_len={m.max_seq_len}", t.seq_len)
+    try:  # heads, KV heads and FFN width must split tp ways
         check_tp(m, p.tp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -301,71 +266,14 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         f"a multiple of parallel.tp={p.tp} with parallel.sequence_parallel",
         t.seq_len,
     )
-    check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "0, 1, 2 or 3", p.zero_stage)
-    p.check_offload()
     check(
-        not p.compile or (t.device != "cpu" and _cuda_available()) or _cxx_available(),
+        not p.compile or (t.device != "cpu" and torch.cuda.is_available()) or _cxx_available(),
         "parallel.compile",
         "false on a CPU without a C++ compiler (torch.compile's CPU backend builds with $CXX or g++)",
         p.compile,
     )
-    _positive("parallel.timeout_s", p.timeout_s)
-    _positive("eval.every_steps", cfg.eval.every_steps, allow_zero=True)
-    _positive("eval.batches", cfg.eval.batches)
-    _positive("eval.num_samples", cfg.eval.num_samples, allow_zero=True)
-    _positive("eval.sample_tokens", cfg.eval.sample_tokens, allow_zero=True)
-    _positive("eval.temperature", cfg.eval.temperature, allow_zero=True)
-    _positive("eval.top_k", cfg.eval.top_k, allow_zero=True)
-    _positive("log.every_steps", cfg.log.every_steps)
-    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, allow_zero=True)
-    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
-    _positive("checkpoint.keep_every", cfg.checkpoint.keep_every, allow_zero=True)
-    _positive("checkpoint.stop_at_step", cfg.checkpoint.stop_at_step, allow_zero=True)
-    _positive("checkpoint.timeout_s", cfg.checkpoint.timeout_s)
-    ps = list(cfg.log.profile_steps)
-    check(
-        not ps or (len(ps) == 2 and 1 <= ps[0] <= ps[1]),
-        "log.profile_steps",
-        "[] or [START, END] with 1 <= START <= END",
-        ps,
-    )
-    check(
-        all(r >= 0 for r in cfg.log.profile_ranks),
-        "log.profile_ranks",
-        "global ranks (>= 0)",
-        list(cfg.log.profile_ranks),
-    )
-    _positive("log.memory_snapshot_step", cfg.log.memory_snapshot_step, allow_zero=True)
-    check(0.0 <= cfg.data.val_fraction < 1.0, "data.val_fraction", "a number in [0, 1)", cfg.data.val_fraction)
-    _positive("data.max_files", cfg.data.max_files, allow_zero=True)
-    check(
-        not (cfg.data.path and cfg.data.sources),
-        "data.sources",
-        "empty when data.path is set (data.path is the one-source form of data.sources)",
-        "a list",
-    )
-    for i, src in enumerate(cfg.data.sources):
-        check(bool(src.path), f"data.sources[{i}].path", "a shard directory made by `loomtrain preprocess`", src.path)
-        check(
-            math.isfinite(src.weight) and src.weight > 0, f"data.sources[{i}].weight", "a positive number", src.weight
-        )
-    _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
-    _positive("ray.num_workers", cfg.ray.num_workers)
-    _positive("ray.cpus_per_worker", cfg.ray.cpus_per_worker)
-    _positive("ray.max_failures", cfg.ray.max_failures, allow_zero=True)
-    try:  # Ray's own parser would fail later with a traceback, or hang resolving the host
-        from loomtrain.launcher.cluster.addresses import check_ray_address
-
-        check_ray_address(cfg.ray.address)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    # cross-field: world size, tp, dp and the batch sizes
-    check(
-        world_size % p.tp == 0,
-        "parallel.tp",
-        f"a divisor of the world size {world_size}",
-        p.tp,
-    )
+    # world size, tp, dp and the batch sizes
+    check(world_size % p.tp == 0, "parallel.tp", f"a divisor of the world size {world_size}", p.tp)
     t.grad_accum_steps(world_size // p.tp)  # refuses a global batch that does not split
     if m.init_from:  # last: it reads the weights' config (and may name a path only a cluster has)
         _check_init_from(cfg)
@@ -399,19 +307,8 @@ def _check_init_from(cfg: RunConfig) -> None:
         f"weights outside run.dir={cfg.run.dir} (the run's end replaces its final/; give the new run its own run.dir)",
         cfg.model.init_from,
     )
-    from loomtrain.launcher.checkpoints.weight_source import open_matching
-
     open_matching(cfg.model)
 
 
 def _cxx_available() -> bool:
     return shutil.which(os.environ.get("CXX", "g++")) is not None
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        return False

@@ -60,9 +60,11 @@ class ModelConfig:
         return 4 * self.d_model
 
     # Validation: every error names the field ----------------------------
-    def validate(self) -> None:
+    def validate(self, prefix: str = "model") -> None:
+        """ValueError naming `<prefix>.<field>` (the model knows nothing of the launcher's ConfigError)."""
+
         def fail(field: str, msg: str) -> None:
-            raise ValueError(f"model.{field}: {msg}")
+            raise ValueError(f"{prefix}.{field}: {msg}")
 
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from loomtrain.launcher.config_loader import ConfigError, load_config, save_config, valid_keys
+from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.config_loader import ConfigError, load_config, resolve, save_config, valid_keys, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -75,6 +77,46 @@ def test_errors_name_the_dotted_key(override, needle):
     message = str(info.value)
     assert needle in message
     assert "\n" not in message
+
+
+def test_loader_runs_every_sections_own_validate_with_its_dotted_prefix(monkeypatch):
+    cfg = resolve(CONFIGS / "tiny.yaml")
+    seen: list[tuple[str, str]] = []
+    for section in dataclasses.fields(RunConfig):
+        cls = section.default_factory  # the section's dataclass
+        original = cls.validate
+
+        def record(self, prefix, _original=original, _name=cls.__name__):
+            seen.append((_name, prefix))
+            _original(self, prefix)
+
+        monkeypatch.setattr(cls, "validate", record)
+    validate(cfg)
+    assert seen == [(f.default_factory.__name__, f.name) for f in dataclasses.fields(RunConfig)]
+
+
+# One bad field per section, set after loading (a ModelConfig refuses a bad field when built):
+# the section's own validate refuses it, named with the section's dotted key.
+@pytest.mark.parametrize(
+    "section, name, value, message",
+    [
+        ("run", "dir", "", "run.dir: expected a directory path, got ''"),
+        ("model", "dropout", 1.0, "model.dropout: must be in [0, 1), got 1.0"),
+        ("data", "val_fraction", 1.5, "data.val_fraction: expected a number in [0, 1), got 1.5"),
+        ("parallel", "timeout_s", 0, "parallel.timeout_s: expected a positive number, got 0"),
+        ("train", "min_lr", 1.0, "train.min_lr: expected at most train.lr=0.002, got 1.0"),
+        ("eval", "batches", 0, "eval.batches: expected a positive number, got 0"),
+        ("log", "every_steps", 0, "log.every_steps: expected a positive number, got 0"),
+        ("checkpoint", "keep_last", 0, "checkpoint.keep_last: expected a positive number, got 0"),
+        ("ray", "num_workers", 0, "ray.num_workers: expected a positive number, got 0"),
+    ],
+)
+def test_each_section_refuses_its_own_bad_field(section, name, value, message):
+    cfg = resolve(CONFIGS / "tiny.yaml")
+    setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert str(info.value) == message
 
 
 def test_unknown_key_in_yaml_names_the_file(tmp_path):

@@ -72,7 +72,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.stopping import signal_name
 
@@ -100,10 +100,10 @@ def absolutize(cfg: RunConfig) -> RunConfig:
         cfg.data,
         path=ab(cfg.data.path),
         cache_dir=ab(cfg.data.cache_dir),
-        tokenizer=cfg.data.tokenizer if cfg.data.tokenizer in ("byte", "bpe") else ab(cfg.data.tokenizer),
+        tokenizer=cfg.data.tokenizer if cfg.data.tokenizer in BUILTIN_TOKENIZERS else ab(cfg.data.tokenizer),
     )
     resume = cfg.checkpoint.resume
-    ckpt = dataclasses.replace(cfg.checkpoint, resume=resume if resume in ("auto", "never") else ab(resume))
+    ckpt = dataclasses.replace(cfg.checkpoint, resume=resume if resume in RESUME_MODES else ab(resume))
     ray_ = dataclasses.replace(cfg.ray, storage=ab(cfg.ray.storage))
     return dataclasses.replace(cfg, run=run, data=data, checkpoint=ckpt, ray=ray_)
 
