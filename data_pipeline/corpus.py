@@ -16,6 +16,7 @@ from pathlib import Path
 
 from loomtrain.data_pipeline.shards import SPLITS, DataError, ShardSet, check_tokenizer_hash, read_index
 from loomtrain.data_pipeline.tokenizer import Tokenizer, load_tokenizer
+from loomtrain.durable import replace_dir
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -127,9 +128,7 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
                         sources=[f"stdlib:{sysconfig.get_paths()['stdlib']} ({len(files)} files)"],
                         log=log,
                     )
-                    if shard_dir.exists():  # an incomplete leftover (no index.json)
-                        shutil.rmtree(shard_dir)
-                    os.replace(tmp, shard_dir)
+                    replace_dir(tmp, shard_dir)  # over an incomplete leftover (no index.json)
                 finally:
                     from loomtrain.data_pipeline.staging import partial_dir
 

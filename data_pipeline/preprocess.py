@@ -41,11 +41,11 @@ from loomtrain.data_pipeline.shards import (
     VERSION,
     DataError,
     SplitWriter,
-    atomic_write_json,
     token_dtype,
 )
 from loomtrain.data_pipeline.staging import Parts, check_output, clear_assembly, open_partial, publish
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from loomtrain.durable import atomic_write_json
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
 

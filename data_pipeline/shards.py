@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from loomtrain.durable import AtomicFile, atomic_write_json
 
 FORMAT = "loomtrain-shards"
 VERSION = 1
@@ -42,39 +43,29 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
-
-
 class SplitWriter:
-    """Appends token pieces to one split's shard files; each file is written
-    under a temporary name and renamed into place when full or at close."""
+    """Appends token pieces to one split's shard files; each file is an AtomicFile
+    (temp name, fsynced, renamed into place when full or at close)."""
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
         self.dir, self.split, self.dtype, self.shard_tokens = out_dir, split, np.dtype(dtype), int(shard_tokens)
         self.shards: list[dict] = []
         self.num_tokens = 0
         self.num_docs = 0
-        self._file = None
+        self._file: AtomicFile | None = None
         self._file_tokens = 0
         self._docs_name = f"{split}.docs.bin"
-        self._docs_tmp = out_dir / f".{self._docs_name}.tmp-{os.getpid()}"
-        self._docs = open(self._docs_tmp, "wb")
+        self._docs = AtomicFile(out_dir / self._docs_name)
 
     def _open(self) -> None:
-        name = f"{self.split}_{len(self.shards):05d}.bin"
-        self._name = name
-        self._tmp = self.dir / f".{name}.tmp-{os.getpid()}"
-        self._file = open(self._tmp, "wb")
+        self._name = f"{self.split}_{len(self.shards):05d}.bin"
+        self._file = AtomicFile(self.dir / self._name)
         self._file_tokens = 0
 
     def _finish_file(self) -> None:
         if self._file is None:
             return
-        self._file.close()
-        os.replace(self._tmp, self.dir / self._name)
+        self._file.commit()
         self.shards.append({"file": self._name, "num_tokens": self._file_tokens})
         self._file = None
 
@@ -106,8 +97,7 @@ class SplitWriter:
 
     def close(self) -> dict:
         self._finish_file()
-        self._docs.close()
-        os.replace(self._docs_tmp, self.dir / self._docs_name)
+        self._docs.commit()
         return {
             "num_tokens": self.num_tokens,
             "num_docs": self.num_docs,
@@ -116,11 +106,9 @@ class SplitWriter:
         }
 
     def abort(self) -> None:
-        for f, tmp in ((self._file, getattr(self, "_tmp", None)), (self._docs, self._docs_tmp)):
+        for f in (self._file, self._docs):
             if f is not None:
-                f.close()
-                if tmp is not None and tmp.exists():
-                    tmp.unlink()
+                f.discard()
 
 
 def read_index(shard_dir: str | os.PathLike) -> dict:

@@ -27,7 +27,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError, atomic_write_json
+from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError
+from loomtrain.durable import AtomicFile, atomic_write_json, replace_dir
 
 PARTIAL_FORMAT = "loomtrain-preprocess-partial"
 JOB = "job.json"
@@ -146,9 +147,9 @@ class PartWriter:
 
     def __init__(self, parts: Parts, i: int):
         self.parts, self.i = parts, i
-        self._tok_tmp = parts._path(i, "tokens.tmp")
-        self._doc_tmp = parts._path(i, "docs.tmp")
-        self._tok, self._doc = open(self._tok_tmp, "wb"), open(self._doc_tmp, "wb")
+        # Fixed temp names: a rerun after a kill overwrites the half-written part's files.
+        self._tok = AtomicFile(parts._path(i, "tokens"), tmp=parts._path(i, "tokens.tmp"))
+        self._doc = AtomicFile(parts._path(i, "docs"), tmp=parts._path(i, "docs.tmp"))
         self.num_tokens, self.num_docs, self._open_len = 0, 0, None
 
     def add(self, tokens: np.ndarray, lengths, cont: bool, open_: bool) -> None:
@@ -177,20 +178,15 @@ class PartWriter:
     def finish(self, stats: dict) -> None:
         if self._open_len is not None:
             self._close_doc()
-        for f in (self._tok, self._doc):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        os.replace(self._tok_tmp, self.parts._path(self.i, "tokens"))
-        os.replace(self._doc_tmp, self.parts._path(self.i, "docs"))
+        self._tok.commit()
+        self._doc.commit()
         atomic_write_json(
             self.parts._path(self.i, "json"), {"num_tokens": self.num_tokens, "num_docs": self.num_docs, "stats": stats}
         )
 
     def abort(self) -> None:
-        for f, tmp in ((self._tok, self._tok_tmp), (self._doc, self._doc_tmp)):
-            f.close()
-            tmp.unlink(missing_ok=True)
+        self._tok.discard()
+        self._doc.discard()
 
 
 def clear_assembly(work: Path) -> None:
@@ -205,15 +201,8 @@ def publish(work: Path, out: Path) -> None:
     check_output) is moved aside first and removed only after the new one is in place.
     The parts go last: killed before the rename, a rerun still resumes (and assembles
     again); killed after it, OUTPUT is complete and its leftover parts are known as ours."""
-    old = None
-    if out.is_dir():
-        if any(out.iterdir()):
-            old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
-            os.replace(out, old)
-        else:
-            out.rmdir()
-    os.replace(work, out)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    replace_dir(work, out, aside=out.with_name(f".{out.name}.replaced-{os.getpid()}"))
     (out / JOB).unlink(missing_ok=True)
     shutil.rmtree(out / "parts", ignore_errors=True)
-    if old is not None:
-        shutil.rmtree(old)

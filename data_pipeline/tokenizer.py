@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 from loomtrain.data_pipeline.shards import DataError
+from loomtrain.durable import atomic_write
 
 EOS_TOKEN = "<|endoftext|>"
 # Names an existing tokenizer.json may use for its end-of-document token.
@@ -78,7 +79,7 @@ class ByteTokenizer:
         )
 
     def save(self, directory: str | os.PathLike) -> Path:
-        return _atomic_write_text(Path(directory) / "tokenizer.json", self.to_json())
+        return atomic_write(Path(directory) / "tokenizer.json", self.to_json())
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, hash={self.hash})"
@@ -135,7 +136,7 @@ class HFTokenizer:
         return self._tok.to_str(pretty=True)
 
     def save(self, directory: str | os.PathLike) -> Path:
-        return _atomic_write_text(Path(directory) / "tokenizer.json", self.to_json())
+        return atomic_write(Path(directory) / "tokenizer.json", self.to_json())
 
     def __getstate__(self):
         return {"json": self._tok.to_str(), "source": self.source}
@@ -202,11 +203,3 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     if isinstance(head, dict) and head.get("type") == _BYTE_FORMAT:
         return ByteTokenizer()
     return HFTokenizer.from_file(path)
-
-
-def _atomic_write_text(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from loomtrain.durable import atomic_write
 from loomtrain.launcher.checkpoints.weight_source import open_matching
 from loomtrain.launcher.config import RESUME_MODES, ConfigError, RunConfig, check
 from loomtrain.parallel.topology import check_tp
@@ -219,11 +220,7 @@ def to_dict(cfg: RunConfig) -> dict:
 
 def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
     """Write the resolved config (loadable again with load_config)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(to_yaml(cfg))
-    os.replace(tmp, path)
+    atomic_write(path, to_yaml(cfg))
 
 
 # --- rules ---------------------------------------------------------------------

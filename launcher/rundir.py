@@ -35,6 +35,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from loomtrain.durable import atomic_write
+
 MARKER = ".loomtrain-run"
 LOCK = ".loomtrain.lock"
 # The lock holder touches the lock every HEARTBEAT_S; a lock from another host that has
@@ -94,7 +96,7 @@ def check_marker(run_dir: Path) -> None:
 def write_marker(run_dir: Path) -> None:
     path = run_dir / MARKER
     if not path.exists():
-        path.write_text(json.dumps({"format": 1, "created": time.time(), "host": socket.gethostname()}) + "\n")
+        atomic_write(path, json.dumps({"format": 1, "created": time.time(), "host": socket.gethostname()}) + "\n")
 
 
 # ------------------------------------------------------------------ lock

@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from loomtrain.durable import atomic_write
+
 STOP_FILE = "STOP"
 SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 POLL_S = 1.0
@@ -42,12 +44,7 @@ def signal_name(signum: int) -> str:
 
 def request_stop(run_dir: str | os.PathLike, signum: int = signal.SIGTERM) -> Path:
     """Ask a running job (every rank, wherever it runs) to save and stop, through its run dir."""
-    path = Path(run_dir) / STOP_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{STOP_FILE}.tmp")
-    tmp.write_text(signal_name(signum) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_write(Path(run_dir) / STOP_FILE, signal_name(signum) + "\n")
 
 
 class StopRequest:

@@ -42,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+from loomtrain.durable import atomic_write
 from loomtrain.launcher.ranklog import logs_dir, rank_log_path
 
 HANG_EXIT_CODE = 3
@@ -180,10 +181,8 @@ class Watchdog:
     def _write_heartbeat(self, hung: bool = False) -> None:
         self.beats += 1
         path = heartbeat_path(self.run_dir, self.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{self.pid}.tmp")
-        tmp.write_text(json.dumps(self._record(hung)))
-        os.replace(tmp, path)
+        # Atomic (a reader never sees half a record) but not fsynced: liveness, written often.
+        atomic_write(path, json.dumps(self._record(hung)), fsync=False)
 
     def _read_all(self) -> dict[int, dict]:
         out = {}
@@ -292,6 +291,4 @@ def _append(path: Path, line: str) -> None:
 
 def _write_json(path: Path, record: dict) -> None:
     with contextlib.suppress(OSError):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(record) + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(record) + "\n", fsync=False)

@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from loomtrain.durable import replace_dir, write_durable, write_json_durable
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -70,14 +71,14 @@ def _begin(out_dir: Path) -> Path:
 
 def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_map: dict | None) -> Path:
     """Rank 0: the small files, the manifest last, then the rename (an older final/ goes)."""
-    from loomtrain.launcher.checkpoints.store import fsync_path, sha256_file, write_json_durable
+    from loomtrain.launcher.checkpoints.store import sha256_file
 
     if weight_map is not None:
         sizes = {f: files[f]["size"] for f in set(weight_map.values())}
         write_json_durable(
             tmp / WEIGHTS_INDEX, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         )
-    (tmp / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
+    write_durable(tmp / MODEL_CONFIG, json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
     tokenizer.save(tmp / TOKENIZER_DIR)
     for p in sorted(tmp.rglob("*")):
         rel = str(p.relative_to(tmp))
@@ -85,15 +86,7 @@ def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_
             files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}  # small files
     shutil.rmtree(tmp / _PARTS, ignore_errors=True)
     write_json_durable(tmp / FINAL_MANIFEST, {"files": files})
-    fsync_path(tmp)
-    old = out_dir.with_name(out_dir.name + ".old")
-    if out_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    fsync_path(out_dir.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    return out_dir
+    return replace_dir(tmp, out_dir, aside=out_dir.with_name(out_dir.name + ".old"))
 
 
 def save_final_sharded(engine, topology, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
@@ -112,7 +105,6 @@ def save_final_sharded(engine, topology, model_cfg, tokenizer, out_dir: str | os
         read_local,
     )
     from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
-    from loomtrain.launcher.checkpoints.store import write_json_durable
 
     out_dir = Path(out_dir)
     rank, world = _rank(), _world()

@@ -72,7 +72,7 @@ def add(self, *a, **k):
     original(self, *a, **k)
     calls["n"] += 1
     if calls["n"] == 5:
-        self._tok.flush()
+        self._tok.file.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 def publish(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)

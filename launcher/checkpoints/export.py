@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import sys
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from loomtrain.durable import fsync_path, replace_dir, write_durable
 from safetensors import safe_open
 
 FORMATS = ("hf",)
@@ -382,10 +382,11 @@ def export_tokenizer(tok_dir: Path | None, out: Path, max_len: int) -> None:
     tok = load_tokenizer(str(tok_dir))
     if getattr(tok, "name", "") == "byte" or type(tok).__name__ == "ByteTokenizer":
         eos = "<|endoftext|>"
-        (out / "tokenizer.json").write_text(byte_tokenizer_json(eos))
+        write_durable(out / "tokenizer.json", byte_tokenizer_json(eos))
     else:
         eos = getattr(tok, "eos_token", None)
         shutil.copyfile(tok_dir / "tokenizer.json", out / "tokenizer.json")
+        fsync_path(out / "tokenizer.json")
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_len,
@@ -393,7 +394,7 @@ def export_tokenizer(tok_dir: Path | None, out: Path, max_len: int) -> None:
     }
     if eos:
         cfg.update(eos_token=eos, bos_token=eos)
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_durable(out / "tokenizer_config.json", json.dumps(cfg, indent=2) + "\n")
 
 
 # Writing -------------------------------------------------------------------------------------------
@@ -436,7 +437,7 @@ def write_weights(recipes: dict[str, Recipe], out: Path, dtype: torch.dtype, max
         w.close()
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_durable(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
     return names
 
 
@@ -477,19 +478,15 @@ def export_hf(
     tmp.mkdir(parents=True)
     try:
         names = write_weights(recipes, tmp, torch_dtype, max_bytes)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_durable(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         gen = {"bos_token_id": eos_id, "eos_token_id": eos_id, "max_length": cfg.max_seq_len}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        write_durable(tmp / "generation_config.json", json.dumps(gen, indent=2) + "\n")
         export_tokenizer(source.tok_dir, tmp, cfg.max_seq_len)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = out.with_name(out.name + ".old-export")
-    if out.exists():  # an earlier export (checked above): replaced whole, so no stale shard survives
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    # An earlier export (checked above) is replaced whole, so no stale shard survives.
+    replace_dir(tmp, out, aside=out.with_name(out.name + ".old-export"))
     n_params = 0
     for r in recipes.values():
         k = 1

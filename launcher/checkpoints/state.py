@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from loomtrain.durable import json_bytes, write_durable, write_json_durable
 from loomtrain.launcher.checkpoints.reshard import (  # noqa: F401  (broadcast_str, consolidated_weights: re-exported)
     MOMENTS,
     _adam_step,
@@ -84,8 +85,6 @@ from loomtrain.launcher.checkpoints.store import (
     describe_files,
     read_manifest,
     sleep_for_test_at_step,
-    write_bytes_durable,
-    write_json_durable,
 )
 from safetensors import safe_open
 
@@ -212,8 +211,8 @@ def take_snapshot(
 
 
 def _write_json(tmp: Path, rel: str, obj) -> dict:
-    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
-    write_bytes_durable(tmp / rel, data)
+    data = json_bytes(obj)
+    write_durable(tmp / rel, data)
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -247,7 +246,7 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
         files["trainer.json"] = _write_json(tmp, "trainer.json", snap.trainer)
         if snap.config_yaml is not None:
             data = snap.config_yaml.encode()
-            write_bytes_durable(tmp / "config.yaml", data)
+            write_durable(tmp / "config.yaml", data)
             files["config.yaml"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         if snap.tokenizer is not None and hasattr(snap.tokenizer, "save"):
             (tmp / "tokenizer").mkdir(exist_ok=True)
@@ -276,7 +275,7 @@ def parts_done(tmp: Path, world: int) -> bool:
 
 def mark_failed(tmp: Path, rank: int, error: BaseException) -> None:
     try:
-        write_bytes_durable(Path(tmp) / PARTS_DIR / f"rank_{rank:05d}.failed", f"{error}\n".encode())
+        write_durable(Path(tmp) / PARTS_DIR / f"rank_{rank:05d}.failed", f"{error}\n".encode())
     except OSError:
         pass
 

@@ -39,31 +39,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from loomtrain.durable import TMP_PREFIX, atomic_write, fsync_path, replace_dir, write_json_durable
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PARTS_DIR = ".parts"  # per-rank file lists inside a temp dir; folded into the manifest
-TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
 def step_dirname(step: int) -> str:
     return f"step_{int(step):08d}"
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync a file or a directory (directories: where the OS allows it)."""
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -75,19 +61,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
                 break
             h.update(block)
     return h.hexdigest()
-
-
-def write_bytes_durable(path: str | os.PathLike, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_json_durable(path: str | os.PathLike, obj) -> None:
-    write_bytes_durable(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def describe_files(root: str | os.PathLike, relpaths: Iterable[str]) -> dict[str, dict]:
@@ -204,27 +177,11 @@ class CheckpointStore:
         _test_pause_before_publish(step)  # test hook: a SIGKILL lands here
         manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), **meta, "files": files}
         write_json_durable(tmp / MANIFEST, manifest)
-        fsync_path(tmp)
-        final = self.final_dir(step)
-        if final.exists():  # re-saving a step (e.g. resumed and saved again): replace it
-            old = self.root / (TMP_PREFIX + "old-" + final.name)
-            if old.exists():
-                shutil.rmtree(old)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_path(self.root)
-        self._write_latest(final.name)
+        # Re-saving a step (e.g. resumed and saved again) replaces it.
+        final = replace_dir(tmp, self.final_dir(step))
+        atomic_write(self.root / LATEST, final.name + "\n")
         self.apply_retention()
         return final
-
-    def _write_latest(self, name: str) -> None:
-        tmp = self.root / f"{TMP_PREFIX}{LATEST}"
-        write_bytes_durable(tmp, (name + "\n").encode())
-        os.replace(tmp, self.root / LATEST)
-        fsync_path(self.root)
 
     def latest_pointer(self) -> str | None:
         p = self.root / LATEST
