@@ -3,8 +3,9 @@
     engine, optimizer, scheduler = build_engine(cfg, model, dp_size=..., mpu=...)
 
 * `ds_config`: the DeepSpeed config dict (batch sizes and gradient accumulation
-  derived from global batch, micro batch and data-parallel size; clipping;
-  bf16 / fp16; the ZeRO stage over the data-parallel group);
+  from `TrainConfig.grad_accum_steps`; clipping; bf16 / fp16; the ZeRO stage over
+  the data-parallel group, with optimizer offload where `ParallelConfig.check_offload`
+  allows it);
 * `param_groups`: a client `torch.optim.AdamW` with no weight decay on norms,
   biases and embeddings (DeepSpeed's own Adam would JIT-compile for a minute);
 * `lr_lambda`: linear warmup, then cosine / linear decay to min_lr, or constant,
@@ -24,6 +25,9 @@ from typing import Any
 import torch
 from loomtrain.launcher.config import RunConfig
 from torch import nn
+
+# deepspeed is imported where an engine is built: ds_config (which the memory plan reads too)
+# stays free of its start-up time.
 
 # "Print every N steps" off: the loop does its own logging.
 _NEVER = 10**12
