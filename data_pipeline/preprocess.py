@@ -1,4 +1,5 @@
-"""`loomtrain preprocess`: text / JSONL / Parquet -> token shards (see shards.py).
+"""Preprocessing: text / JSONL / Parquet -> token shards (see shards.py); the command is
+`loomtrain preprocess` (launcher/cli/preprocess.py).
 
 Documents (documents.py): a .jsonl line's text field, a .parquet row's text
 column, or a whole .txt (or any other text) file. Every document ends with EOS.
@@ -23,7 +24,6 @@ the corpus, and the choice depends only on (fraction, seed, document order).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 from loomtrain.data_pipeline import documents
-from loomtrain.data_pipeline.documents import expand_inputs, iter_units, unit_texts
+from loomtrain.data_pipeline.documents import iter_units, unit_texts
 from loomtrain.data_pipeline.shards import (
     FORMAT,
     INDEX,
@@ -404,84 +404,3 @@ def preprocess_files(
         if val_fraction > 0 and splits["val"]["num_docs"] == 0:
             log(f"preprocess: warning: val split is empty ({doc} documents x val_fraction {val_fraction} < 1)")
     return {**index, "run": run}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from loomtrain.launcher.config import DataConfig  # defaults come from the run schema
-
-    d = DataConfig()
-    p = argparse.ArgumentParser(
-        prog="loomtrain preprocess", description="Tokenize text/JSONL/Parquet into token shards."
-    )
-    p.add_argument(
-        "--input", nargs="+", required=True, metavar="GLOB", help=".txt/.jsonl/.parquet files (globs; ** allowed)"
-    )
-    p.add_argument("--output", required=True, metavar="DIR", help="shard directory to write")
-    p.add_argument("--tokenizer", default=d.tokenizer, help="byte | bpe (trained on the inputs) | PATH/tokenizer.json")
-    p.add_argument("--bpe-vocab-size", type=int, default=d.bpe_vocab_size)
-    p.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction)
-    p.add_argument("--seed", type=int, default=d.split_seed, help="validation split seed")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        help="tokenizing processes (default: all cores), or with --ray Ray tasks in flight "
-        "(default: the cluster's CPUs)",
-    )
-    p.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines instead of failing")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
-    p.add_argument(
-        "--bpe-sample-bytes",
-        type=int,
-        default=0,
-        metavar="N",
-        help="train BPE on a deterministic sample of about N bytes (each file's share, from its start); 0 = all",
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty --output that is not an earlier preprocess output"
-    )
-    p.add_argument("--ray", action="store_true", help="tokenize input files as Ray tasks across a cluster")
-    p.add_argument(
-        "--address",
-        default=None,
-        help="with --ray: the cluster (HOST:PORT, 'auto', or ray://HOST:10001); default $RAY_ADDRESS, "
-        "else a local instance",
-    )
-    p.add_argument("--no-progress", action="store_true")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.address is not None and not args.ray:
-        parser.error("--address needs --ray")
-    try:
-        files = expand_inputs(args.input)
-        preprocess_files(
-            files,
-            args.output,
-            args.tokenizer,
-            text_field=args.text_field,
-            val_fraction=args.val_fraction,
-            seed=args.seed,
-            workers=args.workers,
-            skip_bad_lines=args.skip_bad_lines,
-            bpe_vocab_size=args.bpe_vocab_size,
-            bpe_sample_bytes=args.bpe_sample_bytes,
-            progress=not args.no_progress,
-            shard_tokens=args.shard_tokens,
-            sources=args.input,
-            overwrite=args.overwrite,
-            use_ray=args.ray,
-            ray_address=args.address,
-        )
-    except DataError as exc:
-        print(f"loomtrain preprocess: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

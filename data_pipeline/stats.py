@@ -1,6 +1,6 @@
-"""`loomtrain data-stats CONFIG [key=value ...] --steps N [--show K]`: what a run will read.
+"""What a run will read (`loomtrain data-stats`, launcher/cli/data_stats.py).
 
-Prints one JSON object: the samples and tokens each data source gives over the
+One JSON-ready report: the samples and tokens each data source gives over the
 first N optimizer steps of the whole run (all DP ranks together: step s reads
 global positions [s*G, (s+1)*G), G = train.global_batch_size, whatever the DP
 size), and with --show K the first K samples decoded. It opens the shards the
@@ -10,22 +10,7 @@ run gets; it needs no GPU and no process group.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-
 import numpy as np
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="loomtrain data-stats", description="Samples and tokens per data source over a run's first N steps."
-    )
-    p.add_argument("config", help="the run's YAML config")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for `loomtrain train`")
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps to count from the start of the run")
-    p.add_argument("--show", type=int, default=0, metavar="K", help="also print the first K samples, decoded")
-    return p
 
 
 def data_stats(cfg, steps: int, show: int = 0) -> dict:
@@ -79,30 +64,3 @@ def data_stats(cfg, steps: int, show: int = 0) -> dict:
     finally:
         stream.close()
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from loomtrain.data_pipeline import DataError
-    from loomtrain.launcher.config_loader import ConfigError, resolve, validate
-
-    if args.steps < 0 or args.show < 0:
-        print(
-            f"loomtrain data-stats: error: --steps and --show must be >= 0, got {args.steps} and {args.show}",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        cfg = resolve(args.config, args.overrides)
-        # The global order does not depend on the DP size: check the config as one DP rank.
-        validate(cfg, cfg.parallel.tp)
-        report = data_stats(cfg, args.steps, args.show)
-    except (ConfigError, DataError) as exc:
-        print(f"loomtrain data-stats: error: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(report, indent=1, ensure_ascii=False))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

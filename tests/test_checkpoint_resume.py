@@ -309,13 +309,13 @@ def test_tp2_run_final_weights_and_hf_export_are_consolidated(tmp_path, straight
     import torch
 
     transformers = pytest.importorskip("transformers")
-    from loomtrain.launcher.checkpoints import export
+    from loomtrain.launcher.cli import export as export_cli
     from loomtrain.launcher.weights import load_final
 
     model, _ = load_final(straight4)
     assert model.tok_emb.weight.shape[0] == 259  # vocabulary unpadded
     out = tmp_path / "hf"
-    assert export.main([str(straight4), "--format", "hf", "--output", str(out)]) == 0  # from step_00000020
+    assert export_cli.main([str(straight4), "--format", "hf", "--output", str(out)]) == 0  # from step_00000020
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     tokens = torch.randint(0, 259, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

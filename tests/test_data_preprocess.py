@@ -22,6 +22,7 @@ from loomtrain.data_pipeline import (
 )
 from loomtrain.data_pipeline import preprocess as pp
 from loomtrain.data_pipeline.shards import ShardSet
+from loomtrain.launcher.cli import preprocess as preprocess_cli
 from loomtrain.launcher.config import DataConfig
 
 DOCS = [f"def f{i}(x):\n    return x * {i}  # ünïcode {i}\n" for i in range(30)]
@@ -80,7 +81,7 @@ def test_bpe_train_save_load(tmp_path):
 def test_preprocess_cli_txt_jsonl_parquet(tmp_path):
     write_inputs(tmp_path)
     out = tmp_path / "shards"
-    rc = pp.main(
+    rc = preprocess_cli.main(
         [
             "--input",
             str(tmp_path / "txt/*.txt"),
@@ -108,7 +109,7 @@ def test_preprocess_cli_txt_jsonl_parquet(tmp_path):
     # Same seed -> same split; another seed -> another split; any worker count -> same bytes.
     out2 = tmp_path / "again"
     assert (
-        pp.main(
+        preprocess_cli.main(
             [
                 "--input",
                 str(tmp_path / "txt/*.txt"),
@@ -167,7 +168,7 @@ def test_workers_and_small_units_give_identical_shards(tmp_path, monkeypatch):
     for i, d in enumerate(big):
         (tmp_path / "in" / f"{i}.txt").write_text(d)
     monkeypatch.setattr(documents, "UNIT_BYTES", 1000)  # documents span several units; pool used
-    files = pp.expand_inputs([str(tmp_path / "in/*.txt")])
+    files = documents.expand_inputs([str(tmp_path / "in/*.txt")])
     one = pp.preprocess_files(files, tmp_path / "w1", workers=1, val_fraction=0.25, progress=False, log=None)
     two = pp.preprocess_files(files, tmp_path / "w2", workers=2, val_fraction=0.25, progress=False, log=None)
     assert two["run"]["workers"] == 2
@@ -180,7 +181,7 @@ def test_workers_and_small_units_give_identical_shards(tmp_path, monkeypatch):
 
 def test_shards_roll_over(tmp_path):
     write_inputs(tmp_path)
-    files = pp.expand_inputs([str(tmp_path / "txt/*.txt")])
+    files = documents.expand_inputs([str(tmp_path / "txt/*.txt")])
     index = pp.preprocess_files(files, tmp_path / "s", shard_tokens=100, val_fraction=0, progress=False, log=None)
     shards = index["splits"]["train"]["shards"]
     assert len(shards) > 3 and all(s["num_tokens"] == 100 for s in shards[:-1])
@@ -202,14 +203,16 @@ def test_val_split_is_stratified_and_exact():
 # Errors ---------------------------------------------------------------------
 def test_error_missing_input_names_the_glob(tmp_path):
     with pytest.raises(DataError, match=r"input '.*/nothing\*\.txt' matches no files"):
-        pp.expand_inputs([str(tmp_path / "nothing*.txt")])
-    assert pp.main(["--input", str(tmp_path / "nothing*.txt"), "--output", str(tmp_path / "o")]) == 1
+        documents.expand_inputs([str(tmp_path / "nothing*.txt")])
+    assert preprocess_cli.main(["--input", str(tmp_path / "nothing*.txt"), "--output", str(tmp_path / "o")]) == 1
 
 
 def test_error_empty_input(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(DataError, match="inputs hold no text: .*empty.txt"):
-        pp.preprocess_files(pp.expand_inputs([str(tmp_path / "*.txt")]), tmp_path / "o", progress=False, log=None)
+        pp.preprocess_files(
+            documents.expand_inputs([str(tmp_path / "*.txt")]), tmp_path / "o", progress=False, log=None
+        )
 
 
 def test_error_bad_jsonl_line_names_file_and_line(tmp_path):
@@ -244,7 +247,7 @@ def test_non_utf8_bytes_replaced_and_counted(tmp_path):
 
 def test_error_shards_from_another_tokenizer_refused(tmp_path):
     write_inputs(tmp_path)
-    pp.preprocess_files(pp.expand_inputs([str(tmp_path / "*.jsonl")]), tmp_path / "o", progress=False, log=None)
+    pp.preprocess_files(documents.expand_inputs([str(tmp_path / "*.jsonl")]), tmp_path / "o", progress=False, log=None)
     other = train_bpe(iter(DOCS), 270)
     other.save(tmp_path / "tok")
     cfg = DataConfig(path=str(tmp_path / "o"), tokenizer=str(tmp_path / "tok" / "tokenizer.json"))
@@ -260,7 +263,7 @@ def test_error_shards_from_another_tokenizer_refused(tmp_path):
 def test_error_truncated_shard_detected(tmp_path):
     write_inputs(tmp_path)
     pp.preprocess_files(
-        pp.expand_inputs([str(tmp_path / "txt/*.txt")]), tmp_path / "o", val_fraction=0, progress=False, log=None
+        documents.expand_inputs([str(tmp_path / "txt/*.txt")]), tmp_path / "o", val_fraction=0, progress=False, log=None
     )
     shard = tmp_path / "o" / "train_00000.bin"
     size = shard.stat().st_size

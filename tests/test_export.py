@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from loomtrain.launcher.checkpoints import export
+from loomtrain.launcher.cli import export as export_cli
 from loomtrain.launcher.weights import save_final
 from loomtrain.model import ModelConfig, Transformer
 
@@ -61,7 +62,7 @@ def test_transformers_loads_export_with_equal_logits(tmp_path, variant):
     cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, max_seq_len=32, **VARIANTS[variant])
     model, run = make_run(tmp_path, cfg)
     out = tmp_path / "hf"
-    assert export.main([str(run), "--format", "hf", "--output", str(out)]) == 0
+    assert export_cli.main([str(run), "--format", "hf", "--output", str(out)]) == 0
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -102,12 +103,12 @@ def test_exported_byte_tokenizer_gives_the_same_ids(tmp_path):
 def test_unsupported_variants_are_refused_naming_the_field(tmp_path, capsys, change, field):
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16, **change)
     _, run = make_run(tmp_path, cfg)
-    assert export.main([str(run), "--output", str(tmp_path / "hf")]) == 2
+    assert export_cli.main([str(run), "--output", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert field in err and "\n" not in err.strip()
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
 def test_missing_run_is_a_clear_error(tmp_path, capsys):
-    assert export.main([str(tmp_path / "nope"), "--output", str(tmp_path / "hf")]) == 2
+    assert export_cli.main([str(tmp_path / "nope"), "--output", str(tmp_path / "hf")]) == 2
     assert "nope" in capsys.readouterr().err

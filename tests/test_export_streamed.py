@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from loomtrain.launcher import generate
 from loomtrain.launcher.checkpoints import export
+from loomtrain.launcher.cli import export as export_cli
+from loomtrain.launcher.cli import generate
 from loomtrain.launcher.weights import save_final
 from loomtrain.model import ModelConfig, Transformer
 from safetensors import safe_open
@@ -54,7 +55,7 @@ def test_sharded_export_then_a_single_file_export_over_it_leaves_no_stale_file(t
     cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, **LLAMA)
     run = make_final(tmp_path, cfg)
     out = tmp_path / "hf"
-    assert export.main([str(run), "--output", str(out), "--max-shard-size", "40KB"]) == 0
+    assert export_cli.main([str(run), "--output", str(out), "--max-shard-size", "40KB"]) == 0
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     n = len(shards)
     assert n >= 3 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
@@ -64,7 +65,7 @@ def test_sharded_export_then_a_single_file_export_over_it_leaves_no_stale_file(t
     sharded = logits(out, tokens)
 
     (out / "model.safetensors.index.json").touch()  # an earlier export: replaced whole
-    assert export.main([str(run), "--output", str(out)]) == 0
+    assert export_cli.main([str(run), "--output", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "generation_config.json",
@@ -82,7 +83,7 @@ def test_output_that_is_not_an_earlier_export_is_refused_and_untouched(tmp_path,
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    assert export.main([str(run), "--output", str(mine)]) == 2
+    assert export_cli.main([str(run), "--output", str(mine)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(mine) in err[0] and "not an earlier export" in err[0]
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
@@ -98,15 +99,15 @@ def test_a_corrupted_final_file_is_refused_by_generate_and_export(tmp_path, caps
     assert generate.main([str(run), "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(victim) in err[0] and "sha256" in err[0], err
-    assert export.main([str(run), "--output", str(tmp_path / "hf")]) == 2
+    assert export_cli.main([str(run), "--output", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(victim) in err[0] and "sha256" in err[0], err
     assert not (tmp_path / "hf").exists()
 
 
 RSS = """import resource, sys
-from loomtrain.launcher.checkpoints import export
-assert export.main(sys.argv[1:]) == 0
+from loomtrain.launcher.cli import export as export_cli
+assert export_cli.main(sys.argv[1:]) == 0
 print("RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
@@ -140,7 +141,7 @@ def test_100m_export_bf16_in_50mb_shards_streams(tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in got.values())
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
-    assert export.main([str(run), "--output", str(out32), "--max-shard-size", "50MB"]) == 0
+    assert export_cli.main([str(run), "--output", str(out32), "--max-shard-size", "50MB"]) == 0
     full = tensors(out32)
     assert all(torch.equal(got[k], full[k].to(torch.bfloat16)) for k in full)  # bf16 rounding of the fp32 export
     tokens = torch.randint(0, big.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))

@@ -9,7 +9,7 @@ import io
 from pathlib import Path
 
 import pytest
-from loomtrain.launcher import train
+from loomtrain.launcher.cli import train
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import fit
 

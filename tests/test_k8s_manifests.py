@@ -84,7 +84,7 @@ def test_overlay_has_every_piece(rendered, name):
     job = one(docs, "RayJob")
     argv = shlex.split(job["spec"]["entrypoint"])
     assert argv[:2] == ["loomtrain", "train"]
-    from loomtrain.launcher.train import build_parser
+    from loomtrain.launcher.cli.train import build_parser
 
     args = build_parser().parse_args(argv[2:])  # the real CLI accepts it
     assert args.ray and args.config.startswith("/etc/loomtrain/configs/")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from loomtrain.launcher import generate, train
+from loomtrain.launcher.cli import generate, train
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_any_non_finite_float_knob_is_named(capsys):
 )
 @pytest.mark.parametrize("command", ["status", "logs", "stop"])
 def test_malformed_jobs_address_is_one_line(command, address, says, capsys):
-    from loomtrain.launcher.cluster import jobs
+    from loomtrain.launcher.cli import jobs
 
     assert jobs.main([command, "some-job", "--address", address]) == 1
     line = one_line(capsys.readouterr().err)
@@ -55,7 +55,7 @@ def test_malformed_jobs_address_is_one_line(command, address, says, capsys):
 
 
 def test_malformed_submit_address_and_ray_address(tmp_path, capsys, monkeypatch):
-    from loomtrain.launcher.cluster import jobs
+    from loomtrain.launcher.cli import jobs
 
     assert jobs.main(["submit", TINY, f"run.dir={tmp_path}", "--address", "http://head:port"]) == 1
     assert "--address 'http://head:port'" in one_line(capsys.readouterr().err)

@@ -9,9 +9,9 @@ import sys
 
 import psutil
 import pytest
+from loomtrain.launcher.cli import plan
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import memory_model as mm
-from loomtrain.launcher.planning import plan
 from loomtrain.model import ModelConfig
 from loomtrain.model.flops import param_count
 

@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from loomtrain.launcher.cli import plan
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import host_model as hm
 from loomtrain.launcher.planning import memory_model as mm
-from loomtrain.launcher.planning import plan
 from loomtrain.model.flops import param_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +54,7 @@ def test_host_figures_follow_the_layout_and_the_flags():
     assert h.largest_param == 32000 * 8192  # the embedding (and the untied output layer)
     assert h.startup_per_node == pytest.approx(4 * (hm.HOST_PROCESS_GIB * GiB + 4 * h.largest_param * (1 + 2 / 8)))
     assert h.startup_fits and h.node_ram == 512 * GiB
-    data = plan.mm.make_plan(run, 64, "h100").as_dict()["host"]
+    data = mm.make_plan(run, 64, "h100").as_dict()["host"]
     assert data["startup_fits"] is True and data["checkpoint_bytes"] == 12 * n
 
 

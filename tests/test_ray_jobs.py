@@ -37,7 +37,7 @@ SMALL = [
 
 
 def jobs(capsys, *argv: str) -> tuple[int, str, str]:
-    from loomtrain.launcher.cluster import jobs as jobs_mod
+    from loomtrain.launcher.cli import jobs as jobs_mod
 
     capsys.readouterr()
     rc = jobs_mod.main(list(argv))
@@ -160,7 +160,7 @@ def test_submit_without_token_is_refused_clearly(ray_head, tmp_path):
 
 
 def test_oversized_request_fails_within_start_timeout(ray_head, tmp_path, capsys):
-    from loomtrain.launcher import train
+    from loomtrain.launcher.cli import train
 
     t0 = time.monotonic()
     rc = train.main(

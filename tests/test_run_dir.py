@@ -81,7 +81,7 @@ def train(run: Path, cache: Path, *extra: str, rc: int = 0) -> str:
     import contextlib
     import io
 
-    from loomtrain.launcher import train as train_cli
+    from loomtrain.launcher.cli import train as train_cli
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -1,4 +1,5 @@
-"""`loomtrain import --format hf SRC_DIR --output RUN_DIR`: a Hugging Face model as a finished run.
+"""A Hugging Face model as a finished run (`loomtrain import --format hf SRC_DIR --output RUN_DIR`,
+launcher/cli/import_hf.py).
 
 The inverse of `loomtrain export --format hf` (launcher/checkpoints/export.py), tensor for
 tensor, so import then export gives back the same tensors bitwise:
@@ -25,10 +26,8 @@ tokenizer, model.init_from these weights), so `loomtrain generate RUN_DIR` works
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 from loomtrain.launcher.checkpoints.weight_source import (
@@ -327,19 +326,3 @@ def import_hf(src: str | Path, output: str | Path) -> Path:
     n = sum(t.numel() for t in state.values())
     print(f"import: {source.description} -> {out} ({n:,} parameters, tokenizer {tok.vocab_size} tokens)")
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="loomtrain import", description="Turn a Hugging Face model directory into a loomtrain run directory."
-    )
-    ap.add_argument("src", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
-    ap.add_argument("--format", default="hf", choices=FORMATS)
-    ap.add_argument("--output", required=True, help="the run directory to create (final/ and config.yaml)")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        import_hf(args.src, args.output)
-    except WeightSourceError as exc:
-        print(f"loomtrain import: {exc}", file=sys.stderr)
-        return 2
-    return 0

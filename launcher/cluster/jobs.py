@@ -1,10 +1,4 @@
-"""Ray Jobs glue: `loomtrain submit | status | logs | stop`.
-
-    loomtrain submit CONFIG [key=value ...] [--address URL] [--submission-id ID]
-                     [--env KEY=VALUE ...] [--follow] [--dry-run]
-    loomtrain status JOB [--address URL]
-    loomtrain logs   JOB [--address URL] [--follow]
-    loomtrain stop   JOB [--address URL] [--wait]
+"""Ray Jobs glue behind `loomtrain submit | status | logs | stop` (launcher/cli/jobs.py).
 
 `stop` has Ray send SIGTERM to the job's driver, which asks every worker to save a
 checkpoint at the end of its step and stop (launcher/stopping.py); `submit` sets
@@ -34,7 +28,6 @@ ignores the header.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import socket
@@ -299,52 +292,3 @@ def stop(args) -> int:
         print(f"{args.job}: {st}")
         return 0 if st in TERMINAL else 1
     return 0
-
-
-# ----------------------------------------------------------------- CLI
-
-
-def _parser(command: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"loomtrain {command}")
-    p.add_argument(
-        "--address", default=None, help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)"
-    )
-    if command == "submit":
-        p.add_argument("config", help="YAML config (paths inside this project ship as they are)")
-        p.add_argument("overrides", nargs="*", help="key=value config overrides")
-        p.add_argument("--submission-id", default=None, help="job id to use (default: Ray picks)")
-        p.add_argument(
-            "--env",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="environment variable for the job (repeatable)",
-        )
-        p.add_argument("--follow", action="store_true", help="stream the logs until the job ends")
-        p.add_argument(
-            "--dry-run", action="store_true", help="list the files that would be shipped, with sizes; submit nothing"
-        )
-    else:
-        p.add_argument("job", help="job (submission) id printed by `loomtrain submit`")
-    if command == "logs":
-        p.add_argument("--follow", "-f", action="store_true", help="stream until the job ends")
-    if command == "stop":
-        p.add_argument("--wait", action="store_true", help="wait until the job has stopped")
-        p.add_argument("--wait-timeout", type=float, default=60.0)
-    return p
-
-
-COMMANDS = {"submit": submit, "status": status, "logs": logs, "stop": stop}
-
-
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: loomtrain {{{'|'.join(COMMANDS)}}} ...", file=sys.stderr)
-        return 2
-    command, rest = argv[0], argv[1:]
-    args = _parser(command).parse_intermixed_args(rest)
-    try:
-        return COMMANDS[command](args)
-    except JobsError as e:
-        print(f"loomtrain {command}: error: {e}", file=sys.stderr)
-        return 1

@@ -1,6 +1,6 @@
 """`loomtrain train CONFIG --ray`: every rank as a Ray Train worker (TorchTrainer, V2 API).
 
-Driver (`main`): connects to `ray.address` (else RAY_ADDRESS; `auto` = the
+Driver (`train_on_ray`): connects to `ray.address` (else RAY_ADDRESS; `auto` = the
 cluster running on this machine); with neither it starts a local Ray instance
 sized to the request. Then it runs a `TorchTrainer` with
 
@@ -486,7 +486,11 @@ def run(cfg: RunConfig, stop=None):
         raise
 
 
-class RayStartError(RuntimeError):
+class RayRunError(RuntimeError):
+    """A Ray run that could not start or failed for good; its message is one line for the user."""
+
+
+class RayStartError(RayRunError):
     """The worker group could not be placed on the cluster in time."""
 
 
@@ -505,19 +509,17 @@ def _stop_for_workers(run_dir: str):
     return StopRequest(on_signal=forward)
 
 
-def main(cfg: RunConfig, args=None) -> int:
+def train_on_ray(cfg: RunConfig) -> int:
+    """The `train --ray` driver: run, say how the run ended, return the exit status of a local run
+    stopped the same way (SIGTERM 0, SIGINT 130, SIGHUP 129). Raises RayRunError."""
     from loomtrain.launcher.stopping import exit_code
     from ray.train import TrainingFailedError
 
     stop = _stop_for_workers(absolutize(cfg).run.dir)
     try:
         result = run(cfg, stop=stop)
-    except RayStartError as exc:
-        print(f"loomtrain: error: {exc}", file=sys.stderr)
-        return 1
     except TrainingFailedError as exc:
-        print(f"loomtrain: Ray Train run failed: {exc}", file=sys.stderr)
-        return 1
+        raise RayRunError(f"Ray Train run failed: {exc}") from exc
     finally:
         stop.uninstall()
     pointer = read_pointer(result.checkpoint)

@@ -1,7 +1,7 @@
-"""`loomtrain dryrun CONFIG [--steps N] [--world-size W] [--gpu NAME] [key=value ...]`
+"""One rank of a cluster config run on this machine (`loomtrain dryrun`, launcher/cli/dryrun.py).
 
 Runs exactly one rank of a cluster config on this machine (its GPU, else the CPU) and
-prints what it measured next to `plan`'s prediction, as a table.
+reports what it measured next to `plan`'s prediction, as a table (`dry_run`).
 
 One rank's shard, without its peers: the full-size model is built on the meta device
 (no memory), then the real TP plan (`loomtrain.parallel.parallelize`, through
@@ -27,12 +27,10 @@ estimate from free host memory instead.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import resource
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -292,47 +290,20 @@ def format_table(
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="loomtrain dryrun",
-        description=__doc__.split("\n\n")[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("config")
-    ap.add_argument("overrides", nargs="*", help="key=value config overrides (they apply to the plan columns too)")
-    ap.add_argument("--steps", type=int, default=3, help="optimizer steps to run (default 3; the first is warm-up)")
-    ap.add_argument("--world-size", type=int, default=None, help="cluster ranks (default: ray.num_workers)")
-    ap.add_argument("--gpu", default="h100", choices=sorted(mm.DEVICES), help="cluster GPU for the plan column")
-    ap.add_argument("--mfu", type=float, default=mm.DEFAULT_MFU, help="assumed MFU for the predictions")
-    ap.add_argument(
-        "--max-micro",
-        type=int,
-        default=0,
-        help="GPU only: search the largest micro-batch from this size down (0 = 4 x micro)",
-    )
-    args = ap.parse_intermixed_args(argv)
-    if args.steps < 1:
-        ap.error("--steps must be at least 1")
-
-    from loomtrain.launcher.config_loader import ConfigError
-    from loomtrain.launcher.planning.plan import load_plan
-
-    try:
-        cfg, cluster = load_plan(args.config, args.overrides, args.world_size, args.gpu, args.mfu)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"loomtrain dryrun: {exc}", file=sys.stderr)
-        return 2
+def dry_run(cfg, cluster: mm.Plan, steps: int, gpu: str, mfu: float, max_micro: int = 0) -> str:
+    """Run `steps` optimizer steps of `cfg`'s rank 0 on this machine; the table comparing them with
+    `cluster` (the plan for one rank of the cluster) and with the plan for this dry run."""
     # This machine: the same rank at dp = 1, one micro-batch per optimizer step.
     cfg.train.global_batch_size = cfg.train.micro_batch_size
     device = _local_device(cfg)
-    local_gpu = "cpu" if device.type == "cpu" else args.gpu
-    local = mm.make_plan(cfg, cfg.parallel.tp, local_gpu, args.mfu)
+    local_gpu = "cpu" if device.type == "cpu" else gpu
+    local = mm.make_plan(cfg, cfg.parallel.tp, local_gpu, mfu)
 
     from loomtrain.launcher.distributed import init_distributed
 
     init_distributed(cfg)
-    search_from = args.max_micro or 4 * cfg.train.micro_batch_size
-    meas = run_steps(cfg, device, args.steps, search_from if device.type == "cuda" else 0)
+    search_from = max_micro or 4 * cfg.train.micro_batch_size
+    meas = run_steps(cfg, device, steps, search_from if device.type == "cuda" else 0)
     cpu_estimate = None
     if device.type == "cpu":
         import psutil
@@ -341,9 +312,4 @@ def main(argv: list[str] | None = None) -> int:
         room = psutil.virtual_memory().available + meas.peak_bytes - local.states.total
         cpu_estimate = max(0, int(room // per_sample))
     peak = _local_peak_flops(device, cfg.train.precision)
-    print(format_table(cfg, cluster, local, meas, device, peak, args.mfu, cpu_estimate))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return format_table(cfg, cluster, local, meas, device, peak, mfu, cpu_estimate)

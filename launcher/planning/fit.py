@@ -56,7 +56,7 @@ def available_bytes(device_type: str, local_rank: int) -> tuple[float, str]:
 
 def check_fits(cfg, world_size: int, local_ranks: int = 1, local_rank: int = 0) -> FitVerdict:
     from loomtrain.launcher.planning import memory_model as mm
-    from loomtrain.launcher.planning.plan import suggestions
+    from loomtrain.launcher.planning.memory_plan import suggestions
 
     device_type = _device_type(cfg.train.device)
     # make_plan's device only sets the memory it is compared with (done here) and the

@@ -1,7 +1,8 @@
 """`loomtrain train CONFIG [key=value ...] [--ray]`: resolve the config, run the loop.
 
-Locally (one process), under torchrun (`torchrun --nproc_per_node N -m loomtrain
-train CONFIG`), or with --ray on a Ray cluster (launcher/cluster/ray_train.py).
+Locally (one process, the loop in launcher/loop.py), under torchrun (`torchrun
+--nproc_per_node N -m loomtrain train CONFIG`), or with --ray on a Ray cluster
+(launcher/cluster/ray_train.py).
 A bad config stops here with `loomtrain: config error: <dotted key>: ...` and
 exit status 2, before any process group, model or data exists.
 """
@@ -74,17 +75,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg, args) -> int:
-    from loomtrain.launcher.config_loader import ConfigError
+    return _run_on_ray(cfg) if args.ray else _run_here(cfg)
 
-    if args.ray:
-        from loomtrain.launcher.cluster import ray_train
 
-        return int(ray_train.main(cfg, args) or 0)
+def _run_on_ray(cfg) -> int:
+    from loomtrain.launcher.cluster.ray_train import RayRunError, train_on_ray
 
+    try:
+        return train_on_ray(cfg)
+    except RayRunError as exc:  # the workers could not be placed, or the run failed for good
+        print(f"loomtrain: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run_here(cfg) -> int:
     from loomtrain.data_pipeline import DataError
     from loomtrain.launcher.checkpoints.store import CheckpointWriteError
+    from loomtrain.launcher.config_loader import ConfigError
     from loomtrain.launcher.loop import run_training
     from loomtrain.launcher.nonfinite import NonFiniteError
+    from loomtrain.launcher.stopping import exit_code
 
     try:
         result = run_training(cfg)
@@ -102,6 +112,4 @@ def _run(cfg, args) -> int:
             raise
         print(f"loomtrain: write error: {exc}", file=sys.stderr)
         return 1
-    from loomtrain.launcher.stopping import exit_code
-
     return exit_code(result.stopped_by)  # SIGTERM: 0; Ctrl-C: 130; SIGHUP: 129

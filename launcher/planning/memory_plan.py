@@ -1,23 +1,18 @@
-"""`loomtrain plan CONFIG [--world-size N] [--gpu h100|h200|a100|l40s|cpu] [key=value ...]`
+"""The memory plan, as `loomtrain plan` prints it (launcher/cli/plan.py) and `dryrun` compares with.
 
-Predicts one rank of a run before it is submitted: memory for parameters, gradients
+One rank of a run predicted before it is submitted: memory for parameters, gradients
 and optimizer states at the configured ZeRO stage and TP, activations, FLOPs per
 step, TP/DP communication per step, and step time / tokens/s / MFU on the named
 GPU at an assumed MFU; then host RAM per node at start-up and during a save or resume,
-the checkpoint's size and the time to save it at a stated storage bandwidth. The model
-is built full-size on the meta device (accelerate's `init_empty_weights`), so a 70 B
-config is counted without allocating its weights.
-The arithmetic and its sources are in `loomtrain.launcher.planning.memory_model` and
-(host, checkpoint) `loomtrain.launcher.planning.host_model`.
-
-Exit status: 0 when the config fits, 1 when it will not fit, 2 on a bad config.
+the checkpoint's size and the time to save it at a stated storage bandwidth. The model is
+built full-size on the meta device (accelerate's `init_empty_weights`), so a 70 B config is
+counted without allocating its weights. The arithmetic and its sources are in
+`loomtrain.launcher.planning.memory_model` and (host, checkpoint)
+`loomtrain.launcher.planning.host_model`; this module loads a config into a Plan
+(`load_plan`) and formats it (`format_plan`, `suggestions`).
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-import sys
 
 from loomtrain.launcher.planning import host_model as hm
 from loomtrain.launcher.planning import memory_model as mm
@@ -69,8 +64,8 @@ def format_plan(p: mm.Plan, config: str = "") -> str:
             if p.hw_flops_per_token != p.flops_per_token
             else ""
         ),
-        f"  model FLOPs per step    {_si(p.flops_per_step, 'FLOP')} ({_si(p.flops_per_step / p.world_size, 'FLOP')} "
-        "per rank)",
+        f"  model FLOPs per step    {_si(p.flops_per_step, 'FLOP')} "
+        f"({_si(p.flops_per_step / p.world_size, 'FLOP')} per rank)",
         f"  at an assumed {p.assumed_mfu:.0%} of {p.device.name}'s "
         f"{'fp32' if p.precision == 'fp32' else 'bf16 dense'} peak "
         f"({(p.device.fp32_tflops if p.precision == 'fp32' else p.device.bf16_tflops):g} TFLOP/s)"
@@ -118,65 +113,6 @@ def suggestions(p: mm.Plan) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="loomtrain plan",
-        description=__doc__.split("\n\n")[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("config")
-    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
-    ap.add_argument(
-        "--world-size", type=int, default=None, help="number of ranks (default: the config's ray.num_workers)"
-    )
-    ap.add_argument("--gpu", default="h100", choices=sorted(mm.DEVICES), help="device to predict for")
-    ap.add_argument(
-        "--mfu", type=float, default=mm.DEFAULT_MFU, help=f"assumed model-FLOPs utilization (default {mm.DEFAULT_MFU})"
-    )
-    ap.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=hm.DEFAULT_GPUS_PER_NODE,
-        help=f"ranks per node, for host RAM per node (default {hm.DEFAULT_GPUS_PER_NODE})",
-    )
-    ap.add_argument(
-        "--node-ram-gib",
-        type=float,
-        default=hm.DEFAULT_NODE_RAM_GIB,
-        help=f"host RAM per node in GiB (default {hm.DEFAULT_NODE_RAM_GIB:g}, a 1 TB node)",
-    )
-    ap.add_argument(
-        "--storage-gbps",
-        type=float,
-        default=hm.DEFAULT_STORAGE_GBPS,
-        help=f"checkpoint storage write bandwidth in GB/s per node (default {hm.DEFAULT_STORAGE_GBPS:g})",
-    )
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    args = ap.parse_intermixed_args(argv)
-
-    from loomtrain.launcher.config_loader import ConfigError
-
-    try:
-        _, p = load_plan(
-            args.config,
-            args.overrides,
-            args.world_size,
-            args.gpu,
-            args.mfu,
-            gpus_per_node=args.gpus_per_node,
-            node_ram_gib=args.node_ram_gib,
-            storage_gbps=args.storage_gbps,
-        )
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"loomtrain plan: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(p.as_dict(), indent=2, default=str))
-    else:
-        print(format_plan(p, args.config))
-    return 0 if p.fits else 1
-
-
 def load_plan(config: str, overrides: list[str], world_size: int | None, gpu: str, mfu: float, **host):
     """(RunConfig validated at its world size, its Plan); the world size defaults to the
     config's ray.num_workers. Shared by `plan` and `dryrun`; raises ConfigError,
@@ -193,7 +129,3 @@ def _default_world(config: str, overrides: list[str]) -> int:
     from loomtrain.launcher.config_loader import resolve
 
     return resolve(config, overrides).ray.num_workers
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""`loomtrain export RUN_DIR --format hf --output DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]`.
+
+What is exported, from where, and how: launcher/checkpoints/export.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loomtrain.launcher.checkpoints.export import DEFAULT_MAX_SHARD, DTYPES, FORMATS, ExportError, export_hf
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="loomtrain export", description="Export a run's weights to Hugging Face format.")
+    ap.add_argument(
+        "run_dir", help="a run directory (newest complete checkpoint, else final/) or a checkpoint directory"
+    )
+    ap.add_argument("--format", default="hf", choices=FORMATS)
+    ap.add_argument("--output", required=True, help="output directory (created; an earlier export there is replaced)")
+    ap.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weights' dtype in the export (default fp32)")
+    ap.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD,
+        help="largest weights file, Hugging Face style: 500MB, 5GB, 2GiB (default 5GB)",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        export_hf(args.run_dir, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    except ExportError as exc:
+        print(f"loomtrain export: {exc}", file=sys.stderr)
+        return 2
+    return 0

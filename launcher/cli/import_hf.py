@@ -1,0 +1,32 @@
+"""`loomtrain import --format hf SRC_DIR --output RUN_DIR`.
+
+What is imported and what is refused: launcher/checkpoints/hf_import.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loomtrain.launcher.checkpoints.hf_import import FORMATS, import_hf
+from loomtrain.launcher.checkpoints.weight_source import WeightSourceError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="loomtrain import", description="Turn a Hugging Face model directory into a loomtrain run directory."
+    )
+    ap.add_argument("src", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    ap.add_argument("--format", default="hf", choices=FORMATS)
+    ap.add_argument("--output", required=True, help="the run directory to create (final/ and config.yaml)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        import_hf(args.src, args.output)
+    except WeightSourceError as exc:
+        print(f"loomtrain import: {exc}", file=sys.stderr)
+        return 2
+    return 0
