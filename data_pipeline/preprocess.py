@@ -25,6 +25,7 @@ the corpus, and the choice depends only on (fraction, seed, document order).
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import os
 import sys
 import time
@@ -46,6 +47,8 @@ from loomtrain.data_pipeline.shards import (
 from loomtrain.data_pipeline.staging import Parts, check_output, clear_assembly, open_partial, publish
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from loomtrain.durable import atomic_write_json
+from loomtrain.launcher.cluster.preprocess_tasks import tokenize_on_ray
+from tqdm import tqdm
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
 
@@ -93,8 +96,6 @@ def _ordered_results(tagged_units, tokenizer, text_field, skip_bad_lines, worker
         for tag, unit in tagged_units:
             yield tag, unit[6], _tokenize_unit(unit)
         return
-    import multiprocessing as mp
-
     # spawn, not fork: the caller may be a training process with threads.
     with mp.get_context("spawn").Pool(
         workers, initializer=_init_worker, initargs=(tokenizer, text_field, skip_bad_lines)
@@ -289,8 +290,6 @@ def preprocess_files(
     "bpe" (trained here on the same files), a tokenizer.json path, or a tokenizer object.
     Works in OUTPUT.partial/ and publishes it with a rename (see staging.py); with
     use_ray, input files are tokenized as Ray tasks, and the result is the same."""
-    from tqdm import tqdm
-
     if not files:
         raise DataError("no input files")
     if not isinstance(shard_tokens, int) or shard_tokens <= 0:
@@ -321,7 +320,6 @@ def preprocess_files(
     if resumed and log:
         log(f"preprocess: resuming {work}: {len(files) - len(todo)} of {len(files)} input files already done")
     if use_ray:
-        from loomtrain.launcher.cluster.preprocess_tasks import tokenize_on_ray
 
         def write_part(i: int, results: list) -> None:
             writer, stats = parts.writer(i), _zero_stats()

@@ -10,15 +10,17 @@ run gets; it needs no GPU and no process group.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+from loomtrain.data_pipeline.corpus import prepare_sources
+from loomtrain.data_pipeline.stream import TokenStream
 
 
-def data_stats(cfg, steps: int, show: int = 0) -> dict:
-    """The report for a loaded RunConfig (see the module docstring)."""
-    from loomtrain.data_pipeline import TokenStream, prepare_sources
-    from loomtrain.launcher.components import data_cache_dir
-
-    data, tok = prepare_sources(cfg.data, data_cache_dir(cfg), log=None)
+def data_stats(cfg, cache_dir: Path, steps: int, show: int = 0) -> dict:
+    """The report for a loaded RunConfig whose prepared data lives under `cache_dir` (the run's
+    data cache, where training would prepare it; see the module docstring)."""
+    data, tok = prepare_sources(cfg.data, cache_dir, log=None)
     t = cfg.train
     stream = TokenStream(
         data,

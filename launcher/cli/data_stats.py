@@ -11,6 +11,7 @@ import sys
 
 from loomtrain.data_pipeline import DataError
 from loomtrain.data_pipeline.stats import data_stats
+from loomtrain.launcher.components import data_cache_dir
 from loomtrain.launcher.config_loader import ConfigError, resolve, validate
 
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(args.config, args.overrides)
         # The global order does not depend on the DP size: check the config as one DP rank.
         validate(cfg, cfg.parallel.tp)
-        report = data_stats(cfg, args.steps, args.show)
+        report = data_stats(cfg, data_cache_dir(cfg), args.steps, args.show)
     except (ConfigError, DataError) as exc:
         print(f"loomtrain data-stats: error: {exc}", file=sys.stderr)
         return 1

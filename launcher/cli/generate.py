@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"loomtrain generate: {bad}", file=sys.stderr)
         return 2
+    # torch loads only now, so that a bad argument is reported at once.
     import torch
     from loomtrain.launcher.weights import FinalWeightsError, load_final
 

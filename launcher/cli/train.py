@@ -15,6 +15,14 @@ import errno
 import os
 import sys
 
+from loomtrain.data_pipeline import DataError
+from loomtrain.launcher.checkpoints.store import CheckpointWriteError
+from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
+from loomtrain.launcher.nonfinite import NonFiniteError
+from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
+from loomtrain.launcher.rundir import RunDirError, claim
+from loomtrain.launcher.stopping import exit_code
+
 # Disk trouble a user fixes (space, quota, permissions, a read-only mount): one line, no traceback.
 DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EIO}
 
@@ -38,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
 
     try:
         cfg = resolve(args.config, args.overrides)
@@ -49,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if not args.ray and not args.force:  # before anything is allocated or written
-        from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
-
         try:
             verdict = check_fits(cfg, env_world_size(), *local_ranks_from_env())
         except ValueError as exc:  # a config the estimate cannot size
@@ -63,8 +68,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # One process per run owns RUN_DIR (see launcher/rundir.py): the Ray driver (it
     # outlives its worker groups' restarts), else global rank 0; the other ranks follow it.
-    from loomtrain.launcher.rundir import RunDirError, claim
-
     owner = args.ray or os.environ.get("RANK", "0") == "0"
     try:
         with claim(cfg.run.dir) if owner else contextlib.nullcontext():
@@ -78,6 +81,8 @@ def _run(cfg, args) -> int:
     return _run_on_ray(cfg) if args.ray else _run_here(cfg)
 
 
+# Each path imports only its own runtime, when it runs: the Ray driver never loads the loop
+# (DeepSpeed and the model), and a local or torchrun run never loads Ray.
 def _run_on_ray(cfg) -> int:
     from loomtrain.launcher.cluster.ray_train import RayRunError, train_on_ray
 
@@ -89,12 +94,7 @@ def _run_on_ray(cfg) -> int:
 
 
 def _run_here(cfg) -> int:
-    from loomtrain.data_pipeline import DataError
-    from loomtrain.launcher.checkpoints.store import CheckpointWriteError
-    from loomtrain.launcher.config_loader import ConfigError
     from loomtrain.launcher.loop import run_training
-    from loomtrain.launcher.nonfinite import NonFiniteError
-    from loomtrain.launcher.stopping import exit_code
 
     try:
         result = run_training(cfg)

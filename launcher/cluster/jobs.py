@@ -28,6 +28,7 @@ ignores the header.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import socket
@@ -39,6 +40,11 @@ from urllib.parse import urlsplit
 
 from loomtrain.launcher.cluster.addresses import AddressError, dashboard_url
 from loomtrain.launcher.cluster.packaging import PackagingError, format_listing, plan_shipment, stage
+from loomtrain.launcher.config_loader import ConfigError, resolve, validate
+from loomtrain.launcher.planning.grace import FALLBACK_S, grace_period_s
+from ray._raylet import Config as RayConfig
+from ray.exceptions import AuthenticationError
+from ray.job_submission import JobSubmissionClient
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # launcher/cluster/jobs.py -> repo root
 # Never shipped: environments, run outputs, VCS data, caches, build output.
@@ -59,10 +65,7 @@ def _enable_token_auth_if_available() -> None:
     token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
     if os.environ.get("RAY_AUTH_TOKEN") or Path(token_file).is_file():
         os.environ["RAY_AUTH_MODE"] = "token"
-        if "ray" in sys.modules:  # Ray caches its config: make it re-read the mode
-            from ray._raylet import Config
-
-            Config.initialize("")
+        RayConfig.initialize("")  # Ray read its config when it was imported: make it re-read the mode
 
 
 def resolve_address(address: str | None) -> str:
@@ -97,9 +100,6 @@ def make_client(address: str | None):
     address = resolve_address(address)
     _check_reachable(address)
     _enable_token_auth_if_available()
-    from ray.exceptions import AuthenticationError
-    from ray.job_submission import JobSubmissionClient
-
     try:
         return JobSubmissionClient(address)
     except AuthenticationError as e:
@@ -142,8 +142,6 @@ CLUSTER_PATH_KEYS = ("data.tokenizer", "data.path", "checkpoint.resume", "model.
 
 def _check_config(config: str, overrides: list[str]):
     """A bad config stops here, before anything is uploaded or started; returns the config."""
-    from loomtrain.launcher.config_loader import ConfigError, resolve, validate
-
     if not Path(config).is_file():
         raise JobsError(f"config file not found: {config}")
     try:
@@ -187,8 +185,6 @@ def submit(args) -> int:
     cfg = _check_config(args.config, args.overrides)
     # `loomtrain stop` makes Ray SIGTERM the driver, which has the workers save; Ray's job
     # supervisor (it runs with these env_vars) SIGKILLs after this many seconds, 3 by default.
-    from loomtrain.launcher.planning.grace import FALLBACK_S, grace_period_s
-
     try:
         wait_s = grace_period_s(cfg)
     except ValueError:  # a shape the plan cannot size here: still far more than Ray's 3 s
@@ -247,8 +243,6 @@ def status(args) -> int:
 
 
 def _follow(client, job: str) -> int:
-    import asyncio
-
     async def tail() -> None:
         async for chunk in client.tail_job_logs(job):
             sys.stdout.write(chunk)

@@ -34,8 +34,18 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import psutil
 import torch
+from accelerate.utils import find_executable_batch_size
+from loomtrain.launcher.components import apply_block_options
+from loomtrain.launcher.distributed import init_distributed
+from loomtrain.launcher.engine import build_engine
+from loomtrain.launcher.metrics import device_peak_flops
 from loomtrain.launcher.planning import memory_model as mm
+from loomtrain.launcher.planning.memory_measure import GradPeak, measure
+from loomtrain.model import init_tensors
+from loomtrain.parallel import padded_vocab_size
+from loomtrain.parallel.materialize import materialize, sharded_meta_model
 
 GiB = mm.GiB
 
@@ -73,18 +83,12 @@ class OneRankTopology:
         return None
 
     def padded_vocab(self, vocab_size: int) -> int:
-        from loomtrain.parallel import padded_vocab_size
-
         return padded_vocab_size(vocab_size, self.tp)
 
 
 def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Module:
     """One TP rank's shard of the cluster model, materialized on `device` only, by the training
     start-up's own path (meta model, TP plan, seeded init one full parameter at a time)."""
-    from loomtrain.launcher.components import apply_block_options
-    from loomtrain.model import init_tensors
-    from loomtrain.parallel.materialize import materialize, sharded_meta_model
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
     topology = OneRankTopology(cfg.parallel.tp, tp_rank)
     model = sharded_meta_model(cfg.model, topology, cfg.parallel.sequence_parallel)
@@ -93,8 +97,6 @@ def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Mo
 
 
 def _rss() -> int:
-    import psutil
-
     return psutil.Process(os.getpid()).memory_info().rss
 
 
@@ -118,9 +120,6 @@ class Measured:
 
 
 def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0) -> Measured:
-    from loomtrain.launcher.engine import build_engine
-    from loomtrain.launcher.planning.memory_measure import GradPeak, measure
-
     t = cfg.train
     base_rss = _rss()
     if device.type == "cuda":
@@ -154,7 +153,6 @@ def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0) -> Me
         peak_bytes = _peak_rss() - base_rss
     result = Measured(states, times, peak_bytes, skipped=int(engine.skipped_steps))
     if device.type == "cuda" and search_from:
-        from accelerate.utils import find_executable_batch_size
 
         @find_executable_batch_size(starting_batch_size=search_from)
         def largest(batch_size: int) -> int:
@@ -176,8 +174,6 @@ def _local_device(cfg) -> torch.device:
 
 
 def _local_peak_flops(device: torch.device, precision: str) -> float:
-    from loomtrain.launcher.metrics import device_peak_flops
-
     return device_peak_flops(device, precision)
 
 
@@ -299,15 +295,11 @@ def dry_run(cfg, cluster: mm.Plan, steps: int, gpu: str, mfu: float, max_micro: 
     local_gpu = "cpu" if device.type == "cpu" else gpu
     local = mm.make_plan(cfg, cfg.parallel.tp, local_gpu, mfu)
 
-    from loomtrain.launcher.distributed import init_distributed
-
     init_distributed(cfg)
     search_from = max_micro or 4 * cfg.train.micro_batch_size
     meas = run_steps(cfg, device, steps, search_from if device.type == "cuda" else 0)
     cpu_estimate = None
     if device.type == "cpu":
-        import psutil
-
         per_sample = local.activations.total / cfg.train.micro_batch_size
         room = psutil.virtual_memory().available + meas.peak_bytes - local.states.total
         cpu_estimate = max(0, int(room // per_sample))

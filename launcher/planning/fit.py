@@ -21,6 +21,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import psutil
+import torch
+from loomtrain.launcher.planning import memory_model as mm
+from loomtrain.launcher.planning.memory_plan import suggestions
+
 GiB = 1024**3
 
 
@@ -34,8 +39,6 @@ class FitVerdict:
 
 
 def _device_type(requested: str) -> str:
-    import torch
-
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return requested
@@ -44,20 +47,13 @@ def _device_type(requested: str) -> str:
 def available_bytes(device_type: str, local_rank: int) -> tuple[float, str]:
     """(bytes free now, what was measured) on this rank's device."""
     if device_type == "cuda":
-        import torch
-
         index = local_rank % max(1, torch.cuda.device_count())
         free, _total = torch.cuda.mem_get_info(index)
         return float(free), f"GPU {index} ({torch.cuda.get_device_name(index)}) free memory"
-    import psutil
-
     return float(psutil.virtual_memory().available), "available host RAM"
 
 
 def check_fits(cfg, world_size: int, local_ranks: int = 1, local_rank: int = 0) -> FitVerdict:
-    from loomtrain.launcher.planning import memory_model as mm
-    from loomtrain.launcher.planning.memory_plan import suggestions
-
     device_type = _device_type(cfg.train.device)
     # make_plan's device only sets the memory it is compared with (done here) and the
     # CUDA allowance / activation variant; any CUDA entry stands for "a GPU".

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from loomtrain.launcher.planning.memory_model import make_plan
+
 SAFETY = 2.0  # a shared filesystem under a whole job's writers is slower than its datasheet
 MARGIN_S = 30.0  # process exit, Ray's report of the checkpoint, the driver's own exit
 FALLBACK_S = 300  # when the plan cannot size a config (used by `loomtrain submit`)
@@ -25,8 +27,6 @@ FALLBACK_S = 300  # when the plan cannot size a config (used by `loomtrain submi
 
 def grace_period_s(cfg: Any, world_size: int | None = None, gpu: str | None = None) -> int:
     """terminationGracePeriodSeconds for the pods of a run of `cfg` (whole seconds)."""
-    from loomtrain.launcher.planning.memory_model import make_plan
-
     world = world_size or cfg.ray.num_workers
     plan = make_plan(cfg, world, gpu=gpu or ("h100" if cfg.ray.use_gpu else "cpu"))
     return int(math.ceil(plan.step_time_s + SAFETY * plan.host.save_sync_s + MARGIN_S))
@@ -34,7 +34,5 @@ def grace_period_s(cfg: Any, world_size: int | None = None, gpu: str | None = No
 
 def save_seconds(cfg: Any, world_size: int | None = None, gpu: str | None = None) -> float:
     """The plan's synchronous save time for `cfg`."""
-    from loomtrain.launcher.planning.memory_model import make_plan
-
     world = world_size or cfg.ray.num_workers
     return make_plan(cfg, world, gpu=gpu or ("h100" if cfg.ray.use_gpu else "cpu")).host.save_sync_s

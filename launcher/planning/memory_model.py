@@ -46,8 +46,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import psutil
+from accelerate import init_empty_weights
+from loomtrain.launcher.engine import ds_config
+from loomtrain.launcher.planning.host_model import host_plan
+from loomtrain.model import Transformer
 from loomtrain.model.config import ModelConfig
+from loomtrain.model.flops import param_count
 from loomtrain.model.loss import chunk_rows
+from loomtrain.parallel.plan import shard_spec
+from loomtrain.parallel.topology import padded_vocab_size
 
 GiB = 1024**3
 
@@ -83,8 +91,6 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def host_memory_gib() -> float:
-    import psutil
-
     return psutil.virtual_memory().total / GiB
 
 
@@ -101,15 +107,11 @@ def device_spec(name: str) -> Device:
 # --------------------------------------------------------------------------- params
 def padded_vocab(vocab_size: int, tp: int) -> int:
     """Rows of the (vocab-parallel) embedding summed over the TP ranks (the TP plan's padding)."""
-    from loomtrain.parallel.topology import padded_vocab_size
-
     return padded_vocab_size(vocab_size, tp)
 
 
 def analytic_param_count(cfg: ModelConfig) -> int:
     """Parameters of the plain (tp=1) model from ModelConfig's arithmetic alone (model.flops)."""
-    from loomtrain.model.flops import param_count
-
     return param_count(cfg)
 
 
@@ -128,8 +130,6 @@ def count_params(model: Any, tp: int) -> ParamCount:
 
     Shared (tied) parameters count once, as `named_parameters` yields them once.
     """
-    from loomtrain.parallel.plan import shard_spec
-
     cfg = model.cfg if hasattr(model, "cfg") else model.config
     total = per_rank = emb = rep = 0
     for name, p in model.named_parameters():
@@ -147,9 +147,6 @@ def count_params(model: Any, tp: int) -> ParamCount:
 
 def build_meta_model(cfg: ModelConfig):
     """The full-size loomtrain Transformer with empty (meta) weights: no memory."""
-    from accelerate import init_empty_weights
-    from loomtrain.model import Transformer
-
     with init_empty_weights(include_buffers=False):
         model = Transformer(cfg)
     # init_empty_weights re-creates every registered Parameter on meta, which unties
@@ -351,13 +348,8 @@ class Plan:
 
 def _bucket_elems(run: Any, dp: int) -> int:
     """reduce_bucket_size from the DeepSpeed config the engine will use (DeepSpeed's default)."""
-    try:
-        from loomtrain.launcher.engine import ds_config
-
-        zero = ds_config(run, dp).get("zero_optimization", {})
-        return int(zero.get("reduce_bucket_size", DS_BUCKET_ELEMS))
-    except ImportError:  # pragma: no cover
-        return DS_BUCKET_ELEMS
+    zero = ds_config(run, dp).get("zero_optimization", {})
+    return int(zero.get("reduce_bucket_size", DS_BUCKET_ELEMS))
 
 
 def make_plan(
@@ -365,8 +357,6 @@ def make_plan(
 ) -> Plan:
     """Predict one rank of `run` (a RunConfig) on `world_size` ranks of `gpu`. `host`: keyword
     arguments of host_model.host_plan (gpus_per_node, node_ram_gib, storage_gbps)."""
-    from loomtrain.launcher.planning.host_model import host_plan
-
     cfg: ModelConfig = run.model
     par, tr = run.parallel, run.train
     tp, stage, prec = par.tp, par.zero_stage, tr.precision

@@ -14,6 +14,7 @@ counted without allocating its weights. The arithmetic and its sources are in
 
 from __future__ import annotations
 
+from loomtrain.launcher.config_loader import load_config, resolve
 from loomtrain.launcher.planning import host_model as hm
 from loomtrain.launcher.planning import memory_model as mm
 
@@ -117,8 +118,6 @@ def load_plan(config: str, overrides: list[str], world_size: int | None, gpu: st
     """(RunConfig validated at its world size, its Plan); the world size defaults to the
     config's ray.num_workers. Shared by `plan` and `dryrun`; raises ConfigError,
     ValueError or FileNotFoundError for bad input."""
-    from loomtrain.launcher.config_loader import load_config
-
     world = world_size or _default_world(config, overrides)
     run = load_config(config, overrides, world_size=world)
     return run, mm.make_plan(run, world, gpu, mfu, **host)
@@ -126,6 +125,4 @@ def load_plan(config: str, overrides: list[str], world_size: int | None, gpu: st
 
 def _default_world(config: str, overrides: list[str]) -> int:
     """The config's ray.num_workers (checked against tp and the batch sizes afterwards)."""
-    from loomtrain.launcher.config_loader import resolve
-
     return resolve(config, overrides).ray.num_workers
