@@ -103,6 +103,35 @@ def test_readme_plan_commands_run_shrunk(capsys, monkeypatch):
         assert out[-1].startswith("FITS: "), out[-1]
 
 
+def readme_outputs(verb: str) -> list[tuple[list[str], list[str]]]:
+    """(argv after `loomtrain`, as written; the output lines shown under it) for each
+    `$ loomtrain VERB` line of the section's output blocks."""
+    shown = []
+    for lines in readme_blocks():
+        for i, line in enumerate(lines):
+            if line.startswith(f"$ loomtrain {verb} "):
+                rest = lines[i + 1 :]
+                end = next((j for j, later in enumerate(rest) if later.startswith("$ ")), len(rest))
+                shown.append((shlex.split(line[2:])[1:], rest[:end]))
+    return shown
+
+
+def test_readme_plan_output_is_the_real_output_full_size(capsys, monkeypatch):
+    """The plan output the README shows, line for line (`...` marks lines left out), is what
+    its command prints today: the full-size model is only counted on the meta device."""
+    from loomtrain.launcher.cli import main
+
+    outputs = readme_outputs("plan")
+    assert outputs
+    monkeypatch.chdir(ROOT)
+    for argv, shown in outputs:
+        assert main(argv) == 0, argv
+        out = iter(capsys.readouterr().out.splitlines())
+        for line in shown:
+            if line.strip() not in ("", "..."):
+                assert any(got == line for got in out), f"README shows a line `{argv}` no longer prints: {line}"
+
+
 def gib_cells(out: str, label: str) -> list[float]:
     """The GiB figures (MiB converted) of the table row that starts with `label`."""
     row = next(line for line in out.splitlines() if line.strip().startswith(label))
