@@ -127,9 +127,19 @@ def engine_context(cfg, model=None, run_dir: str = "/tmp/loomtrain-bench"):
     topology = components.build_topology(cfg, env)
     if model is None:
         model = components.build_model(cfg, topology, env.device)
-    ctx = TrainContext(cfg=cfg, dist=env, topology=topology, run_dir=Path(run_dir))
-    ctx.engine, ctx.optimizer, ctx.scheduler = build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
-    ctx.model = ctx.engine.module
+    engine, _, scheduler = build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
+    ctx = TrainContext(
+        cfg=cfg,
+        dist=env,
+        topology=topology,
+        run_dir=Path(run_dir),
+        engine=engine,
+        model=engine.module,
+        scheduler=scheduler,
+        tokenizer=None,  # no data: the caller sets ctx.train_stream (e.g. RepeatBatch)
+        shard_dir=None,
+        train_stream=None,
+    )
     ctx.engine.train()
     return ctx
 

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def step():
-        loss, norm = loop.train_step(ctx, 1, guard)
+        loss = loop.train_step(ctx, 1, guard).loss
         ctx.state.step += 1
         return loss
 

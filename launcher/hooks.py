@@ -18,15 +18,28 @@ A hook may set `ctx.stop_requested = True` (e.g. on SIGTERM, after saving); the 
 stops after the current step as if max_steps had been reached, without writing final
 weights unless `ctx.state.step == cfg.train.max_steps`.
 
-Checkpointing and Ray reporting are hooks; the loop knows neither.
+Checkpointing and Ray reporting are hooks, so the loop's body calls neither: every run gets
+the checkpoint hook (loomtrain.launcher.checkpoints.hook), and a launcher passes its own
+(Ray's report hook, loomtrain.launcher.cluster.ray_train).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from loomtrain.data_pipeline.stream import TokenStream
+    from loomtrain.data_pipeline.tokenizer import Tokenizer
+    from loomtrain.launcher.config import RunConfig
+    from loomtrain.launcher.distributed import DistEnv
+    from loomtrain.launcher.metrics import MetricsLogger
+    from loomtrain.parallel.topology import Topology
+    from torch import nn
+    from torch.optim.lr_scheduler import LRScheduler
 
 
 @dataclass
@@ -50,23 +63,26 @@ class TrainState:
 class TrainContext:
     """Everything a hook may need; built by the loop, the same on every rank."""
 
-    cfg: Any  # RunConfig
-    dist: Any  # DistEnv
-    topology: Any  # loomtrain.parallel.Topology
+    cfg: RunConfig
+    dist: DistEnv
+    topology: Topology
     run_dir: Path
-    model: Any = None  # the (possibly TP-sharded) nn.Module inside the engine
-    engine: Any = None  # deepspeed.DeepSpeedEngine
-    optimizer: Any = None
-    scheduler: Any = None
-    tokenizer: Any = None
-    shard_dir: Any = None  # one shard directory, or [(dir, weight), ...] for data.sources
-    train_stream: Any = None  # TokenStream for this DP rank (state_dict / load_state_dict)
-    metrics: Any = None  # MetricsLogger (writes on the logging rank only)
+    engine: DeepSpeedEngine
+    model: nn.Module  # engine.module: this rank's (possibly TP-sharded) model
+    scheduler: LRScheduler | None  # the LR schedule DeepSpeed steps (its state is checkpointed)
+    tokenizer: Tokenizer
+    shard_dir: Path | list[tuple[Path, float]]  # one shard directory, or data.sources' (dir, weight)s
+    train_stream: TokenStream  # this DP rank's (state_dict / load_state_dict)
+    metrics: MetricsLogger | None = None  # writes on the logging rank; None until the resume is done
     state: TrainState = field(default_factory=TrainState)
     stop_requested: bool = False
-    # Filled by the loop for hooks that want them.
-    last_metrics: dict[str, Any] = field(default_factory=dict)
-    extras: dict[str, Any] = field(default_factory=dict)
+    stop_signal: int = 0  # the signal every rank agreed to stop for (0: none; see stopping.py)
+    last_metrics: dict[str, Any] = field(default_factory=dict)  # the last step's, for an end-of-run report
+    # Set by the checkpoint hook:
+    resumed_from: Path | None = None  # the checkpoint this run resumed from
+    checkpoint_saves: list[dict[str, Any]] = field(default_factory=list)  # per save: step, blocked_s, times
+    # Waits, without a collective, until a save in flight is published (test-only faults strike after it).
+    checkpoint_flush: Callable[[], None] | None = None
 
 
 class Hooks:
@@ -104,15 +120,3 @@ class HookList(Hooks):
     def on_train_end(self, ctx: TrainContext) -> None:
         for hook in self.hooks:
             hook.on_train_end(ctx)
-
-
-def default_hooks(cfg) -> list[Hooks]:
-    """Hooks every run gets, whatever launched it (torchrun, Ray, tests).
-
-    The checkpoint hook saves every checkpoint.every_steps, at the end and on SIGTERM,
-    and resumes per checkpoint.resume. Launcher-specific hooks (Ray's report hook) are
-    passed to run_training by that launcher instead.
-    """
-    from loomtrain.launcher.checkpoints.hook import CheckpointHook
-
-    return [CheckpointHook(cfg)]

@@ -3,6 +3,14 @@
     result = run_training(cfg)                 # in-process (tests, Ray workers)
     result.losses                              # per-step loss, DP-averaged
 
+`run_training` is set-up (`_set_up`: process group, data, model, engine, resume, metrics,
+watchdog), the loop (`_loop`: the optimizer steps, with evaluation and samples every
+eval.every_steps in `_evaluate_and_sample`) and the finish (`_finish`: the end-of-training
+hooks, the final weights, the summary). Everything set-up opens goes onto one ExitStack, so
+however the run ends (the last step, a stop signal, or any exception) the data stream's
+prefetch thread, the metrics file and TensorBoard writer, the watchdog, a running profile and
+the signal handlers are closed, in reverse order, and the rank log last.
+
 Each optimizer step runs grad_accum micro steps of
 `loss = engine(x, targets=y); engine.backward(loss); engine.step()` (the model's output
 layer computes the loss, see loomtrain.model.loss)
@@ -13,7 +21,8 @@ single-process loss on the same global batch.
 
 Plug-in points: `hooks` (see loomtrain.launcher.hooks) for checkpoints and Ray;
 `components.build_model` for TP; `engine.build_engine` for ZeRO / precision;
-`weights.save_final_sharded` for the final weights (each rank writes its share).
+`weights.save_final_sharded` for the final weights (each rank writes its share);
+loomtrain.launcher.faults for test-only faults.
 """
 
 from __future__ import annotations
@@ -25,25 +34,26 @@ import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from loomtrain.launcher import components, weights
+from loomtrain.launcher import components, faults, weights
+from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import save_config, to_dict, validate
-from loomtrain.launcher.distributed import barrier, init_distributed
+from loomtrain.launcher.distributed import DistEnv, barrier, init_distributed
 from loomtrain.launcher.engine import build_engine, grad_norm, records_grad_norm
-from loomtrain.launcher.faults import Faults
-from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState, default_hooks
+from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState
 from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, gather_rank_stats, memory_bytes, mfu
-from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard, inject
+from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard
 from loomtrain.launcher.profiling import StepProfiler
 from loomtrain.launcher.ranklog import RankLog, logs_dir
 from loomtrain.launcher.stopping import StopRequest, signal_name
 from loomtrain.launcher.watchdog import Watchdog, io_phase
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
+from loomtrain.parallel import gathered_logits
 
 
 @dataclass
@@ -56,6 +66,31 @@ class TrainResult:
     state: TrainState | None = None
     wall_s: float = 0.0
     stopped_by: int = 0  # the signal that stopped the run early (0: it was not stopped)
+
+
+class StepOutput(NamedTuple):
+    loss: float  # averaged over the micro batches and the DP group
+    grad_norm: float  # NaN where none was computed
+    data_wait_s: float  # how long this rank waited for its batches
+
+
+@dataclass
+class _Run:
+    """What set-up hands to the loop and the finish."""
+
+    ctx: TrainContext
+    hooks: HookList
+    log: MetricsLogger
+    stop: StopRequest
+    dog: Watchdog
+    profiler: StepProfiler
+    guard: SkipGuard
+    result: TrainResult
+    grad_accum: int
+    start_step: int  # where this call started (after a resume)
+    flops_per_token: float
+    peak_flops: float  # the whole job's (NaN for an unknown GPU)
+    loop_start: float = 0.0  # perf_counter at the first step of this call
 
 
 def _dp_mean(value: torch.Tensor, ctx: TrainContext) -> float:
@@ -72,12 +107,15 @@ def _to(batch, device):
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = None) -> tuple[float, float]:
-    """One optimizer step -> (loss averaged over micro batches and DP, grad norm); the
-    seconds this rank waited for data go to ctx.extras["data_wait_s"].
-    A non-finite step is skipped (see loomtrain.launcher.nonfinite); `guard` covers the
-    one path DeepSpeed does not guard itself (fp32 at ZeRO 0)."""
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = None) -> StepOutput:
+    """One optimizer step. A non-finite step is skipped (see loomtrain.launcher.nonfinite);
+    `guard` covers the one path DeepSpeed does not guard itself (fp32 at ZeRO 0)."""
     engine, device = ctx.engine, ctx.dist.device
+    step, rank = ctx.state.step + 1, ctx.dist.rank
     total = torch.zeros((), dtype=torch.float32, device=device)
     norm = None
     data_wait = 0.0
@@ -86,7 +124,9 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
         batch = next(ctx.train_stream)
         data_wait += time.perf_counter() - t0
         x, y = _to(batch, device)
-        loss = inject(engine(x, targets=y), ctx.state.step + 1, ctx.dist.rank)  # test-only faults
+        loss = engine(x, targets=y)
+        if faults.ACTIVE:
+            loss = faults.at("loss", loss, step=step, rank=rank)
         engine.backward(loss)
         own_norm = None
         if micro == grad_accum - 1 and not records_grad_norm(engine):
@@ -97,8 +137,7 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
     recorded = engine.get_global_grad_norm()
     if recorded is not None:
         norm = float(recorded)
-    ctx.extras["data_wait_s"] = data_wait
-    return _dp_mean(total / grad_accum, ctx), float("nan") if norm is None else norm
+    return StepOutput(_dp_mean(total / grad_accum, ctx), float("nan") if norm is None else norm, data_wait)
 
 
 @torch.no_grad()
@@ -130,8 +169,6 @@ def samples(ctx: TrainContext) -> list[str]:
         return []
     if ctx.cfg.parallel.zero_stage == 3 or ctx.cfg.parallel.sequence_parallel:
         return []
-    from loomtrain.parallel import gathered_logits
-
     prompt = ctx.tokenizer.encode(e.prompt) or [ctx.tokenizer.eos_id]
     room = ctx.cfg.model.max_seq_len - len(prompt)
     if room <= 0:
@@ -167,44 +204,65 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     if env.is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier()  # the rank logs go into the directory rank 0 just made
-    rank_log = RankLog(run_dir, env.rank, env.world_size, env.launcher).install()
+    with contextlib.ExitStack() as opened:
+        rank_log = RankLog(run_dir, env.rank, env.world_size, env.launcher).install()
+        opened.callback(rank_log.close)
+        try:
+            run = _set_up(cfg, env, run_dir, hooks, rank_log, opened)
+            _loop(run)
+            return _finish(run, wall_start)
+        except BaseException:
+            # what ended this rank, in its own log (a launcher may print it elsewhere, or not at all)
+            rank_log.write("loomtrain: this rank failed:\n" + traceback.format_exc())
+            raise
+
+
+def _set_up(
+    cfg: RunConfig,
+    env: DistEnv,
+    run_dir: Path,
+    hooks: Iterable[Hooks],
+    rank_log: RankLog,
+    opened: contextlib.ExitStack,
+) -> _Run:
+    """Everything the first step needs, the resume included; what it opens goes onto `opened`."""
     stop = StopRequest(run_dir, watch_file=env.is_logging_rank).install()
+    opened.callback(stop.uninstall)
     if env.is_logging_rank:
         stop.clear_file()  # a request left by an earlier run is not for this one
-    try:
-        return _train(cfg, env, run_dir, list(hooks), stop, rank_log, wall_start)
-    except BaseException:
-        # what ended this rank, in its own log (a launcher may print it elsewhere, or not at all)
-        rank_log.write("loomtrain: this rank failed:\n" + traceback.format_exc())
-        raise
-    finally:
-        stop.uninstall()
-        rank_log.close()
-
-
-def _train(
-    cfg: RunConfig, env, run_dir: Path, hooks: list[Hooks], stop: StopRequest, rank_log: RankLog, wall_start: float
-) -> TrainResult:
     components.seed_everything(cfg.train.seed)
     topology = components.build_topology(cfg, env)
-    ctx = TrainContext(cfg=cfg, dist=env, topology=topology, run_dir=run_dir)
-    say = print if env.is_logging_rank else (lambda *a, **k: None)
-    ctx.shard_dir, ctx.tokenizer, ctx.train_stream = components.build_data(cfg, topology, env, log=say)
+    shard_dir, tokenizer, train_stream = components.build_data(
+        cfg, topology, env, log=print if env.is_logging_rank else _quiet
+    )
+    opened.callback(train_stream.close)
     if cfg.eval.every_steps:  # an unusable val split fails now, not at the first eval
-        components.val_stream(cfg, ctx.shard_dir, topology, ctx.tokenizer).close()
-    ctx.model = components.build_model(cfg, topology, env.device)
-    ctx.engine, ctx.optimizer, ctx.scheduler = build_engine(cfg, ctx.model, topology.dp_size, mpu=topology.mpu)
-    ctx.model = ctx.engine.module
+        components.val_stream(cfg, shard_dir, topology, tokenizer).close()
+    model = components.build_model(cfg, topology, env.device)
+    engine, _, scheduler = build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
+    ctx = TrainContext(
+        cfg=cfg,
+        dist=env,
+        topology=topology,
+        run_dir=run_dir,
+        engine=engine,
+        model=engine.module,
+        scheduler=scheduler,
+        tokenizer=tokenizer,
+        shard_dir=shard_dir,
+        train_stream=train_stream,
+    )
     grad_accum = cfg.train.grad_accum_steps(topology.dp_size)
 
-    hook = HookList([*default_hooks(cfg), *hooks])
-    hook.on_train_start(ctx)  # resume happens here
+    # Every run checkpoints; a launcher adds its own hooks (Ray's report hook).
+    hook_list = HookList([CheckpointHook(cfg), *hooks])
+    hook_list.on_train_start(ctx)  # resume happens here
     if env.is_logging_rank:  # after the resume: a refused one leaves the earlier config.yaml as it was
         save_config(cfg, run_dir / "config.yaml")
 
     t = cfg.train
     start_step = ctx.state.step
-    ctx.metrics = MetricsLogger(
+    log = ctx.metrics = MetricsLogger(
         run_dir,
         t.max_steps,
         enabled=env.is_logging_rank,
@@ -212,10 +270,9 @@ def _train(
         progress=cfg.log.progress,
         start_step=start_step,
     )
-    log = ctx.metrics
-    n_params = param_count(cfg.model)
+    opened.callback(log.close)
     log.message(
-        f"loomtrain: {cfg.run.name}: {n_params / 1e6:.2f} M params, world {env.world_size} "
+        f"loomtrain: {cfg.run.name}: {param_count(cfg.model) / 1e6:.2f} M params, world {env.world_size} "
         f"(tp {topology.tp_size} x dp {topology.dp_size}), {env.device.type}, {t.precision}, "
         f"zero {cfg.parallel.zero_stage}, grad_accum {grad_accum}, steps {start_step}->{t.max_steps}"
     )
@@ -225,117 +282,154 @@ def _train(
             f"raise train.max_steps to continue, or pick another run.dir / checkpoint.resume=never"
         )
     log.hparams(to_dict(cfg))
-    flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
-    peak = device_peak_flops(env.device, t.precision) * env.world_size  # NaN for an unknown GPU
-    tokens_per_step = t.global_batch_size * t.seq_len
 
-    result = TrainResult(run_dir=run_dir, state=ctx.state)
-    guard = SkipGuard(ctx.engine, t.max_consecutive_skips, t.precision)
-    faults = Faults.from_env()  # test-only; NO_FAULTS in a real run
     profiler = StepProfiler(cfg, env.rank, run_dir, env.device)
+    opened.callback(profiler.close)
     dog = Watchdog(
         run_dir, env.rank, env.world_size, cfg.parallel.timeout_s, cfg.checkpoint.timeout_s, rank_log=rank_log
     ).start()
-    try:
-        ctx.engine.train()
-        loop_start, elapsed_at_start = time.perf_counter(), ctx.state.elapsed
-        while ctx.state.step < t.max_steps and not ctx.stop_requested:
-            step_start = time.perf_counter()
-            profiler.before_step(ctx.state.step + 1)
-            lr = float(ctx.engine.get_lr()[0])  # what this step uses (the schedule steps after it)
-            loss, norm = train_step(ctx, grad_accum, guard)
-            if faults.active:
-                faults.during_step(env.rank, ctx.state.step + 1)
-            step_time = time.perf_counter() - step_start
-            ctx.state.step += 1
-            ctx.state.tokens_seen += tokens_per_step
-            ctx.state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
-            step = ctx.state.step
-            dog.beat(step)
-            tps = tokens_per_step / step_time
-            metrics: dict[str, Any] = {
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": norm,
-                "tokens_per_s": tps,
-                "mfu": mfu(flops_per_token, tps, peak),
-                "step_time_s": step_time,
-                "mem_bytes": memory_bytes(env.device),
-                "tokens_seen": ctx.state.tokens_seen,
-                "skipped_steps": guard.skipped_steps,
-            }
-            result.losses.append(loss)
-            result.steps.append(step)
-            ctx.last_metrics = metrics
-            if step % cfg.log.every_steps == 0 or _is_final(step, cfg):
-                # every rank, same step: the job-wide straggler figures (one small all-gather)
-                metrics.update(
-                    gather_rank_stats(step_time, ctx.extras.get("data_wait_s", 0.0), metrics["mem_bytes"], env.device)
-                )
-                log.log(step, metrics)
-                log.console(step, metrics, time.perf_counter() - loop_start, step - start_step)
-            if profiler.enabled:  # writing a trace may take long: it is I/O, not a hang
-                with dog.phase("profiler trace export", cfg.checkpoint.timeout_s):
-                    table = profiler.after_step(step)
-                if table is not None:
-                    log.text("profile/top_ops", "```\n" + table + "\n```", step, raw=True)
-            if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or _is_final(step, cfg)):
-                ev = evaluate(ctx)
-                result.evals[step] = ev["eval/loss"]
-                log.log(step, ev)
-                log.message(f"eval step {step}: loss {ev['eval/loss']:.4f} | ppl {ev['eval/ppl']:.2f}")
-                for i, text in enumerate(samples(ctx)):
-                    log.text(f"samples/{i}", text, step)
-                    if i == 0:
-                        log.message(f"sample: {text[:200]!r}")
-                hook.on_eval_end(ctx, ev)
-                log.flush()
-                dog.beat(step, "eval")
-            signum = stop.agree(env.device)  # every rank, same step: one tiny all-reduce
-            if signum:
-                ctx.stop_requested = True
-                ctx.extras["stop_signal"] = signum
-            hook.on_step_end(ctx, metrics)
-            dog.beat(step)
-            if faults.active:
-                faults.after_step(env.rank, step, run_dir)
-            try:
-                guard.after_step(step, loss)
-            except NonFiniteError as exc:
-                log.message(f"error: {exc}")
-                log.close()
-                ctx.train_stream.close()
-                raise
-        profiler.finish(ctx.state.step)
-        hook.on_train_end(ctx)
-        if ctx.state.step >= t.max_steps:
-            result.final_dir = _save_final(ctx)
-    finally:
-        dog.stop()
-    ctx.train_stream.close()
+    opened.callback(dog.stop)
+    return _Run(
+        ctx=ctx,
+        hooks=hook_list,
+        log=log,
+        stop=stop,
+        dog=dog,
+        profiler=profiler,
+        guard=SkipGuard(engine, t.max_consecutive_skips, t.precision),
+        result=TrainResult(run_dir=run_dir, state=ctx.state),
+        grad_accum=grad_accum,
+        start_step=start_step,
+        flops_per_token=model_flops_per_token(cfg.model, t.seq_len),
+        peak_flops=device_peak_flops(env.device, t.precision) * env.world_size,
+    )
+
+
+def _loop(run: _Run) -> None:
+    """Optimizer steps until train.max_steps, or until the ranks agree to stop."""
+    ctx, cfg = run.ctx, run.ctx.cfg
+    ctx.engine.train()
+    run.loop_start, elapsed_at_start = time.perf_counter(), ctx.state.elapsed
+    while ctx.state.step < cfg.train.max_steps and not ctx.stop_requested:
+        metrics, data_wait = _train_and_count(run)
+        step = ctx.state.step
+        ctx.state.elapsed = elapsed_at_start + time.perf_counter() - run.loop_start
+        run.dog.beat(step)
+        run.result.losses.append(metrics["loss"])
+        run.result.steps.append(step)
+        ctx.last_metrics = metrics
+        if step % cfg.log.every_steps == 0 or _is_final(step, cfg):
+            _log_step(run, step, metrics, data_wait)
+        if run.profiler.enabled:
+            _profile(run, step)
+        if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or _is_final(step, cfg)):
+            _evaluate_and_sample(run, step)
+        signum = run.stop.agree(ctx.dist.device)  # every rank, same step: one tiny all-reduce
+        if signum:
+            ctx.stop_requested, ctx.stop_signal = True, signum
+        run.hooks.on_step_end(ctx, metrics)
+        run.dog.beat(step)
+        if faults.ACTIVE:
+            faults.at("step_end", step=step, rank=ctx.dist.rank, run_dir=ctx.run_dir)
+        try:
+            run.guard.after_step(step, metrics["loss"])
+        except NonFiniteError as exc:
+            run.log.message(f"error: {exc}")
+            raise
+
+
+def _train_and_count(run: _Run) -> tuple[dict[str, Any], float]:
+    """One optimizer step, counted in ctx.state -> (its metrics, this rank's data wait)."""
+    ctx = run.ctx
+    t, env = ctx.cfg.train, ctx.dist
+    step_start = time.perf_counter()
+    run.profiler.before_step(ctx.state.step + 1)
+    lr = float(ctx.engine.get_lr()[0])  # what this step uses (the schedule steps after it)
+    out = train_step(ctx, run.grad_accum, run.guard)
+    if faults.ACTIVE:
+        faults.at("step", step=ctx.state.step + 1, rank=env.rank)
+    step_time = time.perf_counter() - step_start
+    tokens_per_step = t.global_batch_size * t.seq_len
+    ctx.state.step += 1
+    ctx.state.tokens_seen += tokens_per_step
+    tps = tokens_per_step / step_time
+    metrics = {
+        "loss": out.loss,
+        "lr": lr,
+        "grad_norm": out.grad_norm,
+        "tokens_per_s": tps,
+        "mfu": mfu(run.flops_per_token, tps, run.peak_flops),
+        "step_time_s": step_time,
+        "mem_bytes": memory_bytes(env.device),
+        "tokens_seen": ctx.state.tokens_seen,
+        "skipped_steps": run.guard.skipped_steps,
+    }
+    return metrics, out.data_wait_s
+
+
+def _log_step(run: _Run, step: int, metrics: dict[str, Any], data_wait: float) -> None:
+    """metrics.jsonl, TensorBoard and the console; every rank calls it at the same step."""
+    # the job-wide straggler figures (one small all-gather)
+    metrics.update(gather_rank_stats(metrics["step_time_s"], data_wait, metrics["mem_bytes"], run.ctx.dist.device))
+    run.log.log(step, metrics)
+    run.log.console(step, metrics, time.perf_counter() - run.loop_start, step - run.start_step)
+
+
+def _profile(run: _Run, step: int) -> None:
+    """The profiler's work after a step; writing a trace may take long: it is I/O, not a hang."""
+    with run.dog.phase("profiler trace export", run.ctx.cfg.checkpoint.timeout_s):
+        table = run.profiler.after_step(step)
+    if table is not None:
+        run.log.text("profile/top_ops", "```\n" + table + "\n```", step, raw=True)
+
+
+def _evaluate_and_sample(run: _Run, step: int) -> None:
+    """eval/loss and eval/ppl, then a few text samples: logged, kept in the result, and
+    handed to the hooks (on_eval_end)."""
+    ctx, log = run.ctx, run.log
+    ev = evaluate(ctx)
+    run.result.evals[step] = ev["eval/loss"]
+    log.log(step, ev)
+    log.message(f"eval step {step}: loss {ev['eval/loss']:.4f} | ppl {ev['eval/ppl']:.2f}")
+    for i, text in enumerate(samples(ctx)):
+        log.text(f"samples/{i}", text, step)
+        if i == 0:
+            log.message(f"sample: {text[:200]!r}")
+    run.hooks.on_eval_end(ctx, ev)
+    log.flush()
+    run.dog.beat(step, "eval")
+
+
+def _finish(run: _Run, wall_start: float) -> TrainResult:
+    """The end-of-training hooks (a final checkpoint), the final weights and the summary."""
+    ctx, log, result = run.ctx, run.log, run.result
+    run.profiler.finish(ctx.state.step)
+    run.hooks.on_train_end(ctx)
+    if ctx.state.step >= ctx.cfg.train.max_steps:
+        result.final_dir = _save_final(ctx)
     result.wall_s = time.perf_counter() - wall_start
-    result.stopped_by = ctx.extras.get("stop_signal", 0)
+    result.stopped_by = ctx.stop_signal
     if result.stopped_by:
-        if env.is_logging_rank:
-            stop.clear_file()
+        if ctx.dist.is_logging_rank:
+            run.stop.clear_file()
         log.message(
             f"loomtrain: {signal_name(result.stopped_by)}: stopped at step {ctx.state.step} "
             f"(checkpoint saved); the same command resumes from it"
         )
-    elif ctx.state.step > start_step and result.losses:
+    elif ctx.state.step > run.start_step and result.losses:
         log.message(
             f"done: step {ctx.state.step}, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
             f"{ctx.state.elapsed:.0f} s training, {result.wall_s:.0f} s total"
         )
-    log.message(f"run directory: {run_dir.absolute()}")
-    if cfg.log.tensorboard:
-        log.message(f"TensorBoard logs: {log.tb_dir.absolute()}  (tensorboard --logdir {run_dir.absolute().parent})")
-    log.message(f"rank logs: {logs_dir(run_dir).absolute()}/")
-    log.close()
+    run_dir = ctx.run_dir.absolute()
+    log.message(f"run directory: {run_dir}")
+    if ctx.cfg.log.tensorboard:
+        log.message(f"TensorBoard logs: {log.tb_dir.absolute()}  (tensorboard --logdir {run_dir.parent})")
+    log.message(f"rank logs: {logs_dir(run_dir)}/")
     return result
 
 
-def _save_final(ctx: TrainContext) -> Path | None:
+def _save_final(ctx: TrainContext) -> Path:
     """final/: every rank writes its share of the full weights (see weights.save_final_sharded)."""
     final = ctx.run_dir / "final"
     with io_phase("final weights"):

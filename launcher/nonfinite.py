@@ -14,39 +14,19 @@ Every skipped step shows in `engine.skipped_steps` (the `skipped_steps` metric).
 raises `NonFiniteError`. Under fp16 only steps whose loss itself is non-finite count
 towards that limit: a scaler overflow with a finite loss is loss scaling at work.
 
-Test-only fault injection: LOOMTRAIN_TEST_NONFINITE_STEPS="3,5-7" makes the loss of
-those optimizer steps (1-based) NaN on global rank 0; it is read here and nowhere else.
+Tests force NaN losses through the test-only fault seam (`nan:RANK:N-M`,
+loomtrain.launcher.faults).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Any
-
-FAULT_ENV = "LOOMTRAIN_TEST_NONFINITE_STEPS"
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive optimizer steps with a non-finite loss or gradient norm."""
-
-
-def fault_steps(spec: str | None = None) -> frozenset[int]:
-    spec = os.environ.get(FAULT_ENV, "") if spec is None else spec
-    steps: set[int] = set()
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        lo, _, hi = part.partition("-")
-        steps.update(range(int(lo), int(hi or lo) + 1))
-    return frozenset(steps)
-
-
-def inject(loss, step: int, rank: int):
-    """The loss, or NaN when the fault-injection knob names this (1-based) step on rank 0."""
-    spec = os.environ.get(FAULT_ENV)
-    if spec and rank == 0 and step in fault_steps(spec):
-        return loss * float("nan")
-    return loss
 
 
 class SkipGuard:

@@ -75,6 +75,15 @@ class StepProfiler:
         (self.dir / f"top_ops_steps_{span}.txt").write_text(table + "\n")
         return f"steps {span}, sorted by {sort}\n\n{table}"
 
+    def close(self) -> None:
+        """Stop a profile or a memory history still running when the run fails, writing nothing."""
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)
+        if self.snapshot_step:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.snapshot_step = 0
+
 
 def _top_ops(averages, sort: str, rows: int = 25) -> str:
     """The operators' table, without the Python-frame rows that `with_stack` adds."""

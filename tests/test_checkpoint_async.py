@@ -1,7 +1,7 @@
 """checkpoint.async_save: a background writer holds the same tensors as a synchronous save,
 training steps go on while it writes, and a kill or SIGTERM during the write loses nothing.
 
-The test-only LOOMTRAIN_TEST_CKPT_SLOW="STEP:SECONDS" makes the writer of STEP sleep first."""
+The test-only fault `ckpt_slow:STEP:SECONDS` (loomtrain.launcher.faults) makes the writer of STEP sleep first."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loomtrain.launcher import faults
 from loomtrain.launcher.config_loader import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return {f"{n}/{k}": r.get(n, k) for n in r.names() for k in (None, "exp_avg", "exp_avg_sq")}
 
 
-def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path, monkeypatch):
+def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path):
     from loomtrain.launcher.hooks import Hooks
     from loomtrain.launcher.loop import run_training
 
@@ -66,15 +67,15 @@ def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path
 
     cache = tmp_path / "cache"
     sync = run_training(_cfg(tmp_path / "sync", cache, "checkpoint.async_save=false"))
-    monkeypatch.setenv("LOOMTRAIN_TEST_CKPT_SLOW", "3:2")
     times = StepTimes()
     seen = {}
 
     class Saves(Hooks):
         def on_train_end(self, ctx):
-            seen.update({r["step"]: r for r in ctx.extras["checkpoint_saves"]})
+            seen.update({r["step"]: r for r in ctx.checkpoint_saves})
 
-    asyn = run_training(_cfg(tmp_path / "async", cache), hooks=[times, Saves()])
+    with faults.planned("ckpt_slow:3:2"):
+        asyn = run_training(_cfg(tmp_path / "async", cache), hooks=[times, Saves()])
     assert asyn.losses == sync.losses  # bitwise
     for step in (3, 6, 9):
         a = _tensors(tmp_path / "async" / "checkpoints" / f"step_{step:08d}")
@@ -96,8 +97,7 @@ def _env(**extra):
         "LOCAL_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
-        "LOOMTRAIN_TEST_CKPT_PAUSE",
-        "LOOMTRAIN_TEST_CKPT_SLOW",
+        faults.ENV,
     }
     return {
         **{k: v for k, v in os.environ.items() if k not in drop},
@@ -136,7 +136,7 @@ def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(
     run, cache = tmp_path / "killed", tmp_path / "cache"
     proc = subprocess.Popen(
         _cmd(run, cache, "train.max_steps=1000"),
-        env=_env(LOOMTRAIN_TEST_CKPT_SLOW="6:120"),
+        env=_env(LOOMTRAIN_TEST_FAULTS="ckpt_slow:6:120"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -144,7 +144,7 @@ def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(
     )
     out: list[str] = []
     try:
-        _until(proc, "test slow write of step 6", out)
+        _until(proc, "TEST FAULT ckpt_slow at step 6", out)
         _until(proc, "step 7/", out)  # training went on past the save
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
@@ -164,7 +164,7 @@ def test_sigterm_during_background_write_waits_for_it_then_exits_0(tmp_path):
     run, cache = tmp_path / "term", tmp_path / "cache"
     proc = subprocess.Popen(
         _cmd(run, cache, "train.max_steps=1000"),
-        env=_env(LOOMTRAIN_TEST_CKPT_SLOW="3:4"),
+        env=_env(LOOMTRAIN_TEST_FAULTS="ckpt_slow:3:4"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -172,7 +172,7 @@ def test_sigterm_during_background_write_waits_for_it_then_exits_0(tmp_path):
     )
     out: list[str] = []
     try:
-        _until(proc, "test slow write of step 3", out)
+        _until(proc, "TEST FAULT ckpt_slow at step 3", out)
         proc.send_signal(signal.SIGTERM)
         out += proc.stdout.readlines()
         rc = proc.wait(timeout=120)

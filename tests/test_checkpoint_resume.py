@@ -54,7 +54,7 @@ def clean_env(**extra: str) -> dict[str, str]:
         "LOCAL_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
-        "LOOMTRAIN_TEST_CKPT_PAUSE",
+        "LOOMTRAIN_TEST_FAULTS",
     }
     base = {k: v for k, v in os.environ.items() if k not in drop}
     return {**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **extra}
@@ -140,7 +140,7 @@ def test_single_process_20_straight_equals_10_exit_resume_10(tmp_path, cache, st
 def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path, cache, straight1):
     run = tmp_path / "killed"
     run.parent.mkdir(parents=True, exist_ok=True)
-    env = clean_env(LOOMTRAIN_TEST_CKPT_PAUSE="10:120")  # rank 0 sleeps just before publishing step 10
+    env = clean_env(LOOMTRAIN_TEST_FAULTS="ckpt_pause:10:120")  # rank 0 sleeps just before publishing step 10
     proc = subprocess.Popen(
         train_cmd(run, cache, "checkpoint.every_steps=5"),
         cwd=run.parent,
@@ -152,7 +152,7 @@ def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path, cache, straig
     try:
         deadline = time.time() + 300
         for line in proc.stdout:
-            if "test pause before publishing step 10" in line:
+            if "TEST FAULT ckpt_pause at step 10" in line:
                 break
             assert time.time() < deadline
         proc.send_signal(signal.SIGKILL)

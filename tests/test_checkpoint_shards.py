@@ -146,7 +146,7 @@ def test_a_damaged_tile_is_found_by_the_rank_reading_it_and_resume_takes_the_pre
 
     class Resumed(Hooks):
         def on_train_start(self, ctx):
-            seen["from"] = ctx.extras.get("resumed_from")
+            seen["from"] = str(ctx.resumed_from)
 
     result = run_training(load_config(tiny, [*over, "train.max_steps=5"]), hooks=[Resumed()])
     assert seen["from"] == str(tmp_path / "run" / "checkpoints" / "step_00000002")

@@ -1,7 +1,6 @@
 """The atomic checkpoint directory protocol, without torch or DeepSpeed."""
 
 import json
-import os
 
 import pytest
 from loomtrain.launcher.checkpoints.store import (
@@ -112,20 +111,20 @@ def test_resolve_resume_modes(tmp_path):
         store.resolve_resume(str(path))
 
 
-def test_pause_hook_only_at_named_step(tmp_path, monkeypatch):
+def test_pause_fault_only_at_named_step(tmp_path):
     import time
 
-    from loomtrain.launcher.checkpoints import store as checkpoint_store
+    from loomtrain.launcher import faults
 
-    monkeypatch.setenv(checkpoint_store.TEST_PAUSE_ENV, "20:0.3")
     store = CheckpointStore(tmp_path, keep_last=0)
-    t = time.time()
-    save(store, 10)
-    assert time.time() - t < 0.25
-    t = time.time()
-    save(store, 20)
-    assert time.time() - t >= 0.3
-    assert os.environ[checkpoint_store.TEST_PAUSE_ENV] == "20:0.3"
+    with faults.planned("ckpt_pause:20:0.3"):
+        t = time.time()
+        save(store, 10)
+        assert time.time() - t < 0.25
+        t = time.time()
+        save(store, 20)
+        assert time.time() - t >= 0.3
+    assert not faults.ACTIVE  # the plan before the block (none) is back
 
 
 def test_set_aside_for_a_fresh_start(tmp_path):

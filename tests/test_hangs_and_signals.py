@@ -179,7 +179,7 @@ def test_torchrun_hang_names_the_stopped_rank_and_dumps_stacks(tmp_path, cache):
         run_dir,
     )
     try:
-        run.wait_for(lambda line: "rank 1 stops itself" in line, timeout=300)
+        run.wait_for(lambda line: "TEST FAULT sigstop at step 5 on rank 1" in line, timeout=300)
         stopped_at = time.monotonic()
         rc = run.finish(timeout=120)
         took = time.monotonic() - stopped_at

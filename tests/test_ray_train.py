@@ -139,12 +139,13 @@ def test_ray_worker_hard_exit_restarts_from_newest_checkpoint(
 ):
     """Two hard exits in one run: rank 1 between checkpoints (step 3), then rank 0
     right after step 4's checkpoint was published but before it was reported."""
+    from loomtrain.launcher import faults
     from loomtrain.launcher.cluster import ray_train
 
-    monkeypatch.setenv(ray_train.FAULT_ENV, "1:3,0:4")
     run_dir = tmp_path / "run"
     cfg = ray_cfg(ray_head, run_dir, data_cache, "checkpoint.resume=never")
-    ray_train.run(cfg)
+    with faults.planned("exit:1:3,exit:0:4"):  # the driver hands its plan to the workers
+        ray_train.run(cfg)
 
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))

@@ -13,7 +13,7 @@ variant through the real loop (DeepSpeed engine, data stream per DP rank, clippi
 * after step 1 each rank's measured params / grads / optimizer states at TP2 x DP2 equal
   the ZeRO paper's split of DeepSpeed's bytes per parameter, and `plan`'s model-state
   figure is within 10% of the measured one;
-* a forced NaN loss (test-only LOOMTRAIN_TEST_NONFINITE_STEPS) is skipped and counted
+* a forced NaN loss (the test-only fault `nan:RANK:N-M`) is skipped and counted
   (DeepSpeed's path at ZeRO 2; ours at fp32 ZeRO 0 through the CLI); K in a row stop.
 """
 
@@ -62,7 +62,13 @@ VARIANTS_4 = {
     "z3_offload": [*TP2, "parallel.zero_stage=3", "parallel.offload_optimizer=true"],
     "z1_ckpt": [*TP2, "parallel.zero_stage=1", "parallel.activation_checkpointing=true"],
     "bf16_z1": [*TP2, "parallel.zero_stage=1", "train.precision=bf16"],
-    "nan_z2": [*TP2, "parallel.zero_stage=2", "env:2,4-5", "train.max_consecutive_skips=2", "train.max_steps=6"],
+    "nan_z2": [
+        *TP2,
+        "parallel.zero_stage=2",
+        "faults:nan:0:2,nan:0:4-5",
+        "train.max_consecutive_skips=2",
+        "train.max_steps=6",
+    ],
 }
 # The bf16 reference runs at ZeRO-1 too: at ZeRO-0 DeepSpeed routes bf16 through its
 # FP16_UnfusedOptimizer, whose updates differ from the ZeRO optimizers' (its first update is
@@ -82,7 +88,7 @@ BF16_TOL = 5e-3
 
 def _env() -> dict[str, str]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOOMTRAIN_TEST_NONFINITE_STEPS"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOOMTRAIN_TEST_FAULTS"):
         env.pop(key, None)
     return env
 
@@ -193,7 +199,7 @@ def test_nonfinite_skipped_counted_and_stops_deepspeed_path(runs):
 
 def test_nonfinite_cli_fp32_zero0_path(runs, tmp_path):
     run_dir = tmp_path / "nan0"
-    env = {**_env(), "LOOMTRAIN_TEST_NONFINITE_STEPS": "2,4-6"}
+    env = {**_env(), "LOOMTRAIN_TEST_FAULTS": "nan:0:2,nan:0:4-6"}
     proc = subprocess.run(
         [
             sys.executable,

@@ -1,4 +1,4 @@
-"""Engine pieces checked without processes: activation checkpointing, the fault knob, SkipGuard."""
+"""Engine pieces checked without processes: activation checkpointing, the test-only fault seam, SkipGuard."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+from loomtrain.launcher import faults
 from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
-from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard, fault_steps, inject
+from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard
 from loomtrain.model import ModelConfig, Transformer
 
 
@@ -33,12 +34,25 @@ def test_activation_checkpointing_same_outputs_grads_and_names():
     assert ck.generate(tokens[:, :4], 3).shape == (2, 7)
 
 
-def test_fault_steps_parse_and_inject(monkeypatch):
-    assert fault_steps("2, 4-6,9") == {2, 4, 5, 6, 9}
-    assert fault_steps("") == frozenset()
-    monkeypatch.setenv("LOOMTRAIN_TEST_NONFINITE_STEPS", "3")
+def test_fault_seam_parses_one_grammar_and_strikes_only_where_planned():
+    plan = faults.parse("nan:0:2, nan:0:4-6,raise:1:3,delay:1:0.5,signal:0:16:SIGINT,ckpt_pause:10:120")
+    assert sorted(plan) == ["checkpoint_publish", "loss", "step"]
+    assert [f.steps for f in plan["loss"]] == [range(2, 3), range(4, 7), range(3, 4)]
+    assert faults.parse("") == {}
+    with pytest.raises(ValueError, match="LOOMTRAIN_TEST_FAULTS: cannot read 'nan:0'"):
+        faults.parse("nan:0")
+    with pytest.raises(ValueError, match="cannot read 'explode:1:2'"):
+        faults.parse("explode:1:2")
     one = torch.tensor(1.0)
-    assert math.isnan(inject(one, 3, rank=0)) and inject(one, 3, rank=1) == 1 and inject(one, 2, rank=0) == 1
+    assert not faults.ACTIVE  # off unless planned: the call sites skip `at` altogether
+    with faults.planned("nan:0:3,nan:0:5-6,raise:1:4"):
+        assert faults.ACTIVE
+        assert math.isnan(faults.at("loss", one, step=3, rank=0)) and math.isnan(faults.at("loss", one, step=6, rank=0))
+        assert faults.at("loss", one, step=3, rank=1) == 1 and faults.at("loss", one, step=4, rank=0) == 1
+        with pytest.raises(faults.FaultInjected, match="rank 1 raises in the middle of step 4"):
+            faults.at("loss", one, step=4, rank=1)
+        assert faults.at("step", step=3, rank=0) is None  # nothing planned at that point
+    assert not faults.ACTIVE
 
 
 class _Engine:

@@ -5,8 +5,8 @@
 
 Each variant is `run_training(load_config(CONFIG, common + variant + run.dir=OUT/NAME))`
 in the same process group, so a test pays for process start-up and the DeepSpeed import
-once. A variant argument `env:STEPS` sets the test-only fault knob
-(LOOMTRAIN_TEST_NONFINITE_STEPS) for that variant; a NonFiniteError that stops it is
+once. A variant argument `faults:SPEC` plans test-only faults (loomtrain.launcher.faults,
+e.g. `faults:nan:0:2,nan:0:4-5`) for that variant; a NonFiniteError that stops it is
 written to OUT/NAME/stopped.txt. After the first optimizer step a hook measures what this rank holds
 (loomtrain.launcher.planning.memory_measure) and writes OUT/NAME/memory.rank{R}.json.
 """
@@ -14,14 +14,14 @@ written to OUT/NAME/stopped.txt. After the first optimizer step a hook measures 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
+from loomtrain.launcher import faults
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.hooks import Hooks
 from loomtrain.launcher.loop import run_training
-from loomtrain.launcher.nonfinite import FAULT_ENV, NonFiniteError
+from loomtrain.launcher.nonfinite import NonFiniteError
 from loomtrain.launcher.planning.memory_measure import GradPeak, measure
 
 
@@ -72,18 +72,15 @@ def main(argv: list[str]) -> int:
     out, config, common, variants = parse(argv)
     for name, overrides in variants:
         run_dir = out / name
-        keys = [o for o in overrides if not o.startswith("env:")]
+        keys = [o for o in overrides if not o.startswith("faults:")]
         cfg = load_config(config, [*common, *keys, f"run.dir={run_dir}"])
         run_dir.mkdir(parents=True, exist_ok=True)
-        env = [o[len("env:") :] for o in overrides if o.startswith("env:")]
-        os.environ.pop(FAULT_ENV, None)
-        if env:
-            os.environ[FAULT_ENV] = env[0]
+        spec = ",".join(o[len("faults:") :] for o in overrides if o.startswith("faults:"))
         try:
-            run_training(cfg, hooks=[MeasureMemory(run_dir)])
+            with faults.planned(spec):
+                run_training(cfg, hooks=[MeasureMemory(run_dir)])
         except NonFiniteError as exc:
             (run_dir / "stopped.txt").write_text(str(exc))
-        os.environ.pop(FAULT_ENV, None)
     return 0
 
 

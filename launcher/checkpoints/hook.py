@@ -15,7 +15,7 @@
 
 A stop request (SIGTERM, SIGINT, SIGHUP, `loomtrain stop`; see
 loomtrain.launcher.stopping) reaches this hook as `ctx.stop_requested` with the signal
-in `ctx.extras["stop_signal"]`, the same on every rank at the same step: the hook
+in `ctx.stop_signal`, the same on every rank at the same step: the hook
 saves, and the loop ends cleanly. Killing the process during the save loses nothing
 already published (the save is atomic). Saves run under the watchdog's
 `checkpoint.timeout_s` limit, not the step's.
@@ -41,19 +41,20 @@ from loomtrain.launcher.checkpoints.state import (
     write_snapshot,
 )
 from loomtrain.launcher.checkpoints.store import CheckpointStore, is_write_error, verify, write_error
+from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.config_loader import ConfigError, to_yaml
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.rundir import supersede
 from loomtrain.launcher.watchdog import io_phase
 
 
 class CheckpointHook(Hooks):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.store: CheckpointStore | None = None
         self.last_saved = -1
-        self.resumed_from: Path | None = None
         self.in_flight: BackgroundSave | None = None
-        self.saves: list[dict] = []  # per save: step, blocked_s, write/publish times (tests, benchmarks)
+        self.saves: list[dict] = []  # per save: step, blocked_s, write/publish times (ctx.checkpoint_saves)
 
     # Hooks -----------------------------------------------------------------------------
     def on_train_start(self, ctx: TrainContext) -> None:
@@ -61,7 +62,8 @@ class CheckpointHook(Hooks):
         say = ctx.metrics.message if ctx.metrics is not None else (lambda m: print(m, file=sys.stderr, flush=True))
         log = say if ctx.dist.rank == 0 else (lambda m: None)
         self.store = CheckpointStore(ctx.run_dir, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
-        ctx.extras["checkpoint_flush"] = self.flush_local
+        ctx.checkpoint_flush = self.flush_local
+        ctx.checkpoint_saves = self.saves
         found, error = None, None
         if ctx.dist.rank == 0:
             if c.resume == "never":  # earlier checkpoints and outputs go aside, nothing is deleted
@@ -74,8 +76,6 @@ class CheckpointHook(Hooks):
                 error = str(exc)
         error = broadcast_str(error)
         if error:
-            from loomtrain.launcher.config_loader import ConfigError
-
             raise ConfigError(error)
         found = broadcast_str(found)
         barrier()
@@ -92,9 +92,7 @@ class CheckpointHook(Hooks):
             ctx.state.step = int(trainer["step"])
         self.last_saved = ctx.state.step
         found = trainer["path"]
-        self.resumed_from = Path(found)
-        ctx.extras["resumed_from"] = str(found)
-        ctx.extras["checkpoint_bytes_read"] = trainer.get("bytes_read", 0)
+        ctx.resumed_from = Path(found)
         lay = trainer["layout"]
         log(
             f"resumed from {found} (step {ctx.state.step}, saved at tp {lay['tp']} x dp {lay['dp']} "
@@ -113,8 +111,6 @@ class CheckpointHook(Hooks):
     def _load_first_good(self, ctx: TrainContext, found: str, log) -> dict:
         """Load `found`; if a rank finds a damaged file while reading, every rank hears of it
         and (checkpoint.resume=auto) the next older complete checkpoint is tried."""
-        from loomtrain.launcher.config_loader import ConfigError
-
         c = self.cfg.checkpoint
         while True:
             bad = None
@@ -160,7 +156,7 @@ class CheckpointHook(Hooks):
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
         every = self.cfg.checkpoint.every_steps
         step = ctx.state.step
-        signum = ctx.extras.get("stop_signal", 0) if ctx.stop_requested else 0
+        signum = ctx.stop_signal if ctx.stop_requested else 0
         stop_at = self.cfg.checkpoint.stop_at_step
         stop = ctx.stop_requested or (stop_at > 0 and step == stop_at)
         if stop:
@@ -221,8 +217,6 @@ class CheckpointHook(Hooks):
             raise
 
     def _save(self, ctx: TrainContext, reason: str) -> Path:
-        from loomtrain.launcher.config_loader import to_yaml
-
         with io_phase("checkpoint save"):
             t0 = time.perf_counter()
             step, rank = ctx.state.step, ctx.dist.rank
@@ -244,7 +238,6 @@ class CheckpointHook(Hooks):
             self.last_saved = step
             record = {"step": step, "reason": reason, "async": asynchronous}
             self.saves.append(record)
-            ctx.extras["checkpoint_saves"] = self.saves
 
             def published(bg: BackgroundSave) -> None:
                 record.update(bg.record())

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from loomtrain.durable import json_bytes, write_durable, write_json_durable
+from loomtrain.launcher import faults
 from loomtrain.launcher.checkpoints.reshard import (  # noqa: F401  (broadcast_str, consolidated_weights: re-exported)
     MOMENTS,
     _adam_step,
@@ -84,7 +85,6 @@ from loomtrain.launcher.checkpoints.store import (
     CheckpointStore,
     describe_files,
     read_manifest,
-    sleep_for_test_at_step,
 )
 from safetensors import safe_open
 
@@ -219,7 +219,8 @@ def _write_json(tmp: Path, rel: str, obj) -> dict:
 def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
     """Write this rank's files into the temp directory, hashing as it writes, then its index
     part and file list (the list last: its presence says this rank is done)."""
-    _test_slow_write(snap.step)
+    if faults.ACTIVE:
+        faults.at("checkpoint_write", step=snap.step)
     tmp = Path(tmp)
     rank = snap.rank
     files: dict[str, dict] = {}
@@ -333,15 +334,6 @@ def save_checkpoint(
     path = publish_snapshot(store, tmp, step, snap.world) if rank == 0 else None
     barrier()
     return store.final_dir(step) if path is None else path
-
-
-# The one place the test-only slow writer is read: LOOMTRAIN_TEST_CKPT_SLOW="STEP:SECONDS" makes
-# every rank's writer sleep before writing step STEP (an async save then overlaps training).
-TEST_SLOW_ENV = "LOOMTRAIN_TEST_CKPT_SLOW"
-
-
-def _test_slow_write(step: int) -> None:
-    sleep_for_test_at_step(TEST_SLOW_ENV, step, "slow write of", 10)
 
 
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")

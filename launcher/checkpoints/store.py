@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loomtrain.durable import TMP_PREFIX, atomic_write, fsync_path, replace_dir, write_json_durable
+from loomtrain.launcher import faults
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -174,7 +175,8 @@ class CheckpointStore:
         shutil.rmtree(parts)
         for d in sorted({p.parent for p in tmp.rglob("*") if p.is_file()} | {tmp}):
             fsync_path(d)
-        _test_pause_before_publish(step)  # test hook: a SIGKILL lands here
+        if faults.ACTIVE:  # a test's SIGKILL lands here
+            faults.at("checkpoint_publish", step=step)
         manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), **meta, "files": files}
         write_json_durable(tmp / MANIFEST, manifest)
         # Re-saving a step (e.g. resumed and saved again) replaces it.
@@ -343,25 +345,3 @@ def write_error(exc: BaseException, store: CheckpointStore, step: int) -> Checkp
 
 def read_manifest(path: str | os.PathLike) -> dict:
     return json.loads((Path(path) / MANIFEST).read_text())
-
-
-# The one place the test-only pause is read. LOOMTRAIN_TEST_CKPT_PAUSE="STEP:SECONDS"
-# makes rank 0 sleep after every file of step STEP is written and fsynced but before
-# the manifest and the rename, so a test can SIGKILL the process mid-checkpoint.
-TEST_PAUSE_ENV = "LOOMTRAIN_TEST_CKPT_PAUSE"
-
-
-def sleep_for_test_at_step(env: str, step: int, what: str, default_s: float) -> None:
-    """Test-only seam: with ENV="STEP:SECONDS" set, sleep here when saving step STEP
-    (SECONDS empty = default_s); nothing at all when ENV is unset."""
-    spec = os.environ.get(env)
-    if not spec:
-        return
-    at, _, seconds = spec.partition(":")
-    if int(at) == int(step):
-        print(f"checkpoint: test {what} step {step} ({seconds}s)", file=sys.stderr, flush=True)
-        time.sleep(float(seconds or default_s))
-
-
-def _test_pause_before_publish(step: int) -> None:
-    sleep_for_test_at_step(TEST_PAUSE_ENV, step, "pause before publishing", 60)

@@ -53,12 +53,9 @@ SIGTERM to it) writes RUN_DIR/STOP; rank 0 sees it within a second, every rank s
 checkpoint at the next step and the run ends; the driver then exits like a local run
 (SIGTERM 0, SIGINT 130, SIGHUP 129; loomtrain.launcher.stopping).
 
-Test-only faults of the loop (loomtrain.launcher.faults: SIGSTOP, delays, signals)
-are handed to the workers the same way. Test-only fault injection, read in exactly
-one place (`_fault_spec`, on the driver, handed to the workers): LOOMTRAIN_TEST_RAY_FAULT="RANK:STEP[,RANK:STEP...]"
-makes worker RANK hard-exit (os._exit(1)) right after step STEP's checkpoint hook ran
-and before that step is reported to Ray, once per run directory (a marker file
-RUN_DIR/.test_fault_RANK_STEP keeps the restarted group from dying again).
+Test-only faults (loomtrain.launcher.faults) are the driver's: it hands its plan to the
+workers, whose environment is not its own. `exit:RANK:STEP` strikes in `RayReportHook`,
+after step STEP's checkpoint is published and before Ray hears of it.
 """
 
 from __future__ import annotations
@@ -72,6 +69,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loomtrain.launcher import faults
 from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.stopping import signal_name
@@ -79,7 +77,6 @@ from loomtrain.launcher.stopping import signal_name
 RAY_RUN_NAME = "ray_train"
 POINTER_FILE = "loomtrain_pointer.json"
 ATTEMPTS_FILE = "ray_attempts.jsonl"
-FAULT_ENV = "LOOMTRAIN_TEST_RAY_FAULT"
 
 
 # ----------------------------------------------------------------- helpers
@@ -110,11 +107,6 @@ def absolutize(cfg: RunConfig) -> RunConfig:
 
 def storage_path(cfg: RunConfig) -> str:
     return cfg.ray.storage or str(Path(cfg.run.dir) / "ray")
-
-
-def _fault_spec() -> str:
-    """The one place the test-only fault variable is read (see the module docstring)."""
-    return os.environ.get(FAULT_ENV, "")
 
 
 def _store(cfg: RunConfig):
@@ -191,10 +183,9 @@ class RayReportHook(Hooks):
     store, broadcast so that every rank makes the same call.
     """
 
-    def __init__(self, cfg: RunConfig, fault: str = "", ray_step: int | None = None):
+    def __init__(self, cfg: RunConfig, ray_step: int | None = None):
         self.cfg = cfg
         self.last_reported = -1
-        self.fault = fault
         self.ray_step = ray_step
         self.pointer_root = Path(cfg.run.dir) / "ray" / ".pointers"
 
@@ -233,23 +224,6 @@ class RayReportHook(Hooks):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _maybe_fault(self, ctx: TrainContext) -> None:
-        for spec in filter(None, self.fault.split(",")):
-            rank, _, step = spec.partition(":")
-            if int(rank) == ctx.dist.rank and int(step) == ctx.state.step:
-                flush = ctx.extras.get("checkpoint_flush")  # an async save of this step lands first
-                if flush is not None:
-                    flush()
-                self._fault(rank, step)
-
-    def _fault(self, rank: str, step: str) -> None:
-        marker = Path(self.cfg.run.dir) / f".test_fault_{rank}_{step}"
-        if marker.exists():
-            return
-        marker.write_text(f"{time.time()}\n")
-        print(f"loomtrain: TEST FAULT: rank {rank} hard-exits at step {step}", file=sys.stderr, flush=True)
-        os._exit(1)
-
     # -- hooks
     def on_train_start(self, ctx: TrainContext) -> None:
         # Runs after the checkpoint hook resumed: ctx.state.step is where we start.
@@ -270,14 +244,17 @@ class RayReportHook(Hooks):
         self.last_reported = ctx.state.step  # a resumed-from checkpoint is not re-reported
 
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
-        self._maybe_fault(ctx)
+        if faults.ACTIVE:  # an async save of this step is published first
+            faults.at(
+                "report", step=ctx.state.step, rank=ctx.dist.rank, run_dir=self.cfg.run.dir, flush=ctx.checkpoint_flush
+            )
         path = self._published_now(ctx)
         if path is not None:
             self._report(ctx, metrics, path)
 
     def on_train_end(self, ctx: TrainContext) -> None:
         if ctx.dist.rank == 0:  # why this attempt ended, for the next one's record
-            signum = ctx.extras.get("stop_signal", 0)
+            signum = ctx.stop_signal
             reason = (
                 f"stopped by {signal_name(signum)}"
                 if signum
@@ -326,11 +303,8 @@ def _previous_end(attempts: Path) -> str:
 def train_worker(config: dict) -> None:
     """Ray Train's per-worker function: the same run_training as everywhere else."""
     import ray.train
-    from loomtrain.launcher.faults import FAULTS_ENV
 
-    if config.get("test_faults"):
-        os.environ[FAULTS_ENV] = config["test_faults"]
-
+    faults.configure(config["test_faults"])
     from loomtrain.launcher.config_loader import config_from_dict
     from loomtrain.launcher.loop import run_training
 
@@ -357,7 +331,7 @@ def train_worker(config: dict) -> None:
             f"{cfg.run.dir}: step {found_step}{note}",
             flush=True,
         )
-    run_training(cfg, hooks=[RayReportHook(cfg, fault=config.get("fault", ""), ray_step=ray_step)])
+    run_training(cfg, hooks=[RayReportHook(cfg, ray_step=ray_step)])
 
 
 # ----------------------------------------------------------------- driver side
@@ -407,7 +381,6 @@ def _startup_error(exc: BaseException) -> bool:
 
 def build_trainer(cfg: RunConfig, started_at: float):
     from loomtrain.launcher.distributed import collective_timeout_s
-    from loomtrain.launcher.faults import spec_from_env
     from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -417,8 +390,7 @@ def build_trainer(cfg: RunConfig, started_at: float):
         train_loop_config={
             "cfg": _to_dict(cfg),
             "started_at": started_at,
-            "fault": _fault_spec(),
-            "test_faults": spec_from_env(),
+            "test_faults": faults.SPEC,
         },
         torch_config=TorchConfig(timeout_s=collective_timeout_s(cfg)),
         scaling_config=ScalingConfig(
