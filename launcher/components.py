@@ -16,9 +16,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from loomtrain.data_pipeline import TokenStream, prepare_sources
+from loomtrain.data_pipeline.tokenizer import Tokenizer
+from loomtrain.launcher import engine
+from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
+from loomtrain.launcher.checkpoints.weight_source import init_from
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError
 from loomtrain.launcher.distributed import DistEnv, barrier
+from loomtrain.model import init_tensors
+from loomtrain.parallel import Topology
+from loomtrain.parallel.materialize import allocate_shards, materialize, sharded_meta_model
 
 
 def seed_everything(seed: int) -> None:
@@ -28,16 +36,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_topology(cfg: RunConfig, env: DistEnv):
-    from loomtrain.parallel import Topology
-
+def build_topology(cfg: RunConfig, env: DistEnv) -> Topology:
     try:
         return Topology(env.world_size, env.rank, cfg.parallel.tp, model_cfg=cfg.model)
     except ValueError as exc:  # check_tp's one-line message names parallel.tp
         raise ConfigError(str(exc)) from exc
 
 
-def build_model(cfg: RunConfig, topology, device: torch.device, tensors=None) -> torch.nn.Module:
+def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensors=None) -> torch.nn.Module:
     """This rank's shard of the model, without ever building the full model.
 
     Built on the meta device and parallelized there, then each parameter is materialised
@@ -50,26 +56,19 @@ def build_model(cfg: RunConfig, topology, device: torch.device, tensors=None) ->
     With model.init_from the shards are allocated empty and filled by `init_from`, each rank
     reading only its TP slices (an optimizer starts fresh); at ZeRO-3 they are partitioned
     after that, so such a rank briefly holds its whole TP shard."""
-    from loomtrain.model import init_tensors
-    from loomtrain.parallel.materialize import allocate_shards, materialize, sharded_meta_model
-
     model = sharded_meta_model(cfg.model, topology, cfg.parallel.sequence_parallel)
     # DeepSpeed casts parameters to bf16/fp16 but not buffers; materialize casts both, or the
     # RoPE / sinusoidal tables would promote activations back to fp32.
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
     after = None
     if cfg.parallel.zero_stage == 3:
-        from loomtrain.launcher import engine
-
         after = engine.zero3_partitioner(cfg, topology, dtype or torch.float32)
     if cfg.model.init_from and tensors is None:
-        from loomtrain.launcher.checkpoints.weight_source import init_from
-
         allocate_shards(model, device=device, dtype=dtype)
         init_from(
             model,
             cfg.model,
-            log=print if topology.rank == 0 else (lambda *a: None),
+            log=print if topology.rank == 0 else _quiet,
             run_dir=run_dir(cfg),
             resume=cfg.checkpoint.resume,
         )
@@ -91,8 +90,6 @@ def apply_block_options(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Modu
     `_orig_mod.` prefix breaks checkpoint resumes (nanoGPT #325). Per block, one graph
     serves every layer, and the output layer's chunked loss loop stays eager."""
     if cfg.parallel.activation_checkpointing:
-        from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
-
         apply_activation_checkpointing(model)
     if cfg.parallel.compile:
         for block in model.blocks:
@@ -107,14 +104,14 @@ def data_cache_dir(cfg: RunConfig) -> Path:
 
 
 def _quiet(*args, **kwargs) -> None:
-    """A log that drops everything: ranks other than 0 reuse the data rank 0 prepared."""
+    """A log that drops everything: for ranks other than 0, which repeat rank 0's work quietly."""
 
 
-def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
+def build_data(
+    cfg: RunConfig, topology: Topology, env: DistEnv, log=print
+) -> tuple[Path | list[tuple[Path, float]], Tokenizer, TokenStream]:
     """-> (shard_dir, tokenizer, train_stream). Rank 0 prepares the data first.
     shard_dir is one directory, or for data.sources the list [(dir, weight), ...]."""
-    from loomtrain.data_pipeline import TokenStream, prepare_sources
-
     cache = data_cache_dir(cfg)
     if env.rank == 0:
         shard_dir, tok = prepare_sources(cfg.data, cache, log=log)
@@ -126,35 +123,26 @@ def build_data(cfg: RunConfig, topology, env: DistEnv, log=print):
             f"model.vocab_size: expected at least the tokenizer's vocabulary size {tok.vocab_size} "
             f"(data.tokenizer={cfg.data.tokenizer}), got {cfg.model.vocab_size}"
         )
-    t = cfg.train
-    stream = TokenStream(
-        shard_dir,
-        "train",
-        seq_len=t.seq_len,
-        micro_batch_size=t.micro_batch_size,
-        dp_rank=topology.dp_rank,
-        dp_size=topology.dp_size,
-        seed=t.seed,
-        prefetch=cfg.data.prefetch,
-        expected_tokenizer_hash=tok.hash,
-    )
-    return shard_dir, tok, stream
+    return shard_dir, tok, _stream(cfg, shard_dir, "train", topology, tok, prefetch=cfg.data.prefetch)
 
 
-def val_stream(cfg: RunConfig, shard_dir, topology, tok):
+def val_stream(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer) -> TokenStream:
     """A fresh validation stream: the same batches at every evaluation."""
-    from loomtrain.data_pipeline import TokenStream
+    return _stream(cfg, shard_dir, "val", topology, tok, prefetch=0)
 
+
+def _stream(cfg: RunConfig, shard_dir, split: str, topology: Topology, tok: Tokenizer, prefetch: int) -> TokenStream:
+    """This DP rank's stream of `split`, in train.micro_batch_size x train.seq_len batches."""
     t = cfg.train
     return TokenStream(
         shard_dir,
-        "val",
+        split,
         seq_len=t.seq_len,
         micro_batch_size=t.micro_batch_size,
         dp_rank=topology.dp_rank,
         dp_size=topology.dp_size,
         seed=t.seed,
-        prefetch=0,
+        prefetch=prefetch,
         expected_tokenizer_hash=tok.hash,
     )
 

@@ -34,7 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams as hparams_summary
+from tqdm import tqdm
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
 GPU_PEAK_FLOPS: dict[str, float] = {
@@ -103,8 +108,6 @@ def memory_bytes(device: torch.device) -> int:
     """Peak CUDA memory allocated on this rank, or the process RSS on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    import psutil
-
     return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
@@ -142,8 +145,6 @@ def gather_rank_stats(step_time: float, data_wait: float, mem_bytes: int, device
 
     One all-gather of 3 float64 per rank; every rank of the job must call it at the same step.
     """
-    import torch.distributed as dist
-
     mine = torch.tensor([step_time, data_wait, float(mem_bytes)], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -221,14 +222,10 @@ class MetricsLogger:
         path.write_text("".join(kept))
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             # purge_step: TensorBoard hides older events from step start_step + 1 on.
             self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=start_step + 1)
         use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
         if use_bar:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     @property
@@ -242,9 +239,7 @@ class MetricsLogger:
         """The resolved config as TensorBoard hyperparameters (in this run's own event file)."""
         if self.writer is None:
             return
-        from torch.utils.tensorboard.summary import hparams
-
-        exp, ssi, sei = hparams(_hparams(flatten(config)), {m: float("nan") for m in metrics})
+        exp, ssi, sei = hparams_summary(_hparams(flatten(config)), {m: float("nan") for m in metrics})
         fw = self.writer._get_file_writer()
         for summary in (exp, ssi, sei):
             fw.add_summary(summary)

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 class NonFiniteError(RuntimeError):
@@ -30,7 +33,7 @@ class NonFiniteError(RuntimeError):
 
 
 class SkipGuard:
-    def __init__(self, engine: Any, max_consecutive: int, precision: str) -> None:
+    def __init__(self, engine: DeepSpeedEngine, max_consecutive: int, precision: str) -> None:
         self.engine = engine
         self.max_consecutive = max_consecutive
         self.fp16 = precision == "fp16"

@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from loomtrain.durable import atomic_write
 
 STOP_FILE = "STOP"
@@ -115,9 +117,6 @@ class StopRequest:
 
     def agree(self, device) -> int:
         """The signal every rank stops for (0: none); all ranks call it at the same step."""
-        import torch
-        import torch.distributed as dist
-
         signum = self.pending()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             t = torch.tensor([signum], dtype=torch.int32, device=device)  # NCCL: on the GPU
