@@ -56,10 +56,10 @@ def test_imported_config_needs_its_own_run_dir_and_takes_an_hf_tokenizer_dir(imp
 
 
 def test_submit_leaves_a_cluster_only_init_from_to_the_cluster(imported, capsys):
-    from loomtrain.launcher.cluster.jobs import _check_config
+    from loomtrain.launcher.cluster.jobs import check_config
 
     _, _, run = imported
-    _check_config(str(run / "config.yaml"), ["run.dir=/mnt/shared/runs/ft", "model.init_from=/mnt/shared/hf/llama"])
+    check_config(str(run / "config.yaml"), ["run.dir=/mnt/shared/runs/ft", "model.init_from=/mnt/shared/hf/llama"])
     assert "not checked here (a cluster path?): model.init_from" in capsys.readouterr().err
 
 

@@ -35,6 +35,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -42,9 +43,6 @@ from loomtrain.launcher.cluster.addresses import AddressError, dashboard_url
 from loomtrain.launcher.cluster.packaging import PackagingError, format_listing, plan_shipment, stage
 from loomtrain.launcher.config_loader import ConfigError, resolve, validate
 from loomtrain.launcher.planning.grace import FALLBACK_S, grace_period_s
-from ray._raylet import Config as RayConfig
-from ray.exceptions import AuthenticationError
-from ray.job_submission import JobSubmissionClient
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # launcher/cluster/jobs.py -> repo root
 # Never shipped: environments, run outputs, VCS data, caches, build output.
@@ -65,7 +63,10 @@ def _enable_token_auth_if_available() -> None:
     token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
     if os.environ.get("RAY_AUTH_TOKEN") or Path(token_file).is_file():
         os.environ["RAY_AUTH_MODE"] = "token"
-        RayConfig.initialize("")  # Ray read its config when it was imported: make it re-read the mode
+        if "ray" in sys.modules:  # Ray read its config when it was imported: make it re-read the mode
+            from ray._raylet import Config
+
+            Config.initialize("")
 
 
 def resolve_address(address: str | None) -> str:
@@ -100,6 +101,10 @@ def make_client(address: str | None):
     address = resolve_address(address)
     _check_reachable(address)
     _enable_token_auth_if_available()
+    # Imported here, after the line above: Ray reads RAY_AUTH_MODE when it is first imported.
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
     try:
         return JobSubmissionClient(address)
     except AuthenticationError as e:
@@ -140,7 +145,7 @@ def _plan(config: str, root: Path = PROJECT_ROOT):
 CLUSTER_PATH_KEYS = ("data.tokenizer", "data.path", "checkpoint.resume", "model.init_from")
 
 
-def _check_config(config: str, overrides: list[str]):
+def check_config(config: str, overrides: list[str]):
     """A bad config stops here, before anything is uploaded or started; returns the config."""
     if not Path(config).is_file():
         raise JobsError(f"config file not found: {config}")
@@ -172,17 +177,29 @@ def _warn_relative_run_dir(overrides: list[str]) -> None:
             )
 
 
-def submit(args) -> int:
-    for o in args.overrides:
+def submit(
+    config: str,
+    overrides: list[str],
+    *,
+    address: str | None = None,
+    submission_id: str | None = None,
+    env: Iterable[str] = (),
+    follow: bool = False,
+    dry_run: bool = False,
+) -> int:
+    """Check `config`, ship it with the package (see packaging.py) and start it as a Ray job;
+    prints the job id. `env`: KEY=VALUE strings for the job; `dry_run` lists what would ship
+    and contacts no cluster; `follow` streams the logs until the job ends (its exit status)."""
+    for o in overrides:
         if "=" not in o:
             raise JobsError(f"override {o!r} is not key=value")
     env_vars = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    for kv in args.env:
+    for kv in env:
         if "=" not in kv:
             raise JobsError(f"--env {kv!r} is not KEY=VALUE")
         k, v = kv.split("=", 1)
         env_vars[k] = v
-    cfg = _check_config(args.config, args.overrides)
+    cfg = check_config(config, overrides)
     # `loomtrain stop` makes Ray SIGTERM the driver, which has the workers save; Ray's job
     # supervisor (it runs with these env_vars) SIGKILLs after this many seconds, 3 by default.
     try:
@@ -190,34 +207,34 @@ def submit(args) -> int:
     except ValueError:  # a shape the plan cannot size here: still far more than Ray's 3 s
         wait_s = FALLBACK_S
     env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(wait_s))
-    if args.dry_run:
-        entries, left_out, config_in_job = _plan(args.config)
+    if dry_run:
+        entries, left_out, config_in_job = _plan(config)
         print(format_listing(entries, left_out))
         print(
             f"loomtrain: dry run: nothing submitted; the entrypoint would be "
-            f"{build_entrypoint(config_in_job, args.overrides)}",
+            f"{build_entrypoint(config_in_job, overrides)}",
             file=sys.stderr,
         )
         return 0
-    client = make_client(args.address)
-    _warn_relative_run_dir(args.overrides)
+    client = make_client(address)
+    _warn_relative_run_dir(overrides)
     with tempfile.TemporaryDirectory(prefix="loomtrain-submit-") as tmp:
-        config_in_job = stage_project(Path(tmp), args.config)
-        entrypoint = build_entrypoint(config_in_job, args.overrides)
+        config_in_job = stage_project(Path(tmp), config)
+        entrypoint = build_entrypoint(config_in_job, overrides)
         runtime_env = {"working_dir": tmp, "env_vars": env_vars}
         try:
             job_id = client.submit_job(
                 entrypoint=entrypoint,
                 runtime_env=runtime_env,
-                submission_id=args.submission_id,
-                metadata={"loomtrain_config": args.config},
+                submission_id=submission_id,
+                metadata={"loomtrain_config": config},
             )
         except RuntimeError as e:
             raise JobsError(f"submission refused: {e}") from None
     print(job_id)
     print(f"loomtrain: submitted {job_id}: {entrypoint}", file=sys.stderr)
     print(f"loomtrain: follow with `loomtrain logs {job_id} --follow`", file=sys.stderr)
-    if args.follow:
+    if follow:
         return _follow(client, job_id)
     return 0
 
@@ -225,11 +242,12 @@ def submit(args) -> int:
 # ----------------------------------------------------------------- status/logs/stop
 
 
-def status(args) -> int:
-    client = make_client(args.address)
-    info = _call("status of", args.job, client.get_job_info, args.job)
+def status(job: str, *, address: str | None = None) -> int:
+    """Print the job's state, message, entrypoint, running time and exit code."""
+    client = make_client(address)
+    info = _call("status of", job, client.get_job_info, job)
     st = str(getattr(info.status, "value", info.status))
-    print(f"{args.job}: {st}")
+    print(f"{job}: {st}")
     if info.message:
         print(f"  message: {info.message}")
     if info.entrypoint:
@@ -261,28 +279,30 @@ def _follow(client, job: str) -> int:
     return 0 if st == "SUCCEEDED" else 1
 
 
-def logs(args) -> int:
-    client = make_client(args.address)
-    if args.follow:
-        _call("logs of", args.job, client.get_job_status, args.job)  # unknown job -> clear error
-        return _follow(client, args.job)
-    sys.stdout.write(_call("logs of", args.job, client.get_job_logs, args.job))
+def logs(job: str, *, address: str | None = None, follow: bool = False) -> int:
+    """Print the job's logs so far, or with `follow` stream them until it ends (its exit status)."""
+    client = make_client(address)
+    if follow:
+        _call("logs of", job, client.get_job_status, job)  # unknown job -> clear error
+        return _follow(client, job)
+    sys.stdout.write(_call("logs of", job, client.get_job_logs, job))
     return 0
 
 
-def stop(args) -> int:
-    client = make_client(args.address)
-    stopped = _call("stop of", args.job, client.stop_job, args.job)
-    st = str(getattr(s := _call("status of", args.job, client.get_job_status, args.job), "value", s))
+def stop(job: str, *, address: str | None = None, wait: bool = False, wait_timeout: float = 60.0) -> int:
+    """Ask Ray to stop the job (SIGTERM to its driver); with `wait`, until it has ended or `wait_timeout` s."""
+    client = make_client(address)
+    stopped = _call("stop of", job, client.stop_job, job)
+    st = str(getattr(s := _call("status of", job, client.get_job_status, job), "value", s))
     if not stopped and st in TERMINAL:
-        print(f"{args.job}: already {st}")
+        print(f"{job}: already {st}")
         return 0
-    print(f"{args.job}: stop requested")
-    if args.wait:
-        deadline = time.monotonic() + args.wait_timeout
+    print(f"{job}: stop requested")
+    if wait:
+        deadline = time.monotonic() + wait_timeout
         while st not in TERMINAL and time.monotonic() < deadline:
             time.sleep(0.5)
-            st = str(getattr(s := client.get_job_status(args.job), "value", s))
-        print(f"{args.job}: {st}")
+            st = str(getattr(s := client.get_job_status(job), "value", s))
+        print(f"{job}: {st}")
         return 0 if st in TERMINAL else 1
     return 0
