@@ -113,33 +113,21 @@ def profile(fn: Callable[[], object], steps: int, title: str, rows: int = 18) ->
 # The real loop path: a RunConfig -> DeepSpeed engine + TrainContext --------------------------
 def engine_context(cfg, model=None, run_dir: str = "/tmp/loomtrain-bench"):
     """The pieces loomtrain.launcher.loop.run_training builds before its first step (the
-    process group, topology, model, engine via launcher/engine.py's build_engine) as a
+    process group, topology, model, then engine and context via loop.build_context) as a
     TrainContext, so `loop.train_step(ctx, grad_accum, guard)` runs exactly the loop's step.
     `model`: an already built model to use instead of components.build_model's."""
     from pathlib import Path
 
     from loomtrain.launcher import components
     from loomtrain.launcher.distributed import init_distributed
-    from loomtrain.launcher.engine import build_engine
-    from loomtrain.launcher.hooks import TrainContext
+    from loomtrain.launcher.loop import build_context
 
     env = init_distributed(cfg)
     topology = components.build_topology(cfg, env)
     if model is None:
         model = components.build_model(cfg, topology, env.device)
-    engine, _, scheduler = build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
-    ctx = TrainContext(
-        cfg=cfg,
-        dist=env,
-        topology=topology,
-        run_dir=Path(run_dir),
-        engine=engine,
-        model=engine.module,
-        scheduler=scheduler,
-        tokenizer=None,  # no data: the caller sets ctx.train_stream (e.g. RepeatBatch)
-        shard_dir=None,
-        train_stream=None,
-    )
+    # no data: the caller sets ctx.train_stream (e.g. RepeatBatch)
+    ctx = build_context(cfg, env, topology, Path(run_dir), model, None, None, None)
     ctx.engine.train()
     return ctx
 

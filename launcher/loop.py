@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from loomtrain.data_pipeline import TokenStream
+from loomtrain.data_pipeline.tokenizer import Tokenizer
 from loomtrain.launcher import components, faults, weights
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.config import RunConfig
@@ -53,7 +55,8 @@ from loomtrain.launcher.stopping import StopRequest, signal_name
 from loomtrain.launcher.watchdog import Watchdog, io_phase
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
-from loomtrain.parallel import gathered_logits
+from loomtrain.parallel import Topology, gathered_logits
+from torch import nn
 
 
 @dataclass
@@ -217,6 +220,33 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
             raise
 
 
+def build_context(
+    cfg: RunConfig,
+    env: DistEnv,
+    topology: Topology,
+    run_dir: Path,
+    model: nn.Module,
+    tokenizer: Tokenizer | None,
+    shard_dir: Path | list[tuple[Path, float]] | None,
+    train_stream: TokenStream | None,
+) -> TrainContext:
+    """The DeepSpeed engine around `model`, in the TrainContext that train_step and the hooks
+    see (benchmarks pass no data and set ctx.train_stream themselves)."""
+    engine, _, scheduler = build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
+    return TrainContext(
+        cfg=cfg,
+        dist=env,
+        topology=topology,
+        run_dir=run_dir,
+        engine=engine,
+        model=engine.module,
+        scheduler=scheduler,
+        tokenizer=tokenizer,
+        shard_dir=shard_dir,
+        train_stream=train_stream,
+    )
+
+
 def _set_up(
     cfg: RunConfig,
     env: DistEnv,
@@ -239,19 +269,7 @@ def _set_up(
     if cfg.eval.every_steps:  # an unusable val split fails now, not at the first eval
         components.val_stream(cfg, shard_dir, topology, tokenizer).close()
     model = components.build_model(cfg, topology, env.device)
-    engine, _, scheduler = build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
-    ctx = TrainContext(
-        cfg=cfg,
-        dist=env,
-        topology=topology,
-        run_dir=run_dir,
-        engine=engine,
-        model=engine.module,
-        scheduler=scheduler,
-        tokenizer=tokenizer,
-        shard_dir=shard_dir,
-        train_stream=train_stream,
-    )
+    ctx = build_context(cfg, env, topology, run_dir, model, tokenizer, shard_dir, train_stream)
     grad_accum = cfg.train.grad_accum_steps(topology.dp_size)
 
     # Every run checkpoints; a launcher adds its own hooks (Ray's report hook).
@@ -296,7 +314,7 @@ def _set_up(
         stop=stop,
         dog=dog,
         profiler=profiler,
-        guard=SkipGuard(engine, t.max_consecutive_skips, t.precision),
+        guard=SkipGuard(ctx.engine, t.max_consecutive_skips, t.precision),
         result=TrainResult(run_dir=run_dir, state=ctx.state),
         grad_accum=grad_accum,
         start_step=start_step,
