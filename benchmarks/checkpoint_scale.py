@@ -57,10 +57,10 @@ def worker(args) -> None:
     sys.path.insert(0, str(HERE.parent))
     import common
     from loomtrain.launcher.checkpoints.background import BackgroundSave
-    from loomtrain.launcher.checkpoints.reshard import barrier
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
     from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.config_loader import load_config
+    from loomtrain.launcher.distributed import barrier
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shape = SMALL if args.tiny else BIG

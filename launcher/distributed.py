@@ -138,6 +138,28 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     )
 
 
+# The collectives every room uses, all no-ops in a lone process without a process group.
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def current_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def current_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if current_world_size() > 1:
         dist.barrier()
+
+
+def broadcast_str(value: str | None) -> str | None:
+    """Rank 0's value on every rank."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -28,7 +28,15 @@ import shutil
 from pathlib import Path
 
 import torch
+from loomtrain.data_pipeline import load_tokenizer
 from loomtrain.durable import replace_dir, write_durable, write_json_durable
+from loomtrain.launcher.checkpoints.ds_state import full_shape, named_params, read_local
+from loomtrain.launcher.checkpoints.shards import SafetensorsWriter, write_safetensors
+from loomtrain.launcher.checkpoints.store import sha256_file
+from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
+from loomtrain.model import ModelConfig, Transformer
+from loomtrain.parallel.plan import gather_shards, spec_of
+from safetensors import SafetensorError, safe_open
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -55,8 +63,6 @@ def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.P
 def write_final(state: dict[str, torch.Tensor], model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
     """The final directory from full tensors by loomtrain name (a tied output layer left out),
     atomically (temp dir, then rename). `loomtrain import` writes through this too."""
-    from loomtrain.launcher.checkpoints.shards import write_safetensors
-
     tmp = _begin(Path(out_dir))
     files = {WEIGHTS: write_safetensors(tmp / WEIGHTS, {k: v.contiguous() for k, v in state.items()})}
     return _finish(tmp, Path(out_dir), files, model_cfg, tokenizer, weight_map=None)
@@ -71,8 +77,6 @@ def _begin(out_dir: Path) -> Path:
 
 def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_map: dict | None) -> Path:
     """Rank 0: the small files, the manifest last, then the rename (an older final/ goes)."""
-    from loomtrain.launcher.checkpoints.store import sha256_file
-
     if weight_map is not None:
         sizes = {f: files[f]["size"] for f in set(weight_map.values())}
         write_json_durable(
@@ -94,20 +98,8 @@ def save_final_sharded(engine, topology, model_cfg, tokenizer, out_dir: str | os
     joined from TP shards and ZeRO partitions one at a time and streamed into its file, in the
     training dtype (fp32 runs: the fp32 masters, bitwise). Rank 0 adds the index, config,
     tokenizer and manifest and renames the directory into place."""
-    from loomtrain.launcher.checkpoints.reshard import (
-        _rank,
-        _tp_meta,
-        _world,
-        barrier,
-        full_shape,
-        gather_tp,
-        named_params,
-        read_local,
-    )
-    from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
-
     out_dir = Path(out_dir)
-    rank, world = _rank(), _world()
+    rank, world = current_rank(), current_world_size()
     tmp = _begin(out_dir) if rank == 0 else out_dir.with_name(out_dir.name + ".tmp")
     barrier()
     params = named_params(engine)
@@ -116,7 +108,7 @@ def save_final_sharded(engine, topology, model_cfg, tokenizer, out_dir: str | os
     mine = [(n, p) for i, (n, p) in enumerate(params) if i % world == rank]
     writer = SafetensorsWriter(tmp / name, [(n, p.dtype, full_shape(p)) for n, p in mine]) if mine else None
     for i, (n, p) in enumerate(params):
-        full = gather_tp(read_local(engine, p, None), _tp_meta(p), topology)  # collective
+        full = gather_shards(read_local(engine, p, None), spec_of(p), topology)  # collective
         if writer is not None and i % world == rank:
             writer.write(n, full.to(p.dtype).reshape(full_shape(p)))
         del full
@@ -159,8 +151,6 @@ def _broken(path: Path, name: str, why: str) -> FinalWeightsError:
 def verify_final(final_dir: str | os.PathLike) -> None:
     """Check every file manifest.json lists (present, size, sha256); FinalWeightsError names the
     first bad one. A final/ from before manifests existed has none and is taken as it is."""
-    from loomtrain.launcher.checkpoints.store import sha256_file
-
     path = Path(final_dir)
     mpath = path / FINAL_MANIFEST
     if not mpath.exists():
@@ -188,16 +178,12 @@ def final_weight_files(final_dir: str | os.PathLike) -> dict[str, Path]:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise _broken(path, WEIGHTS_INDEX, f"unreadable ({exc})") from None
         return {k: path / f for k, f in weight_map.items()}
-    from safetensors import safe_open
-
     with safe_open(str(path / WEIGHTS), framework="pt") as f:
         return {k: path / WEIGHTS for k in f.keys()}
 
 
 def read_final_state(final_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All of final/'s tensors by loomtrain name (for a model in this process)."""
-    from safetensors import safe_open
-
     by_file: dict[Path, list[str]] = {}
     for k, f in final_weight_files(final_dir).items():
         by_file.setdefault(f, []).append(k)
@@ -215,10 +201,6 @@ def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device =
     A missing or corrupt file raises FinalWeightsError naming it (a run killed while
     an older loomtrain wrote final/, a copy cut short, a disk error), never a
     safetensors / JSON traceback."""
-    from loomtrain.data_pipeline import load_tokenizer
-    from loomtrain.model import ModelConfig, Transformer
-    from safetensors import SafetensorError
-
     path = _final_dir(run_or_final_dir)
     weights_name = WEIGHTS_INDEX if (path / WEIGHTS_INDEX).exists() else WEIGHTS
     for name in (weights_name, MODEL_CONFIG, TOKENIZER_DIR):

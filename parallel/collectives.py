@@ -94,7 +94,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, tag: str, phase: str) -> t
     return out.movedim(0, dim)
 
 
-def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's contiguous chunk of x along `dim` (no communication, no autograd rule)."""
     n = _size(group)
     if n == 1:
         return x
@@ -105,96 +106,70 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 # Autograd functions -------------------------------------------------------------
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, tag):
+# Each is a conjugate pair: `forward` runs on the input, `backward` on the gradient, both
+# `(tensor, group, tag, phase) -> tensor`; one torch.autograd.Function per pair, made here.
+def _conjugate(name: str, doc: str, forward, backward):
+    def fwd(ctx, x, group, tag):
         ctx.group, ctx.tag = group, tag
-        return x.view_as(x)
+        return forward(x, group, tag, "fwd")
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad.clone(), ctx.group, ctx.tag, "bwd"), None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group, ctx.tag, "bwd"), None, None
 
+    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, tag):
-        return all_reduce(x.clone(), group, tag, "fwd")
+    def apply(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+        return x if _size(group) == 1 else fn.apply(x, group, tag)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
+    apply.__name__, apply.__doc__ = name, doc
+    return apply
 
 
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, tag):
-        ctx.group = group
-        return _all_gather(x, x.dim() - 1, group, tag, "fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, grad.dim() - 1, ctx.group), None, None
+def _identity(x, group, tag, phase):
+    return x
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, tag):
-        ctx.group, ctx.tag = group, tag
-        return _all_gather(x, 1, group, tag, "fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, 1, ctx.group, ctx.tag, "bwd"), None, None
+def _gather_seq(x, group, tag, phase):
+    return _all_gather(x, 1, group, tag, phase)
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, tag):
-        ctx.group, ctx.tag = group, tag
-        return _reduce_scatter(x, 1, group, tag, "fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group, ctx.tag, "bwd"), None, None
+def _reduce_scatter_seq(x, group, tag, phase):
+    return _reduce_scatter(x, 1, group, tag, phase)
 
 
-class _SplitSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, tag):
-        ctx.group, ctx.tag = group, tag
-        return _split(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group, ctx.tag, "bwd"), None, None
-
-
-def copy_to_tp(x, group, tag=""):
-    """Identity forward; all-reduce of the gradient (input of a column-parallel region)."""
-    return x if _size(group) == 1 else _CopyToTP.apply(x, group, tag)
-
-
-def reduce_from_tp(x, group, tag=""):
-    """All-reduce forward; identity backward (output of a row-parallel region)."""
-    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group, tag)
-
-
-def gather_last_dim(x, group, tag=""):
-    """All-gather along the last dim (e.g. full logits for generation); backward splits."""
-    return x if _size(group) == 1 else _GatherLastDim.apply(x, group, tag)
-
-
-def gather_seq(x, group, tag=""):
-    """[B, T/tp, ...] -> [B, T, ...]; backward reduce-scatters (SP -> column-parallel)."""
-    return x if _size(group) == 1 else _GatherSeq.apply(x, group, tag)
-
-
-def reduce_scatter_seq(x, group, tag=""):
-    """Partial sums [B, T, ...] -> reduced [B, T/tp, ...]; backward all-gathers (row-parallel -> SP)."""
-    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, group, tag)
-
-
-def split_seq(x, group, tag=""):
-    """Replicated [B, T, ...] -> this rank's [B, T/tp, ...]; backward all-gathers."""
-    return x if _size(group) == 1 else _SplitSeq.apply(x, group, tag)
+copy_to_tp = _conjugate(
+    "copy_to_tp",
+    "Identity forward; all-reduce of the gradient (input of a column-parallel region).",
+    lambda x, group, tag, phase: x.view_as(x),
+    lambda g, group, tag, phase: all_reduce(g.clone(), group, tag, phase),
+)
+reduce_from_tp = _conjugate(
+    "reduce_from_tp",
+    "All-reduce forward; identity backward (output of a row-parallel region).",
+    lambda x, group, tag, phase: all_reduce(x.clone(), group, tag, phase),
+    _identity,
+)
+gather_last_dim = _conjugate(
+    "gather_last_dim",
+    "All-gather along the last dim (e.g. full logits for generation); backward splits.",
+    lambda x, group, tag, phase: _all_gather(x, x.dim() - 1, group, tag, phase),
+    lambda g, group, tag, phase: split(g, g.dim() - 1, group),
+)
+gather_seq = _conjugate(
+    "gather_seq",
+    "[B, T/tp, ...] -> [B, T, ...]; backward reduce-scatters (SP -> column-parallel).",
+    _gather_seq,
+    _reduce_scatter_seq,
+)
+reduce_scatter_seq = _conjugate(
+    "reduce_scatter_seq",
+    "Partial sums [B, T, ...] -> reduced [B, T/tp, ...]; backward all-gathers (row-parallel -> SP).",
+    _reduce_scatter_seq,
+    _gather_seq,
+)
+split_seq = _conjugate(
+    "split_seq",
+    "Replicated [B, T, ...] -> this rank's [B, T/tp, ...]; backward all-gathers.",
+    lambda x, group, tag, phase: split(x, 1, group),
+    _gather_seq,
+)

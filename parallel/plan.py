@@ -417,7 +417,7 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
     if sp and table:
         model.drop.register_forward_pre_hook(_split_hook(group, "embedding.split"))
     if sp and model.pos_emb is not None:
-        model.pos_emb.register_forward_hook(lambda mod, args, out: C._split(out, out.dim() - 2, group))
+        model.pos_emb.register_forward_hook(lambda mod, args, out: C.split(out, out.dim() - 2, group))
         _sp_grad_sync(model.pos_emb, group, "pos_emb.sp_grad")
 
     if cfg.dropout > 0:  # different masks per shard; replicated regions stay in step

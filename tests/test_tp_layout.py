@@ -11,10 +11,9 @@ import copy
 
 import pytest
 import torch
-from loomtrain.launcher.checkpoints.reshard import gather_tp, shard_tp
 from loomtrain.launcher.planning.dryrun import OneRankTopology
 from loomtrain.model import ModelConfig, Transformer
-from loomtrain.parallel import ShardSpec, join_shards, parallelize, shard_spec, shard_tensor, spec_of
+from loomtrain.parallel import ShardSpec, gather_shards, join_shards, parallelize, shard_spec, shard_tensor, spec_of
 
 CFG = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, dropout=0.0)
 
@@ -49,12 +48,11 @@ def test_parallelize_cuts_what_the_layout_says_and_join_restores(tp, overrides):
         for r in range(tp):
             assert spec_of(locals_[r]) == specs[r], name
             assert torch.equal(locals_[r], shard_tensor(full_params[name], specs[r])), name
-            assert torch.equal(shard_tp(full_params[name], specs[r].as_meta()), locals_[r]), name
         distinct = locals_[:: specs[0].replicas] if not specs[0].replicated else locals_[:1]
         assert torch.equal(join_shards(distinct, specs[0]), full_params[name]), name
-    # Lone process, tp 1: gather_tp drops nothing and adds nothing.
+    # Lone process, tp 1: gather_shards drops nothing and adds nothing.
     w = full_params["tok_emb.weight"]
-    assert torch.equal(gather_tp(w, shard_spec("tok_emb.weight", w.shape, cfg, 1).as_meta(), None), w)
+    assert torch.equal(gather_shards(w, shard_spec("tok_emb.weight", w.shape, cfg, 1), None), w)
 
 
 def test_shape_mismatch_is_one_line():

@@ -33,8 +33,6 @@ import torch.distributed as dist
 from loomtrain.launcher.checkpoints.background import BackgroundSave
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
 from loomtrain.launcher.checkpoints.state import (
-    barrier,
-    broadcast_str,
     load_checkpoint,
     publish_snapshot,
     take_snapshot,
@@ -43,6 +41,7 @@ from loomtrain.launcher.checkpoints.state import (
 from loomtrain.launcher.checkpoints.store import CheckpointStore, is_write_error, verify, write_error
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError, to_yaml
+from loomtrain.launcher.distributed import barrier, broadcast_str
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.rundir import supersede
 from loomtrain.launcher.watchdog import io_phase

@@ -20,7 +20,7 @@ layout-free form, under our control (see shards.py for the piece/tile geometry):
     config.yaml, tokenizer/        the resolved config and the tokenizer
     manifest.json                  sizes + sha256 of all of the above (store.py)
 
-Save: each rank writes what DeepSpeed keeps on it (reshard.py `held_range`; ranks that hold
+Save: each rank writes what DeepSpeed keeps on it (ds_state.py `held_range`; ranks that hold
 the same values split them), hashing while it writes; no gather, no re-read. Per-rank index
 parts are merged by rank 0, which publishes (store.py protocol). `take_snapshot` (at the step
 boundary) and `write_snapshot` (possibly on a background thread, see background.py) are the
@@ -48,23 +48,18 @@ import numpy as np
 import torch
 from loomtrain.durable import json_bytes, write_durable, write_json_durable
 from loomtrain.launcher import faults
-from loomtrain.launcher.checkpoints.reshard import (  # noqa: F401  (broadcast_str, consolidated_weights: re-exported)
+from loomtrain.launcher.checkpoints.ds_state import (
     MOMENTS,
-    _adam_step,
-    _inner_optimizer,
-    _local_full_shape,
-    _rank,
-    _set_adam_step,
-    _world,
-    barrier,
-    broadcast_str,
-    consolidated_weights,
+    adam_step,
     ensure_optimizer_state,
     full_shape,
     held_range,
     held_values,
+    inner_optimizer,
     local_box,
+    local_full_shape,
     named_params,
+    set_adam_step,
     set_held_values,
     write_local,
     written_range,
@@ -86,6 +81,7 @@ from loomtrain.launcher.checkpoints.store import (
     describe_files,
     read_manifest,
 )
+from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
 from safetensors import safe_open
 
 FORMAT = "loomtrain-sharded-v2"
@@ -166,8 +162,8 @@ def take_snapshot(
 ) -> Snapshot:
     """This rank's share of the checkpoint of `step`; no collective. With copy=False the pieces
     are views of DeepSpeed's live buffers (the caller writes them before the next step)."""
-    rank = _rank()
-    snap = Snapshot(step=int(step), rank=rank, world=_world())
+    rank = current_rank()
+    snap = Snapshot(step=int(step), rank=rank, world=current_world_size())
     ensure_optimizer_state(engine)
     for name, p in named_params(engine):
         snap.shapes[name] = full_shape(p)
@@ -186,12 +182,12 @@ def take_snapshot(
     snap.meta = {"layout": layout(topology, zero_stage), "checkpoint_format": FORMAT}
     if rank == 0:
         sched = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler", None)
-        inner = _inner_optimizer(engine.optimizer)
+        inner = inner_optimizer(engine.optimizer)
         snap.trainer = {
             "format": FORMAT,
             "step": int(step),
             "counters": dict(counters or {}),
-            "adam_step": _adam_step(engine),
+            "adam_step": adam_step(engine),
             "lr_scheduler": _jsonable(sched.state_dict())
             if sched is not None and hasattr(sched, "state_dict")
             else None,
@@ -314,7 +310,7 @@ def save_checkpoint(
 ) -> Path:
     """Synchronous save: every rank calls this at the same step boundary; returns the published
     directory. Each rank writes only what it holds (no gather)."""
-    rank = _rank()
+    rank = current_rank()
     tmp = store.begin(step) if rank == 0 else store.temp_dir(step)
     barrier()
     snap = take_snapshot(
@@ -455,14 +451,14 @@ def load_checkpoint(
         if hasattr(p, "ds_id"):  # ZeRO-3: only this rank's partition, never the whole shard
             set_held_values(engine, p, None, reader.read(name, None, held))
         else:
-            write_local(engine, p, None, reader.read(name, None, Region.whole(box)).reshape(_local_full_shape(p)))
+            write_local(engine, p, None, reader.read(name, None, Region.whole(box)).reshape(local_full_shape(p)))
         if held.numel:
             for k in MOMENTS:
                 set_held_values(engine, p, k, reader.read(name, k, held))
     reader.close()
-    _set_adam_step(engine, trainer["adam_step"])
+    set_adam_step(engine, trainer["adam_step"])
 
-    inner = _inner_optimizer(engine.optimizer)
+    inner = inner_optimizer(engine.optimizer)
     for g, saved in zip(inner.param_groups, trainer.get("param_groups", [])):
         for k, v in saved.items():
             if k in g and k != "params":
@@ -494,9 +490,9 @@ def load_checkpoint(
 
     # RNG: each rank's own states when the world has the same size; at another size the
     # streams cannot correspond, and the run keeps the seeds it started with (train.seed).
-    rank = _rank()
+    rank = current_rank()
     rng_rel = f"rng/rank_{rank:05d}.safetensors"
-    if trainer["layout"]["world_size"] == _world() and (path / rng_rel).exists():
+    if trainer["layout"]["world_size"] == current_world_size() and (path / rng_rel).exists():
         from safetensors.torch import load as load_safetensors
 
         raw = verified_bytes(path, rng_rel, manifest)

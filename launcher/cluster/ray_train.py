@@ -191,7 +191,7 @@ class RayReportHook(Hooks):
 
     # -- helpers
     def _published_now(self, ctx: TrainContext) -> str | None:
-        from loomtrain.launcher.checkpoints.state import broadcast_str
+        from loomtrain.launcher.distributed import broadcast_str
 
         found = None
         if ctx.dist.rank == 0:

@@ -1,7 +1,9 @@
-"""Where DeepSpeed keeps a parameter's fp32 master and Adam moments, and how a tensor-parallel
-shard is joined into the full tensor and cut again for another TP size.
+"""DeepSpeed state access: where DeepSpeed keeps a parameter's fp32 master and Adam moments,
+and how to read and write them at any ZeRO stage and precision.
 
-Used by state.py (save / load at any layout) and weights.py (final weights).
+Used by state.py (save / load at any layout) and weights.py (final weights). Joining TP shards
+into the full tensor and cutting them again is the TP layout's job (loomtrain.parallel.plan:
+`spec_of`, `gather_shards`, `shard_tensor`).
 
     held_range / held_values          the part of p's TP shard DeepSpeed keeps on this rank
                                       (its ZeRO partition, or all of it at ZeRO 0), as a flat
@@ -12,9 +14,8 @@ Used by state.py (save / load at any layout) and weights.py (final weights).
     read_local(engine, p, key)        this TP rank's fp32 master (key None) or Adam moment
                                       ("exp_avg", "exp_avg_sq") of p, whole over DP (collective)
     write_local(engine, p, key, v)    the reverse (every DP rank passes the same value)
-    gather_tp(local, p.tp_meta, topo) the full, unpadded tensor from the TP group's shards
-    shard_tp(full, p.tp_meta)         this rank's shard, cut the way the TP plan cuts it
-                                      (both thin calls to the layout in loomtrain.parallel.plan)
+    ensure_optimizer_state(engine)    create Adam's lazily made state (zeros, step 0)
+    adam_step / setadam_step         Adam's step counter
 
 DeepSpeed's holders, all reached through `deepspeed.utils.safe_{get,set}_full_*` where it
 has them: ZeRO 1/2 (flat fp32 partitions, `_hp_mapping`), bf16 at ZeRO 0 (BF16_Optimizer,
@@ -22,45 +23,22 @@ also `_hp_mapping`, or the unfused wrapper's per-parameter fp32 copies), ZeRO 3 
 and fp32 at ZeRO 0 (the parameter itself, the client optimizer's state). Adam's state
 is created lazily at the first step, so `ensure_optimizer_state` creates it (zeros, step
 0: exactly what AdamW would create) before anything is read or written.
+
+`deepspeed` is imported inside the functions that call it: reading a checkpoint for export
+uses this module's layout helpers, and should not pay DeepSpeed's import (seconds).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+from loomtrain.launcher.checkpoints.shards import shard_box
+from loomtrain.parallel.plan import spec_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-# Distributed helpers (all no-ops in a lone process without a process group) ---------
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _dist() else 1
-
-
-def barrier() -> None:
-    if _dist():
-        dist.barrier()
-
-
-def broadcast_str(value: str | None) -> str | None:
-    """Rank 0's value on every rank."""
-    if not _dist():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 # Where DeepSpeed keeps fp32 masters and optimizer state --------------------------------
-def _inner_optimizer(opt):
+def inner_optimizer(opt):
     """The torch optimizer whose `.state` holds the Adam moments."""
     return opt.optimizer if hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer) else opt
 
@@ -79,7 +57,7 @@ def _flat_groups(opt) -> tuple[list, list] | None:
 def ensure_optimizer_state(engine) -> None:
     """Make Adam's (lazily created) state exist so it can be read or written before step 1."""
     opt = engine.optimizer
-    inner = _inner_optimizer(opt)
+    inner = inner_optimizer(opt)
     groups = _flat_groups(opt)
     if groups is None:
         targets = [p for g in inner.param_groups for p in g["params"]]
@@ -99,8 +77,8 @@ def ensure_optimizer_state(engine) -> None:
         opt._hp_optimizer_states_linked = True
 
 
-def _adam_step(engine) -> float:
-    inner = _inner_optimizer(engine.optimizer)
+def adam_step(engine) -> float:
+    inner = inner_optimizer(engine.optimizer)
     for st in inner.state.values():
         if "step" in st:
             s = st["step"]
@@ -108,8 +86,8 @@ def _adam_step(engine) -> float:
     return 0.0
 
 
-def _set_adam_step(engine, step: float) -> None:
-    inner = _inner_optimizer(engine.optimizer)
+def set_adam_step(engine, step: float) -> None:
+    inner = inner_optimizer(engine.optimizer)
     for st in inner.state.values():
         if "step" in st:
             st["step"] = torch.tensor(float(step), dtype=torch.float32)
@@ -132,10 +110,8 @@ def _master_of(engine, p):
     return p
 
 
-def _local_full_shape(p) -> tuple:
+def local_full_shape(p) -> tuple:
     """The shape this TP rank holds of p, whole over DP (ZeRO-3 partitions included)."""
-    from loomtrain.parallel.plan import spec_of
-
     return spec_of(p).local_shape
 
 
@@ -147,11 +123,11 @@ def read_local(engine, p, key: str | None) -> torch.Tensor:
 
     if _is_ds(p):
         t = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
-        return t.detach().float().reshape(_local_full_shape(p))
+        return t.detach().float().reshape(local_full_shape(p))
     hp = _master_of(engine, p)
     if key is None:
         return hp.detach().float().clone()
-    st = _inner_optimizer(engine.optimizer).state.get(hp, {})
+    st = inner_optimizer(engine.optimizer).state.get(hp, {})
     return st[key].detach().float().clone() if key in st else torch.zeros(p.shape, device=hp.device)
 
 
@@ -176,43 +152,7 @@ def write_local(engine, p, key: str | None, value: torch.Tensor) -> None:
         if hp is not p:
             hp.data.copy_(value.to(hp.device, hp.dtype))
     else:
-        _inner_optimizer(engine.optimizer).state[hp][key].copy_(value.to(hp.device))
-
-
-def _set_zero3_model_weights(params_values) -> None:
-    """ZeRO-3 holds the model's (partitioned) weights apart from the fp32 masters: refresh them."""
-    import deepspeed
-
-    params = [p for p, _ in params_values]
-    if not params:
-        return
-    # Every DP rank holds the same full values; rank 0's copy is re-partitioned on exit.
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-        for p, v in params_values:
-            p.data.copy_(v.to(p.device, p.dtype).reshape(p.shape))
-
-
-# Tensor-parallel gather / re-slice --------------------------------------------------
-def _tp_meta(p) -> dict | None:
-    from loomtrain.parallel.plan import spec_of
-
-    return spec_of(p).as_meta()
-
-
-def gather_tp(local: torch.Tensor, meta: dict | None, topology) -> torch.Tensor:
-    """The full, unpadded tensor from this TP group's shards (collective over the TP group)."""
-    from loomtrain.parallel.plan import ShardSpec, gather_shards
-
-    return gather_shards(local, ShardSpec.from_meta(meta, local.shape), topology)
-
-
-def shard_tp(full: torch.Tensor, meta: dict | None) -> torch.Tensor:
-    """This rank's shard of a full, unpadded tensor, as the TP plan would cut it."""
-    from loomtrain.parallel.plan import ShardSpec, shard_tensor
-
-    if meta is None:  # replicated over TP: the tensor itself, no copy
-        return full
-    return shard_tensor(full, ShardSpec.from_meta(meta))
+        inner_optimizer(engine.optimizer).state[hp][key].copy_(value.to(hp.device))
 
 
 def named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
@@ -220,25 +160,10 @@ def named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
 
 
-def consolidated_weights(engine, topology, dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """Full, unpadded fp32 master weights by name on rank `dst` (None elsewhere).
-
-    Collective: every rank calls it. Used for the final weights at tp > 1 / ZeRO-3."""
-    out = {} if _rank() == dst else None
-    for name, p in named_params(engine):
-        full = gather_tp(read_local(engine, p, None), _tp_meta(p), topology)
-        if out is not None:
-            out[name] = full.cpu()
-    return out
-
-
 # What this rank holds, as a region of the full tensor (the sharded checkpoint format) --------
 def local_box(p) -> tuple[int, int, int, int]:
     """The matrix box (see checkpoints/shards.py) of this rank's TP shard of p, padding included,
     as the TP plan lays it out."""
-    from loomtrain.launcher.checkpoints.shards import shard_box
-    from loomtrain.parallel.plan import spec_of
-
     spec = spec_of(p)
     if spec.dim is None:
         return shard_box(spec.full_shape, None)
@@ -247,15 +172,11 @@ def local_box(p) -> tuple[int, int, int, int]:
 
 
 def full_shape(p) -> list[int]:
-    from loomtrain.parallel.plan import spec_of
-
     return list(spec_of(p).full_shape)
 
 
 def _replica_split(p, topology) -> tuple[int, int]:
     """(number of TP ranks holding the same shard of p, this rank's index among them)."""
-    from loomtrain.parallel.plan import spec_of
-
     tp = topology.tp_size if topology is not None else 1
     if tp == 1:
         return 1, 0
@@ -315,7 +236,7 @@ def held_values(engine, p, key: str | None) -> torch.Tensor:
     hp = _master_of(engine, p)
     if key is None:
         return hp.detach().reshape(-1)
-    return _inner_optimizer(engine.optimizer).state[hp][key].reshape(-1)
+    return inner_optimizer(engine.optimizer).state[hp][key].reshape(-1)
 
 
 def set_held_values(engine, p, key: str | None, value: torch.Tensor) -> None:
@@ -343,5 +264,5 @@ def set_held_values(engine, p, key: str | None, value: torch.Tensor) -> None:
     if key is None:
         write_local(engine, p, None, value.reshape(p.shape))
     else:
-        st = _inner_optimizer(engine.optimizer).state[hp][key]
+        st = inner_optimizer(engine.optimizer).state[hp][key]
         st.copy_(value.to(st.device).reshape(st.shape))
