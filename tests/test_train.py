@@ -191,6 +191,27 @@ def test_hooks_see_every_step_and_can_stop_the_run(tmp_path, data_cache):
 
 
 @pytest.mark.slow
+def test_train_context_is_typed_and_hooks_know_no_checkpoint_code():
+    """TrainContext's annotations resolve to real classes (through the module's TYPE_CHECKING
+    imports), none is Any, and hooks.py imports nothing of the checkpoint code: the checkpoint
+    hook imports the hooks module, never the reverse."""
+    import ast
+    import typing
+
+    from loomtrain.launcher import hooks
+
+    tree = ast.parse(Path(hooks.__file__).read_text())
+    only_for_types: dict = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            exec(compile(ast.Module(body=node.body, type_ignores=[]), hooks.__file__, "exec"), only_for_types)
+    hints = typing.get_type_hints(hooks.TrainContext, localns=only_for_types)
+    assert {"engine", "model", "tokenizer", "train_stream", "metrics", "topology"} <= set(hints)
+    assert typing.Any not in hints.values()
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any("checkpoints" in m for m in modules), modules
+
+
 def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
     """torchrun with dp=2 (micro 4, no accumulation) == one process (micro 4, grad_accum 2)."""
     from loomtrain.launcher.loop import run_training
