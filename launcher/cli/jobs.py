@@ -47,25 +47,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
     return p
 
 
-def _run(command: str, args: argparse.Namespace) -> int:
-    if command == "submit":
-        return jobs.submit(
-            args.config,
-            args.overrides,
-            address=args.address,
-            submission_id=args.submission_id,
-            env=args.env,
-            follow=args.follow,
-            dry_run=args.dry_run,
-        )
-    if command == "status":
-        return jobs.status(args.job, address=args.address)
-    if command == "logs":
-        return jobs.logs(args.job, address=args.address, follow=args.follow)
-    return jobs.stop(args.job, address=args.address, wait=args.wait, wait_timeout=args.wait_timeout)
-
-
-COMMANDS = ("submit", "status", "logs", "stop")
+# Each parser's destinations are the keyword parameters of the function it calls.
+COMMANDS = {"submit": jobs.submit, "status": jobs.status, "logs": jobs.logs, "stop": jobs.stop}
 
 
 def main(argv: list[str]) -> int:
@@ -75,7 +58,7 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     args = _parser(command).parse_intermixed_args(rest)
     try:
-        return _run(command, args)
+        return COMMANDS[command](**vars(args))
     except jobs.JobsError as e:
         print(f"loomtrain {command}: error: {e}", file=sys.stderr)
         return 1
