@@ -1,6 +1,8 @@
 """Bad input is one line naming the path or value, never a library traceback:
 `train.lr=inf|nan`, a malformed `--address` / `ray.address`, `generate --device cuda`
-without CUDA, `generate --temperature nan`, a corrupt or incomplete `final/`."""
+without CUDA, `generate --temperature nan`, a corrupt or incomplete `final/`.
+An unknown command is named on the first line (the usage follows), and every command in the
+dispatcher's table reaches its own parser."""
 
 from __future__ import annotations
 
@@ -132,3 +134,15 @@ def test_corrupt_or_incomplete_final_is_one_line(final_dir, tmp_path, damage, na
     assert generate.main([str(run)]) == 2
     line = one_line(capsys.readouterr().err)
     assert str(run / "final" / name.split("/")[0]) in line and "incomplete or corrupt" in line, line
+
+
+def test_unknown_command_is_named_and_every_command_reaches_its_own_parser(capsys):
+    from loomtrain.launcher import cli
+
+    assert cli.main(["trian"]) == 2
+    assert capsys.readouterr().err.startswith("loomtrain: unknown command 'trian'")
+    for command in cli.COMMANDS:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([command, "--help"])
+        assert exit_.value.code == 0, command
+        assert capsys.readouterr().out.startswith(f"usage: loomtrain {command} "), command
