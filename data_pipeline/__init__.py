@@ -55,7 +55,6 @@ from loomtrain.data_pipeline.shards import DataError
 # Lazy exports: preprocessing workers import this package and must not pay for torch.
 _EXPORTS = {
     "TokenStream": "loomtrain.data_pipeline.stream",
-    "stream_from_config": "loomtrain.data_pipeline.stream",
     "prepare_data": "loomtrain.data_pipeline.corpus",
     "prepare_sources": "loomtrain.data_pipeline.corpus",
     "stdlib_files": "loomtrain.data_pipeline.corpus",

@@ -14,7 +14,9 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from loomtrain.data_pipeline.shards import SPLITS, DataError, ShardSet, check_tokenizer_hash, read_index
+from loomtrain.data_pipeline.preprocess import preprocess_files
+from loomtrain.data_pipeline.shards import SPLITS, VERSION, DataError, ShardSet, check_tokenizer_hash, read_index
+from loomtrain.data_pipeline.staging import partial_dir
 from loomtrain.data_pipeline.tokenizer import Tokenizer, load_tokenizer
 from loomtrain.durable import replace_dir
 
@@ -45,8 +47,6 @@ def _file_lock(path: Path):
 
 
 def _corpus_key(files: list[Path], data_cfg, tokenizer_id: str) -> str:
-    from loomtrain.data_pipeline.shards import VERSION
-
     root = Path(sysconfig.get_paths()["stdlib"])
     desc = {
         "shard_format": VERSION,
@@ -110,8 +110,6 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
         cache.mkdir(parents=True, exist_ok=True)
         with _file_lock(cache / f".stdlib-{key}.lock"):
             if not (shard_dir / "index.json").is_file():  # another process may have built it meanwhile
-                from loomtrain.data_pipeline.preprocess import preprocess_files
-
                 tmp = cache / f".stdlib-{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                 try:
                     preprocess_files(
@@ -130,8 +128,6 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
                     )
                     replace_dir(tmp, shard_dir)  # over an incomplete leftover (no index.json)
                 finally:
-                    from loomtrain.data_pipeline.staging import partial_dir
-
                     for leftover in (tmp, partial_dir(tmp)):  # a private build: nothing to resume
                         if leftover.exists():
                             shutil.rmtree(leftover, ignore_errors=True)

@@ -246,10 +246,6 @@ class TokenStream:
             out[sel] = self._source_indices(int(k), local[sel])
         return sources, out
 
-    def sample_indices(self, positions) -> np.ndarray:
-        """Global positions -> sample indices within their epoch (the shuffle); one source."""
-        return self.locate(positions)[1]
-
     def _source_indices(self, k: int, positions: np.ndarray) -> np.ndarray:
         epochs, pos = np.divmod(positions, self.source_samples[k])
         if not self.shuffle:
@@ -411,22 +407,4 @@ class TokenStream:
         self._position = position
 
 
-def stream_from_config(
-    shard_dir, cfg, split: str, dp_rank: int, dp_size: int, tokenizer=None, seed: int | None = None
-) -> TokenStream:
-    """Convenience: a TokenStream from a RunConfig (train.seq_len, train.micro_batch_size,
-    train.seed, data.prefetch)."""
-    return TokenStream(
-        shard_dir,
-        split,
-        seq_len=cfg.train.seq_len,
-        micro_batch_size=cfg.train.micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=cfg.train.seed if seed is None else seed,
-        prefetch=cfg.data.prefetch,
-        expected_tokenizer_hash=None if tokenizer is None else tokenizer.hash,
-    )
-
-
-__all__ = ["TokenStream", "SeededPermutation", "stream_from_config"]
+__all__ = ["TokenStream", "SeededPermutation"]

@@ -22,8 +22,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+import tokenizers
 from loomtrain.data_pipeline.shards import DataError
 from loomtrain.durable import atomic_write
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 # Names an existing tokenizer.json may use for its end-of-document token.
@@ -107,10 +109,8 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
-        from tokenizers import Tokenizer
-
         try:
-            return cls(Tokenizer.from_file(str(path)), source=str(path))
+            return cls(tokenizers.Tokenizer.from_file(str(path)), source=str(path))
         except DataError:
             raise
         except Exception as exc:  # the Rust error text is long; keep its first line
@@ -142,9 +142,7 @@ class HFTokenizer:
         return {"json": self._tok.to_str(), "source": self.source}
 
     def __setstate__(self, state):
-        from tokenizers import Tokenizer
-
-        self.__init__(Tokenizer.from_str(state["json"]), state["source"])
+        self.__init__(tokenizers.Tokenizer.from_str(state["json"]), state["source"])
 
     def __repr__(self) -> str:
         return (
@@ -158,9 +156,6 @@ Tokenizer = ByteTokenizer | HFTokenizer
 def train_bpe(texts: Iterator[str], vocab_size: int, show_progress: bool = False) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style pre-tokenization, 256-byte base alphabet,
     `<|endoftext|>` as the only special token) on a stream of documents."""
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
         raise DataError(
@@ -168,7 +163,7 @@ def train_bpe(texts: Iterator[str], vocab_size: int, show_progress: bool = False
         )
     if vocab_size > 2**32:
         raise DataError(f"data.bpe_vocab_size: {vocab_size} is too large")
-    tok = HFTok(models.BPE())
+    tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

@@ -46,10 +46,6 @@ FINAL_MANIFEST = "manifest.json"
 _PARTS = ".parts"
 
 
-class NotConsolidated(NotImplementedError):
-    """Full weights are not available from this rank layout."""
-
-
 def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
     """The final directory from a whole model in this process (a tied table stored once)."""
     # Copies, not the live tensors: at ZeRO 1-2 every parameter is a view into DeepSpeed's

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
@@ -97,7 +97,3 @@ class ModelConfig:
             fail("norm_eps", f"must be positive, got {self.norm_eps!r}")
         if not self.init_std > 0:
             fail("init_std", f"must be positive, got {self.init_std!r}")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

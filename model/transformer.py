@@ -149,18 +149,8 @@ class Transformer(nn.Module):
         """An empty KV cache for up to `capacity` positions (default max_seq_len)."""
         return KVCache(self.cfg.n_layers, capacity or self.cfg.max_seq_len)
 
-    def generate(
-        self,
-        tokens: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Prompt + up to max_new_tokens new tokens; see loomtrain.model.generate.generate."""
-        return generate(self, tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator)
+    # Prompt + up to max_new_tokens new tokens: loomtrain.model.generate.generate as a method.
+    generate = generate
 
     # Accounting ---------------------------------------------------------------
     def num_params(self, exclude_embeddings: bool = False) -> int:

@@ -41,8 +41,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
+from loomtrain.data_pipeline import load_tokenizer
 from loomtrain.durable import fsync_path, replace_dir, write_durable
+from loomtrain.launcher.checkpoints.hf_import import LLAMA_LINEARS
+from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
+from loomtrain.launcher.checkpoints.state import ConsolidatedReader
+from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
+from loomtrain.launcher.weights import (
+    MODEL_CONFIG,
+    TOKENIZER_DIR,
+    WEIGHTS,
+    WEIGHTS_INDEX,
+    FinalWeightsError,
+    final_weight_files,
+    verify_final,
+)
+from loomtrain.model import ModelConfig
 from safetensors import safe_open
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 FORMATS = ("hf",)
 # loomtrain activation -> GPT-2's activation_function computing the same function
@@ -81,9 +98,6 @@ def parse_size(text: str) -> int:
 
 # Reading a run --------------------------------------------------------------------------
 def _model_config_from_yaml(path: Path):
-    import yaml
-    from loomtrain.model import ModelConfig
-
     data = yaml.safe_load(path.read_text())
     return ModelConfig(**data["model"])
 
@@ -106,19 +120,6 @@ class Source:
 
 def open_source(src: str | Path) -> Source:
     """The newest complete checkpoint of a run (or a checkpoint dir), else its final/."""
-    from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
-    from loomtrain.launcher.checkpoints.state import ConsolidatedReader
-    from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
-    from loomtrain.launcher.weights import (
-        MODEL_CONFIG,
-        TOKENIZER_DIR,
-        WEIGHTS,
-        WEIGHTS_INDEX,
-        FinalWeightsError,
-        final_weight_files,
-        verify_final,
-    )
-
     src = Path(src)
     if not src.exists():
         raise ExportError(f"{src}: no such run or checkpoint directory")
@@ -145,8 +146,6 @@ def open_source(src: str | Path) -> Source:
         )
     final = src if ((src / WEIGHTS).is_file() or (src / WEIGHTS_INDEX).is_file()) else src / "final"
     if (final / WEIGHTS).is_file() or (final / WEIGHTS_INDEX).is_file():
-        from loomtrain.model import ModelConfig
-
         try:
             verify_final(final)
             files = final_weight_files(final)
@@ -205,8 +204,6 @@ def hf_architecture(cfg) -> str:
 def _eos_id(tok_dir: Path | None, vocab_size: int) -> int | None:
     if tok_dir is None:
         return None
-    from loomtrain.data_pipeline import load_tokenizer
-
     try:
         return int(load_tokenizer(str(tok_dir)).eos_id)
     except Exception:
@@ -238,23 +235,27 @@ def _cat(parts: list[Recipe]) -> Recipe:
     return Recipe(shape, lambda: torch.cat([p.make() for p in parts]))
 
 
+def _common_config(cfg, eos_id: int | None) -> dict:
+    """The config.json keys every exported architecture shares (dtype set by the caller)."""
+    return {
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        "use_cache": True,
+    }
+
+
 # Llama --------------------------------------------------------------------------------------
 def to_llama(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], dict]:
     out = {"model.embed_tokens.weight": _ref(src, "tok_emb.weight")}
-    names = {
-        "attn.wq": "self_attn.q_proj",
-        "attn.wk": "self_attn.k_proj",
-        "attn.wv": "self_attn.v_proj",
-        "attn.wo": "self_attn.o_proj",
-        "ffn.gate": "mlp.gate_proj",
-        "ffn.up": "mlp.up_proj",
-        "ffn.down": "mlp.down_proj",
-    }
     for i in range(cfg.n_layers):
         s, dst = f"blocks.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = _ref(src, s + "attn_norm.weight")
         out[dst + "post_attention_layernorm.weight"] = _ref(src, s + "ffn_norm.weight")
-        for ours, theirs in names.items():
+        for ours, theirs in LLAMA_LINEARS.items():
             out[dst + theirs + ".weight"] = _ref(src, s + ours + ".weight")
             if cfg.bias:
                 out[dst + theirs + ".bias"] = _ref(src, s + ours + ".bias")
@@ -279,13 +280,7 @@ def to_llama(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], d
         "attention_bias": cfg.bias,
         "mlp_bias": cfg.bias,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": "float32",
-        "dtype": "float32",
-        "use_cache": True,
+        **_common_config(cfg, eos_id),
     }
     return out, config
 
@@ -334,13 +329,7 @@ def to_gpt2(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], di
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": "float32",
-        "dtype": "float32",
-        "use_cache": True,
+        **_common_config(cfg, eos_id),
     }
     return out, config
 
@@ -361,8 +350,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def byte_tokenizer_json(eos_token: str = "<|endoftext|>") -> str:
     """loomtrain's byte tokenizer (ids 0..255 = bytes, 256 = EOS) as a `tokenizers` model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -376,8 +363,6 @@ def export_tokenizer(tok_dir: Path | None, out: Path, max_len: int) -> None:
     if tok_dir is None:
         print("export: the run has no tokenizer files; exporting weights only", file=sys.stderr)
         return
-    from loomtrain.data_pipeline import load_tokenizer
-
     tok = load_tokenizer(str(tok_dir))
     if getattr(tok, "name", "") == "byte" or type(tok).__name__ == "ByteTokenizer":
         eos = "<|endoftext|>"
@@ -417,8 +402,6 @@ def plan_shards(recipes: dict[str, Recipe], dtype: torch.dtype, max_bytes: int) 
 
 def write_weights(recipes: dict[str, Recipe], out: Path, dtype: torch.dtype, max_bytes: int) -> list[str]:
     """model.safetensors, or shards + index; each tensor made, converted and streamed in turn."""
-    from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
-
     shards = plan_shards(recipes, dtype, max_bytes)
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]

@@ -30,6 +30,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from loomtrain.data_pipeline import DataError, load_tokenizer
 from loomtrain.launcher.checkpoints.weight_source import (
     SafetensorsFiles,
     TensorRef,
@@ -38,6 +39,10 @@ from loomtrain.launcher.checkpoints.weight_source import (
     check_complete,
     model_tensor_names,
 )
+from loomtrain.launcher.config import DataConfig, RunConfig, RunSection, TrainConfig
+from loomtrain.launcher.config_loader import save_config
+from loomtrain.launcher.weights import TOKENIZER_DIR, write_final
+from loomtrain.model import ModelConfig
 
 FORMATS = ("hf",)
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
@@ -245,8 +250,6 @@ def gpt2_refs(cfg, prefix: str) -> dict[str, TensorRef]:
 
 def open_hf(src: str | Path) -> WeightSource:
     """A Hugging Face model directory as a WeightSource; refuses what loomtrain cannot represent."""
-    from loomtrain.model import ModelConfig
-
     src = Path(src)
     arch, kwargs = read_hf_config(src)
     try:
@@ -271,8 +274,6 @@ def open_hf(src: str | Path) -> WeightSource:
 
 # The command ------------------------------------------------------------------------------------
 def _load_tokenizer(source: WeightSource, src: Path):
-    from loomtrain.data_pipeline import DataError, load_tokenizer
-
     if source.tokenizer_dir is None:
         hint = (
             " (it has a sentencepiece tokenizer.model: save it as tokenizer.json with transformers' "
@@ -295,9 +296,6 @@ def _load_tokenizer(source: WeightSource, src: Path):
 
 def write_run_config(out: Path, model_cfg, tokenizer_file: Path) -> Path:
     """RUN_DIR/config.yaml: a run that starts from these weights with this tokenizer."""
-    from loomtrain.launcher.config import DataConfig, RunConfig, RunSection, TrainConfig
-    from loomtrain.launcher.config_loader import save_config
-
     run = RunConfig(
         run=RunSection(name=out.name, dir=str(out)),
         model=dataclasses.replace(model_cfg, init_from=str(out / "final")),
@@ -309,8 +307,6 @@ def write_run_config(out: Path, model_cfg, tokenizer_file: Path) -> Path:
 
 
 def import_hf(src: str | Path, output: str | Path) -> Path:
-    from loomtrain.launcher.weights import TOKENIZER_DIR, write_final
-
     src, out = Path(src).expanduser(), Path(output).expanduser().absolute()
     if not (src / "config.json").is_file():
         raise HFImportError(f"{src}: no config.json (expected a Hugging Face model directory)")

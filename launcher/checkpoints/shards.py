@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 GRID_ROWS, GRID_COLS = 32, 8
 
@@ -284,8 +285,6 @@ class ShardedReader:
         self._open.clear()
 
     def _handle(self, rel: str):
-        from safetensors import safe_open
-
         if rel not in self._open:
             path = self.root / rel
             if not path.is_file():

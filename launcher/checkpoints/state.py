@@ -83,6 +83,7 @@ from loomtrain.launcher.checkpoints.store import (
 )
 from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
 from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 
 FORMAT = "loomtrain-sharded-v2"
 KEYS = (None, *MOMENTS)
@@ -295,36 +296,14 @@ def publish_snapshot(store: CheckpointStore, tmp: Path, step: int, world: int) -
     return store.publish(tmp, step, meta)
 
 
-def save_checkpoint(
-    store: CheckpointStore,
-    step: int,
-    engine,
-    topology,
-    *,
-    stream=None,
-    counters: dict | None = None,
-    lr_scheduler=None,
-    config_yaml: str | None = None,
-    tokenizer=None,
-    zero_stage: int = 0,
-) -> Path:
+def save_checkpoint(store: CheckpointStore, step: int, engine, topology, **what) -> Path:
     """Synchronous save: every rank calls this at the same step boundary; returns the published
-    directory. Each rank writes only what it holds (no gather)."""
+    directory. Each rank writes only what it holds (no gather). `what`: take_snapshot's
+    keywords (stream, counters, lr_scheduler, config_yaml, tokenizer, zero_stage)."""
     rank = current_rank()
     tmp = store.begin(step) if rank == 0 else store.temp_dir(step)
     barrier()
-    snap = take_snapshot(
-        step,
-        engine,
-        topology,
-        copy=False,
-        stream=stream,
-        counters=counters,
-        lr_scheduler=lr_scheduler,
-        config_yaml=config_yaml,
-        tokenizer=tokenizer,
-        zero_stage=zero_stage,
-    )
+    snap = take_snapshot(step, engine, topology, copy=False, **what)
     write_snapshot(snap, store, tmp)
     barrier()
     path = publish_snapshot(store, tmp, step, snap.world) if rank == 0 else None
@@ -493,8 +472,6 @@ def load_checkpoint(
     rank = current_rank()
     rng_rel = f"rng/rank_{rank:05d}.safetensors"
     if trainer["layout"]["world_size"] == current_world_size() and (path / rng_rel).exists():
-        from safetensors.torch import load as load_safetensors
-
         raw = verified_bytes(path, rng_rel, manifest)
         with safe_open(str(path / rng_rel), framework="pt") as f:
             meta = f.metadata()

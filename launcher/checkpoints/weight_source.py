@@ -20,9 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from loomtrain.launcher.checkpoints.store import CheckpointStore
+from loomtrain.launcher.config import ConfigError
+from loomtrain.launcher.weights import MODEL_CONFIG, TOKENIZER_DIR, WEIGHTS, WEIGHTS_INDEX
+from loomtrain.model import ModelConfig, Transformer
+from loomtrain.parallel.plan import spec_of
+from safetensors import safe_open
 
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 # Pickled weight files: refused, never opened.
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -57,8 +61,6 @@ def weight_files(directory: Path) -> dict[str, Path]:
             raise WeightSourceError(f"{index}: names shard {missing[0]}, which is not in {directory}")
         return {k: directory / f for k, f in weight_map.items()}
     if (directory / WEIGHTS).is_file():
-        from safetensors import safe_open
-
         with safe_open(str(directory / WEIGHTS), framework="pt") as f:
             return {k: directory / WEIGHTS for k in f.keys()}
     pickled = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLED_SUFFIXES)
@@ -83,8 +85,6 @@ class SafetensorsFiles:
         return list(self.files)
 
     def _slice(self, key: str):
-        from safetensors import safe_open
-
         path = self.files.get(key)
         if path is None:
             raise WeightSourceError(f"{self.directory}: no tensor {key!r} in the weight files")
@@ -131,8 +131,6 @@ class WeightSource:
 def model_tensor_names(model_cfg) -> dict[str, tuple[int, ...]]:
     """The persistent tensors of a loomtrain model with this config and their shapes (a tied
     output layer is the embedding table, stored once), without allocating them."""
-    from loomtrain.model import Transformer
-
     with torch.device("meta"):
         model = Transformer(model_cfg)
     names = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -142,8 +140,6 @@ def model_tensor_names(model_cfg) -> dict[str, tuple[int, ...]]:
 
 
 def _final_dir(path: Path) -> Path | None:
-    from loomtrain.launcher.weights import MODEL_CONFIG
-
     for d in (path, path / "final"):
         if (d / MODEL_CONFIG).is_file():
             return d
@@ -152,9 +148,6 @@ def _final_dir(path: Path) -> Path | None:
 
 def open_source(path: str | Path) -> WeightSource:
     """A run's final/ (or its run directory) or a Hugging Face model directory."""
-    from loomtrain.launcher.weights import MODEL_CONFIG, TOKENIZER_DIR
-    from loomtrain.model import ModelConfig
-
     path = Path(path).expanduser()
     if not path.is_dir():
         raise WeightSourceError(
@@ -172,6 +165,7 @@ def open_source(path: str | Path) -> WeightSource:
             cfg, SafetensorsFiles(final), refs, f"loomtrain weights {final}", tok if tok.is_dir() else None
         )
     if (path / "config.json").is_file():
+        # Imported here: hf_import builds on this module (a cycle at the top).
         from loomtrain.launcher.checkpoints.hf_import import open_hf
 
         return open_hf(path)
@@ -262,8 +256,6 @@ def read_shard(source: WeightSource, name: str, spec) -> torch.Tensor:
 def load_into(model: torch.nn.Module, source: WeightSource) -> None:
     """Copy the source's weights into a (possibly tensor-parallel) model's allocated parameters
     in place; a sharded parameter reads only its own slice (`read_shard`)."""
-    from loomtrain.parallel.plan import spec_of
-
     for name, p in model.named_parameters():
         if name not in source.refs:
             raise WeightSourceError(f"{source.description}: no tensor for loomtrain's {name}")
@@ -273,8 +265,6 @@ def load_into(model: torch.nn.Module, source: WeightSource) -> None:
 def open_matching(cfg) -> WeightSource:
     """The source model.init_from names, checked against model.*: a one-line ConfigError naming
     the field otherwise (the launcher's validation calls this before any worker starts)."""
-    from loomtrain.launcher.config_loader import ConfigError
-
     try:
         source = open_source(cfg.init_from)
         check_matches(source, cfg)
@@ -292,8 +282,6 @@ def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str 
     `checkpoint.resume` not "never") has a complete checkpoint, which the resume then loads
     over the model anyway, nothing is read."""
     if run_dir is not None and resume != "never" and not Path(cfg.init_from).expanduser().exists():
-        from loomtrain.launcher.checkpoints.store import CheckpointStore
-
         found = CheckpointStore(run_dir, log=log).find_resumable(checksums=False)
         if found is not None:
             log(f"model.init_from: {cfg.init_from} is gone; the run resumes from {found}")
