@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
+from loomtrain.durable import atomic_write
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
@@ -219,7 +220,7 @@ class MetricsLogger:
         # the records up to start_step and drops those of the steps it will redo.
         path = self.run_dir / "metrics.jsonl"
         kept = [line for line in _read_lines(path) if _step_of(line) <= start_step] if start_step else []
-        path.write_text("".join(kept))
+        atomic_write(path, "".join(kept))  # a crash here keeps the earlier records
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             # purge_step: TensorBoard hides older events from step start_step + 1 on.

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from loomtrain.launcher.checkpoints.ds_state import inner_optimizer
 
 # DeepSpeed's fp32 master copies: ZeRO 1-2, ZeRO-3, BF16_Optimizer, FP16 (un)fused optimizers.
 _MASTER = (
@@ -64,11 +65,6 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return out
 
 
-def _inner_optimizer(engine: Any) -> Any:
-    opt = engine.optimizer
-    return getattr(opt, "optimizer", opt)
-
-
 def _params(engine: Any) -> list[torch.Tensor]:
     return [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
 
@@ -91,7 +87,7 @@ def _grad_tensors(engine: Any) -> list[torch.Tensor]:
 
 def _optimizer_tensors(engine: Any) -> list[torch.Tensor]:
     opt = engine.optimizer
-    inner = _inner_optimizer(engine)
+    inner = inner_optimizer(engine.optimizer)
     out = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
     for name in _MASTER:
         out += list(_flatten(getattr(opt, name, None)))
