@@ -470,12 +470,6 @@ def gathered_logits(model: nn.Module):
         head.gather_output = False
 
 
-def gather_full(t: torch.Tensor, meta: dict | None, topology) -> torch.Tensor:
-    """The full, unpadded tensor of a sharded parameter, gradient or moment on every TP rank,
-    from its `tp_meta` (`gather_shards` with `ShardSpec.from_meta(meta)`)."""
-    return gather_shards(t, ShardSpec.from_meta(meta, t.shape), topology)
-
-
 @torch.no_grad()
 def full_state_dict(model: nn.Module, topology) -> dict[str, torch.Tensor]:
     """The unsharded state dict of a parallelized model, with the plain model's keys and

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, parallelize
-from loomtrain.parallel.plan import gather_full
+from loomtrain.parallel.plan import gather_shards, spec_of
 
 TOL = 1e-5
 
@@ -108,7 +108,7 @@ def _check_variant(name, overrides, topo, sp):
     assert set(names) == set(ref_params), set(names) ^ set(ref_params)
     grad = 0.0
     for pname, p in names.items():
-        g = gather_full(p.grad, p.tp_meta, topo) if hasattr(p, "tp_meta") else p.grad
+        g = gather_shards(p.grad, spec_of(p), topo)
         assert g.shape == ref_params[pname].grad.shape, (pname, g.shape)
         d = _max_diff(g, ref_params[pname].grad)
         grad = max(grad, d)
