@@ -69,6 +69,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loomtrain.durable import atomic_write
 from loomtrain.launcher import faults
 from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
@@ -274,9 +275,7 @@ END_FILE = "attempt_end.json"
 def _write_end(run_dir: Path, reason: str) -> None:
     from loomtrain.launcher.ranklog import logs_dir
 
-    path = logs_dir(run_dir) / END_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"line": reason, "time": time.time()}) + "\n")
+    atomic_write(logs_dir(run_dir) / END_FILE, json.dumps({"line": reason, "time": time.time()}) + "\n")
 
 
 def _previous_end(attempts: Path) -> str:
