@@ -1,0 +1,57 @@
+"""One home per helper: no library module reaches into another's private names, and the
+shared helpers (barrier, durable writes) are defined once."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = [
+    p for folder in ("model", "parallel", "data_pipeline", "launcher") for p in sorted((ROOT / folder).rglob("*.py"))
+] + [ROOT / "durable.py"]
+
+
+def _module(path: Path) -> str:
+    return "loomtrain." + ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_uses_another_modules_private_names():
+    found = []
+    for path in LIBRARY:
+        tree = ast.parse(path.read_text())
+        aliases = {}  # local name -> the loomtrain module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("loomtrain"):
+                for a in node.names:
+                    if _private(a.name):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import {a.name}")
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("loomtrain") and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name):
+                target = aliases.get(node.value.id)
+                if target is not None and target != _module(path):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr} ({target})")
+    assert not found, "\n".join(found)
+
+
+def _defs(name: str) -> list[str]:
+    return [
+        f"{p.relative_to(ROOT)}:{n.lineno}"
+        for p in LIBRARY
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.FunctionDef) and n.name.lstrip("_") == name
+    ]
+
+
+def test_shared_helpers_are_defined_once():
+    assert _defs("barrier") == [_defs("barrier")[0]] and _defs("barrier")[0].startswith("launcher/distributed.py")
+    for name in ("fsync_path", "atomic_write", "atomic_write_json", "write_durable", "broadcast_str"):
+        assert len(_defs(name)) == 1, (name, _defs(name))
+    assert _defs("atomic_write")[0].startswith("durable.py")
