@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.watchdog import HANG_REPORT_MARGIN_S
 
 
 @dataclass
@@ -73,8 +74,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def collective_timeout_s(cfg: RunConfig) -> int:
     """The process group's timeout: above the watchdog's, so that the watchdog reports first."""
-    from loomtrain.launcher.watchdog import HANG_REPORT_MARGIN_S
-
     return cfg.parallel.timeout_s + HANG_REPORT_MARGIN_S
 
 
@@ -99,7 +98,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     prepare_accelerator_env(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
-        from loomtrain.launcher import components
+        from loomtrain.launcher import components  # here: components builds on this module
 
         for key, value in flight_recorder_env(components.run_dir(cfg)).items():
             os.environ.setdefault(key, value)
@@ -124,7 +123,8 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
         dist.init_process_group(backend=backend, timeout=timeout, init_method="env://")
 
-    # DeepSpeed's comm layer wraps the existing group (no second rendezvous).
+    # DeepSpeed's comm layer wraps the existing group (no second rendezvous). Imported here:
+    # checkpoint readers (export, generate) use this module's rank helpers without DeepSpeed.
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout, verbose=False)
