@@ -1,4 +1,6 @@
-"""Shared test set-up: CPU DeepSpeed without its accelerator warning, quiet threads."""
+"""Shared test set-up: CPU DeepSpeed without its accelerator warning, quiet threads, the
+fixtures several modules use. Runs launched in a child process (`python -m loomtrain`,
+torchrun) go through tests/launch.py, which also holds the shrunk configs they train."""
 
 import os
 
@@ -17,6 +19,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    """A data cache directory shared by the runs of one test module: the corpus is
+    tokenized once per module, and no module sees another's cache."""
+    return tmp_path_factory.mktemp("data_cache")
 
 
 @pytest.fixture(scope="module")

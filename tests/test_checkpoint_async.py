@@ -6,36 +6,21 @@ The test-only fault `ckpt_slow:STEP:SECONDS` (loomtrain.launcher.faults) makes t
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import launch
 import pytest
 import torch
+from launch import TINY, Run, checkpoint_saved_on_signal, child_env, loomtrain_cmd, output, run_child
 from loomtrain.launcher import faults
 from loomtrain.launcher.config_loader import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.max_seq_len=64",
-    "train.seq_len=32",
-    "train.micro_batch_size=4",
-    "train.global_batch_size=4",
-    "train.warmup_steps=2",
+    *launch.SMALL,
+    *launch.QUIET,
     "train.max_steps=9",
-    "data.max_files=40",
-    "eval.every_steps=0",
-    "eval.num_samples=0",
-    "log.progress=plain",
-    "log.tensorboard=false",
     "checkpoint.every_steps=3",
     "checkpoint.keep_last=5",
 ]
@@ -89,102 +74,36 @@ def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path
     assert (tmp_path / "async" / "checkpoints" / "latest").read_text().strip() == "step_00000009"
 
 
-def _env(**extra):
-    drop = {
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        faults.ENV,
-    }
-    return {
-        **{k: v for k, v in os.environ.items() if k not in drop},
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
-
-
 def _cmd(run: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "loomtrain",
-        "train",
-        str(TINY),
-        *SMALL,
-        f"run.dir={run}",
-        f"data.cache_dir={cache}",
-        *extra,
-    ]
-
-
-def _until(proc, text: str, out: list[str]) -> None:
-    deadline = time.time() + 300
-    for line in proc.stdout:
-        out.append(line)
-        if text in line:
-            return
-        assert time.time() < deadline
-    raise AssertionError("".join(out)[-3000:])
+    return loomtrain_cmd("train", TINY, *SMALL, f"run.dir={run}", f"data.cache_dir={cache}", *extra)
 
 
 @pytest.mark.slow
 def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(tmp_path):
     run, cache = tmp_path / "killed", tmp_path / "cache"
-    proc = subprocess.Popen(
-        _cmd(run, cache, "train.max_steps=1000"),
-        env=_env(LOOMTRAIN_TEST_FAULTS="ckpt_slow:6:120"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp_path,
-    )
-    out: list[str] = []
-    try:
-        _until(proc, "TEST FAULT ckpt_slow at step 6", out)
-        _until(proc, "step 7/", out)  # training went on past the save
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    env = child_env(LOOMTRAIN_TEST_FAULTS="ckpt_slow:6:120")
+    with Run(_cmd(run, cache, "train.max_steps=1000"), tmp_path, env) as child:
+        child.wait_for("TEST FAULT ckpt_slow at step 6", timeout=300)
+        child.wait_for("step 7/", timeout=300)  # training went on past the save
+        child.proc.send_signal(signal.SIGKILL)
+        child.proc.wait(timeout=60)
     root = run / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_00000003"
     assert not (root / "step_00000006").exists() and (root / ".tmp-step_00000006").is_dir()
-    again = subprocess.run(_cmd(run, cache), env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from {root / 'step_00000003'}" in again.stdout + again.stderr
+    again = run_child(_cmd(run, cache), cwd=tmp_path)
+    assert f"resumed from {root / 'step_00000003'}" in output(again)
 
 
 @pytest.mark.slow
 def test_sigterm_during_background_write_waits_for_it_then_exits_0(tmp_path):
     run, cache = tmp_path / "term", tmp_path / "cache"
-    proc = subprocess.Popen(
-        _cmd(run, cache, "train.max_steps=1000"),
-        env=_env(LOOMTRAIN_TEST_FAULTS="ckpt_slow:3:4"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp_path,
-    )
-    out: list[str] = []
-    try:
-        _until(proc, "TEST FAULT ckpt_slow at step 3", out)
-        proc.send_signal(signal.SIGTERM)
-        out += proc.stdout.readlines()
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = "".join(out)
-    assert rc == 0, text[-3000:]
-    saved = [line for line in out if "[SIGTERM]" in line]
-    assert len(saved) == 1, text[-3000:]
-    step = int(saved[0].split("checkpoint: step ")[1].split()[0])
+    env = child_env(LOOMTRAIN_TEST_FAULTS="ckpt_slow:3:4")
+    with Run(_cmd(run, cache, "train.max_steps=1000"), tmp_path, env) as child:
+        child.wait_for("TEST FAULT ckpt_slow at step 3", timeout=300)
+        child.proc.send_signal(signal.SIGTERM)
+        rc = child.finish(timeout=120)
+    assert rc == 0, child.text[-3000:]
+    step = checkpoint_saved_on_signal(child.lines, run)
     root = run / "checkpoints"
-    assert (root / "latest").read_text().strip() == f"step_{step:08d}"
     assert (root / "step_00000003" / "manifest.json").is_file()  # the write in flight was finished
     assert json.loads((root / f"step_{step:08d}" / "trainer.json").read_text())["step"] == step

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launch import python_cmd, run_child
 
 HERE = Path(__file__).resolve()
 GLOBAL_BATCH, MICRO = 8, 2
@@ -162,24 +162,7 @@ def worker(argv: list[str]) -> None:
 
 def run(tmp_path, nproc, *args, name="out"):
     out = tmp_path / f"{name}.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    if nproc == 1:
-        cmd = [sys.executable, str(HERE)]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-            str(HERE),
-        ]  # --standalone: torchrun binds a free port itself, no pick-then-bind race
-    cmd += [*map(str, args), "--run-dir", str(tmp_path / "run"), "--out", str(out)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    run_child(python_cmd(HERE, *args, "--run-dir", tmp_path / "run", "--out", out, nproc=nproc))
     r = json.loads(out.read_text())
     r["losses"] = {int(k): v for k, v in r["losses"].items()}
     return r

@@ -12,86 +12,36 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
+import launch
 import pytest
+from launch import TINY, Run, checkpoint_saved_on_signal, child_env, loomtrain_cmd, losses, output, run_child
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 STEPS, GLOBAL_BATCH, SEQ = 20, 8, 32
 # vocab 259: padded to 260 at tp 2, so the export/reshard path has to drop the padding.
 SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.max_seq_len=64",
+    *launch.SMALL,
     "model.vocab_size=259",
     f"train.seq_len={SEQ}",
     "train.micro_batch_size=2",
     f"train.global_batch_size={GLOBAL_BATCH}",
-    "train.warmup_steps=2",
     f"train.max_steps={STEPS}",
-    "data.max_files=40",
     "data.val_fraction=0.1",
-    "eval.every_steps=0",
-    "eval.num_samples=0",
-    "log.progress=plain",
-    "log.tensorboard=false",
+    *launch.QUIET,
 ]
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    drop = {
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "LOOMTRAIN_TEST_FAULTS",
-    }
-    base = {k: v for k, v in os.environ.items() if k not in drop}
-    return {**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **extra}
-
-
-def train_cmd(run_dir: Path, cache: Path, *overrides: str, nproc: int = 1) -> list[str]:
-    head = [sys.executable, "-m", "loomtrain"]
-    if nproc > 1:  # --standalone: torchrun binds a free port itself, no pick-then-bind race
-        head = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-            "-m",
-            "loomtrain",
-        ]
-    return [*head, "train", str(TINY), *SMALL, f"run.dir={run_dir}", f"data.cache_dir={cache}", *overrides]
-
-
-def train(run_dir: Path, cache: Path, *overrides: str, nproc: int = 1, env=None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        train_cmd(run_dir, cache, *overrides, nproc=nproc),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=run_dir.parent,
-        env=env or clean_env(),
+def train_cmd(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 1) -> list[str]:
+    return loomtrain_cmd(
+        "train", TINY, *SMALL, f"run.dir={run_dir}", f"data.cache_dir={data_cache}", *overrides, nproc=nproc
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+def train(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 1, env=None):
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return run_child(train_cmd(run_dir, data_cache, *overrides, nproc=nproc), cwd=run_dir.parent, env=env)
 
 
 def ckpt(run_dir: Path, step: int) -> Path:
@@ -102,27 +52,22 @@ def data_position(path: Path) -> set[int]:
     return {json.loads(p.read_text())["global_position"] for p in (path / "data").glob("dp_*.json")}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data_cache")
-
-
 # Single process ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def straight1(tmp_path_factory, cache) -> Path:
+def straight1(tmp_path_factory, data_cache) -> Path:
     run = tmp_path_factory.mktemp("single") / "straight"
-    train(run, cache, "checkpoint.every_steps=5")
+    train(run, data_cache, "checkpoint.every_steps=5")
     return run
 
 
-def test_single_process_20_straight_equals_10_exit_resume_10(tmp_path, cache, straight1):
+def test_single_process_20_straight_equals_10_exit_resume_10(tmp_path, data_cache, straight1):
     run = tmp_path / "split"
-    first = train(run, cache, "checkpoint.every_steps=5", "checkpoint.stop_at_step=10")
+    first = train(run, data_cache, "checkpoint.every_steps=5", "checkpoint.stop_at_step=10")
     assert "[checkpoint.stop_at_step]" in first.stdout + first.stderr
     assert sorted(losses(run)) == list(range(1, 11))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000010"
     assert not (run / "final").exists()  # stopped early: no final weights
-    second = train(run, cache, "checkpoint.every_steps=5")  # the same command resumes by itself
+    second = train(run, data_cache, "checkpoint.every_steps=5")  # the same command resumes by itself
     assert f"resumed from {ckpt(run, 10)}" in second.stdout + second.stderr
     want, got = losses(straight1), losses(run)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -137,55 +82,35 @@ def test_single_process_20_straight_equals_10_exit_resume_10(tmp_path, cache, st
     assert (c / "rng" / "rank_00000.safetensors").is_file()
 
 
-def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path, cache, straight1):
+def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path, data_cache, straight1):
     run = tmp_path / "killed"
-    run.parent.mkdir(parents=True, exist_ok=True)
-    env = clean_env(LOOMTRAIN_TEST_FAULTS="ckpt_pause:10:120")  # rank 0 sleeps just before publishing step 10
-    proc = subprocess.Popen(
-        train_cmd(run, cache, "checkpoint.every_steps=5"),
-        cwd=run.parent,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.time() + 300
-        for line in proc.stdout:
-            if "TEST FAULT ckpt_pause at step 10" in line:
-                break
-            assert time.time() < deadline
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    env = child_env(LOOMTRAIN_TEST_FAULTS="ckpt_pause:10:120")  # rank 0 sleeps just before publishing step 10
+    with Run(train_cmd(run, data_cache, "checkpoint.every_steps=5"), run.parent, env) as child:
+        child.wait_for("TEST FAULT ckpt_pause at step 10", timeout=300)
+        child.proc.send_signal(signal.SIGKILL)
+        child.proc.wait(timeout=60)
     root = run / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_00000005"
     assert (root / ".tmp-step_00000010").is_dir() and not ckpt(run, 10).exists()
-    again = train(run, cache, "checkpoint.every_steps=5")
-    out = again.stdout + again.stderr
+    again = train(run, data_cache, "checkpoint.every_steps=5")
+    out = output(again)
     assert f"resumed from {ckpt(run, 5)}" in out
     assert "removed leftover" in out and not (root / ".tmp-step_00000010").exists()
     want, got = losses(straight1), losses(run)
     assert [got[s] for s in range(6, STEPS + 1)] == [want[s] for s in range(6, STEPS + 1)]
 
 
-def test_resume_with_another_model_shape_is_a_config_error(tmp_path, cache, straight1):
-    proc = subprocess.run(
-        train_cmd(tmp_path / "other", cache, "model.d_model=32", f"checkpoint.resume={ckpt(straight1, 20)}"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+def test_resume_with_another_model_shape_is_a_config_error(tmp_path, data_cache, straight1):
+    proc = run_child(
+        train_cmd(tmp_path / "other", data_cache, "model.d_model=32", f"checkpoint.resume={ckpt(straight1, 20)}"),
         cwd=tmp_path,
-        env=clean_env(),
+        rc=2,
     )
-    assert proc.returncode == 2
     err = [line for line in proc.stderr.splitlines() if line.startswith("loomtrain: config error")]
     assert len(err) == 1 and "checkpoint.resume=" in err[0] and "tok_emb.weight" in err[0], proc.stderr[-2000:]
 
 
-def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, cache, straight1):
+def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, data_cache, straight1):
     import shutil
 
     run = tmp_path / "trunc"
@@ -194,7 +119,7 @@ def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, cache, straight1
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
     shutil.rmtree(run / "final")
-    again = train(run, cache, "checkpoint.every_steps=5")
+    again = train(run, data_cache, "checkpoint.every_steps=5")
     out = again.stdout + again.stderr
     lines = [line for line in out.splitlines() if "skipping" in line]
     assert len(lines) == 1 and "step_00000020" in lines[0] and "optim/rank_00000.safetensors" in lines[0], out[-3000:]
@@ -203,57 +128,37 @@ def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, cache, straight1
     assert [got[s] for s in range(16, STEPS + 1)] == [want[s] for s in range(16, STEPS + 1)]
 
 
-def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, cache):
+def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, data_cache):
     run = tmp_path / "term"
-    run.parent.mkdir(parents=True, exist_ok=True)
     # a long run (so it is still going when the signal lands), no periodic checkpoints
-    proc = subprocess.Popen(
-        train_cmd(run, cache, "train.max_steps=100000", "checkpoint.every_steps=0"),
-        cwd=run.parent,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    out = []
-    try:
-        for line in proc.stdout:
-            out.append(line)
-            if line.startswith("step 3/"):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out += proc.stdout.readlines()
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = "".join(out)
-    assert rc == 0, text[-3000:]
-    saved = [line for line in out if "[SIGTERM]" in line]
-    assert len(saved) == 1, text[-3000:]
-    step = int(saved[0].split("checkpoint: step ")[1].split()[0])
-    assert step >= 3 and (run / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
+    with Run(train_cmd(run, data_cache, "train.max_steps=100000", "checkpoint.every_steps=0"), run.parent) as child:
+        child.wait_for(lambda line: line.startswith("step 3/"), timeout=300)
+        child.proc.send_signal(signal.SIGTERM)
+        rc = child.finish(timeout=120)
+    assert rc == 0, child.text[-3000:]
+    step = checkpoint_saved_on_signal(child.lines, run)
+    assert step >= 3
     assert not (run / "final").exists()
     assert max(losses(run)) == step
 
 
 # TP2 x DP2, ZeRO 2 ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def straight4(tmp_path_factory, cache) -> Path:
+def straight4(tmp_path_factory, data_cache) -> Path:
     run = tmp_path_factory.mktemp("tp2dp2") / "straight"
-    train(run, cache, "parallel.tp=2", "parallel.zero_stage=2", "checkpoint.every_steps=10", nproc=4)
+    train(run, data_cache, "parallel.tp=2", "parallel.zero_stage=2", "checkpoint.every_steps=10", nproc=4)
     assert sorted(losses(run)) == list(range(1, STEPS + 1))
     return run
 
 
 @pytest.fixture(scope="module")
-def split4(tmp_path_factory, cache) -> Path:
+def split4(tmp_path_factory, data_cache) -> Path:
     """TP2 x DP2 ZeRO 2: 10 steps, process exit, the same command again resumes 10 more."""
     run = tmp_path_factory.mktemp("tp2dp2") / "split"
     common = ("parallel.tp=2", "parallel.zero_stage=2", "checkpoint.every_steps=10")
-    train(run, cache, *common, "checkpoint.stop_at_step=10", nproc=4)
+    train(run, data_cache, *common, "checkpoint.stop_at_step=10", nproc=4)
     assert sorted(losses(run)) == list(range(1, 11))
-    out = train(run, cache, *common, nproc=4)
+    out = train(run, data_cache, *common, nproc=4)
     assert f"resumed from {ckpt(run, 10)}" in out.stdout + out.stderr
     return run
 
@@ -271,7 +176,7 @@ def test_tp2_dp2_zero2_20_straight_equals_10_exit_resume_10(straight4, split4):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,nproc,zero", [(1, 1, 0), (2, 2, 1), (1, 4, 2)], ids=["tp1dp1", "tp2dp1", "tp1dp4"])
-def test_tp2_dp2_checkpoint_resumes_at_another_layout(tmp_path, cache, straight4, split4, tp, nproc, zero):
+def test_tp2_dp2_checkpoint_resumes_at_another_layout(tmp_path, data_cache, straight4, split4, tp, nproc, zero):
     run = tmp_path / "resharded"
     run.parent.mkdir(parents=True, exist_ok=True)
     src = ckpt(split4, 10)  # written by a TP2 x DP2 process that then exited
@@ -283,7 +188,7 @@ def test_tp2_dp2_checkpoint_resumes_at_another_layout(tmp_path, cache, straight4
     }
     out = train(
         run,
-        cache,
+        data_cache,
         f"parallel.tp={tp}",
         f"parallel.zero_stage={zero}",
         "checkpoint.every_steps=10",

@@ -5,27 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import launch
 import pytest
+from launch import TINY
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.max_seq_len=64",
-    "train.seq_len=32",
-    "train.micro_batch_size=4",
-    "train.global_batch_size=4",
-    "train.warmup_steps=2",
+    *launch.SMALL,
+    *launch.QUIET,
     "train.max_steps=4",
-    "data.max_files=40",
-    "eval.every_steps=0",
-    "eval.num_samples=0",
-    "log.progress=plain",
-    "log.tensorboard=false",
     "checkpoint.every_steps=2",
 ]
 

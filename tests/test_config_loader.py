@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launch import run_loomtrain
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError, load_config, resolve, save_config, valid_keys, validate
 
@@ -157,22 +156,9 @@ def test_valid_keys_cover_every_section():
 
 
 def test_cli_config_error_exits_2_before_any_work(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loomtrain",
-            "train",
-            str(CONFIGS / "tiny.yaml"),
-            f"run.dir={tmp_path / 'run'}",
-            "train.precison=bf16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
+    proc = run_loomtrain(
+        "train", CONFIGS / "tiny.yaml", f"run.dir={tmp_path / 'run'}", "train.precison=bf16", cwd=tmp_path, rc=2
     )
-    assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "loomtrain: config error: train.precison: unknown key (did you mean 'train.precision'?) [command line]"
     )

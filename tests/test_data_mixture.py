@@ -5,20 +5,18 @@ its own epoch, resume at another DP size, one tokenizer for all sources; and
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+import launch
 import numpy as np
 import pytest
+import stream_support
+from launch import TINY, run_loomtrain
 from loomtrain.data_pipeline import ByteTokenizer, DataError, TokenStream, prepare_sources, preprocess_files
 from loomtrain.data_pipeline.shards import write_arrays
 from loomtrain.data_pipeline.stream import Blend
 from loomtrain.launcher.config import DataConfig, DataSource
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
 T = 8
 INFO = {"hash": "synthetic0000000", "name": "synthetic", "vocab_size": 1 << 20, "eos_id": 0}
 
@@ -50,20 +48,9 @@ def decode_ids(inputs):
 
 
 def global_order(sources, m, d, rounds, start_state=None):
-    streams = [
-        TokenStream(sources, seq_len=T, micro_batch_size=m, dp_rank=r, dp_size=d, seed=7, prefetch=1) for r in range(d)
-    ]
-    if start_state is not None:
-        for s in streams:
-            s.load_state_dict(start_state)
-    order = []
-    for _ in range(rounds):
-        for s in streams:
-            order += decode_ids(next(s)[0])
-    states = [s.state_dict() for s in streams]
-    for s in streams:
-        s.close()
-    return order, states
+    return stream_support.global_order(
+        sources, m, d, rounds, decode_ids, seq_len=T, seed=7, prefetch=1, start_state=start_state
+    )
 
 
 def test_blend_shares_follow_the_normalised_weights():
@@ -133,11 +120,10 @@ def test_sources_must_share_one_tokenizer(tmp_path):
 
 
 def test_config_refuses_bad_sources(tmp_path):
-    tiny = ROOT / "configs" / "tiny.yaml"
     with pytest.raises(ConfigError, match=r"data.sources\[0\].weight"):
-        load_config(tiny, ["data.sources=[{path: x, weight: 0}]"])
+        load_config(TINY, ["data.sources=[{path: x, weight: 0}]"])
     with pytest.raises(ConfigError, match="data.sources"):
-        load_config(tiny, ["data.path=y", "data.sources=[{path: x, weight: 1}]"])
+        load_config(TINY, ["data.path=y", "data.sources=[{path: x, weight: 1}]"])
 
 
 def test_data_stats_reports_shares_and_shows_decoded_samples(tmp_path):
@@ -147,34 +133,24 @@ def test_data_stats_reports_shares_and_shows_decoded_samples(tmp_path):
         preprocess_files([text], tmp_path / name, "byte", val_fraction=0.0, progress=False, log=None)
     config = tmp_path / "mix.yaml"
     config.write_text(
-        "extends: " + str(ROOT / "configs" / "tiny.yaml") + "\n"
+        "extends: " + str(TINY) + "\n"
         "data:\n  sources:\n"
         f"    - {{path: {tmp_path / 'web'}, weight: 0.75}}\n"
         f"    - {{path: {tmp_path / 'code'}, weight: 0.25}}\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loomtrain",
-            "data-stats",
-            str(config),
-            "train.seq_len=32",
-            "train.global_batch_size=8",
-            "train.micro_batch_size=4",
-            "--steps",
-            "400",
-            "--show",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_loomtrain(
+        "data-stats",
+        config,
+        "train.seq_len=32",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "--steps",
+        "400",
+        "--show",
+        "3",
         timeout=120,
-        env=env,
         cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # one JSON object, nothing else on stdout
     assert report["samples"] == 400 * 8 and report["tokens"] == 400 * 8 * 32
     web, code = report["sources"]
@@ -188,24 +164,16 @@ def test_data_stats_reports_shares_and_shows_decoded_samples(tmp_path):
         word = "alpha" if item["source"] == str(tmp_path / "web") else "beta"
         assert word in item["text"]
 
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loomtrain",
-            "data-stats",
-            str(config),
-            f"data.sources=[{{path: {tmp_path / 'nope'}, weight: 1}}]",
-            "--steps",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
+    bad = run_loomtrain(
+        "data-stats",
+        config,
+        f"data.sources=[{{path: {tmp_path / 'nope'}, weight: 1}}]",
+        "--steps",
+        "1",
         timeout=120,
-        env=env,
         cwd=tmp_path,
+        rc=1,
     )
-    assert bad.returncode == 1
     assert len(bad.stderr.strip().splitlines()) == 1 and "data.sources[0].path" in bad.stderr
 
 
@@ -220,13 +188,7 @@ def test_training_on_a_mixture_resumes_exactly(tmp_path):
         docs.write_text("".join(json.dumps({"text": f"{word} {i}\n" * 6}) + "\n" for i in range(80)))
         preprocess_files([docs], tmp_path / name, "byte", val_fraction=0.05, progress=False, log=None)
     common = [
-        "model.d_model=32",
-        "model.n_layers=1",
-        "model.n_heads=2",
-        "model.n_kv_heads=1",
-        "model.max_seq_len=32",
-        "train.seq_len=16",
-        "train.micro_batch_size=2",
+        *launch.SMALLEST,
         "train.global_batch_size=4",
         "train.max_steps=4",
         "train.warmup_steps=1",
@@ -238,11 +200,10 @@ def test_training_on_a_mixture_resumes_exactly(tmp_path):
         "checkpoint.every_steps=2",
         f"data.sources=[{{path: {tmp_path / 'web'}, weight: 2}}, {{path: {tmp_path / 'code'}, weight: 1}}]",
     ]
-    tiny = ROOT / "configs" / "tiny.yaml"
-    straight = run_training(load_config(tiny, [*common, f"run.dir={tmp_path / 'straight'}"]))
+    straight = run_training(load_config(TINY, [*common, f"run.dir={tmp_path / 'straight'}"]))
     split_dir = tmp_path / "split"
-    first = run_training(load_config(tiny, [*common, f"run.dir={split_dir}", "checkpoint.stop_at_step=2"]))
-    second = run_training(load_config(tiny, [*common, f"run.dir={split_dir}"]))
+    first = run_training(load_config(TINY, [*common, f"run.dir={split_dir}", "checkpoint.stop_at_step=2"]))
+    second = run_training(load_config(TINY, [*common, f"run.dir={split_dir}"]))
     assert len(straight.losses) == 4
     assert first.losses + second.losses == straight.losses
     state = json.loads((split_dir / "checkpoints" / "step_00000004" / "data" / "dp_00000.json").read_text())

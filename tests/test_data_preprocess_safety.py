@@ -8,11 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from launch import run_loomtrain
 from loomtrain.data_pipeline import DataError, TokenStream, prepare_data
 from loomtrain.data_pipeline import preprocess as pp
 from loomtrain.launcher.config import DataConfig
@@ -26,12 +26,7 @@ def jsonl(path: Path, docs=DOCS) -> Path:
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "loomtrain", "preprocess", "--no-progress", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_loomtrain("preprocess", "--no-progress", *args, timeout=120, rc=None)
 
 
 def tree(path: Path) -> dict[str, str]:
@@ -153,10 +148,5 @@ def test_index_with_a_missing_key_is_one_line_naming_file_and_key(tmp_path):
     (out / "index.json").write_text(json.dumps(index))
     config = tmp_path / "c.yaml"
     config.write_text(f"data:\n  path: {out}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "loomtrain", "data-stats", str(config), "--steps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_loomtrain("data-stats", config, "--steps", "1", timeout=120, rc=None)
     one_error_line(proc, str(out / "index.json"), "splits.train.shards[0].num_tokens")

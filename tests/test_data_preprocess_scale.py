@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launch import child_env, run_loomtrain
 from loomtrain.data_pipeline import DataError, train_bpe
 from loomtrain.data_pipeline import preprocess as pp
 
@@ -51,13 +51,7 @@ def tree(path: Path) -> dict[str, str]:
 
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "loomtrain", "preprocess", "--no-progress", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    return run_loomtrain("preprocess", "--no-progress", *args, env=env, timeout=300, rc=None)
 
 
 # Killed with SIGKILL inside the 5th input file (tokens half written, no completion marker),
@@ -168,7 +162,7 @@ def test_preprocess_on_ray_equals_the_local_command(tmp_path, bpe_json, ray_head
     args = ["--input", pattern, "--tokenizer", bpe_json, "--val-fraction", "0.1", "--shard-tokens", "700"]
     local = cli(*args, "--output", tmp_path / "local", "--workers", "2")
     assert local.returncode == 0, local.stderr
-    env = {**os.environ, **ray_head.env}
+    env = child_env(**ray_head.env)
     on_ray = cli(
         *args, "--output", tmp_path / "ray", "--ray", "--address", ray_head.gcs_address, "--workers", "2", env=env
     )

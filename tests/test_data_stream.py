@@ -3,6 +3,7 @@ across a DP-size change), determinism, prefetch, permutation."""
 
 import numpy as np
 import pytest
+import stream_support
 import torch
 from loomtrain.data_pipeline import DataError, TokenStream
 from loomtrain.data_pipeline.shards import write_arrays
@@ -28,23 +29,9 @@ def sample_ids(inputs):
     return (inputs[:, 0] // T).tolist()
 
 
-def global_order(shard_dir, m, d, rounds, seed=0, start_state=None, prefetch=2, **kw):
+def global_order(shard_dir, m, d, rounds, **kw):
     """Run d ranks for `rounds` rounds; return the global sequence of sample ids and the final states."""
-    streams = [
-        TokenStream(shard_dir, seq_len=T, micro_batch_size=m, dp_rank=r, dp_size=d, seed=seed, prefetch=prefetch, **kw)
-        for r in range(d)
-    ]
-    if start_state is not None:
-        for s in streams:
-            s.load_state_dict(start_state)
-    order = []
-    for _ in range(rounds):
-        for s in streams:
-            order += sample_ids(next(s)[0])
-    states = [s.state_dict() for s in streams]
-    for s in streams:
-        s.close()
-    return order, states
+    return stream_support.global_order(shard_dir, m, d, rounds, sample_ids, seq_len=T, **kw)
 
 
 @pytest.mark.parametrize("n_samples,m,d", [(24, 2, 1), (24, 2, 2), (24, 2, 3), (25, 2, 2), (29, 3, 3), (7, 2, 3)])

@@ -6,30 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import io
-from pathlib import Path
 
+import launch
 import pytest
+from launch import ROOT
 from loomtrain.launcher.cli import train
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import fit
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
+TINY = str(launch.TINY)
 SMALL = [
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.max_seq_len=32",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=2",
+    *launch.SMALLEST,
     "train.max_steps=1",
     "data.max_files=20",
-    "eval.every_steps=0",
-    "eval.num_samples=0",
-    "log.progress=plain",
-    "log.tensorboard=false",
+    *launch.QUIET,
 ]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,38 +65,11 @@ def test_force_starts_a_config_the_estimate_refuses(tmp_path, monkeypatch):
 
 # The configs the test suite trains (shapes from test_checkpoint_resume, test_tp_train,
 # test_zero: up to 4 ranks on one host at ZeRO 3) and configs/tiny.yaml as shipped.
+TEST_SHAPE = [*launch.SMALL, "train.micro_batch_size=2", "train.global_batch_size=8"]
 TEST_SHAPES = [
     ([], 1),
-    (
-        [
-            "model.d_model=64",
-            "model.n_layers=2",
-            "model.n_heads=4",
-            "model.n_kv_heads=2",
-            "model.max_seq_len=64",
-            "train.seq_len=32",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=8",
-            "parallel.tp=2",
-            "parallel.zero_stage=2",
-        ],
-        4,
-    ),
-    (
-        [
-            "model.d_model=64",
-            "model.n_layers=2",
-            "model.n_heads=4",
-            "model.n_kv_heads=2",
-            "model.max_seq_len=64",
-            "train.seq_len=32",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=8",
-            "parallel.zero_stage=3",
-            "train.precision=bf16",
-        ],
-        4,
-    ),
+    ([*TEST_SHAPE, "parallel.tp=2", "parallel.zero_stage=2"], 4),
+    ([*TEST_SHAPE, "parallel.zero_stage=3", "train.precision=bf16"], 4),
 ]
 
 

@@ -7,16 +7,13 @@ same batch. A model.* that disagrees with the weights is refused naming the fiel
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hf_fixtures import tiny_llama
+from launch import losses, run_loomtrain
 from loomtrain.launcher import cli
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
@@ -63,18 +60,13 @@ def test_submit_leaves_a_cluster_only_init_from_to_the_cluster(imported, capsys)
     assert "not checked here (a cluster path?): model.init_from" in capsys.readouterr().err
 
 
-def _train(cmd: list[str]) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def _train(*args, nproc: int = 1) -> None:
+    proc = run_loomtrain("train", *args, nproc=nproc)
     assert "model.init_from: starting from" in proc.stdout
 
 
 def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+    return list(losses(run_dir).values())
 
 
 @pytest.mark.slow
@@ -95,25 +87,10 @@ def test_init_from_at_tp2_follows_tp1_and_starts_at_transformers_loss(imported, 
         "log.progress=plain",
     ]
     one = [f"run.dir={tmp_path / 'tp1'}", f"model.init_from={hf}", f"data.tokenizer={hf}", *common]
-    _train([sys.executable, "-m", "loomtrain", "train", str(run / "config.yaml"), *one])
+    _train(run / "config.yaml", *one)
     # tp 2 starts from the imported run (its final/), tp 1 from the Hugging Face directory
     _train(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "loomtrain",
-            "train",
-            str(run / "config.yaml"),
-            f"run.dir={tmp_path / 'tp2'}",
-            f"model.init_from={run}",
-            "parallel.tp=2",
-            *common,
-        ]
+        run / "config.yaml", f"run.dir={tmp_path / 'tp2'}", f"model.init_from={run}", "parallel.tp=2", *common, nproc=2
     )
     ref, tp = _losses(tmp_path / "tp1"), _losses(tmp_path / "tp2")
     assert len(ref) == len(tp) == 5

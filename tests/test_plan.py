@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import psutil
 import pytest
+from launch import run_loomtrain
 from loomtrain.launcher.cli import plan
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import memory_model as mm
@@ -151,23 +150,7 @@ def test_plan_json_and_bad_config(capsys):
 
 
 def test_cli_dispatch():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loomtrain",
-            "plan",
-            os.path.join(CONFIGS, "tiny.yaml"),
-            "--world-size",
-            "1",
-            "--gpu",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_loomtrain("plan", os.path.join(CONFIGS, "tiny.yaml"), "--world-size", "1", "--gpu", "cpu")
     assert "FITS" in out.stdout
 
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+from launch import run_loomtrain
 from loomtrain.launcher.cli import plan
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import host_model as hm
@@ -22,10 +21,7 @@ GiB = 1024**3
 
 
 def test_70b_plan_prints_host_ram_per_node_and_fits_an_8_gpu_1_tb_node():
-    out = subprocess.run(
-        [sys.executable, "-m", "loomtrain", "plan", GPT70B], capture_output=True, text=True, cwd=ROOT, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_loomtrain("plan", GPT70B, timeout=300)
     text = out.stdout
     assert "world 64 = tp 8 x dp 8" in text
     assert "host RAM per node (8 ranks; 8 nodes; 1 TB per node)" in text

@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+import launch
 import pytest
+from launch import ROOT, child_env, run_loomtrain
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/tiny.yaml"
 SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
+    *launch.SMALL_MODEL,
     "model.max_seq_len=32",
     "train.seq_len=32",
     "train.micro_batch_size=2",
@@ -59,29 +54,20 @@ def test_submit_status_logs_stop_round_trip(ray_head, tmp_path, capsys):
     run_dir = tmp_path / "job-run"
     job_id = f"loomtrain-test-{os.getpid()}"
     # The real command line, in a fresh process: it must find the token by itself.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loomtrain",
-            "submit",
-            CONFIG,
-            "--address",
-            ray_head.dashboard_url,
-            "--submission-id",
-            job_id,
-            *SMALL,
-            "train.max_steps=100000",
-            f"run.dir={run_dir}",
-            f"data.cache_dir={tmp_path / 'cache'}",
-        ],
-        cwd=ROOT,
-        env={**os.environ, **ray_head.env},
-        capture_output=True,
-        text=True,
+    proc = run_loomtrain(
+        "submit",
+        CONFIG,
+        "--address",
+        ray_head.dashboard_url,
+        "--submission-id",
+        job_id,
+        *SMALL,
+        "train.max_steps=100000",
+        f"run.dir={run_dir}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        env=child_env(**ray_head.env),
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[0] == job_id
     assert "--ray" in proc.stderr and "loomtrain/configs/tiny.yaml" in proc.stderr
 
@@ -147,15 +133,7 @@ def test_submit_without_token_is_refused_clearly(ray_head, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "no-token")  # and no ~/.ray/auth_token used
     env["RAY_AUTH_MODE"] = "disabled"
-    proc = subprocess.run(
-        [sys.executable, "-m", "loomtrain", "status", "x", "--address", ray_head.dashboard_url],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 1
+    proc = run_loomtrain("status", "x", "--address", ray_head.dashboard_url, env=env, timeout=120, rc=1)
     assert "refused our credentials" in proc.stderr and "token" in proc.stderr, proc.stderr
 
 

@@ -8,24 +8,19 @@ torchrun with the same config and 4 processes.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launch
 import pytest
+from launch import losses, run_loomtrain
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = str(ROOT / "configs" / "tiny.yaml")
+CONFIG = str(launch.TINY)
 STEPS, EVERY = 6, 2
 
 SHRUNK = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
+    *launch.SMALL_MODEL,
     "model.max_seq_len=32",
     "train.seq_len=32",
     "train.micro_batch_size=2",
@@ -46,42 +41,10 @@ SHRUNK = [
 ]
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]
-    return out
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("ray-data-cache")
-
-
 @pytest.fixture(scope="module")
 def torchrun_losses(tmp_path_factory, data_cache) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("torchrun") / "run"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
-        env.pop(k, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        "-m",
-        "loomtrain",
-        "train",
-        CONFIG,
-        *SHRUNK,
-        f"run.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_loomtrain("train", CONFIG, *SHRUNK, f"run.dir={run_dir}", f"data.cache_dir={data_cache}", nproc=4)
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     return got

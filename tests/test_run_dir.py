@@ -24,59 +24,25 @@ import sys
 import time
 from pathlib import Path
 
+import launch
 import pytest
+from launch import Run, loomtrain_cmd
 from loomtrain.launcher import rundir
 from loomtrain.launcher.rundir import LOCK, MARKER, RunDirError, claim
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
+TINY = str(launch.TINY)
 SMALL = [
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.max_seq_len=32",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=2",
+    *launch.SMALLEST,
     "train.warmup_steps=1",
     "data.max_files=20",
     "data.val_fraction=0.1",
-    "eval.every_steps=0",
-    "eval.num_samples=0",
-    "log.progress=plain",
-    "log.tensorboard=false",
+    *launch.QUIET,
 ]
 
 
-def clean_env() -> dict[str, str]:
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    base = {k: v for k, v in os.environ.items() if k not in drop}
-    return {**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-def train_cmd(run: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "loomtrain",
-        "train",
-        TINY,
-        *SMALL,
-        f"run.dir={run}",
-        f"data.cache_dir={cache}",
-        *extra,
-    ]
-
-
-def train(run: Path, cache: Path, *extra: str, rc: int = 0) -> str:
+def train(run: Path, data_cache: Path, *extra: str, rc: int = 0) -> str:
     """`loomtrain train` in this process (the CLI's main: run-dir claim, config, loop)."""
     import contextlib
     import io
@@ -85,7 +51,7 @@ def train(run: Path, cache: Path, *extra: str, rc: int = 0) -> str:
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        got = train_cli.main([TINY, *SMALL, f"run.dir={run}", f"data.cache_dir={cache}", *extra])
+        got = train_cli.main([TINY, *SMALL, f"run.dir={run}", f"data.cache_dir={data_cache}", *extra])
     text = out.getvalue() + err.getvalue()
     assert got == rc, text[-4000:]
     return text
@@ -117,10 +83,10 @@ def steps_of(run: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory, cache) -> Path:
+def base(tmp_path_factory, data_cache) -> Path:
     """A finished 4-step run with checkpoints at steps 2 and 4 and final weights."""
     run = tmp_path_factory.mktemp("base") / "run"
-    train(run, cache, "train.max_steps=4", "checkpoint.every_steps=2")
+    train(run, data_cache, "train.max_steps=4", "checkpoint.every_steps=2")
     assert (run / MARKER).is_file() and not (run / LOCK).exists()
     return run
 
@@ -129,37 +95,22 @@ def base(tmp_path_factory, cache) -> Path:
 
 
 @pytest.mark.slow
-def test_second_train_on_a_run_in_use_is_refused_and_a_dead_holder_is_taken_over(tmp_path, cache, base):
+def test_second_train_on_a_run_in_use_is_refused_and_a_dead_holder_is_taken_over(tmp_path, data_cache, base):
     run = tmp_path / "run"  # (base: the data cache is ready, the holder starts training at once)
-    first = subprocess.Popen(
-        train_cmd(run, cache, "train.max_steps=1000000", "log.every_steps=1", "checkpoint.every_steps=0"),
-        cwd=tmp_path,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.time() + 240
-        for line in first.stdout:  # running: it holds the lock
-            if line.startswith("step 1/"):
-                break
-            assert time.time() < deadline and first.poll() is None
-        out = train(run, cache, "train.max_steps=2", rc=2)
+    argv = ["train", TINY, *SMALL, f"run.dir={run}", f"data.cache_dir={data_cache}"]
+    extra = ["train.max_steps=1000000", "log.every_steps=1", "checkpoint.every_steps=0"]
+    with Run(loomtrain_cmd(*argv, *extra), cwd=tmp_path) as first:
+        first.wait_for(lambda line: line.startswith("step 1/"), timeout=240)  # running: it holds the lock
+        out = train(run, data_cache, "train.max_steps=2", rc=2)
         (line,) = error_lines(out)
-        assert (
-            "is in use by another loomtrain run" in line and f"pid {first.pid} on host {socket.gethostname()}" in line
-        )
-        first.send_signal(signal.SIGKILL)  # dies holding the lock
-        first.wait(timeout=60)
-    finally:
-        if first.poll() is None:
-            first.kill()
-        first.stdout.close()
-    assert json.loads((run / LOCK).read_text())["pid"] == first.pid
+        pid = first.proc.pid
+        assert "is in use by another loomtrain run" in line and f"pid {pid} on host {socket.gethostname()}" in line
+        first.proc.send_signal(signal.SIGKILL)  # dies holding the lock
+        first.proc.wait(timeout=60)
+    assert json.loads((run / LOCK).read_text())["pid"] == pid
     killed_metrics = (run / "metrics.jsonl").read_text()
-    out = train(run, cache, "train.max_steps=2")
-    assert f"took over the lock of {run} from pid {first.pid}" in out
+    out = train(run, data_cache, "train.max_steps=2")
+    assert f"took over the lock of {run} from pid {pid}" in out
     assert not (run / LOCK).exists() and steps_of(run) == [1, 2]
     # no checkpoint to resume: a fresh start, and the killed attempt's metrics are kept aside
     (aside,) = (run / "checkpoints").glob("superseded-*")
@@ -217,14 +168,14 @@ def test_the_holder_keeps_its_lock_alive(tmp_path, monkeypatch):
         assert (run / LOCK).stat().st_mtime > time.time() - 100
 
 
-def test_worker_processes_never_meet_their_own_runs_lock(tmp_path, cache):
+def test_worker_processes_never_meet_their_own_runs_lock(tmp_path, data_cache):
     """Ray's workers (and their restarted groups) call run_training while the driver holds
     the lock: the loop itself takes no lock, so a restart is never refused by its own run."""
     from loomtrain.launcher.config_loader import load_config
     from loomtrain.launcher.loop import run_training
 
     run = tmp_path / "run"
-    cfg = load_config(TINY, [*SMALL, f"run.dir={run}", f"data.cache_dir={cache}", "train.max_steps=2"])
+    cfg = load_config(TINY, [*SMALL, f"run.dir={run}", f"data.cache_dir={data_cache}", "train.max_steps=2"])
     with claim(run):  # the driver
         for _ in range(2):  # the first worker group, then its restart
             result = run_training(cfg)
@@ -235,13 +186,13 @@ def test_worker_processes_never_meet_their_own_runs_lock(tmp_path, cache):
 # ---------------------------------------------------------------- marker
 
 
-def test_a_user_folder_is_refused_and_left_untouched(tmp_path, cache):
+def test_a_user_folder_is_refused_and_left_untouched(tmp_path, data_cache):
     user = tmp_path / "thesis"
     user.mkdir()
     (user / "chapter1.tex").write_text("my work\n")
     (user / "config.yaml").write_text("font: serif\n")  # a config.yaml, but not loomtrain's
     before = snapshot(user)
-    out = train(user, cache, "train.max_steps=1", rc=2)
+    out = train(user, data_cache, "train.max_steps=1", rc=2)
     (line,) = error_lines(out)
     assert f"run.dir={user}: not a loomtrain run directory" in line and "chapter1.tex" in line
     assert snapshot(user) == before
@@ -264,11 +215,11 @@ def test_runs_from_before_the_marker_are_adopted(tmp_path, base):
         assert (old / MARKER).is_file()
 
 
-def test_old_run_without_marker_resumes(tmp_path, cache, base):
+def test_old_run_without_marker_resumes(tmp_path, data_cache, base):
     run = tmp_path / "legacy"
     shutil.copytree(base, run)
     (run / MARKER).unlink()
-    out = train(run, cache, "train.max_steps=5", "checkpoint.every_steps=2")
+    out = train(run, data_cache, "train.max_steps=5", "checkpoint.every_steps=2")
     assert f"resumed from {run / 'checkpoints' / 'step_00000004'}" in out
     assert steps_of(run) == [1, 2, 3, 4, 5]
 
@@ -276,23 +227,23 @@ def test_old_run_without_marker_resumes(tmp_path, cache, base):
 # ---------------------------------------------------------------- resume
 
 
-def test_refused_resume_changes_no_file(tmp_path, cache, base):
+def test_refused_resume_changes_no_file(tmp_path, data_cache, base):
     run = tmp_path / "run"
     shutil.copytree(base, run)
     (run / "checkpoints" / ".tmp-step_00000006").mkdir()  # leftover of an interrupted write
     before = snapshot(run)
-    out = train(run, cache, "train.max_steps=6", "model.d_model=64", rc=2)
+    out = train(run, data_cache, "train.max_steps=6", "model.d_model=64", rc=2)
     (line,) = error_lines(out)
     assert "checkpoint.resume=auto" in line and "tok_emb.weight" in line
     assert snapshot(run) == before
 
 
-def test_resume_never_moves_metrics_final_and_checkpoints_aside(tmp_path, cache, base):
+def test_resume_never_moves_metrics_final_and_checkpoints_aside(tmp_path, data_cache, base):
     run = tmp_path / "run"
     shutil.copytree(base, run)
     old_metrics = (run / "metrics.jsonl").read_text()
     old_final = snapshot(run / "final")
-    train(run, cache, "train.max_steps=2", "checkpoint.resume=never")
+    train(run, data_cache, "train.max_steps=2", "checkpoint.resume=never")
     (aside,) = (run / "checkpoints").glob("superseded-*")
     assert sorted(p.name for p in aside.iterdir()) == [
         "final",
@@ -305,39 +256,39 @@ def test_resume_never_moves_metrics_final_and_checkpoints_aside(tmp_path, cache,
     assert steps_of(run) == [1, 2] and (run / "final" / "model.safetensors").is_file()
 
 
-def test_resume_path_seeds_only_the_first_start(tmp_path, cache, base):
+def test_resume_path_seeds_only_the_first_start(tmp_path, data_cache, base):
     run = tmp_path / "seeded"
     seed = base / "checkpoints" / "step_00000002"
     out = train(
         run,
-        cache,
+        data_cache,
         "train.max_steps=6",
         "checkpoint.every_steps=0",
         "checkpoint.stop_at_step=3",
         f"checkpoint.resume={seed}",
     )
     assert f"resumed from {seed}" in out and steps_of(run) == [3]
-    out = train(run, cache, "train.max_steps=6", "checkpoint.every_steps=0", f"checkpoint.resume={seed}")
+    out = train(run, data_cache, "train.max_steps=6", "checkpoint.every_steps=0", f"checkpoint.resume={seed}")
     own = run / "checkpoints" / "step_00000003"
     assert f"resumed from {own}" in out and "only seeds a run's first start" in out
     assert steps_of(run) == [3, 4, 5, 6]
     gone = tmp_path / "seed-gone"  # the seed may be deleted once the run has its own checkpoints
     shutil.copytree(base / "checkpoints" / "step_00000002", gone)
     other = tmp_path / "seeded-2"
-    train(other, cache, "train.max_steps=3", "checkpoint.stop_at_step=3", f"checkpoint.resume={gone}")
+    train(other, data_cache, "train.max_steps=3", "checkpoint.stop_at_step=3", f"checkpoint.resume={gone}")
     shutil.rmtree(gone)
-    out = train(other, cache, "train.max_steps=4", f"checkpoint.resume={gone}")
+    out = train(other, data_cache, "train.max_steps=4", f"checkpoint.resume={gone}")
     assert f"resumed from {other / 'checkpoints' / 'step_00000003'}" in out and steps_of(other) == [3, 4]
 
 
-def test_checkpoints_that_all_fail_verification_stop_the_run(tmp_path, cache, base):
+def test_checkpoints_that_all_fail_verification_stop_the_run(tmp_path, data_cache, base):
     run = tmp_path / "run"
     shutil.copytree(base, run)
     for step in (2, 4):
         victim = run / "checkpoints" / f"step_{step:08d}" / "trainer.json"
         victim.write_text(victim.read_text() + " ")
     before = snapshot(run)
-    out = train(run, cache, "train.max_steps=6", rc=2)
+    out = train(run, data_cache, "train.max_steps=6", rc=2)
     (line,) = error_lines(out)
     assert "no usable checkpoint" in line and "step_00000004: trainer.json" in line
     assert "step_00000002: trainer.json" in line and "checkpoint.resume=never" in line
@@ -376,12 +327,12 @@ def file_size_limit():
         signal.signal(signal.SIGXFSZ, old_handler)
 
 
-def test_a_save_on_a_full_disk_is_one_line_and_keeps_latest(tmp_path, cache, base, file_size_limit):
+def test_a_save_on_a_full_disk_is_one_line_and_keeps_latest(tmp_path, data_cache, base, file_size_limit):
     run = tmp_path / "run"
     shutil.copytree(base, run)
-    train(run, cache, "train.max_steps=4")  # resumes at 4: nothing to write but final/
+    train(run, data_cache, "train.max_steps=4")  # resumes at 4: nothing to write but final/
     file_size_limit()
-    out = train(run, cache, "train.max_steps=6", "checkpoint.every_steps=2", rc=1)
+    out = train(run, data_cache, "train.max_steps=6", "checkpoint.every_steps=2", rc=1)
     (line,) = error_lines(out)
     assert (
         line.startswith("loomtrain: write error: checkpoint: cannot save step 6: File too large: ")

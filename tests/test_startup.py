@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import python_cmd, run_child
 from loomtrain.launcher.components import build_model
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning.dryrun import OneRankTopology
@@ -138,27 +136,7 @@ def test_a_supplier_plugs_in_and_mistakes_name_the_parameter():
 
 
 def _torchrun(mode: str, out: Path, tiny: list[str], big: list[str]) -> list[dict]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "4",
-        str(DRIVER),
-        mode,
-        str(out),
-        str(TINY),
-        "--tiny",
-        *tiny,
-        "--big",
-        *big,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_child(python_cmd(DRIVER, mode, out, TINY, "--tiny", *tiny, "--big", *big, nproc=4), timeout=900)
     return [json.loads((out / f"{mode}.rank{r}.json").read_text()) for r in range(4)]
 
 

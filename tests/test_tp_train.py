@@ -8,13 +8,10 @@ on the same global batch: the loss of every step within 1e-5.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launch import losses, run_loomtrain
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,46 +33,24 @@ COMMON = [
 
 
 def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
-def _run(cmd: list[str], tmp_path: Path) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return list(losses(run_dir).values())
 
 
 @pytest.mark.slow
 def test_torchrun_tp2_dp2_sp_follows_single_process(tmp_path):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     ref_dir, tp_dir = tmp_path / "ref", tmp_path / "tp2"
-    _run(
-        [sys.executable, "-m", "loomtrain", "train", "configs/tiny.yaml", f"run.dir={ref_dir}", cache, *COMMON],
-        tmp_path,
-    )
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "4",
-            "-m",
-            "loomtrain",
-            "train",
-            "configs/tiny.yaml",
-            f"run.dir={tp_dir}",
-            cache,
-            *COMMON,
-            "parallel.tp=2",
-            "parallel.sequence_parallel=true",
-            "parallel.zero_stage=1",
-        ],
-        tmp_path,
+    run_loomtrain("train", "configs/tiny.yaml", f"run.dir={ref_dir}", cache, *COMMON)
+    run_loomtrain(
+        "train",
+        "configs/tiny.yaml",
+        f"run.dir={tp_dir}",
+        cache,
+        *COMMON,
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.zero_stage=1",
+        nproc=4,
     )
     ref, tp = _losses(ref_dir), _losses(tp_dir)
     assert len(ref) == len(tp) == 10

@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launch
 import pytest
+from launch import TINY, run_loomtrain
 from loomtrain.launcher.config_loader import load_config
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 
 # tiny.yaml shrunk to seconds: a 2-layer d=64 model, 32-token sequences, grad_accum 2.
 SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.max_seq_len=64",
-    "train.seq_len=32",
-    "train.micro_batch_size=4",
+    *launch.SMALL,
     "train.global_batch_size=8",
-    "train.warmup_steps=2",
-    "data.max_files=40",
     "data.val_fraction=0.1",
     "eval.batches=2",
     "eval.sample_tokens=16",
@@ -35,41 +23,11 @@ SMALL = [
 TRAIN_TAGS = {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "mem_bytes"}
 EVAL_TAGS = {"eval/loss", "eval/ppl"}
 # TensorBoard groups the same metrics (metrics.jsonl keeps the plain keys above).
-TB_TAGS = {
-    "train/loss",
-    "train/lr",
-    "train/grad_norm",
-    "perf/tokens_per_s",
-    "perf/mfu",
-    "perf/step_time_s",
-    "memory/mem_bytes",
-    "perf/step_time_max_s",
-    "perf/slowest_rank",
-    "memory/mem_bytes_max",
-}
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data_cache")
+TB_TAGS = launch.TB_SCALARS
 
 
 # Tiny models gain nothing from threads; on a shared 2-core box they only spin.
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without the rendezvous an in-process run left in it."""
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    base = {k: v for k, v in os.environ.items() if k not in drop}
-    return {**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **extra}
-
-
-def cli(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = clean_env()
-    return subprocess.run(
-        [sys.executable, "-m", "loomtrain", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
-    )
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +35,9 @@ def cli_run(tmp_path_factory, data_cache):
     """`loomtrain train` as a user runs it: 4 steps, eval at 2 and 4."""
     work = tmp_path_factory.mktemp("cli")
     run_dir = work / "runs" / "small"
-    proc = cli(
+    proc = run_loomtrain(
         "train",
-        str(TINY),
+        TINY,
         *SMALL,
         "train.max_steps=4",
         "eval.every_steps=2",
@@ -87,7 +45,6 @@ def cli_run(tmp_path_factory, data_cache):
         f"data.cache_dir={data_cache}",
         cwd=work,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, proc
 
 
@@ -132,12 +89,11 @@ def test_generate_on_the_saved_run(cli_run):
     run_dir, _ = cli_run
     final = run_dir / "final"
     assert {p.name for p in final.iterdir()} >= {"model.safetensors", "model_config.json", "tokenizer"}
-    proc = cli("generate", str(run_dir), "--prompt", "import ", "--max-new-tokens", "12", cwd=run_dir)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_loomtrain("generate", run_dir, "--prompt", "import ", "--max-new-tokens", "12", cwd=run_dir)
     out = proc.stdout.rstrip("\n")
     assert out.startswith("import ")
     # greedy (temperature 0) is deterministic
-    again = cli("generate", str(run_dir), "--prompt", "import ", "--max-new-tokens", "12", cwd=run_dir)
+    again = run_loomtrain("generate", run_dir, "--prompt", "import ", "--max-new-tokens", "12", cwd=run_dir)
     assert again.stdout == proc.stdout
 
 
@@ -218,33 +174,16 @@ def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
 
     extra = ["train.max_steps=4", "eval.every_steps=0", "log.tensorboard=false"]
     single = run_training(small_cfg(tmp_path / "one", data_cache, *extra)).losses
-    env = clean_env()
-    # --standalone: torchrun binds its own free port at once (a port picked here first could
-    # be taken by another process, e.g. a Ray worker of the shared test cluster, before use)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "loomtrain",
-            "train",
-            str(TINY),
-            *SMALL,
-            *extra,
-            f"run.dir={tmp_path / 'two'}",
-            f"data.cache_dir={data_cache}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run_loomtrain(
+        "train",
+        TINY,
+        *SMALL,
+        *extra,
+        f"run.dir={tmp_path / 'two'}",
+        f"data.cache_dir={data_cache}",
+        nproc=2,
         cwd=tmp_path,
-        env=env,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     two = [r["loss"] for r in records if "loss" in r]
     assert two == pytest.approx(single, abs=1e-5)

@@ -20,12 +20,10 @@ variant through the real loop (DeepSpeed engine, data stream per DP rank, clippi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launch import child_env, python_cmd, run_child, run_loomtrain
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import memory_model as mm
 
@@ -86,37 +84,19 @@ FP32_TOL = 1e-5
 BF16_TOL = 5e-3
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOOMTRAIN_TEST_FAULTS"):
-        env.pop(key, None)
-    return env
-
-
-def _driver(prefix: list[str], out: Path, cache: Path, variants: dict[str, list[str]]) -> None:
-    cmd = [
-        *prefix,
-        str(ROOT / "tests" / "zero_driver.py"),
-        str(out),
-        TINY,
-        "--common",
-        *COMMON,
-        f"data.cache_dir={cache}",
-    ]
+def _driver(nproc: int, out: Path, cache: Path, variants: dict[str, list[str]]) -> None:
+    argv = [ROOT / "tests" / "zero_driver.py", out, TINY, "--common", *COMMON, f"data.cache_dir={cache}"]
     for name, overrides in variants.items():
-        cmd += ["--variant", name, *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        argv += ["--variant", name, *overrides]
+    run_child(python_cmd(*argv, nproc=nproc), timeout=900)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero")
     cache = out / "cache"
-    _driver([sys.executable], out, cache, VARIANTS_1)
-    _driver(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"], out, cache, VARIANTS_4
-    )
+    _driver(1, out, cache, VARIANTS_1)
+    _driver(4, out, cache, VARIANTS_4)
     return out
 
 
@@ -199,27 +179,18 @@ def test_nonfinite_skipped_counted_and_stops_deepspeed_path(runs):
 
 def test_nonfinite_cli_fp32_zero0_path(runs, tmp_path):
     run_dir = tmp_path / "nan0"
-    env = {**_env(), "LOOMTRAIN_TEST_FAULTS": "nan:0:2,nan:0:4-6"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loomtrain",
-            "train",
-            TINY,
-            *COMMON,
-            "train.max_steps=8",
-            "train.max_consecutive_skips=3",
-            f"run.dir={run_dir}",
-            f"data.cache_dir={runs / 'cache'}",
-        ],
-        cwd=ROOT,
+    env = child_env(LOOMTRAIN_TEST_FAULTS="nan:0:2,nan:0:4-6")
+    proc = run_loomtrain(
+        "train",
+        TINY,
+        *COMMON,
+        "train.max_steps=8",
+        "train.max_consecutive_skips=3",
+        f"run.dir={run_dir}",
+        f"data.cache_dir={runs / 'cache'}",
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        rc=1,
     )
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loomtrain: training stopped: train.max_consecutive_skips=3: optimizer steps 4-6" in proc.stderr
     rows = _metrics(run_dir)
     assert [r["skipped_steps"] for r in rows] == [0, 1, 1, 2, 3, 4]
