@@ -193,7 +193,7 @@ class CheckpointHook(Hooks):
     def flush_local(self, timeout_s: float = 300.0) -> None:
         """Block until the save in flight is published, without a collective (rank 0's writer
         publishes once every rank's part is on disk). For test-only faults that must strike
-        "right after a checkpoint", as they did when saves were synchronous."""
+        "right after a checkpoint": with async saves the step ends before its checkpoint exists."""
         bg = self.in_flight
         if bg is None:
             return
