@@ -78,12 +78,26 @@ def _cmd(run: Path, cache: Path, *extra: str) -> list[str]:
     return loomtrain_cmd("train", TINY, *SMALL, f"run.dir={run}", f"data.cache_dir={cache}", *extra)
 
 
+def _slow_writer_run(run: Path, cache: Path, step: int, seconds: float) -> Run:
+    """A long run whose checkpoint writer for `step` first sleeps `seconds`; returns once that
+    writer has started."""
+    child = Run(
+        _cmd(run, cache, "train.max_steps=1000"),
+        run.parent,
+        child_env(LOOMTRAIN_TEST_FAULTS=f"ckpt_slow:{step}:{seconds}"),
+    )
+    try:
+        child.wait_for(f"TEST FAULT ckpt_slow at step {step}", timeout=300)
+    except BaseException:
+        child.kill()
+        raise
+    return child
+
+
 @pytest.mark.slow
 def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(tmp_path):
     run, cache = tmp_path / "killed", tmp_path / "cache"
-    env = child_env(LOOMTRAIN_TEST_FAULTS="ckpt_slow:6:120")
-    with Run(_cmd(run, cache, "train.max_steps=1000"), tmp_path, env) as child:
-        child.wait_for("TEST FAULT ckpt_slow at step 6", timeout=300)
+    with _slow_writer_run(run, cache, 6, 120) as child:
         child.wait_for("step 7/", timeout=300)  # training went on past the save
         child.proc.send_signal(signal.SIGKILL)
         child.proc.wait(timeout=60)
@@ -97,9 +111,7 @@ def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(
 @pytest.mark.slow
 def test_sigterm_during_background_write_waits_for_it_then_exits_0(tmp_path):
     run, cache = tmp_path / "term", tmp_path / "cache"
-    env = child_env(LOOMTRAIN_TEST_FAULTS="ckpt_slow:3:4")
-    with Run(_cmd(run, cache, "train.max_steps=1000"), tmp_path, env) as child:
-        child.wait_for("TEST FAULT ckpt_slow at step 3", timeout=300)
+    with _slow_writer_run(run, cache, 3, 4) as child:
         child.proc.send_signal(signal.SIGTERM)
         rc = child.finish(timeout=120)
     assert rc == 0, child.text[-3000:]

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import child_env, run_loomtrain
 from loomtrain.launcher.cluster import jobs
 from loomtrain.launcher.cluster.packaging import plan_shipment
 
@@ -75,16 +76,10 @@ def _shipped_names(listing: str) -> list[str]:
 def test_dry_run_lists_package_and_named_configs_with_sizes_and_no_secret(salted):
     pkg_path = salted.parent / "pkgpath"
     pkg_path.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(salted.parent)}  # imports the salted copy itself
-    proc = subprocess.run(
-        [sys.executable, "-m", "loomtrain", "submit", "configs/tiny.yaml", "train.max_steps=5", "--dry-run"],
-        cwd=salted,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    env = child_env(PYTHONPATH=str(salted.parent))  # imports the salted copy itself
+    proc = run_loomtrain(
+        "submit", "configs/tiny.yaml", "train.max_steps=5", "--dry-run", cwd=salted, env=env, timeout=120
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     names = _shipped_names(proc.stdout)
     assert "loomtrain/launcher/loop.py" in names and "loomtrain/configs/tiny.yaml" in names, proc.stdout
     assert "loomtrain/__main__.py" in names
