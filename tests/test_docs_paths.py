@@ -1,6 +1,7 @@
 """Docstrings and comments name only files that exist, and none cites an issue number.
 
-Every path-like name in the docstrings and comments of the project's .py files
+Every path-like name in the docstrings and comments of the project's .py files (and the
+comments of its shell scripts and image recipe)
 (`launcher/engine.py`, `tests/test_zero.py`, `store.py`, `launcher/checkpoints/`,
 `loomtrain.launcher.planning.memory_model`) must resolve in this checkout:
 - a path whose first part is a top-level entry of the repository resolves from the root
@@ -9,8 +10,9 @@ Every path-like name in the docstrings and comments of the project's .py files
 - a bare file name resolves when some file in the tree has that name;
 - a dotted `loomtrain` name resolves to a module of the tree, and the first name after the
   module must be defined, imported or listed in `__all__` at that module's top level.
-README.md is held to the paths that start at a top-level entry of the repository and to the
-dotted names: its worked examples create files of their own (a mixture config, a corpus folder).
+The READMEs (README.md, benchmarks/README.md) are held to the paths that start at a top-level
+entry of the repository and to the dotted names: their worked examples create files of their own
+(a mixture config, a corpus folder).
 Placeholders (`RUN_DIR/final/`, `runs/NAME/config.yaml`), paths under `runs/` (training output),
 paths that climb out of the checkout (`../shared/...`) and one-part folders (`final/`, `tb/`:
 run-directory layout, not the repository's) are not names of this tree. What remains and is
@@ -90,11 +92,24 @@ def doc_texts(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+READMES = ("README.md", "benchmarks/README.md")
+
+
+def scripts() -> list[Path]:
+    """The shell scripts, CI's script and the image recipe."""
+    return [p for p in _walk(ROOT) if p.suffix == ".sh" or p.name == "Dockerfile"] + [ROOT / ".ci" / "run"]
+
+
 @cache
 def all_doc_texts() -> list[tuple[str, int, str]]:
-    """(file, line, text) for the project's docstrings and comments, and README.md whole."""
+    """(file, line, text) for the project's docstrings and comments, the comments of its
+    scripts, and the READMEs whole."""
     out = [(p.relative_to(ROOT).as_posix(), line, text) for p in python_files() for line, text in doc_texts(p)]
-    out.append(("README.md", 1, (ROOT / "README.md").read_text()))
+    for path in scripts():
+        lines = path.read_text().splitlines()
+        name = path.relative_to(ROOT).as_posix()
+        out += [(name, i, line) for i, line in enumerate(lines, 1) if line.lstrip().startswith("#")]
+    out += [(name, 1, (ROOT / name).read_text()) for name in READMES]
     return out
 
 
@@ -190,7 +205,7 @@ def test_every_path_named_in_docstrings_and_comments_exists():
     stale = [
         f"{f}:{line}: {name}"
         for f, line, text in all_doc_texts()
-        for name in stale_names(text, rooted_only=f == "README.md")
+        for name in stale_names(text, rooted_only=f in READMES)
     ]
     assert not stale, "docs name files or modules that do not exist:\n" + "\n".join(stale)
 
@@ -199,7 +214,7 @@ def test_no_docstring_or_comment_cites_an_issue_number():
     cited = [
         f"{f}:{line}: {m.group(0)}"
         for f, line, text in all_doc_texts()
-        if f != "README.md"
+        if f not in READMES
         for m in ISSUE_RE.finditer(text)
     ]
     assert not cited, "a comment says why, not which issue asked for it:\n" + "\n".join(cited)
