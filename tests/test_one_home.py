@@ -8,6 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = [
     p for folder in ("model", "parallel", "data_pipeline", "launcher") for p in sorted((ROOT / folder).rglob("*.py"))
 ] + [ROOT / "durable.py"]
+TREES = {p: ast.parse(p.read_text()) for p in LIBRARY}
 
 
 def _module(path: Path) -> str:
@@ -21,7 +22,7 @@ def _private(name: str) -> bool:
 def test_no_module_uses_another_modules_private_names():
     found = []
     for path in LIBRARY:
-        tree = ast.parse(path.read_text())
+        tree = TREES[path]
         aliases = {}  # local name -> the loomtrain module it stands for
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("loomtrain"):
@@ -44,8 +45,8 @@ def test_no_module_uses_another_modules_private_names():
 def _defs(name: str) -> list[str]:
     return [
         f"{p.relative_to(ROOT)}:{n.lineno}"
-        for p in LIBRARY
-        for n in ast.walk(ast.parse(p.read_text()))
+        for p, tree in TREES.items()
+        for n in ast.walk(tree)
         if isinstance(n, ast.FunctionDef) and n.name.lstrip("_") == name
     ]
 
