@@ -9,7 +9,8 @@ Three ways a rank can arrive here, and what we do:
 * a lone process (`loomtrain train ...` on a laptop): pick a free port on
   127.0.0.1 and act as rank 0 of 1 (no MPI discovery).
 
-gloo on CPU, nccl on CUDA; `LOCAL_RANK` picks the GPU. A hung rank is found by the
+gloo on CPU, nccl on CUDA; `LOCAL_RANK` picks the GPU. A group made here is destroyed
+at exit (an adopted one is left to its launcher). A hung rank is found by the
 loop's watchdog after `parallel.timeout_s` (loomtrain.launcher.watchdog); the
 collective timeout is a margin above that, so the watchdog's report (which rank,
 where) comes first and the library's timeout is only the backstop.
@@ -21,6 +22,7 @@ RUN_DIR/logs/nccl_trace_rank_N (read with `python -m torch.distributed.flight_re
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass
@@ -122,6 +124,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
             )
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
         dist.init_process_group(backend=backend, timeout=timeout, init_method="env://")
+        atexit.register(_destroy_process_group)  # ours to end (an adopted group is its launcher's)
 
     # DeepSpeed's comm layer wraps the existing group (no second rendezvous). Imported here:
     # checkpoint readers (export, generate) use this module's rank helpers without DeepSpeed.
@@ -136,6 +139,16 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         backend=backend,
         launcher=launcher,
     )
+
+
+def _destroy_process_group() -> None:
+    """End the process group this process made, at exit while the interpreter is still whole.
+
+    Left to interpreter finalization, gloo's worker threads can drop their last tensors after
+    Python is gone, and the process aborts on the way out ("terminate called without an active
+    exception", SIGABRT): a finished rank would report a failure to torchrun."""
+    if is_distributed():
+        dist.destroy_process_group()
 
 
 # The collectives every room uses, all no-ops in a lone process without a process group.

@@ -1,0 +1,37 @@
+"""launcher/distributed.py: the process group a rank makes is ended at exit, one it adopts is not.
+
+A gloo group left alive into interpreter finalization can abort a finished rank on its way
+out (SIGABRT, "terminate called without an active exception"; seen once in CI, a few runs
+in a hundred on a loaded 2-core machine), which torchrun reports as a failed job.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from launch import run_child
+
+# Handlers registered before init_distributed run after its own (atexit is last in, first out).
+CHILD = """
+import atexit, os, sys
+import torch.distributed as dist
+from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.distributed import free_port, init_distributed
+
+if sys.argv[1] == "adopted":  # a group set up by the launcher, as Ray Train's worker does
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo")
+    atexit.register(dist.destroy_process_group)  # the launcher's own clean-up, after the check
+atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))
+cfg = RunConfig()
+cfg.train.device = "cpu"
+print("launcher:", init_distributed(cfg).launcher)
+"""
+
+
+@pytest.mark.parametrize("how,launcher,alive", [("made", "local", False), ("adopted", "existing", True)])
+def test_a_group_made_here_is_destroyed_at_exit_an_adopted_one_is_left(how, launcher, alive):
+    proc = run_child([sys.executable, "-c", CHILD, how])
+    assert f"launcher: {launcher}" in proc.stdout
+    assert f"group alive at exit: {alive}" in proc.stdout, proc.stdout + proc.stderr
