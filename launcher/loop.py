@@ -110,10 +110,6 @@ def _to(batch, device):
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def _quiet(*args, **kwargs) -> None:
-    pass
-
-
 def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = None) -> StepOutput:
     """One optimizer step. A non-finite step is skipped (see loomtrain.launcher.nonfinite);
     `guard` covers the one path DeepSpeed does not guard itself (fp32 at ZeRO 0)."""
@@ -262,9 +258,7 @@ def _set_up(
         stop.clear_file()  # a request left by an earlier run is not for this one
     components.seed_everything(cfg.train.seed)
     topology = components.build_topology(cfg, env)
-    shard_dir, tokenizer, train_stream = components.build_data(
-        cfg, topology, env, log=print if env.is_logging_rank else _quiet
-    )
+    shard_dir, tokenizer, train_stream = components.build_data(cfg, topology, env)  # rank 0 reports
     opened.callback(train_stream.close)
     if cfg.eval.every_steps:  # an unusable val split fails now, not at the first eval
         components.val_stream(cfg, shard_dir, topology, tokenizer).close()
