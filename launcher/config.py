@@ -292,10 +292,9 @@ class RayConfig:
         check_positive(f"{prefix}.num_workers", self.num_workers)
         check_positive(f"{prefix}.cpus_per_worker", self.cpus_per_worker)
         check_positive(f"{prefix}.max_failures", self.max_failures, allow_zero=True)
-        try:  # Ray's own parser would fail later with a traceback, or hang resolving the host
-            check_ray_address(self.address, f"{prefix}.address")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        # Ray's own parser would fail later with a traceback, or hang resolving the host
+        # (its ValueError becomes a ConfigError in config_loader.validate, as every section's).
+        check_ray_address(self.address, f"{prefix}.address")
 
 
 @dataclass

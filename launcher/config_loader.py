@@ -243,11 +243,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
 
 def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
     t, p, m = cfg.train, cfg.parallel, cfg.model
-    # a PATH only seeds the first start: once the run has checkpoints, the seed may be gone
-    run_has_checkpoints = (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir()
     resume = cfg.checkpoint.resume
-    check(
-        resume in RESUME_MODES or "://" in resume or Path(resume).exists() or run_has_checkpoints,
+    check(  # a PATH only seeds the first start: once the run has checkpoints, the seed may be gone
+        resume in RESUME_MODES or "://" in resume or Path(resume).exists() or _run_has_checkpoints(cfg),
         "checkpoint.resume",
         "auto, never or the path of an existing checkpoint",
         resume,
@@ -276,6 +274,10 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
         _check_init_from(cfg)
 
 
+def _run_has_checkpoints(cfg: RunConfig) -> bool:
+    return (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir()
+
+
 def _float_leaves(obj: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -289,7 +291,7 @@ def _check_init_from(cfg: RunConfig) -> None:
     """model.init_from exists, is not the run's own final/ (which the run's end replaces), and
     holds a model with the shapes model.* gives."""
     src = Path(cfg.model.init_from).expanduser()
-    if not src.exists() and (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir():
+    if not src.exists() and _run_has_checkpoints(cfg):
         return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
     check(
         src.is_dir(),

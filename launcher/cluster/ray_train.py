@@ -17,7 +17,7 @@ GPU); each worker calls the SAME `run_training(cfg)` as torchrun and the local
 run, with one extra hook, `RayReportHook`. loop.py has no Ray code.
 
 Checkpoint hand-back (the decision, and why):
-  Our checkpoint protocol (checkpoints/store.py) already makes every checkpoint
+  Our checkpoint protocol (launcher/checkpoints/store.py) already makes every checkpoint
   atomic, verified and discoverable in RUN_DIR/checkpoints. Copying it into
   Ray's storage would double the disk use and block training on the copy (the
   Ray issues #48801, #43917). So Ray gets a *pointer*: after a step at which a
@@ -465,7 +465,7 @@ class RayStartError(RayRunError):
     """The worker group could not be placed on the cluster in time."""
 
 
-def _stop_for_workers(run_dir: str):
+def _stop_for_workers(run_dir: str | os.PathLike):
     """Driver: a signal becomes RUN_DIR/STOP, which the workers' rank 0 watches."""
     from loomtrain.launcher.stopping import StopRequest, request_stop, signal_name
 
@@ -486,7 +486,8 @@ def train_on_ray(cfg: RunConfig) -> int:
     from loomtrain.launcher.stopping import exit_code
     from ray.train import TrainingFailedError
 
-    stop = _stop_for_workers(absolutize(cfg).run.dir)
+    run_dir = Path(absolutize(cfg).run.dir)
+    stop = _stop_for_workers(run_dir)
     try:
         result = run(cfg, stop=stop)
     except TrainingFailedError as exc:
@@ -494,7 +495,7 @@ def train_on_ray(cfg: RunConfig) -> int:
     finally:
         stop.uninstall()
     pointer = read_pointer(result.checkpoint)
-    metrics = result.metrics or _last_record(Path(absolutize(cfg).run.dir) / "metrics.jsonl")
+    metrics = result.metrics or _last_record(run_dir / "metrics.jsonl")
     if stop.signum:
         print(f"loomtrain: stopped at step {metrics.get('step')} (checkpoint saved)")
     else:

@@ -173,10 +173,6 @@ def _local_device(cfg) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _local_peak_flops(device: torch.device, precision: str) -> float:
-    return device_peak_flops(device, precision)
-
-
 def _row(label: str, *cells: str) -> str:
     return f"  {label:<34}" + "".join(f"{c:>22}" for c in cells)
 
@@ -303,5 +299,5 @@ def dry_run(cfg, cluster: mm.Plan, steps: int, gpu: str, mfu: float, max_micro: 
         per_sample = local.activations.total / cfg.train.micro_batch_size
         room = psutil.virtual_memory().available + meas.peak_bytes - local.states.total
         cpu_estimate = max(0, int(room // per_sample))
-    peak = _local_peak_flops(device, cfg.train.precision)
+    peak = device_peak_flops(device, cfg.train.precision)
     return format_table(cfg, cluster, local, meas, device, peak, mfu, cpu_estimate)

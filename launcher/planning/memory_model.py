@@ -105,11 +105,6 @@ def device_spec(name: str) -> Device:
 
 
 # --------------------------------------------------------------------------- params
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """Rows of the (vocab-parallel) embedding summed over the TP ranks (the TP plan's padding)."""
-    return padded_vocab_size(vocab_size, tp)
-
-
 def analytic_param_count(cfg: ModelConfig) -> int:
     """Parameters of the plain (tp=1) model from ModelConfig's arithmetic alone (model.flops)."""
     return param_count(cfg)
@@ -228,7 +223,7 @@ def output_layer_bytes(
     """What the output layer and the loss hold between forward and backward (peak)."""
     p, tokens = _DTYPE_BYTES[precision], seq * micro
     if tp > 1:  # vocab-parallel: this rank's logits and the loss's float32 working copy
-        return tokens * (padded_vocab(cfg.vocab_size, tp) // tp) * (p + 4)
+        return tokens * (padded_vocab_size(cfg.vocab_size, tp) // tp) * (p + 4)
     rows = min(tokens, chunk_rows(cfg.vocab_size, device_type))
     chunk = rows * cfg.vocab_size * (p + (4 if p != 4 else 0))  # compute dtype (+ float32 copy)
     return chunk + tokens * cfg.d_model * p + cfg.vocab_size * cfg.d_model * 4
@@ -346,12 +341,6 @@ class Plan:
         return d
 
 
-def _bucket_elems(run: Any, dp: int) -> int:
-    """reduce_bucket_size from the DeepSpeed config the engine will use (DeepSpeed's default)."""
-    zero = ds_config(run, dp).get("zero_optimization", {})
-    return int(zero.get("reduce_bucket_size", DS_BUCKET_ELEMS))
-
-
 def make_plan(
     run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT_MFU, model: Any = None, **host: Any
 ) -> Plan:
@@ -363,8 +352,11 @@ def make_plan(
     if world_size < 1 or world_size % tp:
         raise ValueError(f"--world-size {world_size} must be a positive multiple of parallel.tp={tp}")
     dp = world_size // tp
-    accum = tr.grad_accum_steps(dp)
-    par.check_offload()
+    # The DeepSpeed config the engine will use (it refuses a batch that does not split and an
+    # offload at a stage that cannot take it): its accumulation and its reduce bucket.
+    ds = ds_config(run, dp)
+    accum = ds["gradient_accumulation_steps"]
+    bucket_elems = int(ds["zero_optimization"].get("reduce_bucket_size", DS_BUCKET_ELEMS))
     dev = device_spec(gpu)
     if model is None:
         model = build_meta_model(cfg)
@@ -381,7 +373,7 @@ def make_plan(
         "cpu" if gpu == "cpu" else "cuda",
     )
     reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
-    bucket, fp32_grads = ds_buffers(pc.per_rank, stage, dp, prec, par.offload_optimizer, _bucket_elems(run, dp))
+    bucket, fp32_grads = ds_buffers(pc.per_rank, stage, dp, prec, par.offload_optimizer, bucket_elems)
     total = states.total + acts.total + reserve + bucket + fp32_grads
     tokens = tr.global_batch_size * tr.seq_len
     if hasattr(model, "flops_per_token"):
@@ -419,7 +411,7 @@ def make_plan(
             "prefer parallel.zero_stage >= 1 (at dp=1 it holds the same bytes)"
         )
     if cfg.vocab_size % tp:
-        notes.append(f"vocab {cfg.vocab_size} padded to {padded_vocab(cfg.vocab_size, tp)} for tp={tp}")
+        notes.append(f"vocab {cfg.vocab_size} padded to {padded_vocab_size(cfg.vocab_size, tp)} for tp={tp}")
     return Plan(
         world_size=world_size,
         tp=tp,

@@ -14,7 +14,7 @@ counted without allocating its weights. The arithmetic and its sources are in
 
 from __future__ import annotations
 
-from loomtrain.launcher.config_loader import load_config, resolve
+from loomtrain.launcher.config_loader import resolve, validate
 from loomtrain.launcher.planning import host_model as hm
 from loomtrain.launcher.planning import memory_model as mm
 
@@ -118,11 +118,7 @@ def load_plan(config: str, overrides: list[str], world_size: int | None, gpu: st
     """(RunConfig validated at its world size, its Plan); the world size defaults to the
     config's ray.num_workers. Shared by `plan` and `dryrun`; raises ConfigError,
     ValueError or FileNotFoundError for bad input."""
-    world = world_size or _default_world(config, overrides)
-    run = load_config(config, overrides, world_size=world)
+    run = resolve(config, overrides)
+    world = world_size or run.ray.num_workers
+    validate(run, world)
     return run, mm.make_plan(run, world, gpu, mfu, **host)
-
-
-def _default_world(config: str, overrides: list[str]) -> int:
-    """The config's ray.num_workers (checked against tp and the batch sizes afterwards)."""
-    return resolve(config, overrides).ray.num_workers
