@@ -132,15 +132,15 @@ def write_json_durable(path: str | os.PathLike, obj) -> None:
     write_durable(path, json_bytes(obj))
 
 
-def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike, aside: str | os.PathLike | None = None) -> Path:
+def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     """Publish the finished directory `tmp` as `final` with one rename (tmp and the parent
-    fsynced). An earlier `final` is renamed to `aside` (default `.tmp-NAME.old`, beside it)
-    first and deleted only once the new one is in place; a crash in between leaves `aside`,
-    which the next writer's clean-up removes, and never a half-deleted `final`."""
+    fsynced). An earlier `final` is renamed to `.tmp-NAME.old` beside it first and deleted
+    only once the new one is in place; a crash in between leaves that folder, which the next
+    replace_dir of the same `final` removes, and never a half-deleted `final`."""
     tmp, final = Path(tmp), Path(final)
     fsync_path(tmp)
     if final.exists():
-        old = Path(aside) if aside is not None else final.with_name(f"{TMP_PREFIX}{final.name}.old")
+        old = final.with_name(f"{TMP_PREFIX}{final.name}.old")
         if old.exists():
             shutil.rmtree(old)
         os.rename(final, old)

@@ -22,7 +22,6 @@ does not depend on which run, process or Ray task tokenized which file.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -201,8 +200,6 @@ def publish(work: Path, out: Path) -> None:
     check_output) is moved aside first and removed only after the new one is in place.
     The parts go last: killed before the rename, a rerun still resumes (and assembles
     again); killed after it, OUTPUT is complete and its leftover parts are known as ours."""
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    replace_dir(work, out, aside=out.with_name(f".{out.name}.replaced-{os.getpid()}"))
+    replace_dir(work, out)
     (out / JOB).unlink(missing_ok=True)
     shutil.rmtree(out / "parts", ignore_errors=True)

@@ -86,7 +86,7 @@ def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_
             files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}  # small files
     shutil.rmtree(tmp / _PARTS, ignore_errors=True)
     write_json_durable(tmp / FINAL_MANIFEST, {"files": files})
-    return replace_dir(tmp, out_dir, aside=out_dir.with_name(out_dir.name + ".old"))
+    return replace_dir(tmp, out_dir)
 
 
 def save_final_sharded(engine, topology, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:

@@ -144,9 +144,7 @@ class ShardSpec:
         )
 
     @classmethod
-    def from_meta(cls, meta: dict | None, shape=()) -> ShardSpec:
-        if meta is None:
-            return cls(tuple(shape))
+    def from_meta(cls, meta: dict) -> ShardSpec:
         replicas = meta.get("replicas", 1)
         return cls(
             tuple(meta["full_shape"]),

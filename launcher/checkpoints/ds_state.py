@@ -15,7 +15,7 @@ into the full tensor and cutting them again is the TP layout's job (loomtrain.pa
                                       ("exp_avg", "exp_avg_sq") of p, whole over DP (collective)
     write_local(engine, p, key, v)    the reverse (every DP rank passes the same value)
     ensure_optimizer_state(engine)    create Adam's lazily made state (zeros, step 0)
-    adam_step / setadam_step         Adam's step counter
+    adam_step / set_adam_step        Adam's step counter
 
 DeepSpeed's holders, all reached through `deepspeed.utils.safe_{get,set}_full_*` where it
 has them: ZeRO 1/2 (flat fp32 partitions, `_hp_mapping`), bf16 at ZeRO 0 (BF16_Optimizer,

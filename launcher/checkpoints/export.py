@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import yaml
 from loomtrain.data_pipeline import load_tokenizer
-from loomtrain.durable import fsync_path, replace_dir, write_durable
+from loomtrain.durable import replace_dir, write_durable
 from loomtrain.launcher.checkpoints.hf_import import LLAMA_LINEARS
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
 from loomtrain.launcher.checkpoints.state import ConsolidatedReader
@@ -369,8 +369,7 @@ def export_tokenizer(tok_dir: Path | None, out: Path, max_len: int) -> None:
         write_durable(out / "tokenizer.json", byte_tokenizer_json(eos))
     else:
         eos = getattr(tok, "eos_token", None)
-        shutil.copyfile(tok_dir / "tokenizer.json", out / "tokenizer.json")
-        fsync_path(out / "tokenizer.json")
+        write_durable(out / "tokenizer.json", (tok_dir / "tokenizer.json").read_bytes())
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_len,
@@ -468,7 +467,7 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     # An earlier export (checked above) is replaced whole, so no stale shard survives.
-    replace_dir(tmp, out, aside=out.with_name(out.name + ".old-export"))
+    replace_dir(tmp, out)
     n_params = 0
     for r in recipes.values():
         k = 1

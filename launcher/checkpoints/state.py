@@ -207,10 +207,14 @@ def take_snapshot(
     return snap
 
 
-def _write_json(tmp: Path, rel: str, obj) -> dict:
-    data = json_bytes(obj)
+def _write(tmp: Path, rel: str, data: bytes) -> dict:
+    """Write `data` durably at tmp/rel -> its file-list entry (size, sha256)."""
     write_durable(tmp / rel, data)
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _write_json(tmp: Path, rel: str, obj) -> dict:
+    return _write(tmp, rel, json_bytes(obj))
 
 
 def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
@@ -243,9 +247,7 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
     if snap.trainer is not None:
         files["trainer.json"] = _write_json(tmp, "trainer.json", snap.trainer)
         if snap.config_yaml is not None:
-            data = snap.config_yaml.encode()
-            write_durable(tmp / "config.yaml", data)
-            files["config.yaml"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            files["config.yaml"] = _write(tmp, "config.yaml", snap.config_yaml.encode())
         if snap.tokenizer is not None and hasattr(snap.tokenizer, "save"):
             (tmp / "tokenizer").mkdir(exist_ok=True)
             snap.tokenizer.save(str(tmp / "tokenizer"))  # small files the tokenizer writes itself
