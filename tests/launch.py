@@ -189,10 +189,10 @@ class Run:
         return "".join(self.lines)
 
 
-def checkpoint_saved_on_signal(lines: list[str], run_dir: Path, signal_name: str = "SIGTERM") -> int:
-    """The step of the one checkpoint a run saved on `signal_name` (its `[SIGTERM]` line),
-    which is the run's latest."""
-    saved = [line for line in lines if f"[{signal_name}]" in line]
+def checkpoint_saved_on_signal(lines: list[str], run_dir: Path) -> int:
+    """The step of the one checkpoint a run saved on SIGTERM (its `[SIGTERM]` line), which is
+    the run's latest."""
+    saved = [line for line in lines if "[SIGTERM]" in line]
     assert len(saved) == 1, "".join(lines)[-3000:]
     step = int(saved[0].split("checkpoint: step ")[1].split()[0])
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"

@@ -39,7 +39,7 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return {f"{n}/{k}": r.get(n, k) for n in r.names() for k in (None, "exp_avg", "exp_avg_sq")}
 
 
-def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path):
+def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path, data_cache):
     from loomtrain.launcher.hooks import Hooks
     from loomtrain.launcher.loop import run_training
 
@@ -50,8 +50,7 @@ def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path
         def on_step_end(self, ctx, metrics):
             self.ends[ctx.state.step] = time.time()
 
-    cache = tmp_path / "cache"
-    sync = run_training(_cfg(tmp_path / "sync", cache, "checkpoint.async_save=false"))
+    sync = run_training(_cfg(tmp_path / "sync", data_cache, "checkpoint.async_save=false"))
     times = StepTimes()
     seen = {}
 
@@ -60,7 +59,7 @@ def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path
             seen.update({r["step"]: r for r in ctx.checkpoint_saves})
 
     with faults.planned("ckpt_slow:3:2"):
-        asyn = run_training(_cfg(tmp_path / "async", cache), hooks=[times, Saves()])
+        asyn = run_training(_cfg(tmp_path / "async", data_cache), hooks=[times, Saves()])
     assert asyn.losses == sync.losses  # bitwise
     for step in (3, 6, 9):
         a = _tensors(tmp_path / "async" / "checkpoints" / f"step_{step:08d}")
@@ -95,23 +94,23 @@ def _slow_writer_run(run: Path, cache: Path, step: int, seconds: float) -> Run:
 
 
 @pytest.mark.slow
-def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(tmp_path):
-    run, cache = tmp_path / "killed", tmp_path / "cache"
-    with _slow_writer_run(run, cache, 6, 120) as child:
+def test_kill_during_background_write_keeps_previous_latest_and_resumes_from_it(tmp_path, data_cache):
+    run = tmp_path / "killed"
+    with _slow_writer_run(run, data_cache, 6, 120) as child:
         child.wait_for("step 7/", timeout=300)  # training went on past the save
         child.proc.send_signal(signal.SIGKILL)
         child.proc.wait(timeout=60)
     root = run / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_00000003"
     assert not (root / "step_00000006").exists() and (root / ".tmp-step_00000006").is_dir()
-    again = run_child(_cmd(run, cache), cwd=tmp_path)
+    again = run_child(_cmd(run, data_cache), cwd=tmp_path)
     assert f"resumed from {root / 'step_00000003'}" in output(again)
 
 
 @pytest.mark.slow
-def test_sigterm_during_background_write_waits_for_it_then_exits_0(tmp_path):
-    run, cache = tmp_path / "term", tmp_path / "cache"
-    with _slow_writer_run(run, cache, 3, 4) as child:
+def test_sigterm_during_background_write_waits_for_it_then_exits_0(tmp_path, data_cache):
+    run = tmp_path / "term"
+    with _slow_writer_run(run, data_cache, 3, 4) as child:
         child.proc.send_signal(signal.SIGTERM)
         rc = child.finish(timeout=120)
     assert rc == 0, child.text[-3000:]

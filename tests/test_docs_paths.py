@@ -28,8 +28,7 @@ import tokenize
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".venv", ".git", "__pycache__", "build", "dist", "runs", ".pytest_cache"}
+from source_tree import ROOT, entries, parse, python_files, source
 
 # Names in docs that are deliberately not files of this checkout.
 ALLOWED = {
@@ -54,34 +53,20 @@ PLACEHOLDER_RE = re.compile(r"(?:^|[-_.])[A-Z][A-Z0-9]+(?:_[A-Z0-9]+)*(?:$|[-_.]
 ISSUE_RE = re.compile(r"\bissues? \d+\b", re.IGNORECASE)
 
 
-def _walk(directory: Path):
-    for p in sorted(directory.iterdir()):
-        if p.is_dir():
-            if p.name not in SKIP_DIRS and not p.name.endswith(".egg-info"):
-                yield p
-                yield from _walk(p)
-        else:
-            yield p
-
-
 @cache
 def tree() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
     """-> (relative file paths, relative folder paths, file names) of the checkout."""
     files, dirs = set(), set()
-    for p in _walk(ROOT):
+    for p in entries():
         (dirs if p.is_dir() else files).add(p.relative_to(ROOT).as_posix())
     return frozenset(files), frozenset(dirs), frozenset(f.rsplit("/", 1)[-1] for f in files)
 
 
-def python_files() -> list[Path]:
-    return [p for p in _walk(ROOT) if p.suffix == ".py"]
-
-
 def doc_texts(path: Path) -> list[tuple[int, str]]:
     """(line, text) of every docstring and comment in a Python file."""
-    src = path.read_text()
+    src = source(path)
     out = []
-    for node in ast.walk(ast.parse(src)):
+    for node in ast.walk(parse(path)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             doc = ast.get_docstring(node, clean=False)
             if doc:
@@ -97,7 +82,7 @@ READMES = ("README.md", "benchmarks/README.md")
 
 def scripts() -> list[Path]:
     """The shell scripts, CI's script and the image recipe."""
-    return [p for p in _walk(ROOT) if p.suffix == ".sh" or p.name == "Dockerfile"] + [ROOT / ".ci" / "run"]
+    return [p for p in entries() if p.suffix == ".sh" or p.name == "Dockerfile"] + [ROOT / ".ci" / "run"]
 
 
 @cache
@@ -143,7 +128,7 @@ def top_level() -> set[str]:
 @cache
 def _top_level_names(module_file: Path) -> frozenset[str]:
     names, values = set(), {}
-    for node in ast.parse(module_file.read_text()).body:
+    for node in parse(module_file).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):

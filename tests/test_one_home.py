@@ -4,11 +4,11 @@ shared helpers (barrier, durable writes) are defined once."""
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from source_tree import ROOT, parse, python_files
+
 LIBRARY = [
-    p for folder in ("model", "parallel", "data_pipeline", "launcher") for p in sorted((ROOT / folder).rglob("*.py"))
+    p for p in python_files() if p.relative_to(ROOT).parts[0] in ("model", "parallel", "data_pipeline", "launcher")
 ] + [ROOT / "durable.py"]
-TREES = {p: ast.parse(p.read_text()) for p in LIBRARY}
 
 
 def _module(path: Path) -> str:
@@ -22,7 +22,7 @@ def _private(name: str) -> bool:
 def test_no_module_uses_another_modules_private_names():
     found = []
     for path in LIBRARY:
-        tree = TREES[path]
+        tree = parse(path)
         aliases = {}  # local name -> the loomtrain module it stands for
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("loomtrain"):
@@ -45,8 +45,8 @@ def test_no_module_uses_another_modules_private_names():
 def _defs(name: str) -> list[str]:
     return [
         f"{p.relative_to(ROOT)}:{n.lineno}"
-        for p, tree in TREES.items()
-        for n in ast.walk(tree)
+        for p in LIBRARY
+        for n in ast.walk(parse(p))
         if isinstance(n, ast.FunctionDef) and n.name.lstrip("_") == name
     ]
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from loomtrain.launcher.distributed import free_port
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, parallelize
 from loomtrain.parallel.plan import gather_shards, spec_of
@@ -67,12 +67,6 @@ VARIANTS = {
 }
 COMMON = dict(d_model=32, n_layers=2, max_seq_len=32, dropout=0.0)
 BATCH, SEQ = 2, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -264,7 +258,7 @@ def _worker(rank, world, tp, port, out_path, train):
 def test_tp_matches_single_process(tp, tmp_path):
     out = tmp_path / "diffs.json"
     mp.start_processes(
-        _worker, args=(tp, tp, _free_port(), str(out), tp == 2), nprocs=tp, start_method="spawn", join=True
+        _worker, args=(tp, tp, free_port(), str(out), tp == 2), nprocs=tp, start_method="spawn", join=True
     )
     results = json.loads(out.read_text())
     print(f"\nTP={tp} max abs diffs:")

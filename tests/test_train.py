@@ -146,11 +146,9 @@ def test_hooks_see_every_step_and_can_stop_the_run(tmp_path, data_cache):
     assert result.final_dir is None  # stopped early: no final weights
 
 
-@pytest.mark.slow
-def test_train_context_is_typed_and_hooks_know_no_checkpoint_code():
+def test_train_context_is_typed():
     """TrainContext's annotations resolve to real classes (through the module's TYPE_CHECKING
-    imports), none is Any, and hooks.py imports nothing of the checkpoint code: the checkpoint
-    hook imports the hooks module, never the reverse."""
+    imports), and none is Any."""
     import ast
     import typing
 
@@ -164,10 +162,9 @@ def test_train_context_is_typed_and_hooks_know_no_checkpoint_code():
     hints = typing.get_type_hints(hooks.TrainContext, localns=only_for_types)
     assert {"engine", "model", "tokenizer", "train_stream", "metrics", "topology"} <= set(hints)
     assert typing.Any not in hints.values()
-    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert not any("checkpoints" in m for m in modules), modules
 
 
+@pytest.mark.slow
 def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
     """torchrun with dp=2 (micro 4, no accumulation) == one process (micro 4, grad_accum 2)."""
     from loomtrain.launcher.loop import run_training

@@ -12,18 +12,9 @@ import sys
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".venv", ".git", "__pycache__", "build", "dist", "runs"}
+from source_tree import ROOT, parse, python_files
+
 STDLIB = frozenset(sys.stdlib_module_names)
-
-
-def project_files() -> list[Path]:
-    return sorted(
-        p
-        for p in ROOT.rglob("*.py")
-        if not SKIP_DIRS.intersection(p.relative_to(ROOT).parts)
-        and not any(part.endswith(".egg-info") for part in p.parts)
-    )
 
 
 def package_of(path: Path) -> str:
@@ -36,9 +27,9 @@ def package_of(path: Path) -> str:
 def imports() -> dict[str, frozenset[str]]:
     """repository-relative file -> the full dotted names of the modules it imports."""
     out = {}
-    for path in project_files():
+    for path in python_files():
         names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.Import):
                 names.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -92,6 +83,12 @@ def test_ray_is_imported_only_in_launcher_cluster_and_tests():
     outside = {f for f in importers("ray") if not f.startswith(("launcher/cluster/", "tests/"))}
     assert not outside
     assert importers("ray"), "the scan finds Ray's imports"
+
+
+def test_hooks_import_no_checkpoint_code():
+    """The checkpoint hook imports the hooks module, never the reverse (no import cycle)."""
+    assert "launcher/hooks.py" not in importers("loomtrain.launcher.checkpoints")
+    assert "launcher/checkpoints/hook.py" in importers("loomtrain.launcher.hooks")
 
 
 def test_only_the_entry_points_and_tests_import_the_cli():
