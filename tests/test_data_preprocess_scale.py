@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import child_env, run_loomtrain
+from launch import child_env, run_child, run_loomtrain
 from loomtrain.data_pipeline import DataError, train_bpe
 from loomtrain.data_pipeline import preprocess as pp
 
@@ -100,13 +100,7 @@ def test_killed_preprocess_rerun_resumes_and_equals_a_clean_run(tmp_path, bpe_js
     assert clean.returncode == 0, clean.stderr
 
     out = tmp_path / "resumed"
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLER, pattern, str(out), str(bpe_json), when],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert killed.returncode == -9, killed.stderr
+    run_child([sys.executable, "-c", KILLER, pattern, str(out), str(bpe_json), when], timeout=300, rc=-9)
     work = tmp_path / "resumed.partial"
     assert not out.exists() and work.is_dir()
     done = 4 if when == "tokenizing" else 9

@@ -151,10 +151,9 @@ def test_ray_hang_restarts_by_itself_and_sigterm_to_the_driver_saves(ray_head, t
         "parallel.timeout_s=8",
         "checkpoint.every_steps=2",
     ]
-    env = child_env(**ray_head.env, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1")
     # slow steps (0.4 s on rank 0), so that the signal lands a few steps after step 5
-    run = Run(
-        cmd(run_dir, data_cache, *ray, ray=True), tmp_path, {**env, "LOOMTRAIN_TEST_FAULTS": "sigstop:1:5,delay:0:0.4"}
+    env = child_env(
+        **ray_head.env, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1", LOOMTRAIN_TEST_FAULTS="sigstop:1:5,delay:0:0.4"
     )
     seen = {"hang": False}
 
@@ -162,12 +161,10 @@ def test_ray_hang_restarts_by_itself_and_sigterm_to_the_driver_saves(ray_head, t
         seen["hang"] = seen["hang"] or "loomtrain: hang: rank 1 (host" in line
         return seen["hang"] and "step 5/" in line
 
-    try:
+    with Run(cmd(run_dir, data_cache, *ray, ray=True), tmp_path, env) as run:
         run.wait_for(restarted_and_training, timeout=400)
         run.proc.send_signal(signal.SIGTERM)
         rc = run.finish(timeout=180)
-    finally:
-        run.kill()
     assert rc == 0, run.text[-4000:]
     stopped = [line for line in run.lines if "stopped at step" in line and "checkpoint saved" in line]
     assert stopped, run.text[-4000:]

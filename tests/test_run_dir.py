@@ -26,7 +26,7 @@ from pathlib import Path
 
 import launch
 import pytest
-from launch import Run, loomtrain_cmd
+from launch import Run, loomtrain_cmd, records
 from loomtrain.launcher import rundir
 from loomtrain.launcher.rundir import LOCK, MARKER, RunDirError, claim
 
@@ -75,11 +75,7 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 def steps_of(run: Path) -> list[int]:
-    return [
-        json.loads(line)["step"]
-        for line in (run / "metrics.jsonl").read_text().splitlines()
-        if "loss" in json.loads(line)
-    ]
+    return [r["step"] for r in records(run) if "loss" in r]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
@@ -185,7 +184,6 @@ def test_second_ctrl_c_exits_at_once_with_130():
         time.sleep(30)
         print("not reached", flush=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 130, proc.stderr
+    proc = launch.run_child([sys.executable, "-c", script], timeout=60, rc=130)
     assert "first handled" in proc.stdout and "not reached" not in proc.stdout
     assert "second Ctrl-C" in proc.stderr

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launch import child_env, run_loomtrain
+from launch import child_env, run_child, run_loomtrain
 from loomtrain.launcher.cluster import jobs
 from loomtrain.launcher.cluster.packaging import plan_shipment
 
@@ -110,15 +109,12 @@ def test_staged_working_dir_holds_no_secret_and_imports(salted, tmp_path):
     rel = {str(p.relative_to(stage)) for p in files}
     entries, _, _ = plan_shipment(salted / "configs" / "tiny.yaml", salted)
     assert rel == {e.dest for e in entries}
-    proc = subprocess.run(
+    run_child(
         [sys.executable, "-c", "import loomtrain.launcher.cluster.ray_train, loomtrain.launcher.loop"],
-        env={**os.environ, "PYTHONPATH": str(stage)},
         cwd=stage,
-        capture_output=True,
-        text=True,
+        env=child_env(PYTHONPATH=str(stage)),
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_extends_chain_ships_and_a_secret_named_config_is_refused(salted, tmp_path):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import launch
 import pytest
-from launch import TINY, run_loomtrain
+from launch import TINY, records, run_loomtrain
 from loomtrain.launcher.config_loader import load_config
 
 # tiny.yaml shrunk to seconds: a 2-layer d=64 model, 32-token sequences, grad_accum 2.
@@ -50,9 +49,9 @@ def cli_run(tmp_path_factory, data_cache):
 
 def test_cli_run_writes_metrics_jsonl(cli_run):
     run_dir, proc = cli_run
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval/loss" in r]
+    rows = records(run_dir)
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert [r["step"] for r in evals] == [2, 4]
     for r in train:
@@ -181,6 +180,5 @@ def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
         nproc=2,
         cwd=tmp_path,
     )
-    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    two = [r["loss"] for r in records if "loss" in r]
+    two = [r["loss"] for r in records(tmp_path / "two") if "loss" in r]
     assert two == pytest.approx(single, abs=1e-5)

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import child_env, python_cmd, run_child, run_loomtrain
+from launch import SMALL_MODEL, child_env, python_cmd, records, run_child, run_loomtrain
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import memory_model as mm
 
@@ -31,10 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = "configs/tiny.yaml"
 COMMON = [
     "train.max_steps=10",
-    "model.d_model=64",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.n_layers=2",
+    *SMALL_MODEL,
     "train.seq_len=32",
     "train.micro_batch_size=4",
     "train.global_batch_size=8",
@@ -101,7 +98,7 @@ def runs(tmp_path_factory) -> Path:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return [r for r in records(run_dir) if "loss" in r]
 
 
 def _losses(run_dir: Path) -> list[float]:
