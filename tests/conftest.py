@@ -38,4 +38,5 @@ def bpe():
     return train_bpe(iter(TEXT), vocab_size=300)._tok
 
 
+from hosts import hosts  # noqa: E402,F401  (network-namespace test hosts, tests/hosts.py)
 from ray_fixtures import ray_head  # noqa: E402,F401  (a session-scoped private Ray head)
