@@ -74,6 +74,43 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def interface_to(peer: str) -> tuple[str | None, str]:
+    """(name, address) of this host's interface that routes to `peer` (a host name or address).
+
+    A UDP `connect` sends nothing: it only asks the kernel's routing table which local
+    address a packet to `peer` would leave from; the interface holding that address is the
+    one gloo and NCCL must bind. The name is None when no interface holds it."""
+    import psutil
+
+    peer_ip = socket.gethostbyname(peer)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer_ip, 9))
+        local = probe.getsockname()[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name, local
+    return None, local
+
+
+def choose_socket_interface(peer: str, environ=os.environ) -> dict[str, str]:
+    """Point GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME at the interface that routes to `peer`
+    (the master, or the Ray head), unless the user set them; returns what was set.
+
+    Unset, gloo binds the address the machine's hostname resolves to, which on many hosts
+    is 127.0.1.1 or 127.0.0.1: peers on other hosts are then told to connect to loopback."""
+    if all(environ.get(var) for var in SOCKET_IFNAME_VARS):
+        return {}
+    name, _ = interface_to(peer)
+    if name is None:
+        return {}
+    chosen = {var: name for var in SOCKET_IFNAME_VARS if not environ.get(var)}
+    environ.update(chosen)
+    return chosen
+
+
 def collective_timeout_s(cfg: RunConfig) -> int:
     """The process group's timeout: above the watchdog's, so that the watchdog reports first."""
     return cfg.parallel.timeout_s + HANG_REPORT_MARGIN_S
