@@ -14,9 +14,9 @@ Every finding is a `Problem(check, where, message)`; the exit status is 1 if
 there is any. tests/test_k8s_*.py run the same functions.
 
 Tools: kubectl from $LOOMTRAIN_KUBECTL, else the copy `k8s/get-kubectl.sh`
-installs, else `kubectl` on PATH. The KubeRay CRDs are not part of this
-repository: they are read from $LOOMTRAIN_KUBERAY_CRDS, default
-../shared/kuberay-crds/ beside the repository root.
+installs, else `kubectl` on PATH. The KubeRay CRDs are vendored in
+k8s/crds/kuberay-v1.7.0/ (version, source and license in its README.md);
+$LOOMTRAIN_KUBERAY_CRDS points the checks at another copy.
 """
 
 from __future__ import annotations
@@ -114,8 +114,11 @@ def find_kubectl(install: bool = False) -> str:
     )
 
 
+VENDORED_CRDS = HERE / "crds" / f"kuberay-{KUBERAY_VERSION}"
+
+
 def crds_dir() -> Path:
-    path = Path(os.environ.get(CRDS_ENV) or REPO.parent / "shared" / "kuberay-crds")
+    path = Path(os.environ.get(CRDS_ENV) or VENDORED_CRDS)
     if not sorted(path.glob("*.yaml")):
         raise SetupError(
             f"no KubeRay CRDs in {path}: set {CRDS_ENV} to a folder holding KubeRay {KUBERAY_VERSION}'s "

@@ -5,8 +5,8 @@ Each kustomization (base, overlays cpu-small and gpu) is rendered with
 strict built-in schemas (kubernetes-validate), strict KubeRay CRD schemas,
 the project rules and the security policy. Further tests pin down what the
 issue asks of the overlays, independently of check.py's own rule code.
-kubectl comes from k8s/get-kubectl.sh (npm registry); the KubeRay CRDs from
-$LOOMTRAIN_KUBERAY_CRDS, default ../shared/kuberay-crds/.
+kubectl comes from k8s/get-kubectl.sh (npm registry); the KubeRay CRDs are the
+repository's own copy in k8s/crds/kuberay-v1.7.0/ ($LOOMTRAIN_KUBERAY_CRDS overrides it).
 """
 
 from __future__ import annotations
@@ -228,10 +228,11 @@ def test_configmap_holds_every_config_and_their_extends(rendered):
 
 
 def test_every_k8s_yaml_file_is_lint_clean():
+    # not the broken cases (wrong on purpose), nor the vendored KubeRay CRDs (upstream's bytes, unmodified)
     files = [
         p
         for p in K8S.rglob("*")
-        if p.is_file() and p.suffix in (".yaml", ".yml") and "broken" not in p.relative_to(K8S).parts
+        if p.is_file() and p.suffix in (".yaml", ".yml") and not {"broken", "crds"} & set(p.relative_to(K8S).parts)
     ]
     files.append(REPO / "configs" / "Kustomization")
     assert len(files) > 10
@@ -276,11 +277,19 @@ def test_missing_kubectl_says_how_to_get_it(monkeypatch, tmp_path):
         check.find_kubectl()
 
 
-def test_crds_default_beside_the_repository(monkeypatch):
+def test_crds_default_to_the_vendored_copy_inside_the_repository(monkeypatch):
+    """A lone clone has everything the checks read: the CRDs of the KubeRay version k8s/ targets,
+    with the README that names their version, source and license, and the license text."""
     monkeypatch.delenv(check.CRDS_ENV, raising=False)
-    expected = REPO.parent / "shared" / "kuberay-crds"
-    if expected.is_dir():
-        assert check.crds_dir() == expected
+    crds = check.crds_dir()
+    assert crds == K8S / "crds" / f"kuberay-{check.KUBERAY_VERSION}" and crds.is_relative_to(REPO)
+    assert {p.name for p in crds.glob("*.yaml")} == {"ray.io_rayjobs.yaml", "ray.io_rayclusters.yaml"}
+    readme = (crds / "README.md").read_text()
+    assert check.KUBERAY_VERSION in readme and "Apache" in readme and "github.com/ray-project/kuberay" in readme
+    assert "Apache License" in (crds / "LICENSE").read_text()
+    for path in crds.glob("*.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["group"] == "ray.io"
 
 
 def test_every_skipped_security_rule_is_justified():
