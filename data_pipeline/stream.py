@@ -34,6 +34,7 @@ import torch
 from loomtrain.data_pipeline.shards import DataError, ShardSet
 
 STATE_VERSION = 1
+SAMPLE_DIGEST_SHIFT = 24  # a sample's digest is the top 40 bits of its mixed id
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -213,6 +214,7 @@ class TokenStream:
         self.samples_per_epoch = sum(self.source_samples)
         self.round_size = micro_batch_size * dp_size
         self._position = 0  # global position of the next round this rank yields
+        self._samples_digest = 0  # of the samples yielded since take_samples_digest
         self._perms: dict[int, SeededPermutation] = {}
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
@@ -274,10 +276,30 @@ class TokenStream:
         start = round_start + self.dp_rank * self.micro_batch_size
         return np.arange(start, start + self.micro_batch_size, dtype=np.int64)
 
+    def sample_ids(self, positions) -> np.ndarray:
+        """Each position's sample as one uint64: (source, that source's epoch, index in the
+        epoch). The same sample has the same id whatever DP size or rank read it."""
+        sources, local = self.blend(positions)
+        epochs = local // np.asarray(self.source_samples, dtype=np.int64)[sources]
+        _, index = self.locate(positions)
+        u = np.uint64
+        return (sources.astype(u) << u(56)) | (epochs.astype(u) << u(36)) | index.astype(u)
+
     def _batch(self, round_start: int):
-        rows, _ = self.rows(self.rank_positions(round_start))
+        """(inputs, targets) of this rank's micro batch, and the digest of its sample ids."""
+        positions = self.rank_positions(round_start)
+        rows, _ = self.rows(positions)
         block = torch.from_numpy(rows)
-        return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+        digest = int((_mix64(self.sample_ids(positions)) >> np.uint64(SAMPLE_DIGEST_SHIFT)).sum(dtype=np.uint64))
+        return (block[:, :-1].contiguous(), block[:, 1:].contiguous()), digest
+
+    def take_samples_digest(self) -> int:
+        """The sum of the digests of every sample this rank yielded since the last call.
+
+        A sum (of each sample's 40-bit hash), so that DP ranks' parts add up to the same figure
+        for the same global batch whatever the DP size."""
+        digest, self._samples_digest = self._samples_digest, 0
+        return digest
 
     # Iteration with background prefetch ---------------------------------
     def __iter__(self):
@@ -285,16 +307,18 @@ class TokenStream:
 
     def __next__(self):
         if self.prefetch == 0:
-            batch = self._batch(self._position)
+            batch, digest = self._batch(self._position)
         else:
             if self._thread is None:
                 self._start()
-            position, batch = self._queue.get()
-            if isinstance(batch, BaseException):
+            position, item = self._queue.get()
+            if isinstance(item, BaseException):
                 self._thread = None
-                raise batch
+                raise item
             assert position == self._position, (position, self._position)
+            batch, digest = item
         self._position += self.round_size
+        self._samples_digest += digest
         return batch
 
     def _start(self) -> None:

@@ -58,6 +58,10 @@ from loomtrain.model import param_count
 from loomtrain.parallel import Topology, gathered_logits
 from torch import nn
 
+# data/samples_hash is the samples' digest sum modulo 2**40: each DP rank sends its part
+# already reduced, so the float64 all-reduce of up to 8192 parts stays exact.
+SAMPLES_HASH_MODULUS = 2**40
+
 
 @dataclass
 class TrainResult:
@@ -75,6 +79,7 @@ class StepOutput(NamedTuple):
     loss: float  # averaged over the micro batches and the DP group
     grad_norm: float  # NaN where none was computed
     data_wait_s: float  # how long this rank waited for its batches
+    samples_hash: str | None = None  # the global batch's sample ids, hashed (see _dp_mean_and_digest)
 
 
 @dataclass
@@ -103,6 +108,26 @@ def _dp_mean(value: torch.Tensor, ctx: TrainContext) -> float:
         dist.all_reduce(value, group=ctx.topology.dp_group)
         value /= ctx.topology.dp_size
     return float(value)
+
+
+def _dp_mean_and_digest(loss: torch.Tensor, digest: int | None, ctx: TrainContext) -> tuple[float, str | None]:
+    """The step's loss averaged over the DP group and its samples' digest summed over it, in
+    one all-reduce -> (loss, `data/samples_hash` as hex; None where the stream keeps none).
+
+    The digest sum is the same for the same global batch at any DP size, so two runs (say,
+    one that lost a node and went on at a smaller DP) can be compared step by step."""
+    if digest is None:
+        return _dp_mean(loss, ctx), None
+    both = torch.stack(
+        [
+            loss.detach().double(),
+            torch.tensor(float(digest % SAMPLES_HASH_MODULUS), dtype=torch.float64, device=loss.device),
+        ]
+    )
+    if ctx.topology.dp_size > 1:
+        dist.all_reduce(both, group=ctx.topology.dp_group)
+    loss_sum, digest_sum = both.tolist()
+    return loss_sum / ctx.topology.dp_size, f"{int(digest_sum) % SAMPLES_HASH_MODULUS:010x}"
 
 
 def _to(batch, device):
@@ -136,7 +161,9 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
     recorded = engine.get_global_grad_norm()
     if recorded is not None:
         norm = float(recorded)
-    return StepOutput(_dp_mean(total / grad_accum, ctx), float("nan") if norm is None else norm, data_wait)
+    take_digest = getattr(ctx.train_stream, "take_samples_digest", None)  # benchmarks feed fixed batches
+    loss, samples_hash = _dp_mean_and_digest(total / grad_accum, take_digest() if take_digest else None, ctx)
+    return StepOutput(loss, float("nan") if norm is None else norm, data_wait, samples_hash)
 
 
 @torch.no_grad()
@@ -376,6 +403,8 @@ def _train_and_count(run: _Run) -> tuple[dict[str, Any], float]:
         "tokens_seen": ctx.state.tokens_seen,
         "skipped_steps": run.guard.skipped_steps,
     }
+    if out.samples_hash is not None:
+        metrics["data/samples_hash"] = out.samples_hash
     return metrics, out.data_wait_s
 
 

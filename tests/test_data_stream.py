@@ -169,3 +169,44 @@ def test_errors_in_the_prefetch_thread_reach_the_consumer(tmp_path):
     with pytest.raises(IndexError):
         next(s)
     s.close()
+
+
+def _step_digests(shard_dir, m, d, steps, grad_accum=1, start_state=None, prefetch=2):
+    """Per optimizer step: the DP ranks' sample digests summed, as the loop does."""
+    streams = [
+        TokenStream(shard_dir, seq_len=T, micro_batch_size=m, dp_rank=r, dp_size=d, seed=4, prefetch=prefetch)
+        for r in range(d)
+    ]
+    if start_state is not None:
+        for s in streams:
+            s.load_state_dict(start_state)
+    digests = []
+    for _ in range(steps):
+        for s in streams:
+            for _ in range(grad_accum):
+                next(s)
+        digests.append(sum(s.take_samples_digest() for s in streams) % 2**40)
+    state = streams[0].state_dict()
+    for s in streams:
+        s.close()
+    return digests, state
+
+
+def test_samples_digest_names_the_global_batch_whatever_the_dp_size(tmp_path):
+    """data/samples_hash: the same global batch of 8 has the same digest read as 1 x 8, 2 x 4
+    (also with accumulation), 4 x 2, with or without prefetch, and across a resume at another
+    DP size; another batch (a repeated or skipped sample) has another."""
+    shard_dir = make_shards(tmp_path, 29)  # 29 samples: step 4 wraps into the second epoch
+    reference, _ = _step_digests(shard_dir, 8, 1, steps=6)
+    assert len(set(reference)) == 6
+    assert _step_digests(shard_dir, 4, 2, steps=6)[0] == reference
+    assert _step_digests(shard_dir, 2, 2, steps=6, grad_accum=2, prefetch=0)[0] == reference
+    first, state = _step_digests(shard_dir, 2, 4, steps=3)
+    rest, _ = _step_digests(shard_dir, 4, 2, steps=3, start_state=state)
+    assert first + rest == reference
+    # One sample too many or too few changes the digest.
+    s = TokenStream(shard_dir, seq_len=T, micro_batch_size=1, seed=4, prefetch=0)
+    for _ in range(9):
+        next(s)
+    assert s.take_samples_digest() % 2**40 != reference[0]
+    s.close()

@@ -170,6 +170,7 @@ def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
 
     extra = ["train.max_steps=4", "eval.every_steps=0", "log.tensorboard=false"]
     single = run_training(small_cfg(tmp_path / "one", data_cache, *extra)).losses
+    single_hashes = [r["data/samples_hash"] for r in records(tmp_path / "one") if "loss" in r]
     run_loomtrain(
         "train",
         TINY,
@@ -182,3 +183,6 @@ def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
     )
     two = [r["loss"] for r in records(tmp_path / "two") if "loss" in r]
     assert two == pytest.approx(single, abs=1e-5)
+    # the same samples at each step, read by one rank or two (data/samples_hash)
+    two_hashes = [r["data/samples_hash"] for r in records(tmp_path / "two") if "loss" in r]
+    assert two_hashes == single_hashes and len(set(single_hashes)) == 4
