@@ -282,16 +282,39 @@ class RayConfig:
     # "" = $RAY_ADDRESS if set, else a new local instance; "auto" = the cluster
     # running on this machine; else HOST:PORT (GCS) or ray://HOST:10001.
     address: str = ""
+    # Elastic workers (launcher/cluster/elastic.py): with min_workers < num_workers the run
+    # goes on at any usable size in [min_workers, num_workers] after losing a node, at the
+    # same global batch, and grows back when nodes return. 0 = num_workers (a fixed size).
+    min_workers: int = 0
+    # How often a running elastic group checks whether more workers fit (growing is a restart
+    # from the newest checkpoint, so not too often).
+    elastic_resize_interval_s: float = 60.0
     # A request the cluster can never satisfy fails after this long.
     start_timeout_s: int = 120
     # Ray Train's storage (its run state and our checkpoint pointers):
     # "" = RUN_DIR/ray; else a shared path or a URI (s3://, gs://).
     storage: str = ""
 
+    @property
+    def least_workers(self) -> int:
+        """The smallest worker group this run accepts (num_workers when not elastic)."""
+        return self.min_workers or self.num_workers
+
+    @property
+    def elastic(self) -> bool:
+        return self.least_workers < self.num_workers
+
     def validate(self, prefix: str) -> None:
         check_positive(f"{prefix}.num_workers", self.num_workers)
         check_positive(f"{prefix}.cpus_per_worker", self.cpus_per_worker)
         check_positive(f"{prefix}.max_failures", self.max_failures, allow_zero=True)
+        check(
+            0 <= self.min_workers <= self.num_workers,
+            f"{prefix}.min_workers",
+            f"0 (= ray.num_workers, a fixed size) or 1..ray.num_workers={self.num_workers}",
+            self.min_workers,
+        )
+        check_positive(f"{prefix}.elastic_resize_interval_s", self.elastic_resize_interval_s)
         # Ray's own parser would fail later with a traceback, or hang resolving the host
         # (its ValueError becomes a ConfigError in config_loader.validate, as every section's).
         check_ray_address(self.address, f"{prefix}.address")

@@ -309,6 +309,14 @@ def train_worker(config: dict) -> None:
 
     world = ray.train.get_context().get_world_size()
     cfg = config_from_dict(config["cfg"], world_size=world)
+    if cfg.ray.elastic and ray.train.get_context().get_world_rank() == 0:
+        dp = world // cfg.parallel.tp
+        print(
+            f"loomtrain: elastic: {world} of {cfg.ray.least_workers}-{cfg.ray.num_workers} workers this attempt "
+            f"(dp {dp}, gradient accumulation {cfg.train.grad_accum_steps(dp)}, "
+            f"global batch {cfg.train.global_batch_size})",
+            flush=True,
+        )
     handed_back = ray.train.get_checkpoint()
     pointer = read_pointer(handed_back)
     ray_step = pointer["step"] if pointer else None
@@ -379,12 +387,14 @@ def _startup_error(exc: BaseException) -> bool:
 
 
 def build_trainer(cfg: RunConfig, started_at: float):
+    from loomtrain.launcher.cluster.elastic import LoomTorchTrainer
     from loomtrain.launcher.distributed import collective_timeout_s
     from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
-    return TorchTrainer(
+    return LoomTorchTrainer(
+        loom_cfg=cfg,
         train_loop_per_worker=train_worker,
         train_loop_config={
             "cfg": _to_dict(cfg),
@@ -393,7 +403,9 @@ def build_trainer(cfg: RunConfig, started_at: float):
         },
         torch_config=TorchConfig(timeout_s=collective_timeout_s(cfg)),
         scaling_config=ScalingConfig(
-            num_workers=cfg.ray.num_workers,
+            # elastic: any usable size in [min, max] (loomtrain.launcher.cluster.elastic)
+            num_workers=(cfg.ray.least_workers, cfg.ray.num_workers) if cfg.ray.elastic else cfg.ray.num_workers,
+            elastic_resize_monitor_interval_s=cfg.ray.elastic_resize_interval_s,
             use_gpu=cfg.ray.use_gpu,
             resources_per_worker=_resources(cfg),
         ),
@@ -404,6 +416,13 @@ def build_trainer(cfg: RunConfig, started_at: float):
             checkpoint_config=CheckpointConfig(num_to_keep=1),
         ),
     )
+
+
+def _worker_count(cfg: RunConfig) -> str:
+    r = cfg.ray
+    if not r.elastic:
+        return str(r.num_workers)
+    return f"{r.least_workers}-{r.num_workers} (elastic, resize check every {r.elastic_resize_interval_s:g} s)"
 
 
 def _to_dict(cfg: RunConfig) -> dict:
@@ -428,7 +447,7 @@ def run(cfg: RunConfig, stop=None):
     import ray
 
     total = ray.cluster_resources()
-    want = {k: v * cfg.ray.num_workers for k, v in _resources(cfg).items()}
+    want = {k: v * cfg.ray.least_workers for k, v in _resources(cfg).items()}  # elastic: the least it runs with
     short = {k: (v, total.get(k, 0.0)) for k, v in want.items() if v > total.get(k, 0.0)}
     if short:
         print(
@@ -439,7 +458,7 @@ def run(cfg: RunConfig, stop=None):
         )
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     print(
-        f"loomtrain: Ray Train: {cfg.ray.num_workers} workers x {_resources(cfg)}, "
+        f"loomtrain: Ray Train: {_worker_count(cfg)} workers x {_resources(cfg)}, "
         f"run dir {cfg.run.dir}, Ray storage {storage_path(cfg)}",
         flush=True,
     )

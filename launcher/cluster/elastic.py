@@ -1,0 +1,77 @@
+"""Elastic worker groups: `ray.min_workers < ray.num_workers` lets a run go on at a smaller size.
+
+Ray Train V2 restarts the whole worker group from the newest checkpoint whenever its size
+changes: after a lost node it starts again with the workers the cluster still has room for,
+and every `ray.elastic_resize_interval_s` it checks whether more would fit now (a new node
+joined) and restarts larger. loomtrain keeps the global batch fixed through both: the same
+`train.global_batch_size` is split over the new DP size with more (or less) gradient
+accumulation, and the data stream resumes at the exact sample (loomtrain.data_pipeline.stream),
+so the run follows the one that never lost a node, loss for loss.
+
+Not every worker count is one a config can use: the world size must be a multiple of
+`parallel.tp`, and `train.global_batch_size` a multiple of `train.micro_batch_size` x the DP
+size. Ray counts workers by free resources alone, so its elastic policy is wrapped here to
+round that count down to the largest usable one (saying so in one line); below
+`ray.min_workers` it waits, as Ray does, for the cluster to have room.
+"""
+
+from __future__ import annotations
+
+from loomtrain.launcher.config import RunConfig
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+
+
+def usable_world_size(cfg: RunConfig, workers: int) -> bool:
+    """Whether `workers` ranks can run this config: whole TP groups, and a global batch that
+    splits into micro batches over the DP ranks."""
+    tp, t = cfg.parallel.tp, cfg.train
+    if workers < tp or workers % tp:
+        return False
+    return t.global_batch_size % (t.micro_batch_size * (workers // tp)) == 0
+
+
+def largest_usable(cfg: RunConfig, workers: int) -> int:
+    """The largest usable world size <= `workers` (0 when there is none)."""
+    return next((n for n in range(workers, 0, -1) if usable_world_size(cfg, n)), 0)
+
+
+class UsableElasticPolicy(ElasticScalingPolicy):
+    """Ray's elastic scaling policy, with worker counts rounded down to usable ones."""
+
+    def __init__(self, scaling_config, cfg: RunConfig) -> None:
+        super().__init__(scaling_config)
+        self.cfg = cfg
+        self._last_said: tuple[int, int] | None = None
+
+    def _count_possible_workers(self, reserved_resources) -> int:
+        fits = super()._count_possible_workers(reserved_resources)
+        usable = largest_usable(self.cfg, fits)
+        if usable != fits and (fits, usable) != self._last_said:
+            self._last_said = (fits, usable)  # once per change, not at every check
+            t, least = self.cfg.train, self.scaling_config.min_workers
+            print(
+                f"loomtrain: elastic: the cluster has room for {fits} workers, a size that "
+                f"parallel.tp={self.cfg.parallel.tp} and train.global_batch_size={t.global_batch_size} "
+                f"(micro batch {t.micro_batch_size}) cannot use; "
+                + (f"using {usable}" if usable >= least else f"waiting for room for ray.min_workers={least}"),
+                flush=True,
+            )
+        return usable
+
+
+class LoomTorchTrainer(TorchTrainer):
+    """TorchTrainer whose controller gets `UsableElasticPolicy` when the group is elastic.
+
+    Ray Train builds its scaling policy inside `fit()` from the ScalingConfig alone and offers
+    no parameter for another; `_initialize_and_run_controller` is where the policy is handed
+    to the controller actor (pickled by reference: every node imports loomtrain)."""
+
+    def __init__(self, *args, loom_cfg: RunConfig, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.loom_cfg = loom_cfg
+
+    def _initialize_and_run_controller(self, **kwargs):
+        if self.scaling_config.elasticity_enabled:
+            kwargs["scaling_policy"] = UsableElasticPolicy(self.scaling_config, self.loom_cfg)
+        return super()._initialize_and_run_controller(**kwargs)
