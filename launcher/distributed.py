@@ -5,11 +5,17 @@ Three ways a rank can arrive here, and what we do:
 * a process group already exists (Ray Train's worker set it up with gloo or
   nccl, or a test did): use it as it is;
 * torchrun (or any launcher) set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-  MASTER_PORT: rendezvous through them;
+  MASTER_PORT: rendezvous through them, over the interface that routes to MASTER_ADDR
+  (`choose_socket_interface`; a user's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME is kept).
+  A rendezvous that fails is a `RendezvousError`: one line naming the address, the
+  interface and the variable to set;
 * a lone process (`loomtrain train ...` on a laptop): pick a free port on
   127.0.0.1 and act as rank 0 of 1 (no MPI discovery).
 
-gloo on CPU, nccl on CUDA; `LOCAL_RANK` picks the GPU. A group made here is destroyed
+gloo on CPU, nccl on CUDA; `LOCAL_RANK` picks the GPU. Once the group exists every rank
+all-gathers its host (`host_label`: hostname and the address that routes to the master,
+since hostnames alone repeat across containers and namespaces), so `DistEnv.hosts` says
+where each rank runs (the TP placement check and the logs use it). A group made here is destroyed
 at exit (an adopted one is left to its launcher). A hung rank is found by the
 loop's watchdog after `parallel.timeout_s` (loomtrain.launcher.watchdog); the
 collective timeout is a margin above that, so the watchdog's report (which rank,
@@ -23,9 +29,15 @@ RUN_DIR/logs/nccl_trace_rank_N (read with `python -m torch.distributed.flight_re
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import os
 import socket
-from dataclasses import dataclass
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,10 +55,28 @@ class DistEnv:
     device: torch.device
     backend: str
     launcher: str  # "existing" | "env" | "local"
+    # Every rank's host_label, by global rank (one entry per rank of the world).
+    hosts: tuple[str, ...] = field(default_factory=tuple)
+    # The socket interface the group's traffic uses (GLOO/NCCL_SOCKET_IFNAME), and who set it.
+    interface: str = ""
 
     @property
     def is_logging_rank(self) -> bool:
         return self.rank == 0
+
+    @property
+    def host(self) -> str:
+        return self.hosts[self.rank] if self.hosts else host_label(None)
+
+    @property
+    def n_hosts(self) -> int:
+        return len(set(self.hosts)) or 1
+
+    def placement(self) -> str:
+        """e.g. '2 hosts: node/10.0.0.1 ranks 0-3, node/10.0.0.2 ranks 4-7'."""
+        from loomtrain.parallel.topology import describe_hosts
+
+        return describe_hosts(self.hosts)
 
 
 def select_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -75,6 +105,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def socket_ifname_var(backend: str) -> str:
+    """The variable that picks the interface of `backend`'s connections."""
+    return "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
 
 
 def interface_to(peer: str) -> tuple[str | None, str]:
@@ -111,6 +146,98 @@ def choose_socket_interface(peer: str, environ=os.environ) -> dict[str, str]:
     return chosen
 
 
+class RendezvousError(RuntimeError):
+    """The process group could not be formed; the message is one line: the address tried,
+    the interface used and the variable that picks it."""
+
+
+def master_address(environ=os.environ) -> str | None:
+    """MASTER_ADDR:MASTER_PORT where a launcher set them."""
+    if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):
+        return f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+    return None
+
+
+def host_label(peer: str | None) -> str:
+    """This host's name in logs and placement: hostname/ADDRESS, the address being the one
+    that routes to `peer` (the master). The hostname alone does not tell hosts apart: every
+    container or network namespace of one machine has the same, and it often resolves to
+    loopback."""
+    addr = "127.0.0.1"
+    if peer:
+        with contextlib.suppress(OSError):
+            addr = interface_to(peer)[1]
+    return f"{socket.gethostname()}/{addr}"
+
+
+def gather_hosts(peer: str | None) -> tuple[str, ...]:
+    """Every rank's host_label, by global rank (a collective: every rank calls it)."""
+    mine = host_label(peer)
+    if not is_distributed():
+        return (mine,)
+    labels: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(labels, mine)
+    return tuple(str(label) for label in labels)
+
+
+def describe_interface(backend: str, chosen: dict[str, str], environ=os.environ) -> str:
+    """e.g. 'GLOO_SOCKET_IFNAME=eth0 (chosen: routes to the master)' or '... (your setting)'."""
+    var = socket_ifname_var(backend)
+    value = environ.get(var)
+    if not value:
+        return f"{var} unset"
+    return f"{var}={value} ({'chosen: routes to the master' if var in chosen else 'your setting'})"
+
+
+def rendezvous_failure(cause: BaseException | str, backend: str, chosen: dict[str, str], environ=os.environ) -> str:
+    """The one line a failed rendezvous becomes (of the library's message, its first line)."""
+    var = socket_ifname_var(backend)
+    master = master_address(environ) or "?"
+    peer = environ.get("MASTER_ADDR", "")
+    try:
+        route = interface_to(peer)[0] if peer else None
+    except OSError as err:  # the master's name does not resolve
+        route, reason = None, f"{peer} does not resolve ({err})"
+    else:
+        reason = f"the route to {peer} leaves by {route}" if route else f"no interface holds the route to {peer}"
+    cause = first_line(cause)
+    return (
+        f"could not join the process group at {master} over {describe_interface(backend, chosen, environ)}: "
+        f"{cause}; {reason}: set {var} to this host's interface that reaches {peer or 'the master'}"
+        + (f" (e.g. {var}={route})" if route and environ.get(var) != route else "")
+        + " on every host, and check that the port is open between the hosts"
+    )
+
+
+def first_line(exc: BaseException | str) -> str:
+    return " ".join(str(exc).strip().splitlines()[:1])[:300]
+
+
+@contextlib.contextmanager
+def _library_output_aside(keep_on_failure: Path):
+    """Holds what C++ code prints on stderr during the rendezvous (gloo's retry lines would
+    bury the one line that says what to do): replayed on success, else kept in a file.
+    Yields the console's stderr (a descriptor)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        ok = False
+        try:
+            yield saved
+            ok = True
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read()
+            if ok:
+                os.write(2, text)
+            elif text:
+                with contextlib.suppress(OSError):
+                    keep_on_failure.write_bytes(text)
+
+
 def collective_timeout_s(cfg: RunConfig) -> int:
     """The process group's timeout: above the watchdog's, so that the watchdog reports first."""
     return cfg.parallel.timeout_s + HANG_REPORT_MARGIN_S
@@ -143,6 +270,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
             os.environ.setdefault(key, value)
         (components.run_dir(cfg) / "logs").mkdir(parents=True, exist_ok=True)
 
+    chosen: dict[str, str] = {}
     if dist.is_available() and dist.is_initialized():
         launcher = "existing"
         backend = dist.get_backend()
@@ -160,7 +288,12 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
                 MASTER_PORT=str(free_port()),
             )
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-        dist.init_process_group(backend=backend, timeout=timeout, init_method="env://")
+        if launcher == "env":
+            with contextlib.suppress(OSError):  # an unresolvable master fails below, with its name
+                chosen = choose_socket_interface(os.environ["MASTER_ADDR"])
+            _join_group(backend, timeout, chosen)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, init_method="env://")
         atexit.register(_destroy_process_group)  # ours to end (an adopted group is its launcher's)
 
     # DeepSpeed's comm layer wraps the existing group (no second rendezvous). Imported here:
@@ -175,7 +308,69 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         device=device,
         backend=backend,
         launcher=launcher,
+        hosts=gather_hosts(os.environ.get("MASTER_ADDR")),
+        interface=describe_interface(backend, chosen),
     )
+
+
+# Where a rank that failed to join leaves its line, for the ranks still waiting (per torchrun attempt).
+RENDEZVOUS_FAILED_KEY = "loomtrain/rendezvous_failed/{attempt}"
+
+
+def _join_group(backend: str, timeout: timedelta, chosen: dict[str, str]) -> None:
+    """The rendezvous at MASTER_ADDR:MASTER_PORT; its failure (a peer told to connect to
+    loopback, a wrong interface, a closed port, a timeout) is one RendezvousError line.
+
+    The side that fails (its connect is refused) leaves its line in the launcher's store.
+    The side left listening for it would wait inside gloo without a limit; `_bound_rendezvous`
+    ends it when that line appears or after the process group's timeout.
+    The library's own messages go to a file in the temporary folder, not RUN_DIR: rank 0
+    has not necessarily claimed RUN_DIR yet, and a folder made in it first would fail that."""
+    rank = os.environ["RANK"]
+    held = Path(tempfile.gettempdir()) / f"loomtrain-rendezvous-rank{rank}-pid{os.getpid()}.log"
+    key = RENDEZVOUS_FAILED_KEY.format(attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    joined = threading.Event()
+    try:
+        with _library_output_aside(held) as console:
+            give_up = functools.partial(_bound_rendezvous, joined, timeout, console, key, backend, chosen)
+            threading.Thread(target=give_up, name="loomtrain-rendezvous-bound", daemon=True).start()
+            try:
+                dist.init_process_group(backend=backend, timeout=timeout, init_method="env://")
+            finally:
+                joined.set()
+    except RuntimeError as exc:  # torch's DistError family, gloo's connectFullMesh, a bad interface name
+        with contextlib.suppress(Exception):  # best effort: the others time out without it
+            who = host_label(os.environ["MASTER_ADDR"])
+            _store_client(timedelta(seconds=5)).set(key, f"rank {rank} ({who}) failed: {first_line(exc)}")
+        note = f" (the library's messages: {held})" if held.exists() else ""
+        raise RendezvousError(rendezvous_failure(exc, backend, chosen) + note) from None
+
+
+def _store_client(timeout: timedelta):
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+
+
+def _bound_rendezvous(
+    joined: threading.Event, timeout: timedelta, console: int, key: str, backend: str, chosen: dict[str, str]
+) -> None:
+    """While the main thread is inside the library's rendezvous: once a peer reports that it
+    failed, or the timeout passes, print the one line and end the process (the library call
+    cannot be interrupted)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    store = None
+    while not joined.wait(1.0):
+        failed = None
+        with contextlib.suppress(Exception):  # the store may not be up yet
+            store = store or _store_client(timedelta(seconds=5))
+            if store.check([key]):
+                failed = store.get(key).decode()
+        if failed is None and time.monotonic() < deadline:
+            continue
+        cause = failed or f"no peer connected within {timeout.total_seconds():.0f} s"
+        line = f"loomtrain: rendezvous error: {rendezvous_failure(cause, backend, chosen)}\n"
+        if not joined.is_set():
+            os.write(console, line.encode())
+            os._exit(1)
 
 
 def _destroy_process_group() -> None:

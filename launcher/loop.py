@@ -44,7 +44,7 @@ from loomtrain.launcher import components, faults, weights
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import save_config, to_dict, validate
-from loomtrain.launcher.distributed import DistEnv, barrier, init_distributed
+from loomtrain.launcher.distributed import DistEnv, barrier, init_distributed, master_address
 from loomtrain.launcher.engine import build_engine, grad_norm, records_grad_norm
 from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState
 from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, gather_rank_stats, memory_bytes, mfu
@@ -231,7 +231,9 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier()  # the rank logs go into the directory rank 0 just made
     with contextlib.ExitStack() as opened:
-        rank_log = RankLog(run_dir, env.rank, env.world_size, env.launcher).install()
+        rank_log = RankLog(
+            run_dir, env.rank, env.world_size, env.launcher, host=env.host, interface=env.interface
+        ).install()
         opened.callback(rank_log.close)
         try:
             run = _set_up(cfg, env, run_dir, hooks, rank_log, opened)
@@ -312,9 +314,12 @@ def _set_up(
     opened.callback(log.close)
     log.message(
         f"loomtrain: {cfg.run.name}: {param_count(cfg.model) / 1e6:.2f} M params, world {env.world_size} "
+        f"on {env.n_hosts} host{'s' if env.n_hosts > 1 else ''} "
         f"(tp {topology.tp_size} x dp {topology.dp_size}), {env.device.type}, {t.precision}, "
         f"zero {cfg.parallel.zero_stage}, grad_accum {grad_accum}, steps {start_step}->{t.max_steps}"
     )
+    if env.n_hosts > 1:
+        log.message(f"loomtrain: {env.placement()}; process group over {env.interface}")
     if start_step >= t.max_steps:
         log.message(
             f"nothing to train: {run_dir} is already at step {start_step} (train.max_steps={t.max_steps}); "
@@ -325,7 +330,14 @@ def _set_up(
     profiler = StepProfiler(cfg, env.rank, run_dir, env.device)
     opened.callback(profiler.close)
     dog = Watchdog(
-        run_dir, env.rank, env.world_size, cfg.parallel.timeout_s, cfg.checkpoint.timeout_s, rank_log=rank_log
+        run_dir,
+        env.rank,
+        env.world_size,
+        cfg.parallel.timeout_s,
+        cfg.checkpoint.timeout_s,
+        rank_log=rank_log,
+        host=env.host,
+        master=master_address(),
     ).start()
     opened.callback(dog.stop)
     return _Run(

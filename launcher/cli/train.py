@@ -94,10 +94,14 @@ def _run_on_ray(cfg) -> int:
 
 
 def _run_here(cfg) -> int:
+    from loomtrain.launcher.distributed import RendezvousError
     from loomtrain.launcher.loop import run_training
 
     try:
         result = run_training(cfg)
+    except RendezvousError as exc:  # the hosts could not form the process group
+        print(f"loomtrain: rendezvous error: {exc}", file=sys.stderr)
+        return 1
     except ConfigError as exc:  # rules that need the real world size or the tokenizer
         print(f"loomtrain: config error: {exc}", file=sys.stderr)
         return 2
