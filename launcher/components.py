@@ -27,6 +27,7 @@ from loomtrain.launcher.distributed import DistEnv, barrier
 from loomtrain.model import init_tensors
 from loomtrain.parallel import Topology
 from loomtrain.parallel.materialize import allocate_shards, materialize, sharded_meta_model
+from loomtrain.parallel.topology import check_tp, check_tp_placement
 
 
 def seed_everything(seed: int) -> None:
@@ -37,9 +38,13 @@ def seed_everything(seed: int) -> None:
 
 
 def build_topology(cfg: RunConfig, env: DistEnv) -> Topology:
+    """The TP x DP groups; refused (one line naming parallel.tp) before any group exists when
+    the model cannot be split tp ways or a TP group would span hosts (parallel.allow_cross_host_tp)."""
     try:
+        check_tp(cfg.model, cfg.parallel.tp, env.world_size)
+        check_tp_placement(cfg.parallel.tp, env.hosts, cfg.parallel.allow_cross_host_tp)
         return Topology(env.world_size, env.rank, cfg.parallel.tp, model_cfg=cfg.model)
-    except ValueError as exc:  # check_tp's one-line message names parallel.tp
+    except ValueError as exc:  # check_tp's and check_tp_placement's one-line messages name parallel.tp
         raise ConfigError(str(exc)) from exc
 
 

@@ -126,6 +126,9 @@ class ParallelConfig:
     # No progress for this long = a hang: every rank dumps its stacks into its log and
     # the run ends naming the stuck rank (the collective timeout is set a minute above).
     timeout_s: int = 600
+    # A tensor-parallel group (tp consecutive ranks) that would span hosts is refused at
+    # start: its all-reduces, several per layer, would cross the network. True runs it anyway.
+    allow_cross_host_tp: bool = False
 
     def validate(self, prefix: str) -> None:
         check_positive(f"{prefix}.tp", self.tp)

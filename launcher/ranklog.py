@@ -65,15 +65,25 @@ class _Tee(io.TextIOBase):
 class RankLog:
     """The open rank log; `install` tees stdout/stderr into it, `close` undoes that."""
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int, world_size: int, launcher: str) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        rank: int,
+        world_size: int,
+        launcher: str,
+        host: str | None = None,
+        interface: str = "",
+    ) -> None:
+        """`host`: where this rank runs (DistEnv.host: hostname/address; default the hostname);
+        `interface`: the socket interface its process group uses (DistEnv.interface)."""
         self.path = rank_log_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.attempt = _count_headers(self.path) + 1
-        self.host, self.pid, self.rank = socket.gethostname(), os.getpid(), rank
+        self.host, self.pid, self.rank = host or socket.gethostname(), os.getpid(), rank
         self.file = open(self.path, "a", buffering=1, encoding="utf-8", errors="replace")
         self.file.write(
             f"{HEADER} {self.attempt}: {time.strftime('%Y-%m-%d %H:%M:%S %z')} host {self.host} "
-            f"pid {self.pid} rank {rank} of {world_size} ({launcher}) ===\n"
+            f"pid {self.pid} rank {rank} of {world_size} ({launcher}{'; ' + interface if interface else ''}) ===\n"
         )
         self._saved = None
 

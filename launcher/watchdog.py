@@ -11,17 +11,21 @@ When a rank has made no progress for its limit (`parallel.timeout_s`; 3x that fo
 first step of an attempt, which compiles and sets up communicators), its watchdog
 
 1. dumps every thread's Python stack (faulthandler) into its rank log;
-2. keeps beating for two intervals and reads every rank's heartbeat twice: a rank
-   whose beat counter did not move is stopped, dead or wedged (its watchdog cannot
-   run); the stuck ranks are those, else the ranks behind the others' step, else the
-   ranks not waiting in a collective;
-3. on the lowest live rank, prints one line (console, its log and rank 0's log):
+2. probes the master (a TCP connect to MASTER_ADDR:MASTER_PORT, PROBE_TIMEOUT_S) and
+   records in its heartbeat whether it got an answer;
+3. keeps beating for two intervals (longer while a live rank has not probed yet) and
+   reads every rank's heartbeat twice: a rank whose beat counter did not move is
+   stopped, dead or wedged (its watchdog cannot run); the stuck ranks are those, else
+   the ranks that cannot reach the master while others can (a network partition: every
+   rank is alive and waits in a collective, and only the probe tells the sides apart),
+   else the ranks behind the others' step, else the ranks not waiting in a collective;
+4. on the lowest live rank, prints one line (console, its log and rank 0's log):
    `loomtrain: hang: rank N (host H, pid P) did not reach step S; ranks ... waited in
    FUNCTION; stacks in RUN_DIR/logs/`, records it in RUN_DIR/logs/hang.json (the
    next Ray attempt says why the previous one ended), and SIGKILLs stuck ranks on
    its own host that no longer beat (a stopped process would otherwise hold the
    launcher's shutdown for its SIGTERM grace);
-4. ends its process with exit status HANG_EXIT_CODE.
+5. ends its process with exit status HANG_EXIT_CODE.
 
 The process group's own timeout is set HANG_REPORT_MARGIN_S above parallel.timeout_s
 (loomtrain.launcher.distributed), so this report comes before a library traceback.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import itertools
 import json
 import os
 import signal
@@ -46,6 +51,7 @@ from loomtrain.durable import atomic_write
 from loomtrain.launcher.ranklog import logs_dir, rank_log_path
 
 HANG_EXIT_CODE = 3
+PROBE_TIMEOUT_S = 3.0  # a host cut off never answers; one on the network answers in milliseconds
 HANG_REPORT_MARGIN_S = 60  # process-group timeout above parallel.timeout_s
 FIRST_STEP_FACTOR = 3
 
@@ -69,6 +75,23 @@ def where(thread_id: int | None = None) -> str:
             break
         f = f.f_back
     return inner if ours is None or ours.startswith(inner + ",") else f"{inner} (from {ours})"
+
+
+def reaches(address: str | None, timeout: float = PROBE_TIMEOUT_S) -> bool | None:
+    """Whether a TCP connect to `address` (host:port) gets an answer; None without an address.
+
+    Accepted or refused, the host answered, so the network path is there; a timeout or
+    "no route" is what a rank on the far side of a partition sees."""
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _in_collective(func: str) -> bool:
@@ -110,12 +133,18 @@ class Watchdog:
         io_timeout_s: float,
         rank_log=None,
         interval_s: float | None = None,
+        host: str | None = None,
+        master: str | None = None,
     ) -> None:
+        """`host`: this rank's host as the report names it (DistEnv.host); `master`: the
+        MASTER_ADDR:MASTER_PORT a hung rank probes to tell a partition from a stuck peer."""
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
         self.timeout_s, self.io_timeout_s = float(timeout_s), float(io_timeout_s)
         self.interval = interval_s or min(5.0, max(0.5, timeout_s / 10))
         self.rank_log = rank_log
-        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.host, self.pid = host or socket.gethostname(), os.getpid()
+        self.master = master
+        self.reaches_master: bool | None = None  # probed once a hang is suspected
         self.step, self.phase_name = 0, "first step"
         self.limit = self.timeout_s * FIRST_STEP_FACTOR
         self.progress_at = time.monotonic()
@@ -175,6 +204,7 @@ class Watchdog:
             "where": where(self._main),
             "beats": self.beats,
             "hung": hung,
+            "reaches_master": self.reaches_master,
             "time": time.time(),
         }
 
@@ -202,21 +232,35 @@ class Watchdog:
             f"all threads' stacks:"
         )
         self._dump_stacks()
+        self.reaches_master = reaches(self.master)
         self._write_heartbeat(hung=True)
         first = self._read_all()
-        for _ in range(2):
+        # Two intervals at least; longer (up to a probe's timeout more) while a live rank's
+        # probe result is not in yet, since the others' watchdogs fire a little later.
+        deadline = time.monotonic() + 2 * (self.interval + 0.2) + PROBE_TIMEOUT_S
+        for rounds in itertools.count():
             time.sleep(self.interval + 0.2)
             self._write_heartbeat(hung=True)
-        second = self._read_all()
-        stale = {
-            r
-            for r in range(self.world_size)
-            if r not in second or (r in first and first[r].get("beats") == second[r].get("beats"))
-        }
-        stale.discard(self.rank)
-        live = [r for r in range(self.world_size) if r not in stale]
-        stuck = sorted(stale) or _behind(second, live) or _not_in_collective(second, live) or live
-        line = _hang_line(self.run_dir, stuck, [r for r in live if r not in stuck], second)
+            second = self._read_all()
+            stale = {
+                r
+                for r in range(self.world_size)
+                if r not in second or (r in first and first[r].get("beats") == second[r].get("beats"))
+            }
+            stale.discard(self.rank)
+            live = [r for r in range(self.world_size) if r not in stale]
+            probed = self.master is None or all(second[r].get("reaches_master") is not None for r in live)
+            if rounds >= 1 and (probed or time.monotonic() > deadline):
+                break
+        cut_off = _cut_off(second, live)
+        stuck = sorted(stale) or cut_off or _behind(second, live) or _not_in_collective(second, live) or live
+        line = _hang_line(
+            self.run_dir,
+            stuck,
+            [r for r in live if r not in stuck],
+            second,
+            master=self.master if cut_off and stuck == cut_off else None,
+        )
         if live and live[0] == self.rank:
             print(line, file=sys.stderr, flush=True)
             if self.rank != 0:
@@ -251,6 +295,14 @@ class Watchdog:
                     os.kill(int(rec["pid"]), signal.SIGKILL)
 
 
+def _cut_off(beats: dict[int, dict], live: list[int]) -> list[int]:
+    """The live ranks that could not reach the master while other live ranks could."""
+    answers = {r: beats[r].get("reaches_master") for r in live if r in beats}
+    if True not in answers.values():
+        return []
+    return sorted(r for r, ok in answers.items() if ok is False)
+
+
 def _behind(beats: dict[int, dict], live: list[int]) -> list[int]:
     steps = {r: beats[r]["step"] for r in live if r in beats}
     if not steps or len(set(steps.values())) == 1:
@@ -263,7 +315,11 @@ def _not_in_collective(beats: dict[int, dict], live: list[int]) -> list[int]:
     return sorted(r for r in live if r in beats and not _in_collective(beats[r].get("where", "")))
 
 
-def _hang_line(run_dir: Path, stuck: list[int], waiting: list[int], beats: dict[int, dict]) -> str:
+def _hang_line(
+    run_dir: Path, stuck: list[int], waiting: list[int], beats: dict[int, dict], master: str | None = None
+) -> str:
+    """The one line; with `master`, the stuck ranks are the ones cut off from it."""
+
     def who(r: int) -> str:
         rec = beats.get(r, {})
         return f"rank {r} (host {rec.get('host', '?')}, pid {rec.get('pid', '?')})"
@@ -278,8 +334,12 @@ def _hang_line(run_dir: Path, stuck: list[int], waiting: list[int], beats: dict[
         "; ".join(f"ranks {', '.join(map(str, rs))} waited in {f}" for f, rs in places.items())
         or "no other rank was waiting"
     )
+    cut = ""
+    if master:
+        hosts = sorted({beats.get(r, {}).get("host", "?") for r in stuck})
+        cut = f", cut off: host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} cannot reach the master {master}"
     return (
-        f"loomtrain: hang: {', '.join(who(r) for r in stuck)} did not reach step {step}; {waited}; "
+        f"loomtrain: hang: {', '.join(who(r) for r in stuck)} did not reach step {step}{cut}; {waited}; "
         f"stacks in {logs_dir(run_dir)}/"
     )
 

@@ -56,6 +56,59 @@ def check_tp(model_cfg, tp: int, world_size: int | None = None) -> None:
     # The vocabulary needs no check: the plan pads it to a multiple of tp.
 
 
+def ranks_by_host(hosts) -> dict[str, list[int]]:
+    """host -> its global ranks, hosts in the order of their first rank."""
+    out: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        out.setdefault(host, []).append(rank)
+    return out
+
+
+def _spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'ranks 0-2, 5'."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(r) if r == start else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def describe_hosts(hosts) -> str:
+    """e.g. '2 hosts: node/10.0.0.1 ranks 0-3, node/10.0.0.2 ranks 4-7'."""
+    by_host = ranks_by_host(hosts)
+    n = len(by_host)
+    return f"{n} host{'s' if n != 1 else ''}: " + ", ".join(f"{h} {_spans(rs)}" for h, rs in by_host.items())
+
+
+def _tp_groups_split(hosts, tp: int) -> list[list[int]]:
+    tp_groups, _ = Topology.layout(len(hosts), tp)
+    return [g for g in tp_groups if len({hosts[r] for r in g}) > 1]
+
+
+def check_tp_placement(tp: int, hosts, allow_cross_host: bool = False) -> None:
+    """Raise a one-line ValueError naming `parallel.tp` when a TP group (consecutive ranks)
+    would span hosts: its all-reduces, several per layer and step, would then cross the
+    network between them instead of staying on one host's links. `hosts` is every rank's
+    host, by global rank; world size % tp is checked before (check_tp)."""
+    if allow_cross_host or tp == 1 or len(set(hosts)) < 2:
+        return
+    split = _tp_groups_split(hosts, tp)
+    if not split:
+        return
+    world = len(hosts)
+    fits = max(t for t in range(1, tp) if world % t == 0 and not _tp_groups_split(hosts, t))
+    counts = sorted({len(rs) for rs in ranks_by_host(hosts).values()})
+    per_host = "/".join(map(str, counts)) + (" rank" if counts == [1] else " ranks") + " per host"
+    _fail(
+        f"parallel.tp={tp}: the tensor-parallel group of {_spans(split[0])} would span hosts "
+        f"({describe_hosts(hosts)}; {per_host}); use parallel.tp={fits}, or start a multiple of {tp} "
+        f"ranks on each host (torchrun --nproc_per_node {tp}), or set parallel.allow_cross_host_tp=true "
+        f"to run it anyway"
+    )
+
+
 @dataclass
 class Topology:
     world_size: int
