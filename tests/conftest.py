@@ -9,6 +9,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def own_working_dir(tmp_path_factory, monkeypatch):
+    """Every test runs in an empty folder of its own (not its tmp_path, which stays the test's):
+    what a relative path reads or writes (a config's default run.dir runs/NAME, a child process
+    started without a cwd) never meets what a user made in the checkout (runs/, data/, corpus/,
+    a mixture config). A test that wants the repository root (the README's relative paths) says so
+    with monkeypatch.chdir(ROOT) or cwd=ROOT."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a test module (use via pytestmark): tiny models gain nothing

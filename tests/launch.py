@@ -99,9 +99,14 @@ def loomtrain_cmd(*args, nproc: int = 1) -> list[str]:
 
 
 def run_child(
-    argv: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 600, rc: int | None = 0
+    argv: list[str],
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    rc: int | None = 0,
 ) -> subprocess.CompletedProcess:
-    """Run `argv` to its end with `child_env()` (or `env`), output captured; with `rc`
+    """Run `argv` to its end with `child_env()` (or `env`), output captured, in `cwd` (default:
+    this process's, which is each test's own empty folder, see tests/conftest.py); with `rc`
     (default 0), assert the exit status, showing the output's tail when it differs."""
     proc = subprocess.run(
         argv, cwd=cwd, env=child_env() if env is None else env, capture_output=True, text=True, timeout=timeout

@@ -143,7 +143,7 @@ def test_readme_dryrun_commands_run_shrunk():
     runs = readme_runs("dryrun")
     assert runs and all(shown for _, shown in runs), runs  # each shown with its output
     for argv, shown in runs:
-        proc = run_loomtrain(*argv, "--steps", "2")
+        proc = run_loomtrain(*argv, "--steps", "2", cwd=ROOT)  # the README's paths are relative to the root
         out = proc.stdout
         headline = next(line for line in out.splitlines() if line.startswith("dryrun: "))
         assert layout(headline) == layout(shown)

@@ -56,7 +56,7 @@ def test_submit_status_logs_stop_round_trip(ray_head, tmp_path, capsys):
     # The real command line, in a fresh process: it must find the token by itself.
     proc = run_loomtrain(
         "submit",
-        CONFIG,
+        str(ROOT / CONFIG),
         "--address",
         ray_head.dashboard_url,
         "--submission-id",

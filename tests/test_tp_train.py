@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import losses, run_loomtrain
+from launch import TINY, losses, run_loomtrain
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +40,10 @@ def _losses(run_dir: Path) -> list[float]:
 def test_torchrun_tp2_dp2_sp_follows_single_process(tmp_path):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     ref_dir, tp_dir = tmp_path / "ref", tmp_path / "tp2"
-    run_loomtrain("train", "configs/tiny.yaml", f"run.dir={ref_dir}", cache, *COMMON)
+    run_loomtrain("train", TINY, f"run.dir={ref_dir}", cache, *COMMON)
     run_loomtrain(
         "train",
-        "configs/tiny.yaml",
+        TINY,
         f"run.dir={tp_dir}",
         cache,
         *COMMON,

@@ -28,7 +28,7 @@ from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import memory_model as mm
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = "configs/tiny.yaml"
+TINY = ROOT / "configs" / "tiny.yaml"
 COMMON = [
     "train.max_steps=10",
     *SMALL_MODEL,
