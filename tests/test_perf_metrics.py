@@ -79,3 +79,49 @@ def test_cpu_peak_is_a_measured_matmul(monkeypatch):
     assert fp32 > 1e8 and bf16 > 1e8  # any CPU does 0.1 GFLOP/s
     assert set(metrics._CPU_PEAK) == {torch.float32, torch.bfloat16}
     assert metrics.device_peak_flops(torch.device("cpu"), "fp32") == fp32  # measured once, then cached
+    # one core's rate times the cores torch computes on
+    monkeypatch.setattr(metrics, "usable_cpus", lambda: 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = metrics.measured_cpu_flops()
+        torch.set_num_threads(2)
+        assert metrics.measured_cpu_flops() == pytest.approx(2 * one)
+        monkeypatch.setattr(metrics, "usable_cpus", lambda: 1)
+        assert metrics.measured_cpu_flops() == pytest.approx(one)  # no more cores than it may use
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
+
+
+BUSY = "import time\nend = time.time() + 60\nwhile time.time() < end: pass\n"
+
+
+def test_cpu_peak_holds_while_other_processes_load_every_core(monkeypatch):
+    """The peak is timed in the measuring thread's CPU time: other jobs on the machine take time
+    slices away, not FLOPs per CPU-second, so a peak measured under load is not lowered (in
+    wall-clock time it halved, and a run that went on after the load stopped showed MFU 150%)."""
+    import subprocess
+    import sys
+    import time
+
+    def measure() -> float:
+        monkeypatch.setattr(metrics, "_CPU_PEAK", {})
+        return metrics.measured_cpu_flops(torch.float32, size=512, trials=6)
+
+    quiet = max(measure() for _ in range(2))
+    hogs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2 * metrics.usable_cpus())]
+    try:
+        time.sleep(1)  # the hogs are spinning
+        loaded = measure()
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
+    assert loaded > 0.75 * quiet, (loaded, quiet)
+
+
+def test_usable_cpus_is_at_most_the_affinity():
+    import os
+
+    assert 1 <= metrics.usable_cpus() <= len(os.sched_getaffinity(0))
