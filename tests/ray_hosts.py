@@ -136,27 +136,31 @@ class RayCluster:
         return json.loads(out.stdout) if out.returncode == 0 else []
 
     def wait_for_nodes(self, addrs: list[str] | int, timeout_s: float = 120.0) -> list[str]:
-        """Wait until the live nodes are exactly `addrs` (or number `addrs`); return them."""
+        """Wait until the live nodes are exactly `addrs` (or `addrs` many); return them."""
+        want = addrs if isinstance(addrs, int) else sorted(addrs)
+        return self._wait(lambda live: (len(live) if isinstance(want, int) else live) == want, want, timeout_s)
+
+    def _wait(self, done, what, timeout_s: float) -> list[str]:
         deadline = time.monotonic() + timeout_s
         while True:
             live = self.live_nodes()
-            if (len(live) == addrs) if isinstance(addrs, int) else (live == sorted(addrs)):
+            if done(live):
                 return live
             for node in self.nodes:
                 if node.proc.poll() is not None and node.host in self.net.hosts and node.host.pids():
                     raise RuntimeError(f"ray start on {node.host.addr} exited:\n{node.log.read_text()[-3000:]}")
             if time.monotonic() > deadline:
                 logs = "\n".join(f"--- {n.host.addr}\n{n.log.read_text()[-1500:]}" for n in self.nodes)
-                raise RuntimeError(f"the cluster sees {live}, not {addrs}, after {timeout_s:.0f} s:\n{logs}")
+                raise RuntimeError(f"the cluster sees {live}, not {what}, after {timeout_s:.0f} s:\n{logs}")
             time.sleep(0.5)
 
     def add_node(self, host: Host | None = None, wait: bool = True) -> Host:
-        """Start a Ray node on `host` (default: a fresh host on the switch) that joins the cluster."""
+        """Start a Ray node on `host` (default: a fresh host on the switch) that joins the cluster;
+        with `wait`, return once the head sees it alive."""
         host = host or self.net.add()
-        before = self.live_nodes()
         self._start(host, head=False)
         if wait:
-            self.wait_for_nodes([*before, host.addr])
+            self._wait(lambda live: host.addr in live, f"{host.addr} among them", 120.0)
         return host
 
     def close(self) -> None:

@@ -71,6 +71,7 @@ from typing import Any
 
 from loomtrain.durable import atomic_write
 from loomtrain.launcher import faults
+from loomtrain.launcher.cluster.recovery import Recovery, restart_note
 from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.stopping import signal_name
@@ -184,11 +185,12 @@ class RayReportHook(Hooks):
     store, broadcast so that every rank makes the same call.
     """
 
-    def __init__(self, cfg: RunConfig, ray_step: int | None = None):
+    def __init__(self, cfg: RunConfig, ray_step: int | None = None, recovery: Recovery | None = None):
         self.cfg = cfg
         self.last_reported = -1
         self.ray_step = ray_step
         self.pointer_root = Path(cfg.run.dir) / "ray" / ".pointers"
+        self.recovery = recovery  # what a restart cost (launcher/cluster/recovery.py)
 
     # -- helpers
     def _published_now(self, ctx: TrainContext) -> str | None:
@@ -228,17 +230,21 @@ class RayReportHook(Hooks):
     # -- hooks
     def on_train_start(self, ctx: TrainContext) -> None:
         # Runs after the checkpoint hook resumed: ctx.state.step is where we start.
+        path = Path(self.cfg.run.dir) / ATTEMPTS_FILE
+        lines = path.read_text().splitlines() if ctx.dist.rank == 0 and path.exists() else []
+        extra = {}
+        if self.recovery is not None:  # every rank: the hosts are all-gathered
+            extra = self.recovery.attempt_fields(ctx, len(lines) + 1, json.loads(lines[-1]) if lines else None)
         if ctx.dist.rank == 0:
             shutil.rmtree(self.pointer_root, ignore_errors=True)  # leftovers of a killed report
-            path = Path(self.cfg.run.dir) / ATTEMPTS_FILE
-            previous = len(path.read_text().splitlines()) if path.exists() else 0
             rec = {
-                "attempt": previous + 1,
+                "attempt": len(lines) + 1,
                 "start_step": ctx.state.step,
                 "ray_checkpoint_step": self.ray_step,
                 "time": time.time(),
+                **extra,
             }
-            if previous:
+            if lines:
                 rec["previous_end"] = _previous_end(path)
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -249,6 +255,8 @@ class RayReportHook(Hooks):
             faults.at(
                 "report", step=ctx.state.step, rank=ctx.dist.rank, run_dir=self.cfg.run.dir, flush=ctx.checkpoint_flush
             )
+        if self.recovery is not None:
+            self.recovery.on_step_end(ctx)
         path = self._published_now(ctx)
         if path is not None:
             self._report(ctx, metrics, path)
@@ -338,7 +346,8 @@ def train_worker(config: dict) -> None:
             f"{cfg.run.dir}: step {found_step}{note}",
             flush=True,
         )
-    run_training(cfg, hooks=[RayReportHook(cfg, ray_step=ray_step)])
+    recovery = Recovery(cfg.run.dir, ray.util.get_node_ip_address(), config["started_at"])
+    run_training(cfg, hooks=[RayReportHook(cfg, ray_step=ray_step, recovery=recovery)])
 
 
 # ----------------------------------------------------------------- driver side
@@ -388,10 +397,10 @@ def _startup_error(exc: BaseException) -> bool:
 
 def build_trainer(cfg: RunConfig, started_at: float):
     from loomtrain.launcher.cluster.elastic import LoomTorchTrainer
+    from loomtrain.launcher.cluster.ray_backend import LoomtrainTorchConfig
     from loomtrain.launcher.distributed import collective_timeout_s
     from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
-    from ray.train.torch import TorchConfig
 
     return LoomTorchTrainer(
         loom_cfg=cfg,
@@ -401,7 +410,7 @@ def build_trainer(cfg: RunConfig, started_at: float):
             "started_at": started_at,
             "test_faults": faults.SPEC,
         },
-        torch_config=TorchConfig(timeout_s=collective_timeout_s(cfg)),
+        torch_config=LoomtrainTorchConfig(timeout_s=collective_timeout_s(cfg), run_dir=cfg.run.dir),
         scaling_config=ScalingConfig(
             # elastic: any usable size in [min, max] (loomtrain.launcher.cluster.elastic)
             num_workers=(cfg.ray.least_workers, cfg.ray.num_workers) if cfg.ray.elastic else cfg.ray.num_workers,
@@ -435,13 +444,22 @@ def run(cfg: RunConfig, stop=None):
     """Run `cfg` on Ray; returns Ray's Result. Raises RayStartError / Ray's errors.
     `stop` (a StopRequest) is installed once Ray is connected: ray.init sets its own
     SIGTERM handler (sys.exit), which would end the driver without a save."""
+    import ray  # noqa: F401  (its loggers exist before the console takes them over)
+    from loomtrain.launcher.cluster.ray_console import DriverConsole
+
     cfg = absolutize(cfg)
+    with DriverConsole(cfg.run.dir) as console:
+        return _run(cfg, stop, console)
+
+
+def _run(cfg: RunConfig, stop, console):
     # Read by Ray Train's controller (propagated from this driver's environment).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.ray.start_timeout_s)
     # Our logging rank prints its own progress; Ray's print patch would echo it twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     need = cfg.ray.num_workers * cfg.ray.cpus_per_worker
     _connect(cfg, need)
+    console.take_over_lines()  # after ray.init, which installs Ray's printer
     if stop is not None:
         stop.install()
     import ray
@@ -462,15 +480,19 @@ def run(cfg: RunConfig, stop=None):
         f"run dir {cfg.run.dir}, Ray storage {storage_path(cfg)}",
         flush=True,
     )
-    trainer = build_trainer(cfg, started_at=time.time())
+    started_at = time.time()
+    trainer = build_trainer(cfg, started_at=started_at)
     try:
         return trainer.fit()
     except Exception as exc:
         if _startup_error(exc):
+            now = ray.cluster_resources()  # a node lost mid-run took its share with it
+            alive = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+            restart = restart_note(Path(cfg.run.dir) / ATTEMPTS_FILE, started_at, alive)
             raise RayStartError(
-                f"Ray could not place {cfg.ray.num_workers} workers x {_resources(cfg)} "
+                f"Ray could not place {cfg.ray.num_workers} workers x {_resources(cfg)}{restart} "
                 f"within ray.start_timeout_s={cfg.ray.start_timeout_s} s; the cluster has "
-                f"{ {k: total.get(k, 0.0) for k in want} } in total. Lower ray.num_workers / "
+                f"{ {k: now.get(k, 0.0) for k in want} } now. Lower ray.num_workers / "
                 "ray.cpus_per_worker / ray.use_gpu, or grow the cluster."
             ) from exc
         raise
