@@ -489,15 +489,16 @@ def _load_config(data: tuple[tuple[str, str], ...], name: str, overrides: tuple[
     return cfg
 
 
-def _ray_pods(cspec: dict) -> list[tuple[str, int, Fraction, Fraction]]:
-    """(group, pods, CPUs and GPUs Ray sees per pod) for the head and each worker group."""
+def _ray_pods(cspec: dict, count: str = "replicas") -> list[tuple[str, int, Fraction, Fraction]]:
+    """(group, pods, CPUs and GPUs Ray sees per pod) for the head and each worker group, with
+    `count` worker pods per group: its replicas (what starts), minReplicas or maxReplicas."""
     rows = []
     groups = [("head", cspec.get("headGroupSpec") or {}, 1)]
     groups += [
         (
             g.get("groupName", "?"),
             g,
-            int(g.get("replicas", g.get("minReplicas", 0)) or 0) * int(g.get("numOfHosts", 1) or 1),
+            int(g.get(count, g.get("replicas", g.get("minReplicas", 0))) or 0) * int(g.get("numOfHosts", 1) or 1),
         )
         for g in cspec.get("workerGroupSpecs") or []
     ]
@@ -510,7 +511,36 @@ def _ray_pods(cspec: dict) -> list[tuple[str, int, Fraction, Fraction]]:
     return rows
 
 
+def _elastic_sizes(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[str, str]]:
+    """Elastic workers (ray.min_workers < ray.num_workers): the worker groups at minReplicas
+    must hold the smallest group, and at maxReplicas the largest (a lost pod that is not
+    replaced costs speed, not the run)."""
+    r = cfg.ray
+    out = []
+    for count, workers, what in (
+        ("minReplicas", r.least_workers, f"down to ray.min_workers={r.least_workers}"),
+        ("maxReplicas", r.num_workers, f"up to ray.num_workers={r.num_workers}"),
+    ):
+        rows = _ray_pods(cspec, count)
+        fits = (
+            sum(c * gp for _, c, _, gp in rows)
+            if r.use_gpu
+            else sum(c * (cpus // r.cpus_per_worker) for _, c, cpus, _ in rows)
+        )
+        if fits < workers:
+            out.append(
+                (
+                    where,
+                    f"[world-size] {name} runs elastic workers {what}, but the worker groups at {count} fit only "
+                    f"{int(fits)} (set the groups' {count} to hold {workers} workers)",
+                )
+            )
+    return out
+
+
 def _world_size(where: str, name: str, cfg: Any, cspec: dict) -> list[tuple[str, str]]:
+    if cfg.ray.elastic:
+        return _elastic_sizes(where, name, cfg, cspec)
     n, cpw, use_gpu = cfg.ray.num_workers, cfg.ray.cpus_per_worker, cfg.ray.use_gpu
     rows = [r for r in _ray_pods(cspec) if r[1] > 0]
     shown = " + ".join(f"{c} pod(s) of group {g!r} x {int(gp)} GPU(s)" for g, c, _, gp in rows if gp) or "no GPUs"

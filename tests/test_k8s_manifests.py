@@ -160,6 +160,9 @@ def test_cpu_small_runs_tiny_on_two_cpu_workers(rendered, tmp_path):
     assert name == "tiny.yaml" and not cfg.ray.use_gpu
     pods, gpus = _cluster_gpus_and_workers(job["spec"]["rayClusterSpec"])
     assert (pods, gpus, cfg.ray.num_workers) == (2, 0, 2)
+    # elastic: one worker pod may be lost (min 1 of 2), and the groups' replica bounds say so
+    group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    assert (cfg.ray.least_workers, group["minReplicas"], group["maxReplicas"]) == (1, 1, 2)
     cpu = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"][
         "limits"
     ]["cpu"]
