@@ -22,14 +22,66 @@ from pathlib import Path
 import launch
 import pytest
 from launch import TINY, Run, child_env, losses, run_loomtrain
-
-pytestmark = pytest.mark.slow
+from loomtrain.launcher import watchdog
+from loomtrain.launcher.distributed import choose_socket_interface, rendezvous_failure
+from loomtrain.parallel.topology import check_tp_placement
 
 MASTER_PORT = 29400  # each host is a fresh namespace: no other process holds it
 # Two ranks per DP group of micro batch 2: a global batch of 4 splits over dp 1 and dp 2.
 SMALL = [*launch.SMALL, "train.micro_batch_size=2", "train.global_batch_size=4", *launch.QUIET]
 
 
+# --- the pieces, without processes -------------------------------------------------------
+def test_placement_refuses_a_tp_group_across_hosts_in_one_line():
+    check_tp_placement(2, ["n/10.0.0.1"] * 2 + ["n/10.0.0.2"] * 2)  # one TP group per host
+    check_tp_placement(2, ["n/10.0.0.1", "n/10.0.0.2"], allow_cross_host=True)
+    check_tp_placement(4, ["n/127.0.0.1"] * 4)
+    with pytest.raises(ValueError) as refused:
+        check_tp_placement(4, ["n/10.0.0.1"] * 2 + ["n/10.0.0.2"] * 2)
+    assert str(refused.value) == (
+        "parallel.tp=4: the tensor-parallel group of ranks 0-3 would span hosts (2 hosts: n/10.0.0.1 ranks 0-1, "
+        "n/10.0.0.2 ranks 2-3; 2 ranks per host); use parallel.tp=2, or start a multiple of 4 ranks on each host "
+        "(torchrun --nproc_per_node 4), or set parallel.allow_cross_host_tp=true to run it anyway"
+    )
+    with pytest.raises(ValueError, match=r"^parallel.tp=2: the tensor-parallel group of ranks 2-3 .* 3 ranks per"):
+        check_tp_placement(2, ["n/10.0.0.1"] * 3 + ["n/10.0.0.2"] * 3)
+
+
+def test_the_users_interface_is_kept_and_named_in_the_rendezvous_line():
+    env = {"GLOO_SOCKET_IFNAME": "eth9", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+    assert choose_socket_interface("127.0.0.1", env) == {"NCCL_SOCKET_IFNAME": "lo"}
+    assert env["GLOO_SOCKET_IFNAME"] == "eth9"
+    line = rendezvous_failure(RuntimeError("Unable to find address for: eth9\nmore"), "gloo", {}, env)
+    assert line == (
+        "could not join the process group at 127.0.0.1:29400 over GLOO_SOCKET_IFNAME=eth9 (your setting): "
+        "Unable to find address for: eth9; the route to 127.0.0.1 leaves by lo: set GLOO_SOCKET_IFNAME to this "
+        "host's interface that reaches 127.0.0.1 (e.g. GLOO_SOCKET_IFNAME=lo) on every host, and check that the "
+        "port is open between the hosts"
+    )
+    chosen = {"GLOO_SOCKET_IFNAME": "lo"}
+    env = {**env, **chosen}
+    assert "over GLOO_SOCKET_IFNAME=lo (chosen: routes to the master): " in rendezvous_failure("x", "gloo", chosen, env)
+
+
+def test_the_ranks_that_cannot_reach_the_master_are_the_ones_cut_off(tmp_path):
+    assert watchdog.reaches(None) is None
+    assert watchdog.reaches("127.0.0.1:1") is True  # refused: the host answered
+    beats = {
+        r: {"host": "n/10.0.0.1" if r < 2 else "n/10.0.0.2", "pid": 10 + r, "step": 5, "where": "all_reduce"}
+        | {"reaches_master": r < 2}
+        for r in range(4)
+    }
+    assert watchdog._cut_off(beats, [0, 1, 2, 3]) == [2, 3]
+    assert watchdog._cut_off({r: {**b, "reaches_master": False} for r, b in beats.items()}, [0, 1, 2, 3]) == []
+    line = watchdog._hang_line(tmp_path, [2, 3], [0, 1], beats, master="10.0.0.1:29400")
+    assert line == (
+        "loomtrain: hang: rank 2 (host n/10.0.0.2, pid 12), rank 3 (host n/10.0.0.2, pid 13) did not reach step 6, "
+        "cut off: host n/10.0.0.2 cannot reach the master 10.0.0.1:29400; ranks 0, 1 waited in all_reduce; "
+        f"stacks in {tmp_path / 'logs'}/"
+    )
+
+
+# --- two hosts ---------------------------------------------------------------------------
 def overrides(run_dir: Path, data_cache: Path, *more: str) -> list[str]:
     return ["train", TINY, *SMALL, f"run.dir={run_dir}", f"data.cache_dir={data_cache}", *more]
 
@@ -107,6 +159,7 @@ def reference(tmp_path: Path, data_cache: Path, nproc: int, *more: str) -> dict[
     return losses(run_dir)
 
 
+@pytest.mark.slow
 def test_two_hosts_without_any_variable_train_and_equal_one_host(hosts, tmp_path, data_cache):
     """The issue's first case: 2 hosts x 1 rank, no GLOO_SOCKET_IFNAME: trains, and its losses
     are exactly those of 2 ranks on one host."""
@@ -131,6 +184,7 @@ def test_two_hosts_without_any_variable_train_and_equal_one_host(hosts, tmp_path
     assert_nothing_left(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ifname", ["eth9", "lo"])
 def test_a_wrong_interface_of_the_users_is_kept_and_fails_as_one_line(hosts, tmp_path, data_cache, ifname):
     """eth9 does not exist; lo makes each side tell the other to connect to its own loopback."""
@@ -156,6 +210,7 @@ def test_a_wrong_interface_of_the_users_is_kept_and_fails_as_one_line(hosts, tmp
     assert_nothing_left(a, b)
 
 
+@pytest.mark.slow
 def test_a_tp_group_across_hosts_is_refused_unless_asked_for(hosts, tmp_path, data_cache):
     a, b = hosts.add(), hosts.add()
     run_dir = tmp_path / "run"
@@ -192,6 +247,7 @@ def test_a_tp_group_across_hosts_is_refused_unless_asked_for(hosts, tmp_path, da
     assert_nothing_left(a, b)
 
 
+@pytest.mark.slow
 def test_two_hosts_of_two_ranks_equal_one_host_of_four(hosts, tmp_path, data_cache):
     """tp 2 inside each host, dp 2 across them (fp32) == the same 4 ranks on one host."""
     a, b = hosts.add(), hosts.add()
@@ -215,6 +271,7 @@ def test_two_hosts_of_two_ranks_equal_one_host_of_four(hosts, tmp_path, data_cac
 PARTITION_TIMEOUT_S = 20
 
 
+@pytest.mark.slow
 def test_a_partition_is_named_by_the_hang_watchdog(hosts, tmp_path, data_cache):
     """Host B's link goes down after step 5: every rank lives on, waiting in a collective; the
     watchdog's probe of the master tells the sides apart, and the one line names host B's
