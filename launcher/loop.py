@@ -71,7 +71,8 @@ class TrainResult:
     evals: dict[int, float] = field(default_factory=dict)  # step -> eval/loss
     final_dir: Path | None = None
     state: TrainState | None = None
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # this call, set-up and final weights included
+    train_s: float = 0.0  # this call's training loop (at most wall_s; state.elapsed sums all calls)
     stopped_by: int = 0  # the signal that stopped the run early (0: it was not stopped)
 
 
@@ -364,7 +365,8 @@ def _loop(run: _Run) -> None:
     while ctx.state.step < cfg.train.max_steps and not ctx.stop_requested:
         metrics, data_wait = _train_and_count(run)
         step = ctx.state.step
-        ctx.state.elapsed = elapsed_at_start + time.perf_counter() - run.loop_start
+        run.result.train_s = time.perf_counter() - run.loop_start
+        ctx.state.elapsed = elapsed_at_start + run.result.train_s
         run.dog.beat(step)
         run.result.losses.append(metrics["loss"])
         run.result.steps.append(step)
@@ -470,16 +472,25 @@ def _finish(run: _Run, wall_start: float) -> TrainResult:
             f"(checkpoint saved); the same command resumes from it"
         )
     elif ctx.state.step > run.start_step and result.losses:
-        log.message(
-            f"done: step {ctx.state.step}, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
-            f"{ctx.state.elapsed:.0f} s training, {result.wall_s:.0f} s total"
-        )
+        log.message(done_line(result, run.start_step, ctx.state.elapsed))
     run_dir = ctx.run_dir.absolute()
     log.message(f"run directory: {run_dir}")
     if ctx.cfg.log.tensorboard:
         log.message(f"TensorBoard logs: {log.tb_dir.absolute()}  (tensorboard --logdir {run_dir.parent})")
     log.message(f"rank logs: {logs_dir(run_dir)}/")
     return result
+
+
+def done_line(result: TrainResult, start_step: int, elapsed: float) -> str:
+    """The summary of a call that trained: its own training and wall time (training <= total);
+    after a resume, also the training time summed since step 0 (`state.elapsed`), named as such."""
+    line = (
+        f"done: step {result.steps[-1]}, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
+        f"{result.train_s:.0f} s training, {result.wall_s:.0f} s total"
+    )
+    if start_step > 0:
+        line += f" (resumed at step {start_step}; {elapsed:.0f} s training since step 0)"
+    return line
 
 
 def _save_final(ctx: TrainContext) -> Path:

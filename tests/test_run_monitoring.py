@@ -48,7 +48,23 @@ def two_runs(tmp_path_factory):
     run_training(cfg("b", "train.max_steps=4", "log.profile_steps=[2,3]"))
     resumed = run_training(cfg("a", "train.max_steps=5"))
     assert resumed.steps == [5]
+    assert 0 < resumed.train_s <= resumed.wall_s  # this call's training, within this call's time
+    assert resumed.state.elapsed > resumed.train_s  # the first call's training is in it too
     return root
+
+
+def test_the_summary_after_a_resume_keeps_training_within_total(tmp_path):
+    """A resumed run reported the training time summed since step 0 as its training time, next
+    to its own wall time ("36 s training, 11 s total"): the summary's pair is this call's own."""
+    from loomtrain.launcher.loop import TrainResult, done_line
+
+    result = TrainResult(tmp_path, losses=[2.5, 2.0], steps=[41, 42], train_s=2.2, wall_s=11.4)
+    line = done_line(result, start_step=40, elapsed=36.0)
+    assert line == (
+        "done: step 42, loss 2.5000 -> 2.0000, 2 s training, 11 s total "
+        "(resumed at step 40; 36 s training since step 0)"
+    )
+    assert done_line(result, start_step=0, elapsed=2.2).endswith("2 s training, 11 s total")
 
 
 def test_each_run_is_one_tensorboard_run_with_grouped_tags(two_runs):
