@@ -175,6 +175,21 @@ def bpe_sample(files: list[Path], text_field: str, sample_bytes: int):
                 break
 
 
+def bpe_report(vocab_size: int, asked_vocab: int, text_bytes: int, sample_bytes: int, input_bytes: int) -> str:
+    """What BPE training made, as it is: the vocabulary it reached and the bytes of text it read
+    (a small corpus runs out of pairs to merge below --bpe-vocab-size, and may be smaller than
+    --bpe-sample-bytes)."""
+    line = f"BPE: vocabulary of {vocab_size:,} tokens, trained on {text_bytes:,} bytes of text"
+    if sample_bytes >= input_bytes:
+        line += f" (all of the input: --bpe-sample-bytes {sample_bytes:,} is more than its {input_bytes:,} bytes)"
+    if vocab_size < asked_vocab:
+        line += (
+            f"; fewer than --bpe-vocab-size {asked_vocab:,}: the text has no more pairs to merge "
+            f"(more text gives a larger vocabulary; model.vocab_size needs at least {vocab_size:,})"
+        )
+    return line
+
+
 def _tokenizer_key(tokenizer, bpe_vocab_size: int, bpe_sample_bytes: int):
     """What the parts depend on about the tokenizer (a rerun with another one starts afresh)."""
     if isinstance(tokenizer, str) and tokenizer == "bpe":
@@ -192,13 +207,23 @@ def _work_tokenizer(
         return load_tokenizer(work)
     if isinstance(tokenizer, str) and tokenizer == "bpe":
         if log:
-            sample = f" ({bpe_sample_bytes:,} sampled bytes)" if bpe_sample_bytes else ""
-            log(f"training a byte-level BPE (vocab {bpe_vocab_size}) on {len(files)} files{sample} ...")
+            sample = f", sampling about {bpe_sample_bytes:,} bytes" if bpe_sample_bytes else ""
+            log(f"training a byte-level BPE (vocab up to {bpe_vocab_size:,}) on {len(files)} files{sample} ...")
+        seen = {"bytes": 0}
+
+        def counted(texts):
+            for text in texts:
+                seen["bytes"] += len(text.encode("utf-8", errors="replace"))
+                yield text
+
         tokenizer = train_bpe(
-            bpe_sample(files, text_field, bpe_sample_bytes),
+            counted(bpe_sample(files, text_field, bpe_sample_bytes)),
             bpe_vocab_size,
             show_progress=progress and sys.stderr.isatty(),
         )
+        if log:
+            input_bytes = sum(p.stat().st_size for p in files)
+            log(bpe_report(tokenizer.vocab_size, bpe_vocab_size, seen["bytes"], bpe_sample_bytes, input_bytes))
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     tokenizer.save(work)

@@ -162,6 +162,36 @@ def test_preprocess_bpe_and_stream(tmp_path):
     s.close()
 
 
+def test_bpe_reports_the_vocabulary_and_the_bytes_it_really_had(tmp_path):
+    """A small corpus cannot reach --bpe-vocab-size, nor fill --bpe-sample-bytes: preprocess says
+    what it made (it printed "vocab 2048 ... 20,000,000 sampled bytes" for a 514-token BPE
+    trained on 96 kB)."""
+    (tmp_path / "in").mkdir()
+    for i, d in enumerate(DOCS):
+        (tmp_path / "in" / f"{i:02d}.txt").write_text(d, encoding="utf-8")
+    files = documents.expand_inputs([str(tmp_path / "in" / "*.txt")])
+    lines: list[str] = []
+    index = pp.preprocess_files(
+        files,
+        tmp_path / "out",
+        "bpe",
+        bpe_vocab_size=2048,
+        bpe_sample_bytes=20_000_000,
+        progress=False,
+        log=lines.append,
+    )
+    vocab = load_tokenizer(tmp_path / "out").vocab_size
+    assert vocab < 2048 and index["tokenizer"]["vocab_size"] == vocab
+    text_bytes = sum(len(d.encode()) for d in DOCS)
+    input_bytes = sum(p.stat().st_size for p in files)
+    (report,) = [line for line in lines if line.startswith("BPE: ")]
+    assert report.startswith(f"BPE: vocabulary of {vocab:,} tokens, trained on {text_bytes:,} bytes of text")
+    assert f"is more than its {input_bytes:,} bytes" in report
+    assert "fewer than --bpe-vocab-size 2,048" in report and f"model.vocab_size needs at least {vocab:,}" in report
+    assert not any("20,000,000 sampled" in line for line in lines)
+    assert pp.bpe_report(300, 300, 4000, 0, 9000) == "BPE: vocabulary of 300 tokens, trained on 4,000 bytes of text"
+
+
 def test_workers_and_small_units_give_identical_shards(tmp_path, monkeypatch):
     big = [("x" * 300 + "\n") * 20 + f"doc {i}\n" for i in range(12)]  # 6 KB documents
     (tmp_path / "in").mkdir()
