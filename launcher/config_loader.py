@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import shutil
@@ -251,6 +252,15 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
         resume,
     )
     check(t.seq_len <= m.max_seq_len, "train.seq_len", f"at most model.max_seq_len={m.max_seq_len}", t.seq_len)
+    known = _tokenizer_vocab(cfg.data)
+    if known is not None:  # ids must fit the embedding (build_data checks again once a bpe is trained)
+        vocab, whose = known
+        check(
+            m.vocab_size >= vocab,
+            "model.vocab_size",
+            f"at least the tokenizer's vocabulary {vocab} ({whose})",
+            m.vocab_size,
+        )
     try:  # heads, KV heads and FFN width must split tp ways
         check_tp(m, p.tp)
     except ValueError as exc:
@@ -282,6 +292,30 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
         )
     if m.init_from:  # last: it reads the weights' config (and may name a path only a cluster has)
         _check_init_from(cfg)
+
+
+def _tokenizer_vocab(data) -> tuple[int, str] | None:
+    """(vocabulary size, whose) of the run's tokenizer where it is known before any data work: the
+    byte tokenizer, a tokenizer.json, or for `bpe` the first shard directory's index (what
+    data_pipeline/corpus.py's prepare_sources loads); None for a bpe still to be trained."""
+    from loomtrain.data_pipeline import ByteTokenizer, DataError, load_tokenizer
+    from loomtrain.data_pipeline.shards import INDEX
+
+    if data.tokenizer == "byte":
+        return ByteTokenizer.vocab_size, "data.tokenizer=byte"
+    if data.tokenizer != "bpe":
+        try:
+            return load_tokenizer(data.tokenizer).vocab_size, f"data.tokenizer={data.tokenizer}"
+        except DataError:
+            return None  # prepare_sources names what is wrong with the tokenizer
+    first = data.path or (data.sources[0].path if data.sources else "")
+    index = Path(first) / INDEX if first and "://" not in first else None
+    if index is None or not index.is_file():
+        return None
+    try:
+        return int(json.loads(index.read_text())["tokenizer"]["vocab_size"]), f"the tokenizer of {first}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # prepare_sources names what is wrong with the shards
 
 
 def _run_has_checkpoints(cfg: RunConfig) -> bool:

@@ -68,6 +68,7 @@ def test_extends_cycle_is_refused(tmp_path):
         ("model.n_heads=5", "model.n_heads: d_model=192 must be divisible"),
         ("train.seq_len=4096", "train.seq_len: expected at most model.max_seq_len"),
         ("parallel.tp=2", "parallel.tp: expected a divisor of the world size 1"),
+        ("model.vocab_size=256", "model.vocab_size: expected at least the tokenizer's vocabulary 257"),
     ],
 )
 def test_errors_name_the_dotted_key(override, needle):
@@ -76,6 +77,33 @@ def test_errors_name_the_dotted_key(override, needle):
     message = str(info.value)
     assert needle in message
     assert "\n" not in message
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_before_any_work(tmp_path, bpe):
+    """Token ids must fit the embedding: refused when the config loads (it was refused only once
+    the data was prepared and the run folder made), for a tokenizer.json and for `bpe` over
+    shards whose index names their vocabulary; a bpe still to be trained is checked by build_data."""
+    import json
+
+    from loomtrain.data_pipeline.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(bpe)
+    tok.save(tmp_path / "tok")
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny.yaml", [f"data.tokenizer={tmp_path / 'tok'}", "model.vocab_size=256"])
+    assert str(err.value) == (
+        f"model.vocab_size: expected at least the tokenizer's vocabulary {tok.vocab_size} "
+        f"(data.tokenizer={tmp_path / 'tok'}), got 256"
+    )
+    assert load_config(CONFIGS / "tiny.yaml", [f"data.tokenizer={tmp_path / 'tok'}"]).model.vocab_size == 320
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "index.json").write_text(json.dumps({"tokenizer": {"vocab_size": 514}}))
+    with pytest.raises(
+        ConfigError, match=rf"^model\.vocab_size: .* vocabulary 514 \(the tokenizer of {shards}\), got 320$"
+    ):
+        load_config(CONFIGS / "tiny.yaml", [f"data.path={shards}", "data.tokenizer=bpe"])
+    assert load_config(CONFIGS / "tiny.yaml", ["data.tokenizer=bpe"]).model.vocab_size == 320  # trained later
 
 
 def test_loader_runs_every_sections_own_validate_with_its_dotted_prefix(monkeypatch):
