@@ -18,7 +18,9 @@ before the failure (the failure itself is not observed: it came at most one step
 the end of this attempt's first step. Rank 0 prints one line at the restart (which host was
 lost, from which step it resumes) and one after that first step (how long recovery took),
 and writes `fault/recovery_s` and `fault/steps_lost` once, at that step, into metrics.jsonl and
-TensorBoard (a record of its own: the step's training record is already written).
+TensorBoard (a record of its own: the step's training record is already written). An elastic
+group that grew (more ranks, no host lost) was restarted by Ray on purpose: the same figures
+go to `elastic/resize_s` and `elastic/steps_lost`.
 """
 
 from __future__ import annotations
@@ -75,9 +77,18 @@ class Recovery:
             failed_after, since = int(previous.get("start_step", 0)), float(previous.get("time", time.time()))
         resumed = ctx.state.step
         lost = sorted(set(previous.get("hosts", [])) - set(hosts))
-        self.pending = {"since": since, "steps_lost": max(0, failed_after - resumed), "failed_after": failed_after}
+        # An elastic group that grew (a node joined) was restarted by Ray on purpose: not a fault.
+        grew = not lost and len(hosts) > len(previous.get("hosts", []))
+        self.pending = {
+            "since": since,
+            "steps_lost": max(0, failed_after - resumed),
+            "prefix": "elastic/resize" if grew else "fault/recovery",
+        }
         fields.update(failed_after_step=failed_after, resumed_from_step=resumed, lost_hosts=lost)
-        what = f"lost {_ranks_by_host(previous['hosts'], lost)}" if lost else "a worker process died"
+        if grew:
+            what = f"the elastic group grew from {len(previous['hosts'])} to {len(hosts)} workers"
+        else:
+            what = f"lost {_ranks_by_host(previous['hosts'], lost)}" if lost else "a worker process died"
         print(
             f"loomtrain: restart (attempt {attempt}): {what} after step {failed_after}; "
             f"resuming from step {resumed} ({failed_after - resumed} steps to redo)",
@@ -95,13 +106,13 @@ class Recovery:
         atomic_write(self.progress_path, json.dumps({"attempt": self.attempt, "step": step, "time": now}), fsync=False)
         if self.pending is None:
             return
-        recovery_s, steps_lost = now - self.pending["since"], self.pending["steps_lost"]
+        recovery_s, steps_lost, prefix = now - self.pending["since"], self.pending["steps_lost"], self.pending["prefix"]
         self.pending = None
-        if ctx.metrics is not None:
-            ctx.metrics.log(step, {"fault/recovery_s": recovery_s, "fault/steps_lost": steps_lost})
+        if ctx.metrics is not None:  # fault/recovery_s, fault/steps_lost (elastic/resize_s, ... for a grow)
+            ctx.metrics.log(step, {f"{prefix}_s": recovery_s, f"{prefix.split('/')[0]}/steps_lost": steps_lost})
         print(
-            f"loomtrain: recovered: step {step} done {recovery_s:.1f} s after the last step before the "
-            f"failure; {steps_lost} steps redone",
+            f"loomtrain: {'resized' if prefix.startswith('elastic') else 'recovered'}: step {step} done "
+            f"{recovery_s:.1f} s after the last step before the restart; {steps_lost} steps redone",
             flush=True,
         )
 
