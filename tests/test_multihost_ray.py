@@ -1,0 +1,230 @@
+"""`train --ray` on a Ray cluster across two hosts (network namespaces, tests/ray_hosts.py).
+
+One cluster for the module: a head on 198.18.0.1 and a node on 198.18.0.2, 2 CPUs each, so the
+4 one-CPU workers (tp 1 x dp 4, fp32) sit 2 per host; the driver runs on the head's host. No
+GLOO_SOCKET_IFNAME anywhere: loomtrain's workers pick the interface that routes to rank 0.
+
+* an uninterrupted 12-step run (the reference), whose console has loomtrain's lines and none
+  of Ray's;
+* node loss with a replacement: every process of the second host is killed after step 5, a
+  fresh host joins; the run resumes by itself from the last checkpoint and its losses equal
+  the reference's, with the restart and recovery lines and the fault figures written once;
+* node loss without one: the restart waits ray.start_timeout_s and the run exits 1 with one
+  line.
+
+Rank 0 spends 0.3 s more in every step (a test fault that changes no number), so that the
+kill lands within a step or two of step 5 and not after the run has ended.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import launch
+import pytest
+from launch import losses, records
+from ray_hosts import ray_cluster  # noqa: F401  (the module's cluster)
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 12, 3
+TRAIN = [
+    *launch.SMALLEST,
+    *launch.QUIET,
+    "train.micro_batch_size=1",
+    "train.global_batch_size=4",
+    "train.warmup_steps=1",
+    f"train.max_steps={STEPS}",
+    "train.precision=fp32",
+    "data.max_files=20",
+    "data.prefetch=0",
+    f"checkpoint.every_steps={EVERY}",
+    "ray.num_workers=4",
+    "ray.cpus_per_worker=1",
+    "ray.max_failures=2",
+]
+# Ray's own lines, which belong in RUN_DIR/logs/ and not on the console.
+RAY_LINES = (
+    "Reporting training result",
+    "Failed to query Ray Train Controller",
+    "Checkpoint successfully created",
+    "Setting up process group",
+    "Requesting resources",
+    "Started training worker group",
+    "(RayTrainWorker",
+    "(TrainController",
+    "(raylet)",
+    "socket.cpp",
+    "Connected to Ray cluster",
+)
+
+
+def start_run(cluster, run_dir: Path, data_cache: Path, *extra: str) -> subprocess.Popen:
+    """`loomtrain train --ray` on the head's host, output (stdout + stderr) in a pipe."""
+    env = cluster.client_env(
+        launch.child_env(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1", LOOMTRAIN_TEST_FAULTS="delay:0:0.3")
+    )
+    argv = launch.loomtrain_cmd(
+        "train",
+        launch.TINY,
+        "--ray",
+        *TRAIN,
+        f"run.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        f"ray.address={cluster.address}",
+        *extra,
+    )
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return cluster.head.popen(
+        argv, env=env, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def two_hosts(cluster) -> tuple:
+    """The head's host and one other live host (a fresh one joins when an earlier test killed it)."""
+    live = cluster.live_nodes()
+    others = [h for h in cluster.hosts[1:] if h.addr in live]
+    return cluster.head, (others[0] if others else cluster.add_node())
+
+
+def read_until(proc: subprocess.Popen, lines: list[str], predicate, timeout_s: float) -> str | None:
+    """Read the run's output into `lines` until a line satisfies `predicate` (returned) or it ends."""
+    deadline = time.monotonic() + timeout_s
+    for line in proc.stdout:
+        lines.append(line)
+        if predicate(line):
+            return line
+        assert time.monotonic() < deadline, "".join(lines[-40:])
+    return None
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory, data_cache):  # noqa: F811
+    """The reference: 12 steps on 2 hosts x 2 workers -> (run dir, console text, seconds)."""
+    two_hosts(ray_cluster)
+    run_dir = tmp_path_factory.mktemp("ray2h") / "run"
+    started = time.monotonic()
+    proc = start_run(ray_cluster, run_dir, data_cache)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    return run_dir, out, time.monotonic() - started
+
+
+def test_two_hosts_train_with_loomtrains_lines_on_the_console(ray_cluster, uninterrupted):  # noqa: F811
+    run_dir, console, _ = uninterrupted
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+    attempts = [json.loads(x) for x in (run_dir / "ray_attempts.jsonl").read_text().splitlines()]
+    assert len(attempts) == 1
+    hosts = attempts[0]["hosts"]
+    assert sorted(set(hosts)) == sorted(h.addr for h in ray_cluster.hosts[:2]) and len(hosts) == 4
+    # loomtrain's lines: rank 0's progress as it is, the other ranks' behind their host and rank.
+    assert f"step {STEPS}/{STEPS} | loss" in console
+    assert "loomtrain: Ray Train run finished: step 12" in console
+    prefixed = set(re.findall(r"^\[(198\.18\.0\.\d+) rank (\d)\] ", console, re.M))
+    assert prefixed and all(int(rank) > 0 and hosts[int(rank)] == addr for addr, rank in prefixed), prefixed
+    assert not re.search(r"^\[\S+ rank 0\]", console, re.M)
+    # Ray's lines are not there, but in the run's logs.
+    shown = [line for line in console.splitlines() if any(noise in line for noise in RAY_LINES)]
+    assert not shown, "\n".join(shown[:10])
+    logs = run_dir / "logs"
+    worker_logs = "".join(p.read_text() for p in logs.glob("ray_worker_*.log"))
+    assert "Reporting training result" in worker_logs and "Setting up process group" in worker_logs
+    assert "Connected to Ray cluster" in (logs / "ray_driver.log").read_text()
+
+
+def test_node_loss_resumes_on_a_replacement_host_with_the_same_losses(
+    ray_cluster,  # noqa: F811
+    uninterrupted,
+    tmp_path,
+    data_cache,
+):
+    reference = losses(uninterrupted[0])
+    _, lost = two_hosts(ray_cluster)
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    proc = start_run(ray_cluster, run_dir, data_cache, "log.tensorboard=true")
+    lines: list[str] = []
+    try:
+        assert read_until(proc, lines, lambda line: line.startswith("step 5/"), timeout_s=300)
+        killed_at = time.monotonic()
+        lost.kill()  # a node crash: its raylet, its workers, everything
+        replacement = ray_cluster.add_node()
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    console = "".join(lines) + out
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, console[-4000:]
+
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert max(abs(got[s] - reference[s]) for s in got) <= 1e-6
+
+    attempts = [json.loads(x) for x in (run_dir / "ray_attempts.jsonl").read_text().splitlines()]
+    assert len(attempts) == 2
+    second = attempts[1]
+    assert second["lost_hosts"] == [lost.addr] and replacement.addr in second["hosts"]
+    failed_after, resumed = second["failed_after_step"], second["resumed_from_step"]
+    assert resumed % EVERY == 0 and 0 <= failed_after - resumed <= EVERY and failed_after >= 5
+    ranks = ", ".join(str(r) for r, h in enumerate(attempts[0]["hosts"]) if h == lost.addr)
+    assert (
+        f"loomtrain: restart (attempt 2): lost host {lost.addr} (ranks {ranks}) after step {failed_after}; "
+        f"resuming from step {resumed}"
+    ) in console
+    recovered = re.search(r"^loomtrain: recovered: step (\d+) done ([\d.]+) s after", console, re.M)
+    assert recovered and int(recovered.group(1)) == resumed + 1, console[-3000:]
+
+    # The fault figures, once, at the first step after the recovery: metrics.jsonl and TensorBoard.
+    faults = [r for r in records(run_dir) if "fault/recovery_s" in r]
+    assert len(faults) == 1 and faults[0]["step"] == resumed + 1
+    assert faults[0]["fault/steps_lost"] == failed_after - resumed
+    recovery_s = faults[0]["fault/recovery_s"]
+    assert 0 < recovery_s < time.monotonic() - killed_at + 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()
+    assert [e.step for e in events.Scalars("fault/recovery_s")] == [resumed + 1]
+    assert [e.value for e in events.Scalars("fault/steps_lost")] == [failed_after - resumed]
+    shown = [line for line in console.splitlines() if any(noise in line for noise in RAY_LINES)]
+    assert not shown, "\n".join(shown[:10])
+    print(
+        f"\nnode loss: recovery {recovery_s:.1f} s, {failed_after - resumed} steps lost "
+        f"(failed after step {failed_after}, resumed from {resumed}), run {elapsed:.0f} s, "
+        f"reference {uninterrupted[2]:.0f} s, max |dloss| {max(abs(got[s] - reference[s]) for s in got):.1e}"
+    )
+
+
+def test_node_loss_without_a_replacement_ends_after_start_timeout_with_one_line(
+    ray_cluster,  # noqa: F811
+    tmp_path,
+    data_cache,
+):
+    _, lost = two_hosts(ray_cluster)
+    timeout_s = 15
+    extra = (f"ray.start_timeout_s={timeout_s}", "train.max_steps=60")
+    proc = start_run(ray_cluster, tmp_path / "run", data_cache, *extra)
+    lines: list[str] = []
+    try:
+        assert read_until(proc, lines, lambda line: line.startswith("step 2/"), timeout_s=300)
+        lost.kill()
+        killed_at = time.monotonic()
+        out, _ = proc.communicate(timeout=timeout_s + 120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    waited = time.monotonic() - killed_at
+    console = "".join(lines) + out
+    assert proc.returncode == 1, console[-4000:]
+    assert waited >= timeout_s, waited
+    errors = [line for line in console.splitlines() if line.startswith("loomtrain: error:")]
+    assert len(errors) == 1, console[-3000:]
+    assert (
+        f"Ray could not place 4 workers x {{'CPU': 1.0}} again after attempt 1 (host {lost.addr} lost, "
+        f"not replaced) within ray.start_timeout_s={timeout_s} s" in errors[0]
+    )
+    assert "Traceback" not in console, console[-3000:]
