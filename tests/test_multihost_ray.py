@@ -10,7 +10,8 @@ GLOO_SOCKET_IFNAME anywhere: loomtrain's workers pick the interface that routes 
   fresh host joins; the run resumes by itself from the last checkpoint and its losses equal
   the reference's, with the restart and recovery lines and the fault figures written once;
 * node loss without one: the restart waits ray.start_timeout_s and the run exits 1 with one
-  line.
+  line;
+* `preprocess --ray` from the head's host: Ray tasks on both hosts, the same bytes as locally.
 
 Rank 0 spends 0.3 s more in every step (a test fault that changes no number), so that the
 kill lands within a step or two of step 5 and not after the run has ended.
@@ -134,6 +135,29 @@ def test_two_hosts_train_with_loomtrains_lines_on_the_console(ray_cluster, unint
     worker_logs = "".join(p.read_text() for p in logs.glob("ray_worker_*.log"))
     assert "Reporting training result" in worker_logs and "Setting up process group" in worker_logs
     assert "Connected to Ray cluster" in (logs / "ray_driver.log").read_text()
+
+
+def test_preprocess_on_ray_across_two_hosts_equals_the_local_command(ray_cluster, tmp_path):  # noqa: F811
+    # Ray tasks, not gloo: no interface to pick, but every task must reach the driver on host A.
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for f in range(8):
+        (inputs / f"part{f}.txt").write_text(
+            "".join(f"document {f}.{d}: " + "words " * (d % 7) + "\n" for d in range(40))
+        )
+    args = ["preprocess", "--no-progress", "--input", str(inputs / "*"), "--tokenizer", "byte", "--shard-tokens", "900"]
+    local = launch.run_loomtrain(*args, "--output", tmp_path / "local", "--workers", "2", timeout=300)
+    head, other = two_hosts(ray_cluster)
+    argv = launch.loomtrain_cmd(*args, "--output", tmp_path / "ray", "--ray", "--address", ray_cluster.address)
+    on_ray = head.run(argv, env=ray_cluster.client_env(launch.child_env()), cwd=tmp_path, timeout=300)
+    assert on_ray.returncode == 0, on_ray.stdout[-2000:] + on_ray.stderr[-3000:]
+    assert "8 input files as Ray tasks, 4 at a time" in on_ray.stdout + on_ray.stderr  # 2 hosts x 2 CPUs
+    assert local.returncode == 0
+
+    def tree(root: Path) -> dict[str, bytes]:
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    assert tree(tmp_path / "ray") == tree(tmp_path / "local")
 
 
 def test_node_loss_resumes_on_a_replacement_host_with_the_same_losses(
