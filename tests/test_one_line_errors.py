@@ -146,3 +146,42 @@ def test_unknown_command_is_named_and_every_command_reaches_its_own_parser(capsy
             cli.main([command, "--help"])
         assert exit_.value.code == 0, command
         assert capsys.readouterr().out.startswith(f"usage: loomtrain {command} "), command
+
+
+def test_help_shows_every_default(capsys, monkeypatch):
+    """`loomtrain COMMAND --help` shows each option's default value, unless the option has none
+    (None, an off flag) or its help already says what happens by default."""
+    import argparse
+
+    from loomtrain.launcher import cli
+
+    made: list[argparse.ArgumentParser] = []
+    init = argparse.ArgumentParser.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "__init__", record)
+    shown = {}
+    for command in cli.COMMANDS:
+        made.clear()
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        (parser,) = [p for p in made if p.prog == f"loomtrain {command}"]
+        for action in parser._actions:
+            default = action.default
+            if default is None or default is False or default == [] or default == argparse.SUPPRESS:
+                continue
+            said = "default" in " ".join((action.help or "").split())
+            assert said or f"(default: {default})" in out, (command, action.option_strings or action.dest, default)
+            shown[(command, action.dest)] = said
+        shown[command] = out
+    assert (
+        "vocabulary size a --tokenizer bpe is trained up to (a small corpus stops short) (default: 4096)"
+        in (shown["preprocess"])
+    )
+    assert "validation split seed (default: 0)" in shown["preprocess"]
+    assert "tokens to generate (default: 100)" in shown["generate"]
+    assert "(default: None)" not in " ".join(v for v in shown.values() if isinstance(v, str))

@@ -9,6 +9,7 @@ module only when it runs, so `loomtrain --help` never imports torch, DeepSpeed o
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -27,6 +28,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("jobs", "print (or --follow) a Ray job's logs"),
     "stop": ("jobs", "stop a Ray job"),
 }
+
+
+class _ShowsDefaults:
+    """`--help` shows each option's default, as argparse.ArgumentDefaultsHelpFormatter does,
+    except where there is none to show (None, a flag's False, an empty list) or the option's
+    help already says what happens by default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+        nothing = action.default is None or action.default is False or action.default == []  # 0 is a default
+        if shown and not nothing and action.default != argparse.SUPPRESS and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class HelpFormatter(_ShowsDefaults, argparse.HelpFormatter):
+    """Every subcommand's parser: `formatter_class=HelpFormatter`."""
+
+
+class RawDescriptionHelpFormatter(_ShowsDefaults, argparse.RawDescriptionHelpFormatter):
+    """The same, for a description laid out by hand."""
 
 
 def usage() -> str:

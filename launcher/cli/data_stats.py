@@ -11,13 +11,16 @@ import sys
 
 from loomtrain.data_pipeline import DataError
 from loomtrain.data_pipeline.stats import data_stats
+from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.components import data_cache_dir
 from loomtrain.launcher.config_loader import ConfigError, resolve, validate
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="loomtrain data-stats", description="Samples and tokens per data source over a run's first N steps."
+        prog="loomtrain data-stats",
+        description="Samples and tokens per data source over a run's first N steps.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("config", help="the run's YAML config")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for `loomtrain train`")

@@ -9,14 +9,19 @@ import argparse
 import sys
 
 from loomtrain.launcher.checkpoints.export import DEFAULT_MAX_SHARD, DTYPES, FORMATS, ExportError, export_hf
+from loomtrain.launcher.cli import HelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="loomtrain export", description="Export a run's weights to Hugging Face format.")
+    ap = argparse.ArgumentParser(
+        prog="loomtrain export",
+        description="Export a run's weights to Hugging Face format.",
+        formatter_class=HelpFormatter,
+    )
     ap.add_argument(
         "run_dir", help="a run directory (newest complete checkpoint, else final/) or a checkpoint directory"
     )
-    ap.add_argument("--format", default="hf", choices=FORMATS)
+    ap.add_argument("--format", default="hf", choices=FORMATS, help="the export's format")
     ap.add_argument("--output", required=True, help="output directory (created; an earlier export there is replaced)")
     ap.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weights' dtype in the export (default fp32)")
     ap.add_argument(

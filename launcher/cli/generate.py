@@ -11,19 +11,25 @@ import math
 import re
 import sys
 
+from loomtrain.launcher.cli import HelpFormatter
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="loomtrain generate", description="Continue a prompt with a trained run's weights."
+        prog="loomtrain generate",
+        description="Continue a prompt with a trained run's weights.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("run_dir", help="a run directory (or its final/ directory)")
     p.add_argument("--prompt", default="", help="text to continue (default: start from end-of-text)")
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens only (default: all)")
+    p.add_argument(
+        "--top-p", type=float, default=None, help="sample among the likeliest tokens up to probability P (default: all)"
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     return p

@@ -10,14 +10,17 @@ import sys
 
 from loomtrain.launcher.checkpoints.hf_import import FORMATS, import_hf
 from loomtrain.launcher.checkpoints.weight_source import WeightSourceError
+from loomtrain.launcher.cli import HelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="loomtrain import", description="Turn a Hugging Face model directory into a loomtrain run directory."
+        prog="loomtrain import",
+        description="Turn a Hugging Face model directory into a loomtrain run directory.",
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("src", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
-    ap.add_argument("--format", default="hf", choices=FORMATS)
+    ap.add_argument("--format", default="hf", choices=FORMATS, help="the source's format")
     ap.add_argument("--output", required=True, help="the run directory to create (final/ and config.yaml)")
     return ap
 

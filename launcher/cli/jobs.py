@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.cluster import jobs
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"loomtrain {command}")
+    p = argparse.ArgumentParser(prog=f"loomtrain {command}", formatter_class=HelpFormatter)
     p.add_argument(
         "--address", default=None, help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)"
     )
@@ -43,7 +44,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--follow", "-f", action="store_true", help="stream until the job ends")
     if command == "stop":
         p.add_argument("--wait", action="store_true", help="wait until the job has stopped")
-        p.add_argument("--wait-timeout", type=float, default=60.0)
+        p.add_argument("--wait-timeout", type=float, default=60.0, help="seconds --wait waits for the job to stop")
     return p
 
 

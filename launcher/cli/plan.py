@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from loomtrain.launcher.cli import RawDescriptionHelpFormatter
 from loomtrain.launcher.config_loader import ConfigError
 from loomtrain.launcher.planning import host_model as hm
 from loomtrain.launcher.planning import memory_model as mm
@@ -25,9 +26,9 @@ from loomtrain.launcher.planning.memory_plan import format_plan, load_plan
 def plan_parser(prog: str, doc: str, overrides_help: str, world_size_help: str) -> argparse.ArgumentParser:
     """The arguments `plan` and `dryrun` share: a config, its overrides and the cluster to predict for."""
     ap = argparse.ArgumentParser(
-        prog=prog, description=doc.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=doc.split("\n\n")[1], formatter_class=RawDescriptionHelpFormatter
     )
-    ap.add_argument("config")
+    ap.add_argument("config", help="the run's YAML config")
     ap.add_argument("overrides", nargs="*", help=overrides_help)
     ap.add_argument("--world-size", type=int, default=None, help=world_size_help)
     ap.add_argument("--gpu", default="h100", choices=sorted(mm.DEVICES), help="device to predict for")

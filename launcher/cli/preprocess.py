@@ -12,22 +12,32 @@ import sys
 from loomtrain.data_pipeline.documents import expand_inputs
 from loomtrain.data_pipeline.preprocess import DEFAULT_SHARD_TOKENS, preprocess_files
 from loomtrain.data_pipeline.shards import DataError
+from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.config import DataConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = DataConfig()  # the defaults come from the run schema
     p = argparse.ArgumentParser(
-        prog="loomtrain preprocess", description="Tokenize text/JSONL/Parquet into token shards."
+        prog="loomtrain preprocess",
+        description="Tokenize text/JSONL/Parquet into token shards.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--input", nargs="+", required=True, metavar="GLOB", help=".txt/.jsonl/.parquet files (globs; ** allowed)"
     )
     p.add_argument("--output", required=True, metavar="DIR", help="shard directory to write")
     p.add_argument("--tokenizer", default=d.tokenizer, help="byte | bpe (trained on the inputs) | PATH/tokenizer.json")
-    p.add_argument("--bpe-vocab-size", type=int, default=d.bpe_vocab_size)
+    p.add_argument(
+        "--bpe-vocab-size",
+        type=int,
+        default=d.bpe_vocab_size,
+        help="vocabulary size a --tokenizer bpe is trained up to (a small corpus stops short)",
+    )
     p.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction)
+    p.add_argument(
+        "--val-fraction", type=float, default=d.val_fraction, help="fraction of the documents in the validation split"
+    )
     p.add_argument("--seed", type=int, default=d.split_seed, help="validation split seed")
     p.add_argument(
         "--workers",
@@ -55,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --ray: the cluster (HOST:PORT, 'auto', or ray://HOST:10001); "
         "default $RAY_ADDRESS, else a local instance",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 

@@ -17,6 +17,7 @@ import sys
 
 from loomtrain.data_pipeline import DataError
 from loomtrain.launcher.checkpoints.store import CheckpointWriteError
+from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
 from loomtrain.launcher.nonfinite import NonFiniteError
 from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loomtrain train",
         description="Train a model from a YAML config. Overrides are dotted keys: train.lr=1e-3 model.n_layers=2",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("config", help="YAML config (may `extends:` another)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.max_steps=50")
