@@ -180,12 +180,15 @@ def gather_hosts(peer: str | None) -> tuple[str, ...]:
     return tuple(str(label) for label in labels)
 
 
-def describe_interface(backend: str, chosen: dict[str, str], environ=os.environ) -> str:
-    """e.g. 'GLOO_SOCKET_IFNAME=eth0 (chosen: routes to the master)' or '... (your setting)'."""
+def describe_interface(backend: str, chosen: dict[str, str] | None, environ=os.environ) -> str:
+    """e.g. 'GLOO_SOCKET_IFNAME=eth0 (chosen: routes to the master)' or '... (your setting)';
+    `chosen` None: a group this process adopted, whoever set the variable."""
     var = socket_ifname_var(backend)
     value = environ.get(var)
     if not value:
         return f"{var} unset"
+    if chosen is None:
+        return f"{var}={value}"
     return f"{var}={value} ({'chosen: routes to the master' if var in chosen else 'your setting'})"
 
 
@@ -270,7 +273,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
             os.environ.setdefault(key, value)
         (components.run_dir(cfg) / "logs").mkdir(parents=True, exist_ok=True)
 
-    chosen: dict[str, str] = {}
+    chosen: dict[str, str] | None = None  # only the "env" launcher chooses (a lone run needs no interface)
     if dist.is_available() and dist.is_initialized():
         launcher = "existing"
         backend = dist.get_backend()
@@ -289,6 +292,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
             )
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
         if launcher == "env":
+            chosen = {}
             with contextlib.suppress(OSError):  # an unresolvable master fails below, with its name
                 chosen = choose_socket_interface(os.environ["MASTER_ADDR"])
             _join_group(backend, timeout, chosen)
@@ -309,7 +313,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         backend=backend,
         launcher=launcher,
         hosts=gather_hosts(os.environ.get("MASTER_ADDR")),
-        interface=describe_interface(backend, chosen),
+        interface="" if launcher == "local" else describe_interface(backend, chosen),
     )
 
 
