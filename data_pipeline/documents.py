@@ -116,6 +116,16 @@ def _decode(raw: bytes) -> tuple[str, int]:
         return text, text.count("\ufffd") - raw.count(_REPLACEMENT)
 
 
+def _missing_field(obj: dict, text_field: str) -> str:
+    """A JSONL object without the text field: the fields it has, and the option that picks one
+    (before --skip-bad-lines, which would drop every line of a file written with another name)."""
+    names = [str(k) for k in obj]
+    strings = sorted((k for k, v in obj.items() if isinstance(v, str)), key=lambda k: -len(obj[k]))  # longest first
+    listed = ", ".join(repr(n) for n in names[:12]) + (", ..." if len(names) > 12 else "") or "none"
+    hint = f"--text-field {strings[0]}" if strings else "--text-field NAME"  # the likeliest text
+    return f"no field {text_field!r} (fields: {listed}); if the text is in another field, pass {hint}"
+
+
 def unit_texts(unit, text_field: str, skip_bad_lines: bool):
     """A unit's documents as strings, plus stats; raises DataError (file:line) on a
     bad JSONL line unless skip_bad_lines."""
@@ -148,11 +158,13 @@ def unit_texts(unit, text_field: str, skip_bad_lines: bool):
             if isinstance(value, str):
                 texts.append(value)
                 continue
-            if not isinstance(obj, dict) or text_field not in obj:
-                problem = f"no field {text_field!r}"
+            if not isinstance(obj, dict):
+                problem = f"a JSON {type(obj).__name__}, not an object with a field {text_field!r}"
+            elif text_field not in obj:
+                problem = _missing_field(obj, text_field)
             else:
                 problem = f"field {text_field!r} is {type(value).__name__}, not a string"
         if not skip_bad_lines:
-            raise DataError(f"{path}:{lineno}: {problem} (pass --skip-bad-lines to skip and count such lines)")
+            raise DataError(f"{path}:{lineno}: {problem}; --skip-bad-lines skips and counts such lines")
         stats["bad_lines"] += 1
     return texts, stats

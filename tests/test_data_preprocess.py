@@ -254,9 +254,30 @@ def test_error_bad_jsonl_line_names_file_and_line(tmp_path):
     path.write_text('{"text": "ok"}\n{"body": "x"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: no field 'text'"):
         pp.preprocess_files(files, tmp_path / "o", progress=False, log=None)
+    path.write_text('["a list"]\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: a JSON list, not an object with a field 'text'; --skip-bad"):
+        pp.preprocess_files(files, tmp_path / "o", progress=False, log=None)
     path.write_text('{"text": "ok"}\n{not json\n{"body": "x"}\n{"text": 3}\n{"text": "fine"}\n')
     index = pp.preprocess_files(files, tmp_path / "o", skip_bad_lines=True, val_fraction=0, progress=False, log=None)
     assert index["stats"]["bad_lines"] == 3 and index["splits"]["train"]["num_docs"] == 2
+
+
+def test_jsonl_without_the_text_field_lists_its_fields_and_suggests_text_field(tmp_path, capsys):
+    """A JSONL written with another field name: the error lists the fields the line has and names
+    --text-field with the likeliest one (the longest string), not only --skip-bad-lines (which
+    would drop every line)."""
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"id": 7, "title": "A title", "body": "the document itself, longer"}\n' * 3)
+    argv = ["--input", str(path), "--output", str(tmp_path / "out"), "--no-progress"]
+    assert preprocess_cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.strip() == (
+        f"loomtrain preprocess: error: {path}:1: no field 'text' (fields: 'id', 'title', 'body'); "
+        "if the text is in another field, pass --text-field body; --skip-bad-lines skips and counts such lines"
+    )
+    assert preprocess_cli.main([*argv, "--text-field", "body", "--val-fraction", "0"]) == 0
+    assert read_docs(tmp_path / "out", "train", ByteTokenizer()) == ["the document itself, longer"] * 3
 
 
 def test_error_parquet_without_the_column(tmp_path):
