@@ -98,3 +98,15 @@ def test_a_lost_node_costs_only_speed_and_the_group_grows_back(ray_cluster, tmp_
     # Three attempts: 4 workers, 2 after the loss of host B, 4 again after the new host joined.
     attempts = [int(m) for m in re.findall(r"loomtrain: elastic: (\d) of 2-4 workers", text)]
     assert attempts == [4, 2, 4], attempts
+    # What each restart cost: the lost host (a fault), then the grow (an elastic resize).
+    assert re.search(rf"loomtrain: restart \(attempt 2\): lost host {host_b.addr} \(ranks 2, 3\)", text), text
+    assert "loomtrain: restart (attempt 3): the elastic group grew from 2 to 4 workers" in text
+    fault = [r for r in records(run_dir) if "fault/recovery_s" in r]
+    resize = [r for r in records(run_dir) if "elastic/resize_s" in r]
+    assert len(fault) == len(resize) == 1 and fault[0]["step"] < resize[0]["step"]
+    assert 0 <= fault[0]["fault/steps_lost"] <= 3 and 0 <= resize[0]["elastic/steps_lost"] <= 3  # every 3 steps
+    print(
+        f"elastic figures: lost host -> first step {fault[0]['fault/recovery_s']:.1f} s, "
+        f"{fault[0]['fault/steps_lost']} steps redone; grow -> first step {resize[0]['elastic/resize_s']:.1f} s, "
+        f"{resize[0]['elastic/steps_lost']} steps redone"
+    )
