@@ -112,3 +112,37 @@ def test_unsupported_variants_are_refused_naming_the_field(tmp_path, capsys, cha
 def test_missing_run_is_a_clear_error(tmp_path, capsys):
     assert export_cli.main([str(tmp_path / "nope"), "--output", str(tmp_path / "hf")]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_generation_config_sets_no_max_length_for_max_new_tokens_to_meet(tmp_path):
+    """The exported generation_config.json set max_length (the context length), so transformers
+    warned 'Both `max_new_tokens` (=5) and `max_length`(=16) seem to have been set' on every
+    generate(max_new_tokens=...): it sets the special tokens only."""
+    import json
+    import logging
+
+    cfg = ModelConfig(vocab_size=260, d_model=32, n_layers=1, n_heads=2, max_seq_len=16, **VARIANTS["llama"])
+    _, run = make_run(tmp_path, cfg)
+    out = tmp_path / "hf"
+    export.export_hf(run, out)
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 256, "eos_token_id": 256}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert hf.config.max_position_embeddings == 16  # the context length is still there
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines = Lines()
+    logger = transformers.utils.logging.get_logger("transformers")
+    logger.addHandler(lines)
+    try:
+        tokens = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False)
+    finally:
+        logger.removeHandler(lines)
+    assert tokens.shape == (1, 8)
+    assert not [line for line in lines.lines if "max_length" in line], lines.lines

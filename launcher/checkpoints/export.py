@@ -460,7 +460,9 @@ def export_hf(
     try:
         names = write_weights(recipes, tmp, torch_dtype, max_bytes)
         write_durable(tmp / "config.json", json.dumps(config, indent=2) + "\n")
-        gen = {"bos_token_id": eos_id, "eos_token_id": eos_id, "max_length": cfg.max_seq_len}
+        # No max_length: transformers warns whenever a caller's max_new_tokens meets one set here;
+        # the context length is config.json's and the tokenizer's model_max_length.
+        gen = {"bos_token_id": eos_id, "eos_token_id": eos_id}
         write_durable(tmp / "generation_config.json", json.dumps(gen, indent=2) + "\n")
         export_tokenizer(source.tok_dir, tmp, cfg.max_seq_len)
     except BaseException:
