@@ -17,8 +17,8 @@ start-up warnings from every worker. What goes where instead:
   other process's lines (controller, cleaner, raylet) to RUN_DIR/logs/ray_driver.log with
   Ray's prefix; the driver's own `ray` loggers write there too (only errors reach the console).
 
-The printer is Ray's private `global_worker_stdstream_dispatcher` and `print_to_stdstream`
-(ray/_private/worker.py: the only place Ray hands a driver the lines of its processes with who
+The printer is Ray's private `global_worker_stdstream_dispatcher` and `print_to_stdstream` (in
+ray._private.worker: the only place Ray hands a driver the lines of its processes with who
 wrote them, and the GCS's messages such as "node ... marked dead"); if a Ray release drops
 them, the console falls back to Ray's own output and says so in the log. DeepSpeed's one
 "... shm_comm_op built successfully" print per rank stays: it is the same under torchrun.
