@@ -11,7 +11,10 @@ GLOO_SOCKET_IFNAME anywhere: loomtrain's workers pick the interface that routes 
   the reference's, with the restart and recovery lines and the fault figures written once;
 * node loss without one: the restart waits ray.start_timeout_s and the run exits 1 with one
   line;
-* `preprocess --ray` from the head's host: Ray tasks on both hosts, the same bytes as locally.
+* `preprocess --ray` from the head's host: Ray tasks on both hosts, the same bytes as locally;
+
+and, without a cluster, the workers' line prefix and the driver's note on a restart that could
+not be placed.
 
 Rank 0 spends 0.3 s more in every step (a test fault that changes no number), so that the
 kill lands within a step or two of step 5 and not after the run has ended.
@@ -29,8 +32,6 @@ import launch
 import pytest
 from launch import losses, records
 from ray_hosts import ray_cluster  # noqa: F401  (the module's cluster)
-
-pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 12, 3
 TRAIN = [
@@ -115,6 +116,7 @@ def uninterrupted(ray_cluster, tmp_path_factory, data_cache):  # noqa: F811
     return run_dir, out, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_two_hosts_train_with_loomtrains_lines_on_the_console(ray_cluster, uninterrupted):  # noqa: F811
     run_dir, console, _ = uninterrupted
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
@@ -137,6 +139,7 @@ def test_two_hosts_train_with_loomtrains_lines_on_the_console(ray_cluster, unint
     assert "Connected to Ray cluster" in (logs / "ray_driver.log").read_text()
 
 
+@pytest.mark.slow
 def test_preprocess_on_ray_across_two_hosts_equals_the_local_command(ray_cluster, tmp_path):  # noqa: F811
     # Ray tasks, not gloo: no interface to pick, but every task must reach the driver on host A.
     inputs = tmp_path / "in"
@@ -160,6 +163,7 @@ def test_preprocess_on_ray_across_two_hosts_equals_the_local_command(ray_cluster
     assert tree(tmp_path / "ray") == tree(tmp_path / "local")
 
 
+@pytest.mark.slow
 def test_node_loss_resumes_on_a_replacement_host_with_the_same_losses(
     ray_cluster,  # noqa: F811
     uninterrupted,
@@ -223,6 +227,7 @@ def test_node_loss_resumes_on_a_replacement_host_with_the_same_losses(
     )
 
 
+@pytest.mark.slow
 def test_node_loss_without_a_replacement_ends_after_start_timeout_with_one_line(
     ray_cluster,  # noqa: F811
     tmp_path,
@@ -252,3 +257,35 @@ def test_node_loss_without_a_replacement_ends_after_start_timeout_with_one_line(
         f"not replaced) within ray.start_timeout_s={timeout_s} s" in errors[0]
     )
     assert "Traceback" not in console, console[-3000:]
+
+
+def test_worker_lines_are_prefixed_line_by_line_also_when_written_in_pieces():
+    import io
+
+    from loomtrain.launcher.cluster.ray_console import _LinePrefix
+
+    out = io.StringIO()
+    stream = _LinePrefix(out, "[198.18.0.2 rank 3] ")
+    for piece in ("step 1", "/12 | loss 5.7\nwarn", "ing: x\n\n", "last"):
+        stream.write(piece)
+    assert out.getvalue() == (
+        "[198.18.0.2 rank 3] step 1/12 | loss 5.7\n[198.18.0.2 rank 3] warning: x\n"
+        "[198.18.0.2 rank 3] \n[198.18.0.2 rank 3] last"
+    )
+    rank0 = io.StringIO()
+    _LinePrefix(rank0, "").write("as it is\n")
+    assert rank0.getvalue() == "as it is\n"
+
+
+def test_restart_note_names_the_lost_host_of_this_drivers_last_attempt(tmp_path):
+    from loomtrain.launcher.cluster.recovery import restart_note
+
+    attempts = tmp_path / "ray_attempts.jsonl"
+    assert restart_note(attempts, 2.0, []) == ""  # no attempt yet: the first placement failed
+    earlier = {"attempt": 1, "run_started_at": 1.0, "hosts": ["10.0.0.9"] * 2}
+    mine = {"attempt": 2, "run_started_at": 2.0, "hosts": ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]}
+    attempts.write_text(json.dumps(earlier) + "\n")
+    assert restart_note(attempts, 2.0, ["10.0.0.1"]) == ""  # another driver's attempts
+    attempts.write_text(json.dumps(earlier) + "\n" + json.dumps(mine) + "\n")
+    assert restart_note(attempts, 2.0, ["10.0.0.1"]) == " again after attempt 2 (host 10.0.0.2 lost, not replaced)"
+    assert restart_note(attempts, 2.0, ["10.0.0.1", "10.0.0.2"]) == " again after attempt 2"
