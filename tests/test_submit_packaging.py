@@ -140,3 +140,26 @@ def test_every_subpackage_pyproject_lists_is_shipped(salted):
         rel = "/".join(name.split(".")[1:] + ["__init__.py"])
         assert rel in shipped, (name, rel)
     assert "launcher/checkpoints/hook.py" in shipped
+
+
+def test_dry_run_warns_about_each_relative_path_the_cluster_will_not_have(tmp_path, capsys):
+    """The job runs in a temporary working directory holding only the package and the config:
+    a relative run.dir is gone with the job, and relative data or weights are not there."""
+    from loomtrain.launcher import cli
+
+    config = str(ROOT / "configs" / "tiny.yaml")
+    relative = ["data.path=data/code", "model.init_from=hf/llama", "ray.storage=ray-state"]
+    assert cli.main(["submit", config, *relative, "--dry-run"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    warned = [line for line in err if line.startswith("loomtrain: warning: ")]
+    assert [w.split(" ")[2] for w in warned] == [
+        "run.dir=runs/tiny",  # the config's own default
+        "data.path=data/code",
+        "model.init_from=hf/llama",
+        "ray.storage=ray-state",
+    ], err
+    assert "gone when the job ends" in warned[0] and "(run.dir=/mnt/shared/...)" in warned[0]
+    assert "holds only the package and the config" in warned[1]
+    absolute = [f"run.dir={tmp_path / 'run'}", "data.path=s3://bucket/code", f"data.cache_dir={tmp_path}"]
+    assert cli.main(["submit", config, *absolute, "--dry-run"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -167,14 +167,37 @@ def build_entrypoint(config_in_job: str, overrides: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def _warn_relative_run_dir(overrides: list[str]) -> None:
-    for o in overrides:
-        if o.startswith("run.dir=") and not (o.split("=", 1)[1].startswith("/") or "://" in o):
-            print(
-                "loomtrain: note: a relative run.dir lands in the job's temporary working "
-                "directory on the cluster; use a shared path (run.dir=/mnt/shared/...)",
-                file=sys.stderr,
-            )
+def relative_paths(cfg) -> list[tuple[str, str]]:
+    """(dotted key, value) of the config's paths that are relative: the job resolves them in its
+    temporary working directory on the cluster, which holds the package and config only."""
+    from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES
+
+    named = [
+        ("run.dir", cfg.run.dir),
+        ("data.path", cfg.data.path),
+        *((f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources)),
+        ("data.tokenizer", "" if cfg.data.tokenizer in BUILTIN_TOKENIZERS else cfg.data.tokenizer),
+        ("data.cache_dir", cfg.data.cache_dir),
+        ("checkpoint.resume", "" if cfg.checkpoint.resume in RESUME_MODES else cfg.checkpoint.resume),
+        ("model.init_from", cfg.model.init_from),
+        ("ray.storage", cfg.ray.storage),
+    ]
+    return [(k, v) for k, v in named if v and "://" not in v and not os.path.isabs(os.path.expanduser(v))]
+
+
+def warn_relative_paths(cfg) -> None:
+    """One line per relative path: on the cluster it is not this machine's folder (nothing but
+    the package and the config ships), and a run directory there is gone with the job."""
+    for key, value in relative_paths(cfg):
+        if key == "run.dir":
+            where = "inside the job's temporary working directory, gone when the job ends"
+        else:
+            where = "resolved in the job's working directory, which holds only the package and the config"
+        print(
+            f"loomtrain: warning: {key}={value} is a relative path: on the cluster it is {where}; "
+            f"give a path every node shares ({key}=/mnt/shared/...) or a URI",
+            file=sys.stderr,
+        )
 
 
 def submit(
@@ -207,6 +230,7 @@ def submit(
     except ValueError:  # a shape the plan cannot size here: still far more than Ray's 3 s
         wait_s = FALLBACK_S
     env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(wait_s))
+    warn_relative_paths(cfg)
     if dry_run:
         entries, left_out, config_in_job = _plan(config)
         print(format_listing(entries, left_out))
@@ -217,7 +241,6 @@ def submit(
         )
         return 0
     client = make_client(address)
-    _warn_relative_run_dir(overrides)
     with tempfile.TemporaryDirectory(prefix="loomtrain-submit-") as tmp:
         config_in_job = stage_project(Path(tmp), config)
         entrypoint = build_entrypoint(config_in_job, overrides)
