@@ -108,6 +108,27 @@ def test_resume_with_another_model_shape_is_a_config_error(tmp_path, data_cache,
     )
     err = [line for line in proc.stderr.splitlines() if line.startswith("loomtrain: config error")]
     assert len(err) == 1 and "checkpoint.resume=" in err[0] and "tok_emb.weight" in err[0], proc.stderr[-2000:]
+    assert err[0].endswith("; give a checkpoint of this model config, or start without one (checkpoint.resume=never)")
+
+
+def test_a_run_dir_holding_another_models_run_names_the_way_out(tmp_path, data_cache, straight1):
+    """The same run.dir with another model (the README's mix.yaml after the tiny run): the one
+    line says to give this config its own run.dir or start the folder afresh, and changes nothing."""
+    import shutil
+
+    run = tmp_path / "taken"
+    shutil.copytree(straight1, run)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    proc = run_child(train_cmd(run, data_cache, "model.d_model=32"), cwd=tmp_path, rc=2)
+    err = [line for line in proc.stderr.splitlines() if line.startswith("loomtrain: config error")]
+    assert len(err) == 1, proc.stderr[-2000:]
+    assert err[0].startswith(f"loomtrain: config error: checkpoint.resume=auto: checkpoint {ckpt(run, STEPS)}: ")
+    assert err[0].endswith(
+        f"; {run} holds a run of another model: train this config in a folder of its own (run.dir=...), "
+        f"or start {run} afresh (checkpoint.resume=never; its earlier output is moved aside)"
+    ), err[0]
+    assert (run / "metrics.jsonl").read_bytes() == metrics and (run / "final").is_dir()  # nothing moved aside
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
 
 
 def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, data_cache, straight1):

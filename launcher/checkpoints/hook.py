@@ -47,6 +47,18 @@ from loomtrain.launcher.rundir import supersede
 from loomtrain.launcher.watchdog import io_phase
 
 
+def _other_model_hint(resume: str, ctx: TrainContext) -> str:
+    """What to do when the checkpoint to resume holds another model: its own folder for this
+    config, or this folder started afresh (a resume PATH: a checkpoint of this model config)."""
+    if resume in ("auto", ""):
+        return (
+            f"{ctx.run_dir} holds a run of another model: train this config in a folder of its own "
+            f"(run.dir=...), or start {ctx.run_dir} afresh (checkpoint.resume=never; its earlier "
+            "output is moved aside)"
+        )
+    return "give a checkpoint of this model config, or start without one (checkpoint.resume=never)"
+
+
 class CheckpointHook(Hooks):
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -125,7 +137,7 @@ class CheckpointHook(Hooks):
             except CorruptCheckpoint as exc:
                 bad = str(exc)
             except ValueError as exc:  # another model shape: the same verdict on every rank
-                raise ConfigError(f"checkpoint.resume={c.resume}: {exc}") from exc
+                raise ConfigError(f"checkpoint.resume={c.resume}: {exc}; {_other_model_hint(c.resume, ctx)}") from exc
             reasons = [bad]
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 reasons = [None] * dist.get_world_size()
