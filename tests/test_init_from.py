@@ -44,6 +44,23 @@ def test_config_disagreeing_with_the_weights_is_refused(imported, tmp_path):
             assert msg.startswith(f"{field}: the config has {ours}, ") and msg.endswith(f"have {theirs}"), msg
 
 
+def test_every_field_disagreeing_with_the_weights_is_in_the_one_line(imported, tmp_path):
+    """Starting a config from other weights reported one mismatching field per attempt: all of
+    them are in the one line, the first as the key."""
+    hf, _, run = imported
+    overrides = [f"run.dir={tmp_path}", "model.n_kv_heads=4", "model.d_model=128", "model.n_layers=3"]
+    for source in (hf, run):
+        with pytest.raises(ConfigError) as err:
+            load_config(run / "config.yaml", [*overrides, f"model.init_from={source}"])
+        msg = str(err.value)
+        assert "\n" not in msg
+        assert msg == (
+            f"model.d_model: the config has 128, but the weights in model.init_from={source} have 64; "
+            "also model.n_layers: the config has 3, the weights 2; "
+            "also model.n_kv_heads: the config has 4, the weights 2"
+        )
+
+
 def test_imported_config_needs_its_own_run_dir_and_takes_an_hf_tokenizer_dir(imported, tmp_path):
     hf, _, run = imported
     with pytest.raises(ConfigError, match=r"^model\.init_from: expected weights outside run\.dir"):

@@ -219,15 +219,21 @@ def _effective(cfg, field: str):
 
 
 def check_matches(source: WeightSource, cfg) -> None:
-    """Refuse a source whose model differs from `cfg` (model.*), naming the field and both values."""
+    """Refuse a source whose model differs from `cfg` (model.*), naming the field and both values;
+    every differing field in the one line, so that one edit of the config fixes them all."""
     fields = list(_MUST_MATCH) + (["max_seq_len"] if cfg.positions == "learned" else [])
-    for field in fields:
-        theirs, ours = _effective(source.model_cfg, field), _effective(cfg, field)
-        if theirs != ours:
-            raise WeightSourceError(
-                f"model.{field}: the config has {ours!r}, but the weights in "
-                f"model.init_from={cfg.init_from} have {theirs!r}"
-            )
+    differ = [
+        (field, ours, theirs)
+        for field in fields
+        if (theirs := _effective(source.model_cfg, field)) != (ours := _effective(cfg, field))
+    ]
+    if differ:
+        (field, ours, theirs), rest = differ[0], differ[1:]
+        also = "".join(f"; also model.{f}: the config has {o!r}, the weights {t!r}" for f, o, t in rest)
+        raise WeightSourceError(
+            f"model.{field}: the config has {ours!r}, but the weights in "
+            f"model.init_from={cfg.init_from} have {theirs!r}{also}"
+        )
 
 
 def read_shard(source: WeightSource, name: str, spec) -> torch.Tensor:
