@@ -96,6 +96,30 @@ def test_generate_on_the_saved_run(cli_run):
     assert again.stdout == proc.stdout
 
 
+def test_generate_takes_a_checkpoint_where_a_run_has_no_final(cli_run, tmp_path, capsys):
+    """A run stopped early (checkpoint.stop_at_step) has no final/: generate used to say 'no
+    final/ directory ... (did the run finish?)' while export took the same checkpoint. It reads
+    the run's newest complete checkpoint, or a checkpoint directory given directly, and says so."""
+    import shutil
+
+    from loomtrain.launcher.cli import generate
+
+    run_dir, _ = cli_run
+    args = ["--prompt", "import ", "--max-new-tokens", "12", "--device", "cpu"]
+    assert generate.main([str(run_dir), *args]) == 0
+    final = capsys.readouterr()
+    assert "using" not in final.err
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    stopped = tmp_path / "stopped"
+    shutil.copytree(run_dir, stopped, ignore=lambda d, names: ["final"] if Path(d) == run_dir else [])
+    assert not (stopped / "final").exists()
+    for source, ckpt in ((newest, newest), (stopped, stopped / "checkpoints" / newest.name)):
+        assert generate.main([str(source), *args]) == 0
+        got = capsys.readouterr()
+        assert got.out == final.out  # fp32: the checkpoint's masters are the final weights
+        assert got.err.strip() == f"loomtrain generate: no final/ weights: using checkpoint {ckpt}"
+
+
 def small_cfg(tmp_path: Path, data_cache: Path, *extra: str):
     return load_config(TINY, [*SMALL, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", *extra])
 

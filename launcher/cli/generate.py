@@ -1,7 +1,9 @@
 """`loomtrain generate RUN_DIR --prompt "..." [--max-new-tokens N] [--temperature T] [--top-k K]`.
 
-Loads RUN_DIR/final (safetensors + JSON + tokenizer; nothing unpickled) and prints
-the prompt followed by its continuation. Temperature 0 is greedy.
+Loads RUN_DIR/final (safetensors + JSON + tokenizer; nothing unpickled), or where a run has
+no final/ (stopped early, e.g. by checkpoint.stop_at_step) its newest complete checkpoint, or
+a checkpoint directory given directly (read as `export` reads it), and prints the prompt
+followed by its continuation. Temperature 0 is greedy.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Continue a prompt with a trained run's weights.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("run_dir", help="a run directory (or its final/ directory)")
+    p.add_argument(
+        "run_dir",
+        help="a run directory (its final/, else its newest complete checkpoint), its final/, or a checkpoint directory",
+    )
     p.add_argument("--prompt", default="", help="text to continue (default: start from end-of-text)")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -64,6 +69,41 @@ def pick_device(requested: str) -> str:
     return requested
 
 
+def load_model(path: str, device: str):
+    """-> (model, tokenizer, what was loaded): final weights where there are some, else the
+    newest complete checkpoint of a run, or the checkpoint directory `path` names."""
+    from pathlib import Path
+
+    import torch
+    from loomtrain.data_pipeline import load_tokenizer
+    from loomtrain.launcher.checkpoints.export import ExportError, open_source
+    from loomtrain.launcher.checkpoints.store import MANIFEST
+    from loomtrain.launcher.weights import FinalWeightsError, load_final
+    from loomtrain.model import Transformer
+
+    p = Path(path)
+    is_checkpoint = (p / MANIFEST).is_file() and (p / "trainer.json").is_file()
+    if not is_checkpoint and (p.is_file() or not (p / "checkpoints").is_dir() or (p / "final").is_dir()):
+        model, tok = load_final(path, device=device)
+        return model, tok, "final weights"
+    try:
+        source = open_source(p)
+    except ExportError as exc:
+        raise FinalWeightsError(str(exc)) from None
+    if source.tok_dir is None:
+        raise FinalWeightsError(f"{source.what}: no tokenizer/ in it")
+    model = Transformer(source.cfg)
+    state = {name: source.get(name) for name in source.shapes}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = ["lm_head.weight"] if source.cfg.tie_embeddings else []
+    if unexpected or sorted(missing) != tied:
+        raise FinalWeightsError(f"{source.what}: tensors do not match its model config")
+    model.reset_buffers()
+    with torch.no_grad():
+        model = model.to(device).eval()
+    return model, load_tokenizer(str(source.tok_dir)), source.what
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     bad = check_args(args)
@@ -72,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # torch loads only now, so that a bad argument is reported at once.
     import torch
-    from loomtrain.launcher.weights import FinalWeightsError, load_final
+    from loomtrain.launcher.weights import FinalWeightsError
 
     try:
         device = pick_device(args.device)
-        model, tok = load_final(args.run_dir, device=device)
+        model, tok, what = load_model(args.run_dir, device)
     except (FileNotFoundError, FinalWeightsError, ValueError) as exc:
         print(f"loomtrain generate: {exc}", file=sys.stderr)
         return 2
@@ -102,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad temperature / top-k / top-p
         print(f"loomtrain: {exc}", file=sys.stderr)
         return 2
+    if what != "final weights":
+        print(f"loomtrain generate: no final/ weights: using {what}", file=sys.stderr)
     new = [t for t in out[0, len(ids) :].tolist() if t != tok.eos_id]
     print(args.prompt + tok.decode(new))
     return 0
