@@ -112,7 +112,7 @@ def test_resume_with_another_model_shape_is_a_config_error(tmp_path, data_cache,
 
 
 def test_a_run_dir_holding_another_models_run_names_the_way_out(tmp_path, data_cache, straight1):
-    """The same run.dir with another model (the README's mix.yaml after the tiny run): the one
+    """The same run.dir with another model (the README's mixture config after the tiny run): the one
     line says to give this config its own run.dir or start the folder afresh, and changes nothing."""
     import shutil
 
