@@ -1,15 +1,17 @@
 """Elastic workers across hosts: a lost node costs only speed, and the group grows back.
 
 A Ray cluster of 2 hosts x 2 CPUs (tests/ray_hosts.py) runs `loomtrain train --ray` with
-ray.num_workers=4, ray.min_workers=2 (fp32, global batch 8 in micro batches of 2). Host B is
-killed after step 5: the group restarts on host A alone at DP 2 (gradient accumulation 2
-instead of 1) from the newest checkpoint; a fresh host joins and, at the next resize check,
-the group grows back to DP 4. The losses and the samples of every step (data/samples_hash)
-equal those of an uninterrupted one-process run of the same global batch.
+ray.num_workers=4, ray.min_workers=2 and parallel.tp=2 (fp32, global batch 8 in micro batches
+of 2; each TP group on one host). Host B is killed after step 5: the group restarts on host A
+alone at DP 1 (gradient accumulation 4 instead of 2) from the newest checkpoint; a fresh host
+joins and, at the next resize check, the group grows back to DP 2. The losses and the samples
+of every step (data/samples_hash) equal those of an uninterrupted one-process run of the same
+global batch.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -31,7 +33,14 @@ RUN = [
     "train.precision=fp32",
     "checkpoint.every_steps=3",
 ]
-ELASTIC = ["ray.num_workers=4", "ray.min_workers=2", "ray.cpus_per_worker=1", "ray.elastic_resize_interval_s=5"]
+# tp 2: each TP group must lie on one host (Ray Train groups a node's workers as consecutive ranks)
+ELASTIC = [
+    "parallel.tp=2",
+    "ray.num_workers=4",
+    "ray.min_workers=2",
+    "ray.cpus_per_worker=1",
+    "ray.elastic_resize_interval_s=5",
+]
 
 
 def _by_step(run_dir) -> dict[int, dict]:
@@ -98,6 +107,10 @@ def test_a_lost_node_costs_only_speed_and_the_group_grows_back(ray_cluster, tmp_
     # Three attempts: 4 workers, 2 after the loss of host B, 4 again after the new host joined.
     attempts = [int(m) for m in re.findall(r"loomtrain: elastic: (\d) of 2-4 workers", text)]
     assert attempts == [4, 2, 4], attempts
+    # Every attempt's TP groups (ranks 0-1, 2-3) each on one host.
+    hosts = [json.loads(line)["hosts"] for line in (run_dir / "ray_attempts.jsonl").read_text().splitlines()]
+    assert [len(h) for h in hosts] == [4, 2, 4] and all(h[0] == h[1] and h[-2] == h[-1] for h in hosts), hosts
+    assert hosts[0][0] != hosts[0][2] and hosts[1][0] == hosts[0][0] and hosts[2][2] not in hosts[0], hosts
     # What each restart cost: the lost host (a fault), then the grow (an elastic resize).
     assert re.search(rf"loomtrain: restart \(attempt 2\): lost host {host_b.addr} \(ranks 2, 3\)", text), text
     assert "loomtrain: restart (attempt 3): the elastic group grew from 2 to 4 workers" in text
