@@ -336,3 +336,23 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_latest(tmp_path, data_cache
     ), line
     assert f"{run / 'checkpoints' / 'step_00000004'} stays the newest checkpoint" in line, line
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_new_folder(tmp_path):
+    """A missing data path (found once DeepSpeed and the process group are up) used to leave
+    runs/NAME/ behind (marker, lock, a rank log): the folders this start made go, the parents
+    that were already there and an earlier run's folder stay."""
+    bad = ["data.path=data/nope", *launch.QUIET]
+    proc = launch.run_loomtrain("train", TINY, *bad, "run.dir=runs/x", cwd=tmp_path, rc=2)
+    assert "data directory not found: data/nope" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # not even runs/
+    earlier = tmp_path / "runs" / "earlier"
+    earlier.mkdir(parents=True)
+    (earlier / "notes.txt").write_text("mine")
+    launch.run_loomtrain("train", TINY, *bad, "run.dir=runs/x", cwd=tmp_path, rc=2)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["earlier"]
+    (tmp_path / "runs" / "made-by-hand").mkdir()  # an empty folder the user made for the run
+    proc = launch.run_loomtrain("train", TINY, *bad, "run.dir=runs/made-by-hand", cwd=tmp_path, rc=2)
+    assert "data directory not found" in proc.stderr
+    assert (tmp_path / "runs" / "made-by-hand" / MARKER).exists()  # there before: it stays
+    assert (earlier / "notes.txt").read_text() == "mine"

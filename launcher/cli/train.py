@@ -13,7 +13,9 @@ import argparse
 import contextlib
 import errno
 import os
+import shutil
 import sys
+from pathlib import Path
 
 from loomtrain.data_pipeline import DataError
 from loomtrain.launcher.checkpoints.store import CheckpointWriteError
@@ -71,12 +73,48 @@ def main(argv: list[str] | None = None) -> int:
     # One process per run owns RUN_DIR (see launcher/rundir.py): the Ray driver (it
     # outlives its worker groups' restarts), else global rank 0; the other ranks follow it.
     owner = args.ray or os.environ.get("RANK", "0") == "0"
+    made = _first_missing(Path(os.path.expanduser(cfg.run.dir)))  # what this start creates, if anything
+    rc = 1
     try:
         with claim(cfg.run.dir) if owner else contextlib.nullcontext():
-            return _run(cfg, args)
+            rc = _run(cfg, args)
+            return rc
     except RunDirError as exc:
         print(f"loomtrain: run directory error: {exc}", file=sys.stderr)
-        return 2
+        rc = 2
+        return rc
+    finally:
+        # exit 2: a config, data or run-directory error, whose one console line is the whole
+        # story (a hang or a crash keeps its folder: the stacks and rank logs are in it)
+        if rc == 2 and owner and not args.ray and made is not None:
+            _remove_if_no_step(Path(os.path.expanduser(cfg.run.dir)), made)
+
+
+def _first_missing(run_dir: Path) -> Path | None:
+    """The outermost folder of run_dir that does not exist yet (run_dir itself, or a parent
+    such as runs/), or None when run_dir exists."""
+    missing = None
+    for p in [run_dir.absolute(), *run_dir.absolute().parents]:
+        if p.exists():
+            return missing
+        missing = p
+    return missing
+
+
+def _remove_if_no_step(run_dir: Path, made: Path) -> None:
+    """A local run refused before its first step (no metrics.jsonl, no checkpoint) leaves no
+    folder it created: its run directory goes (marker, lock, a rank log that repeats what the
+    console showed), then each folder up to `made` that is left empty (runs/ keeps a data cache)."""
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for p in run_dir.absolute().parents:
+        if not p.is_relative_to(made):
+            break
+        try:
+            p.rmdir()  # only an empty folder
+        except OSError:
+            break
 
 
 def _run(cfg, args) -> int:
