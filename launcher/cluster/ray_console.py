@@ -131,8 +131,9 @@ class DriverConsole:
         import ray._private.worker as ray_worker
 
         dispatcher = getattr(ray_worker, "global_worker_stdstream_dispatcher", None)
-        if not isinstance(getattr(dispatcher, "handlers", None), list) or not hasattr(ray_worker, "print_to_stdstream"):
-            self.log.write("loomtrain: this Ray has no global_worker_stdstream_dispatcher: Ray prints its lines\n")
+        has_all = all(hasattr(ray_worker, name) for name in ("print_to_stdstream", "filter_autoscaler_events"))
+        if not isinstance(getattr(dispatcher, "handlers", None), list) or not has_all:
+            self.log.write("loomtrain: this Ray lacks the line printer loomtrain replaces: Ray prints its lines\n")
             return
         self._dispatcher = dispatcher
         self._previous = [h for name, h in dispatcher.handlers if name == "ray_print_logs"]
@@ -163,6 +164,11 @@ class DriverConsole:
                 print(line, file=sink)
             sink.flush()
             return
-        who = data.get("actor_name") or data.get("task_name") or ""
-        prefix = f"({who} pid={data.get('pid')}, ip={data.get('ip')}) "
+        pid = data.get("pid")
+        if pid == "autoscaler":  # as Ray's printer does: its events, not its periodic status dumps
+            lines = list(self._ray_worker.filter_autoscaler_events(lines))
+        who = data.get("actor_name") or data.get("task_name")
+        prefix = f"({who + ' ' if who else ''}pid={pid}, ip={data.get('ip')}) "
+        if self.log.closed:  # a Ray thread that took the printer just before __exit__ put Ray's back
+            return
         self.log.write("".join(prefix + line + "\n" for line in lines))
