@@ -48,6 +48,16 @@ def test_rank_shard_has_one_ranks_shapes():
     assert torch.isfinite(loss)
 
 
+def test_a_dry_run_of_a_shrunk_model_says_so():
+    """The README shrinks gpt-1b to fit a CPU; the table then describes the shrunk model, which
+    the line under the headline names field by field (the config's values beside)."""
+    from loomtrain.launcher.cli.dryrun import changed_model_fields
+
+    cfg = load_config(GPT1B, ["model.n_layers=2", "train.seq_len=32"], world_size=8)
+    assert changed_model_fields(str(GPT1B), cfg) == [f"model.n_layers=2 ({GPT1B}: 24)"]  # the model only
+    assert changed_model_fields(str(GPT1B), load_config(GPT1B, world_size=8)) == []
+
+
 # README.md's section that shows `plan` and `dryrun` on a cluster config, with their output.
 README_SECTION = "## Try a cluster config here first"
 
@@ -147,6 +157,7 @@ def test_readme_dryrun_commands_run_shrunk():
         out = proc.stdout
         headline = next(line for line in out.splitlines() if line.startswith("dryrun: "))
         assert layout(headline) == layout(shown)
+        assert "model changed on the command line: " in out and "model.n_layers=2 (configs/gpt-1b.yaml: 24)" in out
         for label in (
             "parameters",
             "gradients (peak)",

@@ -39,5 +39,24 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"loomtrain dryrun: {exc}", file=sys.stderr)
         return 2
-    print(dry_run(cfg, cluster, args.steps, args.gpu, args.mfu, args.max_micro))
+    try:
+        changed = changed_model_fields(args.config, cfg)
+    except ConfigError:  # load_plan read the same file a moment ago
+        changed = []
+    print(dry_run(cfg, cluster, args.steps, args.gpu, args.mfu, args.max_micro, changed=changed))
     return 0
+
+
+def changed_model_fields(config: str, cfg) -> list[str]:
+    """`model.KEY=VALUE (CONFIG: ITS VALUE)` for each model field the command line changed: a
+    dry run is often shrunk to fit this machine, and its table then describes that model."""
+    import dataclasses
+
+    from loomtrain.launcher.config_loader import resolve
+
+    base = resolve(config).model
+    return [
+        f"model.{f.name}={getattr(cfg.model, f.name)} ({config}: {getattr(base, f.name)})"
+        for f in dataclasses.fields(cfg.model)
+        if getattr(cfg.model, f.name) != getattr(base, f.name)
+    ]

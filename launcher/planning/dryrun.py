@@ -204,6 +204,7 @@ def format_table(
     local_peak: float,
     mfu: float,
     cpu_micro_estimate: int | None,
+    changed: list[str] = (),
 ) -> str:
     t = cfg.train
     st = meas.states
@@ -226,8 +227,13 @@ def format_table(
         f"{t.precision}, micro-batch {t.micro_batch_size} x seq {t.seq_len}, "
         f"{cluster.params.per_rank / 1e6:,.1f} M params on this rank; measured on {dev_name}"
     )
-    lines = [
-        head,
+    lines = [head]
+    if changed:  # a shrunk model: every column describes it, the cluster's too
+        lines.append(
+            f"model changed on the command line: {', '.join(changed)}; both plans and the "
+            "measurement are for this model, not the config's"
+        )
+    lines += [
         "",
         _row("", "plan: cluster rank", "plan: this dry run", "measured here"),
         _row("", f"{cluster.device.name[:20]}", f"dp 1, {device.type}", f"dp 1, {device.type}"),
@@ -282,9 +288,12 @@ def format_table(
     return "\n".join(lines)
 
 
-def dry_run(cfg, cluster: mm.Plan, steps: int, gpu: str, mfu: float, max_micro: int = 0) -> str:
+def dry_run(
+    cfg, cluster: mm.Plan, steps: int, gpu: str, mfu: float, max_micro: int = 0, changed: list[str] = ()
+) -> str:
     """Run `steps` optimizer steps of `cfg`'s rank 0 on this machine; the table comparing them with
-    `cluster` (the plan for one rank of the cluster) and with the plan for this dry run."""
+    `cluster` (the plan for one rank of the cluster) and with the plan for this dry run. `changed`:
+    the model fields the command line changed from the config's (named under the headline)."""
     # This machine: the same rank at dp = 1, one micro-batch per optimizer step.
     cfg.train.global_batch_size = cfg.train.micro_batch_size
     device = _local_device(cfg)
@@ -300,4 +309,4 @@ def dry_run(cfg, cluster: mm.Plan, steps: int, gpu: str, mfu: float, max_micro: 
         room = psutil.virtual_memory().available + meas.peak_bytes - local.states.total
         cpu_estimate = max(0, int(room // per_sample))
     peak = device_peak_flops(device, cfg.train.precision)
-    return format_table(cfg, cluster, local, meas, device, peak, mfu, cpu_estimate)
+    return format_table(cfg, cluster, local, meas, device, peak, mfu, cpu_estimate, changed)
