@@ -224,6 +224,7 @@ class Watchdog:
         return out
 
     def _on_hang(self) -> None:
+        reported_after = time.time() - self.interval  # a report of this hang, not an earlier one's
         waited = time.monotonic() - self.progress_at
         func = where(self._main)
         self._log(
@@ -269,9 +270,21 @@ class Watchdog:
             self._kill_local(stale, second)
         else:
             self._log(line)
+            # Not before the reporter has written the line: this exit breaks the collectives the
+            # reporter's own training thread waits in, which would then end its process first.
+            self._await_report(since=reported_after, bound=2 * self.interval + PROBE_TIMEOUT_S)
         if self.rank_log is not None:
             self.rank_log.close()
         self.exit(HANG_EXIT_CODE)
+
+    def _await_report(self, since: float, bound: float) -> None:
+        """Until RUN_DIR/logs/hang.json holds a report made after `since` (at most `bound` s)."""
+        path, deadline = logs_dir(self.run_dir) / "hang.json", time.monotonic() + bound
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(path.read_text()).get("time", 0) >= since:
+                    return
+            time.sleep(0.2)
 
     def _log(self, text: str) -> None:
         if self.rank_log is not None:

@@ -303,9 +303,12 @@ def test_a_partition_is_named_by_the_hang_watchdog(hosts, tmp_path, data_cache):
     assert re.match(
         r"loomtrain: hang: rank 2 \(host \S+/198\.18\.0\.2, pid \d+\), rank 3 \(host \S+/198\.18\.0\.2, pid \d+\) "
         r"did not reach step \d+, cut off: host \S+/198\.18\.0\.2 cannot reach the master "
-        rf"{re.escape(a.addr)}:{MASTER_PORT}; ranks 0, 1 waited in ",
+        rf"{re.escape(a.addr)}:{MASTER_PORT}; ranks 0(, 1)? waited in ",
         line,
     ), line
+    assert re.search(r"; ranks (0, )?1 waited in ", line) and "watchdog.py" not in line, (
+        line
+    )  # A's ranks: in collectives
     b.kill()  # host B's leftovers: its ranks end themselves, its torchrun may still wait on the store
     b_proc.wait(timeout=30)
     assert_nothing_left(a, b)
