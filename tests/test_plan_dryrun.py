@@ -58,6 +58,29 @@ def test_a_dry_run_of_a_shrunk_model_says_so():
     assert changed_model_fields(str(GPT1B), load_config(GPT1B, world_size=8)) == []
 
 
+def test_a_cpu_dry_run_says_up_front_how_long_it_should_take(monkeypatch):
+    """A full-size CPU dry run printed nothing for minutes: before it starts it says how long
+    building the shard (the seeded init draws every full parameter once) and each step (plan's
+    time at the assumed MFU of the measured peak) should take."""
+    from loomtrain.launcher.planning import dryrun
+
+    cfg = load_config(GPT1B, world_size=8)
+    plan = mm.make_plan(cfg, 8, "h100", 0.4)
+    monkeypatch.setattr(dryrun, "init_rate", lambda: 1e8)  # values drawn per second
+    line = dryrun.cpu_estimate_line(cfg, plan, 3, 1e11, 0.4)
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    step = plan.hw_flops_per_token * tokens / plan.tp / (1e11 * 0.4)
+    build = plan.params.total / 1e8
+    assert line == (
+        f"dryrun: on this CPU, about {dryrun._t(build)} to build the shard (the seeded init draws all "
+        f"{plan.params.total / 1e6:,.0f} M parameters once) and about {dryrun._t(step)} per step x 3 "
+        f"(plan at MFU 40% of the measured peak): about {dryrun._t(build + 3 * step)} in all"
+    )
+    assert 10 < build < 20 and step > 60  # gpt-1b on a 100 GFLOP/s CPU: minutes per step
+    monkeypatch.undo()
+    assert dryrun.init_rate() > 1e6  # any CPU draws a million normal values a second
+
+
 # README.md's section that shows `plan` and `dryrun` on a cluster config, with their output.
 README_SECTION = "## Try a cluster config here first"
 
@@ -158,6 +181,11 @@ def test_readme_dryrun_commands_run_shrunk():
         headline = next(line for line in out.splitlines() if line.startswith("dryrun: "))
         assert layout(headline) == layout(shown)
         assert "model changed on the command line: " in out and "model.n_layers=2 (configs/gpt-1b.yaml: 24)" in out
+        progress = [line for line in proc.stderr.splitlines() if line.startswith("dryrun: ")]
+        assert progress[0].startswith("dryrun: on this CPU, about "), proc.stderr[-2000:]
+        assert progress[1].startswith("dryrun: shard built in ")
+        assert progress[2].startswith("dryrun: step 1/2: ") and progress[2].endswith(" (warm-up)")
+        assert progress[3].startswith("dryrun: step 2/2: ")
         for label in (
             "parameters",
             "gradients (peak)",

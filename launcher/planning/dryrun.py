@@ -31,6 +31,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -119,12 +120,16 @@ class Measured:
     skipped: int = 0  # steps DeepSpeed skipped (non-finite gradients)
 
 
-def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0) -> Measured:
+def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0, log=None) -> Measured:
+    """`log` (optional) hears one line when the shard is built and one per step."""
     t = cfg.train
     base_rss = _rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
     model = build_rank_shard(cfg, device)
+    if log:
+        log(f"dryrun: shard built in {_t(time.perf_counter() - start)}")
     engine, _, _ = build_engine(cfg, model, dp_size=1)
     peak = GradPeak(engine)
     gen = torch.Generator(device="cpu").manual_seed(t.seed)
@@ -144,6 +149,8 @@ def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0) -> Me
     states = None
     for i in range(steps):
         times.append(one_step(t.micro_batch_size))
+        if log:
+            log(f"dryrun: step {i + 1}/{steps}: {_t(times[-1])}" + (" (warm-up)" if i == 0 else ""))
         if i == 0:
             states = measure(engine, peak)
             peak.remove()
@@ -288,12 +295,42 @@ def format_table(
     return "\n".join(lines)
 
 
+def init_rate(n: int = 1 << 22) -> float:
+    """Values per second this CPU draws from a normal distribution: the seeded init of the
+    full-size model (every full parameter once, this rank's slice kept) is bound by it."""
+    torch.randn(1024)
+    start = time.perf_counter()
+    torch.randn(n)
+    return n / max(time.perf_counter() - start, 1e-9)
+
+
+def cpu_estimate_line(cfg, cluster: mm.Plan, steps: int, local_peak: float, mfu: float) -> str:
+    """Said before a CPU dry run starts, which for a big config takes minutes with nothing to
+    show: how long building the shard and the steps should take."""
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    step_s = cluster.hw_flops_per_token * tokens / cluster.tp / (local_peak * mfu)
+    build_s = cluster.params.total / init_rate()
+    return (
+        f"dryrun: on this CPU, about {_t(build_s)} to build the shard (the seeded init draws all "
+        f"{cluster.params.total / 1e6:,.0f} M parameters once) and about {_t(step_s)} per step x {steps} "
+        f"(plan at MFU {mfu:.0%} of the measured peak): about {_t(build_s + steps * step_s)} in all"
+    )
+
+
 def dry_run(
-    cfg, cluster: mm.Plan, steps: int, gpu: str, mfu: float, max_micro: int = 0, changed: list[str] = ()
+    cfg,
+    cluster: mm.Plan,
+    steps: int,
+    gpu: str,
+    mfu: float,
+    max_micro: int = 0,
+    changed: list[str] = (),
+    log=None,
 ) -> str:
     """Run `steps` optimizer steps of `cfg`'s rank 0 on this machine; the table comparing them with
     `cluster` (the plan for one rank of the cluster) and with the plan for this dry run. `changed`:
-    the model fields the command line changed from the config's (named under the headline)."""
+    the model fields the command line changed from the config's (named under the headline). On a
+    CPU it says up front how long it should take; `log` (default: stderr) hears its progress."""
     # This machine: the same rank at dp = 1, one micro-batch per optimizer step.
     cfg.train.global_batch_size = cfg.train.micro_batch_size
     device = _local_device(cfg)
@@ -301,8 +338,11 @@ def dry_run(
     local = mm.make_plan(cfg, cfg.parallel.tp, local_gpu, mfu)
 
     init_distributed(cfg)
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    if device.type == "cpu":
+        log(cpu_estimate_line(cfg, cluster, steps, device_peak_flops(device, cfg.train.precision), mfu))
     search_from = max_micro or 4 * cfg.train.micro_batch_size
-    meas = run_steps(cfg, device, steps, search_from if device.type == "cuda" else 0)
+    meas = run_steps(cfg, device, steps, search_from if device.type == "cuda" else 0, log=log)
     cpu_estimate = None
     if device.type == "cpu":
         per_sample = local.activations.total / cfg.train.micro_batch_size
