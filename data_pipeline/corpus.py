@@ -94,7 +94,7 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
     cache = data_cfg.cache_dir or cache_dir
     if not cache:
         raise DataError("data.cache_dir: no cache directory for the embedded corpus (set data.cache_dir)")
-    cache = Path(cache)
+    cache = Path(cache).expanduser()  # data.cache_dir=~/c: the home folder, not ./~/c (as run.dir)
     files = stdlib_files(data_cfg.max_files)
     run_tok = None
     if data_cfg.tokenizer == "byte":

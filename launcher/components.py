@@ -10,7 +10,6 @@ Seams:
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from loomtrain.launcher.checkpoints.weight_source import init_from
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError
 from loomtrain.launcher.distributed import DistEnv, barrier
+from loomtrain.launcher.rundir import data_cache_dir, run_dir
 from loomtrain.model import init_tensors
 from loomtrain.parallel import Topology
 from loomtrain.parallel.materialize import allocate_shards, materialize, sharded_meta_model
@@ -102,12 +102,6 @@ def apply_block_options(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Modu
     return model
 
 
-def data_cache_dir(cfg: RunConfig) -> Path:
-    if cfg.data.cache_dir:
-        return Path(cfg.data.cache_dir)
-    return Path(cfg.run.dir).absolute().parent / ".data_cache"
-
-
 def _quiet(*args, **kwargs) -> None:
     """A log that drops everything: for ranks other than 0, which repeat rank 0's work quietly."""
 
@@ -150,7 +144,3 @@ def _stream(cfg: RunConfig, shard_dir, split: str, topology: Topology, tok: Toke
         prefetch=prefetch,
         expected_tokenizer_hash=tok.hash,
     )
-
-
-def run_dir(cfg: RunConfig) -> Path:
-    return Path(os.path.expanduser(cfg.run.dir))

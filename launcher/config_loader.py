@@ -32,6 +32,7 @@ import torch
 from loomtrain.durable import atomic_write
 from loomtrain.launcher.checkpoints.weight_source import open_matching
 from loomtrain.launcher.config import RESUME_MODES, ConfigError, RunConfig, check
+from loomtrain.launcher.rundir import run_dir
 from loomtrain.parallel.topology import check_tp
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -319,7 +320,7 @@ def _tokenizer_vocab(data) -> tuple[int, str] | None:
 
 
 def _run_has_checkpoints(cfg: RunConfig) -> bool:
-    return (Path(os.path.expanduser(cfg.run.dir)) / "checkpoints").is_dir()
+    return (run_dir(cfg) / "checkpoints").is_dir()
 
 
 def _float_leaves(obj: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
@@ -343,7 +344,7 @@ def _check_init_from(cfg: RunConfig) -> None:
         "a run's final/ directory, a run directory or a Hugging Face model directory",
         cfg.model.init_from,
     )
-    own = Path(cfg.run.dir).expanduser().absolute()
+    own = run_dir(cfg).absolute()
     check(
         src.absolute() not in (own, own / "final"),
         "model.init_from",

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from loomtrain.launcher import rundir
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.watchdog import HANG_REPORT_MARGIN_S
 
@@ -267,11 +268,9 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     prepare_accelerator_env(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
-        from loomtrain.launcher import components  # here: components builds on this module
-
-        for key, value in flight_recorder_env(components.run_dir(cfg)).items():
+        for key, value in flight_recorder_env(rundir.run_dir(cfg)).items():
             os.environ.setdefault(key, value)
-        (components.run_dir(cfg) / "logs").mkdir(parents=True, exist_ok=True)
+        (rundir.run_dir(cfg) / "logs").mkdir(parents=True, exist_ok=True)
 
     chosen: dict[str, str] | None = None  # only the "env" launcher chooses (a lone run needs no interface)
     if dist.is_available() and dist.is_initialized():

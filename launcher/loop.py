@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from loomtrain.data_pipeline import TokenStream
 from loomtrain.data_pipeline.tokenizer import Tokenizer
-from loomtrain.launcher import components, faults, weights
+from loomtrain.launcher import components, faults, rundir, weights
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import save_config, to_dict, validate
@@ -227,7 +227,7 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     wall_start = time.perf_counter()
     env = init_distributed(cfg)
     validate(cfg, env.world_size)  # batch-size rules against the real world size
-    run_dir = components.run_dir(cfg)
+    run_dir = rundir.run_dir(cfg)
     if env.is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier()  # the rank logs go into the directory rank 0 just made

@@ -34,8 +34,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loomtrain.durable import atomic_write
+
+if TYPE_CHECKING:
+    from loomtrain.launcher.config import RunConfig
 
 MARKER = ".loomtrain-run"
 LOCK = ".loomtrain.lock"
@@ -54,6 +58,29 @@ OUTPUTS = ("metrics.jsonl", "final", "tb", "events.out.tfevents.*")
 
 class RunDirError(ValueError):
     """The run directory is not ours to use (one line: the path, who holds it, what to do)."""
+
+
+# ------------------------------------------------------------------ paths
+
+
+def local_path(path: str | os.PathLike) -> Path:
+    """A local folder as the user wrote it (run.dir, data.cache_dir): `~` expanded, a relative
+    path left relative to the working directory. Every path under a run starts here, so that
+    `run.dir=~/x` never makes a folder named `~` in the working directory."""
+    return Path(os.path.expanduser(os.fspath(path)))
+
+
+def run_dir(cfg: RunConfig) -> Path:
+    """RUN_DIR: run.dir, `~` expanded (logs, heartbeats, checkpoints, final/, TensorBoard)."""
+    return local_path(cfg.run.dir)
+
+
+def data_cache_dir(cfg: RunConfig) -> Path:
+    """Where the embedded corpus' shards are cached: data.cache_dir, else .data_cache beside
+    RUN_DIR (shared by the runs in the same folder, so each tokenizes the corpus once)."""
+    if cfg.data.cache_dir:
+        return local_path(cfg.data.cache_dir)
+    return run_dir(cfg).absolute().parent / ".data_cache"
 
 
 # ------------------------------------------------------------------ marker
@@ -258,7 +285,7 @@ class RunLock:
 @contextlib.contextmanager
 def claim(run_dir: str | os.PathLike, log=None) -> Iterator[RunLock]:
     """Check the marker, take the lock, write the marker; release the lock on the way out."""
-    run_dir = Path(os.path.expanduser(str(run_dir)))
+    run_dir = local_path(run_dir)
     check_marker(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -356,3 +356,36 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_new_folder(tmp_path):
     assert "data directory not found" in proc.stderr
     assert (tmp_path / "runs" / "made-by-hand" / MARKER).exists()  # there before: it stays
     assert (earlier / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- paths
+
+
+def test_a_run_dir_under_home_puts_everything_under_it(tmp_path, monkeypatch):
+    """run.dir=~/x: the rank logs, checkpoints, final weights, TensorBoard events and the data
+    cache beside it all land under $HOME; no folder named `~` appears in the working directory
+    (the data cache once went to ./~/.data_cache)."""
+    import contextlib
+    import io
+
+    from loomtrain.launcher.cli import train as train_cli
+    from loomtrain.launcher.config_loader import resolve
+    from loomtrain.launcher.rundir import data_cache_dir
+
+    # DeepSpeed's compiled ops are cached under ~/.cache: keep them (a rebuild takes minutes)
+    monkeypatch.setenv("XDG_CACHE_HOME", os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"))
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    args = [TINY, *SMALL, "run.dir=~/runs/x", "train.max_steps=1", "checkpoint.every_steps=1", "log.tensorboard=true"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        assert train_cli.main(args) == 0, out.getvalue()[-4000:]
+    run = home / "runs" / "x"
+    assert (run / "checkpoints" / "step_00000001").is_dir() and (run / "final").is_dir()
+    assert list((run / "logs").glob("rank_*.log")) and list(run.glob("events.out.tfevents.*"))
+    assert list((home / "runs" / ".data_cache").glob("stdlib-*/index.json"))
+    assert list(cwd.iterdir()) == []
+    cfg = resolve(TINY, ["data.cache_dir=~/cache"])
+    assert data_cache_dir(cfg) == home / "cache"

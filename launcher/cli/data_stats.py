@@ -12,8 +12,8 @@ import sys
 from loomtrain.data_pipeline import DataError
 from loomtrain.data_pipeline.stats import data_stats
 from loomtrain.launcher.cli import HelpFormatter
-from loomtrain.launcher.components import data_cache_dir
 from loomtrain.launcher.config_loader import ConfigError, resolve, validate
+from loomtrain.launcher.rundir import data_cache_dir
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
 from loomtrain.launcher.nonfinite import NonFiniteError
 from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
-from loomtrain.launcher.rundir import RunDirError, claim
+from loomtrain.launcher.rundir import RunDirError, claim, run_dir
 from loomtrain.launcher.stopping import exit_code
 
 # Disk trouble a user fixes (space, quota, permissions, a read-only mount): one line, no traceback.
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     # One process per run owns RUN_DIR (see launcher/rundir.py): the Ray driver (it
     # outlives its worker groups' restarts), else global rank 0; the other ranks follow it.
     owner = args.ray or os.environ.get("RANK", "0") == "0"
-    made = _first_missing(Path(os.path.expanduser(cfg.run.dir)))  # what this start creates, if anything
+    made = _first_missing(run_dir(cfg))  # what this start creates, if anything
     rc = 1
     try:
         with claim(cfg.run.dir) if owner else contextlib.nullcontext():
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         # exit 2: a config, data or run-directory error, whose one console line is the whole
         # story (a hang or a crash keeps its folder: the stacks and rank logs are in it)
         if rc == 2 and owner and not args.ray and made is not None:
-            _remove_if_no_step(Path(os.path.expanduser(cfg.run.dir)), made)
+            _remove_if_no_step(run_dir(cfg), made)
 
 
 def _first_missing(run_dir: Path) -> Path | None:

@@ -74,6 +74,7 @@ from loomtrain.launcher import faults
 from loomtrain.launcher.cluster.recovery import Recovery, restart_note
 from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
+from loomtrain.launcher.rundir import local_path
 from loomtrain.launcher.stopping import signal_name
 
 RAY_RUN_NAME = "ray_train"
@@ -92,7 +93,7 @@ def absolutize(cfg: RunConfig) -> RunConfig:
     """Workers run in a directory Ray chooses: make the config's paths absolute."""
 
     def ab(p: str) -> str:
-        return p if (not p or _is_uri(p)) else str(Path(os.path.expanduser(p)).absolute())
+        return p if (not p or _is_uri(p)) else str(local_path(p).absolute())
 
     run = dataclasses.replace(cfg.run, dir=ab(cfg.run.dir))
     data = dataclasses.replace(
