@@ -155,14 +155,64 @@ _TB_GROUPS = {
     "mem_bytes_max": "memory",
     "mem_rank_max": "memory",
 }
+# Memory is plotted in GiB (metrics.jsonl keeps bytes): 6e+8 on an axis reads badly.
+_TB_GIB = {"mem_bytes": "mem_gib", "mem_bytes_max": "mem_gib_max"}
+# The job-wide figures of gather_rank_stats: on one process they are the process's own (a flat
+# zero for the slowest rank), so TensorBoard gets them only when there is more than one rank.
+RANK_STATS = (
+    "step_time_max_s",
+    "step_time_min_s",
+    "step_time_median_s",
+    "slowest_rank",
+    "data_wait_max_s",
+    "mem_bytes_max",
+    "mem_rank_max",
+)
+# What TensorBoard's HPARAMS table shows first: the model's size, the learning rate, the batch
+# and the parallel layout (the rest of the config follows in its own order).
+HPARAMS_FIRST = (
+    "model.d_model",
+    "model.n_layers",
+    "model.n_heads",
+    "model.vocab_size",
+    "train.lr",
+    "train.global_batch_size",
+    "train.micro_batch_size",
+    "train.seq_len",
+    "train.precision",
+    "parallel.tp",
+    "parallel.zero_stage",
+    "ray.num_workers",
+)
+# TensorBoard's Custom Scalars tab: the train and eval loss in one chart.
+CUSTOM_SCALARS = {"loss": {"train and eval loss": ["Multiline", ["train/loss", "eval/loss"]]}}
 STRAGGLER_RATIO = 1.2  # the console names the slowest rank above this x the median
 
 
 def tb_tag(key: str) -> str:
-    """`loss` -> `train/loss`, `mfu` -> `perf/mfu`, `mem_bytes` -> `memory/mem_bytes`."""
+    """`loss` -> `train/loss`, `mfu` -> `perf/mfu`, `mem_bytes` -> `memory/mem_gib`."""
     if "/" in key:
         return key
-    return f"{_TB_GROUPS.get(key, 'train')}/{key}"
+    return f"{_TB_GROUPS.get(key, 'train')}/{_TB_GIB.get(key, key)}"
+
+
+def tb_scalars(metrics: dict[str, Any], world_size: int) -> dict[str, float]:
+    """TensorBoard tag -> value for a step's numeric metrics: memory in GiB, and the job-wide
+    rank figures only when the job has more than one rank."""
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        if key in RANK_STATS and world_size <= 1:
+            continue
+        out[tb_tag(key)] = value / 2**30 if key in _TB_GIB else value
+    return out
+
+
+def hparams_order(flat: dict[str, Any]) -> dict[str, Any]:
+    """The flattened config with HPARAMS_FIRST (those present) first."""
+    first = {k: flat[k] for k in HPARAMS_FIRST if k in flat}
+    return {**first, **{k: v for k, v in flat.items() if k not in first}}
 
 
 def gather_rank_stats(step_time: float, data_wait: float, mem_bytes: int, device: torch.device) -> dict[str, float]:
@@ -264,10 +314,11 @@ class MetricsLogger:
         """The resolved config as TensorBoard hyperparameters (in this run's own event file)."""
         if self.writer is None:
             return
-        exp, ssi, sei = hparams_summary(_hparams(flatten(config)), {m: float("nan") for m in metrics})
+        exp, ssi, sei = hparams_summary(_hparams(hparams_order(flatten(config))), {m: float("nan") for m in metrics})
         fw = self.writer._get_file_writer()
         for summary in (exp, ssi, sei):
             fw.add_summary(summary)
+        self.writer.add_custom_scalars(CUSTOM_SCALARS)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """One JSON line and one TensorBoard scalar per metric."""
@@ -276,9 +327,9 @@ class MetricsLogger:
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         if self.writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(tb_tag(key), value, step)
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            for tag, value in tb_scalars(metrics, world).items():
+                self.writer.add_scalar(tag, value, step)
 
     def text(self, tag: str, text: str, step: int, raw: bool = False) -> None:
         """Markdown text; unless `raw`, fenced as code so that its indentation stays visible."""

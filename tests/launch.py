@@ -52,7 +52,8 @@ SMALLEST = [
 # No evaluation, no samples, plain progress lines, no TensorBoard.
 QUIET = ["eval.every_steps=0", "eval.num_samples=0", "log.progress=plain", "log.tensorboard=false"]
 
-# The TensorBoard scalars every training run writes (metrics.jsonl has the same under plain keys).
+# The TensorBoard scalars every training run writes (metrics.jsonl has the same under plain
+# keys, memory in bytes where TensorBoard has GiB).
 TB_SCALARS = {
     "train/loss",
     "train/lr",
@@ -60,10 +61,17 @@ TB_SCALARS = {
     "perf/tokens_per_s",
     "perf/mfu",
     "perf/step_time_s",
-    "memory/mem_bytes",
+    "memory/mem_gib",
+}
+# ... and the job-wide rank figures, which TensorBoard gets only from a run of several ranks.
+TB_RANK_SCALARS = {
     "perf/step_time_max_s",
+    "perf/step_time_min_s",
+    "perf/step_time_median_s",
     "perf/slowest_rank",
-    "memory/mem_bytes_max",
+    "perf/data_wait_max_s",
+    "memory/mem_gib_max",
+    "memory/mem_rank_max",
 }
 
 NOT_INHERITED = {

@@ -74,10 +74,12 @@ def test_each_run_is_one_tensorboard_run_with_grouped_tags(two_runs):
     mux.Reload()
     assert set(mux.Runs()) == {"a", "b"}  # `tensorboard --logdir runs/` shows a and b
     scalars = set(mux.GetAccumulator("a").Tags()["scalars"])
-    assert launch.TB_SCALARS | {"perf/step_time_min_s", "perf/data_wait_max_s", "memory/mem_rank_max"} <= scalars
+    assert launch.TB_SCALARS <= scalars
+    assert not launch.TB_RANK_SCALARS & scalars  # one process: no flat-zero slowest rank in TensorBoard
     assert [e.step for e in mux.Scalars("a", "train/loss")] == [1, 2, 3, 4, 5]  # across the resume
-    # metrics.jsonl keeps its plain keys, and has the job-wide straggler figures too
+    # metrics.jsonl keeps its plain keys (memory in bytes, GiB in TensorBoard) and the job-wide figures
     rec = json.loads((two_runs / "a" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert mux.Scalars("a", "memory/mem_gib")[-1].value == pytest.approx(rec["mem_bytes"] / 2**30, rel=1e-6)
     assert {
         "loss",
         "lr",
@@ -90,6 +92,32 @@ def test_each_run_is_one_tensorboard_run_with_grouped_tags(two_runs):
         "mem_rank_max",
     } <= set(rec)
     assert rec["slowest_rank"] == 0 and rec["mem_rank_max"] == 0
+
+
+def test_tensorboard_layout_a_user_reads_at_a_glance(two_runs):
+    """The train and eval loss overlaid in one Custom Scalars chart; HPARAMS leads with the model
+    size, learning rate, batch and parallel layout; the rank figures only for several ranks."""
+    from loomtrain.launcher import metrics
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(two_runs / "a"), size_guidance={"tensors": 0})
+    acc.Reload()
+    (layout_event,) = acc.Tensors(metadata.CONFIG_SUMMARY_TAG)[:1]
+    layout = layout_pb2.Layout.FromString(layout_event.tensor_proto.string_val[0])
+    chart = layout.category[0].chart[0]
+    assert (layout.category[0].title, chart.title) == ("loss", "train and eval loss")
+    assert list(chart.multiline.tag) == ["train/loss", "eval/loss"]
+    content = acc.PluginTagToContent("hparams")["_hparams_/experiment"]  # the table's columns, in order
+    columns = [h.name for h in plugin_data_pb2.HParamsPluginData.FromString(content).experiment.hparam_infos]
+    assert columns[:5] == ["model.d_model", "model.n_layers", "model.n_heads", "model.vocab_size", "train.lr"]
+    scalars = metrics.tb_scalars({"mem_bytes": 2**31, "slowest_rank": 0, "loss": 1.5, "tag": "x"}, world_size=1)
+    assert scalars == {"memory/mem_gib": 2.0, "train/loss": 1.5}
+    assert metrics.tb_scalars({"slowest_rank": 1, "mem_bytes_max": 2**30}, world_size=2) == {
+        "perf/slowest_rank": 1,
+        "memory/mem_gib_max": 1.0,
+    }
 
 
 def test_profiler_writes_chrome_traces_and_a_top_ops_table(two_runs):
