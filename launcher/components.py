@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from loomtrain.data_pipeline import TokenStream, prepare_sources
+from loomtrain.data_pipeline import DataError, TokenStream, prepare_sources
 from loomtrain.data_pipeline.tokenizer import Tokenizer
 from loomtrain.launcher import engine
 from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
@@ -128,6 +128,41 @@ def build_data(
 def val_stream(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer) -> TokenStream:
     """A fresh validation stream: the same batches at every evaluation."""
     return _stream(cfg, shard_dir, "val", topology, tok, prefetch=0)
+
+
+PROMPT_TOKENS = 16  # the evaluation samples' prompt: this many tokens of a held-out document
+
+
+def held_out_prompt(tokens: list[int], eos_id: int, n: int = PROMPT_TOKENS) -> list[int]:
+    """A document's first tokens from `tokens` (the first validation sample): after its first
+    end-of-text when a document starts there, else from its start; at most `n`, never across an
+    end-of-text ([eos_id] when nothing is left)."""
+    if eos_id in tokens:
+        after = tokens[tokens.index(eos_id) + 1 :]
+        if len(after) >= min(n, 4) and after[0] != eos_id:
+            tokens = after
+    out = []
+    for t in tokens[:n]:
+        if t == eos_id:
+            break
+        out.append(t)
+    return out or [eos_id]
+
+
+def sample_prompt(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer) -> list[int]:
+    """The token ids the evaluation samples continue: eval.prompt when set, else the start of a
+    held-out document, so the prompt fits the data (a 'def ' suits only Python)."""
+    if cfg.eval.prompt:
+        return tok.encode(cfg.eval.prompt) or [tok.eos_id]
+    try:
+        stream = val_stream(cfg, shard_dir, topology, tok)
+        try:
+            x, _ = next(stream)
+        finally:
+            stream.close()
+    except (DataError, StopIteration, ValueError, OSError):  # no usable validation split: from end-of-text
+        return [tok.eos_id]
+    return held_out_prompt(x[0].tolist(), tok.eos_id, min(PROMPT_TOKENS, cfg.model.max_seq_len // 2))
 
 
 def _stream(cfg: RunConfig, shard_dir, split: str, topology: Topology, tok: Tokenizer, prefetch: int) -> TokenStream:

@@ -210,7 +210,9 @@ class EvalConfig:
     batches: int = 4
     num_samples: int = 2
     sample_tokens: int = 64
-    prompt: str = "def "
+    # The text the samples continue; "" = the start of a held-out document (the validation
+    # split's first), so that the prompt fits the data whatever it is.
+    prompt: str = ""
     temperature: float = 0.8
     top_k: int = 40
 

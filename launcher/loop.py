@@ -187,7 +187,8 @@ def evaluate(ctx: TrainContext) -> dict[str, float]:
 
 @torch.no_grad()
 def samples(ctx: TrainContext) -> list[str]:
-    """A few continuations of eval.prompt (every rank runs it, in step; rank 0 logs them).
+    """A few continuations of eval.prompt, or of a held-out document's start when it is empty
+    (components.sample_prompt); every rank runs it, in step; rank 0 logs them.
 
     Skipped where the model cannot run alone: ZeRO-3 partitions, sequence parallelism.
     """
@@ -196,7 +197,7 @@ def samples(ctx: TrainContext) -> list[str]:
         return []
     if ctx.cfg.parallel.zero_stage == 3 or ctx.cfg.parallel.sequence_parallel:
         return []
-    prompt = ctx.tokenizer.encode(e.prompt) or [ctx.tokenizer.eos_id]
+    prompt = components.sample_prompt(ctx.cfg, ctx.shard_dir, ctx.topology, ctx.tokenizer)
     room = ctx.cfg.model.max_seq_len - len(prompt)
     if room <= 0:
         return []

@@ -120,6 +120,36 @@ def test_generate_takes_a_checkpoint_where_a_run_has_no_final(cli_run, tmp_path,
         assert got.err.strip() == f"loomtrain generate: no final/ weights: using checkpoint {ckpt}"
 
 
+def test_samples_continue_a_held_out_document_unless_eval_prompt_is_set(cli_run, data_cache):
+    """The samples started from 'def ' whatever the data (English text, a chat model): with
+    eval.prompt empty (the default) they continue the start of a held-out document."""
+    import ast
+
+    from loomtrain.data_pipeline import prepare_sources
+    from loomtrain.launcher import components
+    from loomtrain.launcher.planning.dryrun import OneRankTopology
+
+    eos = 9
+    assert components.held_out_prompt([1, 2, eos, 5, 6, 7, 8, eos, 3], eos, 16) == [5, 6, 7, 8]
+    assert components.held_out_prompt([1, 2, 3, 4, 5], eos, 3) == [1, 2, 3]  # mid-document: from its start
+    assert components.held_out_prompt([1, 2, eos, 5], eos, 16) == [1, 2]  # too little after the end-of-text
+    assert components.held_out_prompt([eos, eos], eos, 16) == [eos]
+
+    run_dir, proc = cli_run
+    cfg = load_config(run_dir / "config.yaml", [f"data.cache_dir={data_cache}"])
+    assert cfg.eval.prompt == ""
+    shard_dir, tok = prepare_sources(cfg.data, data_cache, log=None)
+    ids = components.sample_prompt(cfg, shard_dir, OneRankTopology(1), tok)
+    assert 0 < len(ids) <= components.PROMPT_TOKENS and tok.eos_id not in ids
+    prompt = tok.decode(ids)
+    shown = [
+        ast.literal_eval(line[len("sample: ") :]) for line in proc.stdout.splitlines() if line.startswith("sample: ")
+    ]
+    assert shown and all(text.startswith(prompt) for text in shown), (prompt, shown)
+    cfg.eval.prompt = "class "
+    assert tok.decode(components.sample_prompt(cfg, shard_dir, OneRankTopology(1), tok)) == "class "
+
+
 def small_cfg(tmp_path: Path, data_cache: Path, *extra: str):
     return load_config(TINY, [*SMALL, f"run.dir={tmp_path}", f"data.cache_dir={data_cache}", *extra])
 
