@@ -10,7 +10,8 @@ Two phases, both in OUTPUT.partial/ (staging.py), published by one rename:
    main process reads ~4 MiB work units, at most 2 x workers + 2 in flight
    through a pool of spawned workers (default: all cores; inputs under 16 MiB
    byte-level or 256 KiB BPE are done in-process), results consumed in order,
-   written as they come (bounded memory). With --ray, each file is a Ray task.
+   written as they come (bounded memory). With an executor (`preprocess --ray`: Ray tasks,
+   launcher/cluster/preprocess_tasks.py), each file is a task of that executor.
 2. Assemble: the parts, in input order, are cut into shards and split. So the
    output depends on neither workers, Ray, nor which run tokenized which file.
 
@@ -47,7 +48,6 @@ from loomtrain.data_pipeline.shards import (
 from loomtrain.data_pipeline.staging import Parts, check_output, clear_assembly, open_partial, publish
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from loomtrain.durable import atomic_write_json
-from loomtrain.launcher.cluster.preprocess_tasks import tokenize_on_ray
 from tqdm import tqdm
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
@@ -306,15 +306,19 @@ def preprocess_files(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     sources: list[str] | None = None,
     overwrite: bool = False,
-    use_ray: bool = False,
-    ray_address: str | None = None,
+    executor=None,
     log=print,
 ) -> dict:
     """Tokenize `files` into the shard directory `output`; returns the index (plus a
     "run" entry, not written: seconds, workers, files resumed). `tokenizer` is "byte",
     "bpe" (trained here on the same files), a tokenizer.json path, or a tokenizer object.
     Works in OUTPUT.partial/ and publishes it with a rename (see staging.py); with
-    use_ray, input files are tokenized as Ray tasks, and the result is the same."""
+    an `executor`, input files are tokenized as its tasks, and the result is the same.
+
+    executor(jobs, tokenizer, text_field, skip_bad_lines, *, max_in_flight, on_file, log)
+    -> tasks kept in flight: runs tokenize_file for each (i, path) of jobs, at most max_in_flight
+    (`workers`) at once, and calls on_file(i, results) here as each finishes; `executor.name` ("Ray")
+    is named in the summary line. It is passed in, not imported: this package knows no cluster."""
     if not files:
         raise DataError("no input files")
     if not isinstance(shard_tokens, int) or shard_tokens <= 0:
@@ -344,7 +348,7 @@ def preprocess_files(
     todo = [i for i in range(len(files)) if not parts.done(i)]
     if resumed and log:
         log(f"preprocess: resuming {work}: {len(files) - len(todo)} of {len(files)} input files already done")
-    if use_ray:
+    if executor is not None:
 
         def write_part(i: int, results: list) -> None:
             writer, stats = parts.writer(i), _zero_stats()
@@ -354,12 +358,11 @@ def preprocess_files(
                 writer.add(tokens, lengths, cont, open_)
             writer.finish(stats)
 
-        workers = tokenize_on_ray(
+        workers = executor(
             [(i, str(files[i])) for i in todo],
             tokenizer,
             text_field,
             skip_bad_lines,
-            address=ray_address,
             max_in_flight=workers,
             on_file=write_part,
             log=log,
@@ -411,16 +414,17 @@ def preprocess_files(
     run = {
         "seconds": round(time.perf_counter() - t0, 3),
         "workers": workers,
-        "ray": bool(use_ray),
+        "ray": executor is not None and executor.name == "Ray",
         "resumed_files": len(files) - len(todo),
     }
     if log:
+        where = f" on {executor.name}" if executor is not None else ""
         n_tok = sum(s["num_tokens"] for s in splits.values())
         secs, doc = run["seconds"], stats["documents"]
         log(
             f"preprocess: {len(files)} files, {doc} documents, {n_tok:,} tokens "
             f"(train {splits['train']['num_tokens']:,} / val {splits['val']['num_tokens']:,}) in {secs:.2f}s "
-            f"({n_tok / max(secs, 1e-9):,.0f} tokens/s, {workers} worker(s){' on Ray' if use_ray else ''}) -> {out}"
+            f"({n_tok / max(secs, 1e-9):,.0f} tokens/s, {workers} worker(s){where}) -> {out}"
             + (f"; skipped {stats['bad_lines']} bad lines" if stats["bad_lines"] else "")
             + (f"; replaced {stats['replaced_chars']} invalid UTF-8 sequences" if stats["replaced_chars"] else "")
         )

@@ -13,6 +13,7 @@ from loomtrain.data_pipeline.documents import expand_inputs
 from loomtrain.data_pipeline.preprocess import DEFAULT_SHARD_TOKENS, preprocess_files
 from loomtrain.data_pipeline.shards import DataError
 from loomtrain.launcher.cli import HelpFormatter
+from loomtrain.launcher.cluster.preprocess_tasks import RayTasks
 from loomtrain.launcher.config import DataConfig
 
 
@@ -91,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             shard_tokens=args.shard_tokens,
             sources=args.input,
             overwrite=args.overwrite,
-            use_ray=args.ray,
-            ray_address=args.address,
+            executor=RayTasks(args.address) if args.ray else None,
         )
     except DataError as exc:
         print(f"loomtrain preprocess: error: {exc}", file=sys.stderr)

@@ -11,7 +11,9 @@ depend on where or how often it is computed.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
+from loomtrain.data_pipeline.preprocess import tokenize_file
 from loomtrain.data_pipeline.shards import DataError
 from loomtrain.launcher.cluster.addresses import AddressError, check_ray_address
 
@@ -59,7 +61,6 @@ def tokenize_on_ray(
     max_in_flight at once (default: the cluster's CPUs); call on_file(i, results)
     on the driver as each finishes. -> the number of tasks kept in flight."""
     import ray
-    from loomtrain.data_pipeline.preprocess import tokenize_file
     from ray.exceptions import RayTaskError
 
     started = _connect(address, max_in_flight)
@@ -87,3 +88,24 @@ def tokenize_on_ray(
     finally:
         if started:
             ray.shutdown()
+
+
+@dataclass(frozen=True)
+class RayTasks:
+    """preprocess_files' executor for `preprocess --ray`: each input file a Ray task on the
+    cluster at `address` (None: $RAY_ADDRESS, else a local instance)."""
+
+    address: str | None = None
+    name = "Ray"  # in preprocess' summary line: "N worker(s) on Ray"
+
+    def __call__(self, jobs, tokenizer, text_field, skip_bad_lines, *, max_in_flight, on_file, log=None) -> int:
+        return tokenize_on_ray(
+            jobs,
+            tokenizer,
+            text_field,
+            skip_bad_lines,
+            address=self.address,
+            max_in_flight=max_in_flight,
+            on_file=on_file,
+            log=log,
+        )
