@@ -17,12 +17,6 @@ from pathlib import Path
 from source_tree import ROOT, parse, python_files
 
 LIBRARY = ("model", "parallel", "data_pipeline", "launcher")
-# Cycles not broken yet, each as the set of its modules: the list only shrinks. A
-# cycle listed here that is gone fails too, so that the list says what is left.
-KNOWN_CYCLES = [
-    # open_source reads a Hugging Face folder with hf_import.open_hf, which builds on weight_source
-    {"loomtrain.launcher.checkpoints.hf_import", "loomtrain.launcher.checkpoints.weight_source"},
-]
 
 
 def module_name(path: Path) -> str:
@@ -143,12 +137,10 @@ def test_the_graph_sees_function_level_imports():
 
 def test_no_import_cycles():
     g = graph()
-    found = [c for c in cycles(g) if set(c) not in KNOWN_CYCLES]
+    found = cycles(g)
     assert not found, f"{len(found)} import cycle(s) among the package's modules:\n" + "\n".join(
         f"  {' -> '.join(c)}\n    {describe(g, c)}" for c in found
     )
-    gone = [sorted(known) for known in KNOWN_CYCLES if known not in [set(c) for c in cycles(g)]]
-    assert not gone, f"no longer a cycle, remove it from KNOWN_CYCLES: {gone}"
 
 
 def test_data_pipeline_imports_nothing_from_launcher():

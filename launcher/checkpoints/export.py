@@ -44,7 +44,7 @@ import torch
 import yaml
 from loomtrain.data_pipeline import load_tokenizer
 from loomtrain.durable import replace_dir, write_durable
-from loomtrain.launcher.checkpoints.hf_import import LLAMA_LINEARS
+from loomtrain.launcher.checkpoints.hf_source import LLAMA_LINEARS
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
 from loomtrain.launcher.checkpoints.state import ConsolidatedReader
 from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify

@@ -1,6 +1,6 @@
 """`loomtrain import --format hf SRC_DIR --output RUN_DIR`.
 
-What is imported and what is refused: launcher/checkpoints/hf_import.py.
+What is imported and what is refused: launcher/checkpoints/hf_source.py.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from loomtrain.launcher.checkpoints.hf_import import FORMATS, import_hf
-from loomtrain.launcher.checkpoints.weight_source import WeightSourceError
+from loomtrain.launcher.checkpoints.safetensors_source import WeightSourceError
 from loomtrain.launcher.cli import HelpFormatter
 
 

@@ -1,0 +1,257 @@
+"""A Hugging Face model directory as a WeightSource (safetensors_source.py): its config.json
+translated to a ModelConfig, and where each loomtrain tensor lies in its safetensors files.
+Read by `model.init_from` (weight_source.py) and `loomtrain import` (hf_import.py); the
+inverse of `loomtrain export --format hf` (export.py), tensor for tensor:
+
+  * LlamaForCausalLM (MHA, GQA, MQA; rope_theta; tied or untied embeddings; rms_norm_eps;
+    attention_bias / mlp_bias) -> pre-norm, rmsnorm, swiglu, rope. HF Llama's RoPE is the
+    rotate-half layout loomtrain uses, so q/k are copied without a permutation.
+  * GPT2LMHeadModel -> pre-norm, layernorm, learned positions, biases. GPT-2's Conv1D stores
+    [in, out], so every linear is transposed; q/k/v are cut out of the fused c_attn. GPT-2's
+    "gelu_new" is the tanh GELU: model.activation=gelu_tanh (F.gelu(approximate="tanh"),
+    equal to transformers' formula to float rounding).
+
+Anything loomtrain's model cannot compute exactly (RoPE scaling, sliding windows, mixtures
+of experts, quantized weights, other architectures...) is refused naming the config.json
+field. Weights are safetensors only, single or sharded (model.safetensors.index.json);
+pickled .bin files are refused and never opened.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loomtrain.launcher.checkpoints.safetensors_source import (
+    SafetensorsFiles,
+    TensorRef,
+    WeightSource,
+    WeightSourceError,
+)
+from loomtrain.model import ModelConfig
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
+# GPT-2 activation_function -> model.activation computing the same function
+GPT2_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+}
+# config.json fields whose presence (with a value other than off) changes the computation in a
+# way loomtrain's model does not have.
+UNSUPPORTED = {
+    "rope_scaling": "RoPE scaling",
+    "sliding_window": "sliding-window attention",
+    "use_sliding_window": "sliding-window attention",
+    "num_local_experts": "a mixture of experts",
+    "num_experts": "a mixture of experts",
+    "n_routed_experts": "a mixture of experts",
+    "moe_intermediate_size": "a mixture of experts",
+    "quantization_config": "quantized weights",
+    "add_cross_attention": "cross-attention",
+    "attention_chunk_size": "chunked attention",
+}
+# Buffers some checkpoints carry that loomtrain recomputes: the RoPE frequencies and
+# GPT-2's causal mask.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+LLAMA_LINEARS = {
+    "attn.wq": "self_attn.q_proj",
+    "attn.wk": "self_attn.k_proj",
+    "attn.wv": "self_attn.v_proj",
+    "attn.wo": "self_attn.o_proj",
+    "ffn.gate": "mlp.gate_proj",
+    "ffn.up": "mlp.up_proj",
+    "ffn.down": "mlp.down_proj",
+}
+
+
+class HFImportError(WeightSourceError):
+    pass
+
+
+def _refuse(where: Path, field: str, value, why: str):
+    raise HFImportError(f"{where}: {field}={value!r}: {why}")
+
+
+def _off(value) -> bool:
+    return value in (None, False, 0, "", [], {})
+
+
+# config.json -> ModelConfig -------------------------------------------------------------------
+def _llama_config(c: dict, where: Path) -> dict:
+    if c.get("hidden_act", "silu") != "silu":
+        _refuse(where, "hidden_act", c["hidden_act"], "loomtrain's Llama MLP is SwiGLU (silu)")
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim")
+    if head_dim is not None and head_dim * heads != d:
+        _refuse(
+            where, "head_dim", head_dim, f"loomtrain's head dim is hidden_size / num_attention_heads = {d // heads}"
+        )
+    rope = c.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        _refuse(where, "rope_parameters.rope_type", rope["rope_type"], "RoPE scaling is not in loomtrain's model")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        _refuse(where, "partial_rotary_factor", c["partial_rotary_factor"], "loomtrain rotates the whole head")
+    attn_bias, mlp_bias = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        _refuse(
+            where,
+            "mlp_bias",
+            mlp_bias,
+            f"loomtrain's model.bias covers attention and MLP alike (attention_bias={attn_bias})",
+        )
+    if not _off(c.get("attention_dropout")):
+        _refuse(
+            where,
+            "attention_dropout",
+            c["attention_dropout"],
+            "loomtrain's model.dropout also drops the residual stream; set it after import instead",
+        )
+    return dict(
+        vocab_size=c["vocab_size"],
+        d_model=d,
+        n_layers=c["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=c.get("num_key_value_heads") or heads,
+        ffn_hidden=c["intermediate_size"],
+        max_seq_len=c.get("max_position_embeddings", 2048),
+        norm="rmsnorm",
+        norm_placement="pre",
+        activation="swiglu",
+        positions="rope",
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bias=attn_bias,
+        dropout=0.0,
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        init_std=float(c.get("initializer_range", 0.02)),
+    )
+
+
+def _gpt2_config(c: dict, where: Path) -> dict:
+    act = c.get("activation_function", "gelu_new")
+    if act not in GPT2_ACTIVATIONS:
+        _refuse(where, "activation_function", act, f"loomtrain has {', '.join(GPT2_ACTIVATIONS)}")
+    if not c.get("scale_attn_weights", True):
+        _refuse(where, "scale_attn_weights", False, "loomtrain scales attention by 1/sqrt(head_dim)")
+    if c.get("scale_attn_by_inverse_layer_idx", False):
+        _refuse(where, "scale_attn_by_inverse_layer_idx", True, "loomtrain scales every layer alike")
+    drops = {k: float(c.get(k, 0.1)) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    if len(set(drops.values())) > 1:
+        _refuse(
+            where,
+            "attn_pdrop",
+            drops["attn_pdrop"],
+            f"loomtrain has one model.dropout for all three "
+            f"(resid_pdrop={drops['resid_pdrop']}, embd_pdrop={drops['embd_pdrop']})",
+        )
+    d = c["n_embd"]
+    return dict(
+        vocab_size=c["vocab_size"],
+        d_model=d,
+        n_layers=c["n_layer"],
+        n_heads=c["n_head"],
+        n_kv_heads=None,
+        ffn_hidden=c.get("n_inner") or 4 * d,
+        max_seq_len=c.get("n_positions", 1024),
+        norm="layernorm",
+        norm_placement="pre",
+        activation=GPT2_ACTIVATIONS[act],
+        positions="learned",
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        bias=True,
+        dropout=drops["resid_pdrop"],
+        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+        init_std=float(c.get("initializer_range", 0.02)),
+    )
+
+
+def read_hf_config(src: Path) -> tuple[str, dict]:
+    """-> (architecture 'llama' | 'gpt2', ModelConfig keyword arguments) from SRC/config.json."""
+    where = src / "config.json"
+    try:
+        c = json.loads(where.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HFImportError(f"{where}: cannot read it: {exc}") from None
+    archs = c.get("architectures") or []
+    known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
+    if len(archs) != 1 or not known:
+        _refuse(where, "architectures", archs, f"loomtrain imports {' and '.join(ARCHITECTURES)}")
+    for field, what in UNSUPPORTED.items():
+        if not _off(c.get(field)):
+            _refuse(where, field, c[field], f"{what} is not in loomtrain's model")
+    layer_types = set(c.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        _refuse(where, "layer_types", sorted(layer_types), "loomtrain has full attention in every layer")
+    arch = known[0]
+    try:
+        return arch, (_llama_config if arch == "llama" else _gpt2_config)(c, where)
+    except KeyError as exc:
+        raise HFImportError(f"{where}: no {exc.args[0]!r}, which a {archs[0]} config needs") from None
+
+
+# loomtrain name -> where the tensor lies ------------------------------------------------------
+def llama_refs(cfg) -> dict[str, TensorRef]:
+    refs = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    for i in range(cfg.n_layers):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        refs[ours + "attn_norm.weight"] = theirs + "input_layernorm.weight"
+        refs[ours + "ffn_norm.weight"] = theirs + "post_attention_layernorm.weight"
+        for o, t in LLAMA_LINEARS.items():
+            refs[f"{ours}{o}.weight"] = f"{theirs}{t}.weight"
+            if cfg.bias:
+                refs[f"{ours}{o}.bias"] = f"{theirs}{t}.bias"
+    if not cfg.tie_embeddings:
+        refs["lm_head.weight"] = "lm_head.weight"
+    return {k: TensorRef(v) for k, v in refs.items()}
+
+
+def gpt2_refs(cfg, prefix: str) -> dict[str, TensorRef]:
+    """prefix: "transformer." as GPT2LMHeadModel saves, "" in checkpoints saved from GPT2Model."""
+    d, t = cfg.d_model, prefix
+    refs = {
+        "tok_emb.weight": TensorRef(t + "wte.weight"),
+        "pos_emb.weight": TensorRef(t + "wpe.weight"),
+        "norm.weight": TensorRef(t + "ln_f.weight"),
+        "norm.bias": TensorRef(t + "ln_f.bias"),
+    }
+    for i in range(cfg.n_layers):
+        ours, theirs = f"blocks.{i}.", f"{t}h.{i}."
+        for o, n in (("attn_norm", "ln_1"), ("ffn_norm", "ln_2")):
+            refs[f"{ours}{o}.weight"] = TensorRef(f"{theirs}{n}.weight")
+            refs[f"{ours}{o}.bias"] = TensorRef(f"{theirs}{n}.bias")
+        for j, o in enumerate(("wq", "wk", "wv")):  # c_attn holds q, k, v side by side
+            refs[f"{ours}attn.{o}.weight"] = TensorRef(theirs + "attn.c_attn.weight", True, j * d, d)
+            refs[f"{ours}attn.{o}.bias"] = TensorRef(theirs + "attn.c_attn.bias", False, j * d, d)
+        for o, n in (("attn.wo", "attn.c_proj"), ("ffn.up", "mlp.c_fc"), ("ffn.down", "mlp.c_proj")):
+            refs[f"{ours}{o}.weight"] = TensorRef(f"{theirs}{n}.weight", True)
+            refs[f"{ours}{o}.bias"] = TensorRef(f"{theirs}{n}.bias")
+    if not cfg.tie_embeddings:
+        refs["lm_head.weight"] = TensorRef("lm_head.weight")
+    return refs
+
+
+def open_hf(src: str | Path) -> WeightSource:
+    """A Hugging Face model directory as a WeightSource; refuses what loomtrain cannot represent."""
+    src = Path(src)
+    arch, kwargs = read_hf_config(src)
+    try:
+        cfg = ModelConfig(**kwargs)
+    except ValueError as exc:
+        raise HFImportError(f"{src / 'config.json'}: gives a model loomtrain cannot build: {exc}") from None
+    files = SafetensorsFiles(src)
+    keys = set(files.keys())
+    if arch == "llama":
+        refs = llama_refs(cfg)
+    else:
+        refs = gpt2_refs(cfg, "transformer." if "transformer.wte.weight" in keys else "")
+    used = {r.key for r in refs.values()} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    extra = sorted(k for k in keys - used if not k.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise HFImportError(
+            f"{src}: tensor {extra[0]!r} has no place in a loomtrain {arch} model ({len(extra)} such tensors)"
+        )
+    tok = src if (src / "tokenizer.json").is_file() else None
+    return WeightSource(cfg, files, refs, f"Hugging Face {arch} model {src}", tok)
