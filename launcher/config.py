@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from loomtrain.launcher.cluster.addresses import check_ray_address
+from loomtrain.launcher.addresses import check_ray_address
 from loomtrain.model.config import ModelConfig
 
 

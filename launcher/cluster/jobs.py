@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from loomtrain.launcher.cluster.addresses import AddressError, dashboard_url
+from loomtrain.launcher.addresses import AddressError, dashboard_url
 from loomtrain.launcher.cluster.packaging import PackagingError, format_listing, plan_shipment, stage
 from loomtrain.launcher.config_loader import ConfigError, resolve, validate
 from loomtrain.launcher.planning.grace import FALLBACK_S, grace_period_s

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from loomtrain.data_pipeline.preprocess import tokenize_file
 from loomtrain.data_pipeline.shards import DataError
-from loomtrain.launcher.cluster.addresses import AddressError, check_ray_address
+from loomtrain.launcher.addresses import AddressError, check_ray_address
 
 
 def _first_line(exc: BaseException) -> str:
