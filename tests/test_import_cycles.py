@@ -1,4 +1,5 @@
-"""No import cycles among the package's own modules, and data_pipeline/ knows nothing of launcher/.
+"""No import cycles among the package's own modules or between its rooms (folders), and
+data_pipeline/ knows nothing of launcher/.
 
 The graph: every library module (model/, parallel/, data_pipeline/, launcher/, durable.py) -> the
 loomtrain modules it imports, at module level or inside a function alike (an import moved into a
@@ -38,7 +39,7 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
 
 @cache
 def graph() -> dict[str, dict[str, str]]:
-    """module -> {imported loomtrain module: 'file:line' of the first import of it}."""
+    """module -> {imported loomtrain module: 'file:line' of an import of it (module level first)}."""
     modules = {module_name(p): p for p in _library_files()}
     out: dict[str, dict[str, str]] = {}
     for name, path in modules.items():
