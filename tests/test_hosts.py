@@ -51,6 +51,9 @@ def test_hosts_reach_each_other_over_their_own_interfaces(hosts):
 def test_kill_is_a_node_crash_and_link_down_a_partition(hosts):
     a, b = hosts.add(), hosts.add()
     sleepers = [b.popen(["sleep", "600"]) for _ in range(2)]
+    deadline = time.monotonic() + 30  # `ip netns exec` enters the namespace a moment after it starts
+    while len(b.pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert len(b.pids()) == 2
     b.kill()
     assert b.pids() == [] and all(p.returncode == -9 for p in sleepers)

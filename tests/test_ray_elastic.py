@@ -4,8 +4,11 @@ down to one (with its one line), and the config rules for ray.min_workers."""
 from pathlib import Path
 
 import pytest
-from loomtrain.launcher.cluster import elastic
 from loomtrain.launcher.config_loader import ConfigError, load_config
+
+# launcher.cluster.elastic imports Ray, which reads RAY_AUTH_MODE once, at its first import: the
+# tests that need it take the session's `ray_head` (whose client settings are then in place) and
+# import it inside, so that collecting this file does not import Ray before them.
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -14,7 +17,9 @@ def _cfg(*overrides, world=4):
     return load_config(TINY, ["train.micro_batch_size=2", "train.global_batch_size=8", *overrides], world_size=world)
 
 
-def test_usable_sizes_are_whole_tp_groups_that_split_the_global_batch():
+def test_usable_sizes_are_whole_tp_groups_that_split_the_global_batch(ray_head):
+    from loomtrain.launcher.cluster import elastic
+
     cfg = _cfg()
     assert [n for n in range(1, 9) if elastic.usable_world_size(cfg, n)] == [1, 2, 4]
     tp2 = _cfg("parallel.tp=2", "model.n_kv_heads=2")
@@ -23,7 +28,8 @@ def test_usable_sizes_are_whole_tp_groups_that_split_the_global_batch():
     assert elastic.largest_usable(tp2, 1) == 0
 
 
-def test_rays_count_is_rounded_down_to_a_usable_size_and_said_once(monkeypatch, capsys):
+def test_rays_count_is_rounded_down_to_a_usable_size_and_said_once(ray_head, monkeypatch, capsys):
+    from loomtrain.launcher.cluster import elastic
     from ray.train import ScalingConfig
 
     cfg = _cfg("ray.num_workers=4", "ray.min_workers=2")
