@@ -336,3 +336,11 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+
+    def usable_world_size(self, workers: int) -> bool:
+        """Whether `workers` ranks can run this config: whole TP groups, and a global batch that
+        splits into micro batches over the DP ranks (an elastic group's sizes are checked here)."""
+        tp, t = self.parallel.tp, self.train
+        if workers < tp or workers % tp:
+            return False
+        return t.global_batch_size % (t.micro_batch_size * (workers // tp)) == 0

@@ -281,15 +281,13 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
     # world size, tp, dp and the batch sizes
     check(world_size % p.tp == 0, "parallel.tp", f"a divisor of the world size {world_size}", p.tp)
     t.grad_accum_steps(world_size // p.tp)  # refuses a global batch that does not split
-    least = cfg.ray.least_workers
     if cfg.ray.elastic:  # the smallest elastic group must be a size the run can use too
-        dp = least // p.tp
         check(
-            least % p.tp == 0 and t.global_batch_size % (t.micro_batch_size * max(dp, 1)) == 0,
+            cfg.usable_world_size(cfg.ray.least_workers),
             "ray.min_workers",
             f"a multiple of parallel.tp={p.tp} whose DP size x train.micro_batch_size={t.micro_batch_size} "
             f"divides train.global_batch_size={t.global_batch_size}",
-            least,
+            cfg.ray.least_workers,
         )
     if m.init_from:  # last: it reads the weights' config (and may name a path only a cluster has)
         _check_init_from(cfg)

@@ -21,9 +21,9 @@ def test_usable_sizes_are_whole_tp_groups_that_split_the_global_batch(ray_head):
     from loomtrain.launcher.cluster import elastic
 
     cfg = _cfg()
-    assert [n for n in range(1, 9) if elastic.usable_world_size(cfg, n)] == [1, 2, 4]
+    assert [n for n in range(1, 9) if cfg.usable_world_size(n)] == [1, 2, 4]
     tp2 = _cfg("parallel.tp=2", "model.n_kv_heads=2")
-    assert [n for n in range(1, 9) if elastic.usable_world_size(tp2, n)] == [2, 4, 8]
+    assert [n for n in range(1, 9) if tp2.usable_world_size(n)] == [2, 4, 8]
     assert [elastic.largest_usable(cfg, n) for n in (1, 2, 3, 4, 5, 7)] == [1, 2, 2, 4, 4, 4]
     assert elastic.largest_usable(tp2, 1) == 0
 

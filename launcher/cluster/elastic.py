@@ -34,18 +34,9 @@ from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_cli
 from ray.train.v2._internal.util import time_monotonic
 
 
-def usable_world_size(cfg: RunConfig, workers: int) -> bool:
-    """Whether `workers` ranks can run this config: whole TP groups, and a global batch that
-    splits into micro batches over the DP ranks."""
-    tp, t = cfg.parallel.tp, cfg.train
-    if workers < tp or workers % tp:
-        return False
-    return t.global_batch_size % (t.micro_batch_size * (workers // tp)) == 0
-
-
 def largest_usable(cfg: RunConfig, workers: int) -> int:
     """The largest usable world size <= `workers` (0 when there is none)."""
-    return next((n for n in range(workers, 0, -1) if usable_world_size(cfg, n)), 0)
+    return next((n for n in range(workers, 0, -1) if cfg.usable_world_size(n)), 0)
 
 
 def reachable_node_ids(timeout_s: float = 1.0) -> set[str]:
