@@ -83,7 +83,7 @@ def usable_cpus() -> int:
     return max(1, cpus)
 
 
-def measured_cpu_flops(dtype: torch.dtype = torch.float32, size: int = 512, trials: int = 8) -> float:
+def measured_cpu_flops(dtype: torch.dtype = torch.float32, size: int = 256, trials: int = 48) -> float:
     """Peak matmul FLOP/s of the CPU cores this process computes on: one core's rate, measured
     once per dtype (well under a second), times the cores torch computes on (its threads, at
     most the usable CPUs).
@@ -94,7 +94,9 @@ def measured_cpu_flops(dtype: torch.dtype = torch.float32, size: int = 512, tria
     thread, a peak measured under load was half the real one, and a run that went on after the
     load stopped showed `mfu 149.6%`.) A run cannot get more CPU-seconds per second than its
     threads, nor more FLOPs per CPU-second than a core's matmul, so MFU stays at most 100%.
-    The best of several trials: cache and memory contention only ever slow a trial down.
+    The best of many short trials (one matmul each, well under a scheduler time slice): a trial
+    that another process interrupts pays for the caches it finds cold, and is not the best one.
+    (Trials of 4 matmuls of 512 lost 25% under heavy load; single 256 ones lose nothing.)
     """
     if dtype not in _CPU_PEAK:
         a = torch.randn(size, size).to(dtype)
@@ -106,9 +108,8 @@ def measured_cpu_flops(dtype: torch.dtype = torch.float32, size: int = 512, tria
             best = 0.0
             for _ in range(trials):
                 start = time.thread_time()
-                for _ in range(4):
-                    a @ b
-                best = max(best, 4 * 2 * size**3 / max(time.thread_time() - start, 1e-9))
+                a @ b
+                best = max(best, 2 * size**3 / max(time.thread_time() - start, 1e-9))
         finally:
             torch.set_num_threads(threads)
         _CPU_PEAK[dtype] = best
