@@ -110,10 +110,11 @@ def test_a_lost_node_costs_only_speed_and_the_group_grows_back(ray_cluster, tmp_
     # Every attempt's TP groups (ranks 0-1, 2-3) each on one host.
     hosts = [json.loads(line)["hosts"] for line in (run_dir / "ray_attempts.jsonl").read_text().splitlines()]
     assert [len(h) for h in hosts] == [4, 2, 4] and all(h[0] == h[1] and h[-2] == h[-1] for h in hosts), hosts
-    a, b = hosts[0][0], hosts[0][2]
-    assert a != b and set(hosts[1]) == {a} and set(hosts[2]) - {a, b}, hosts  # grown onto the new host
+    a, b = ray_cluster.head.addr, host_b.addr  # Ray orders the nodes as it likes (B first, at times)
+    assert set(hosts[0]) == {a, b} and set(hosts[1]) == {a}, hosts
+    assert len(set(hosts[2])) == 2 and a in hosts[2] and b not in hosts[2], hosts  # grown onto the new host
     # What each restart cost: the lost host (a fault), then the grow (an elastic resize).
-    assert re.search(rf"loomtrain: restart \(attempt 2\): lost host {host_b.addr} \(ranks 2, 3\)", text), text
+    assert re.search(rf"loomtrain: restart \(attempt 2\): lost host {host_b.addr} \(ranks \d, \d\)", text), text
     assert "loomtrain: restart (attempt 3): the elastic group grew from 2 to 4 workers" in text
     fault = [r for r in records(run_dir) if "fault/recovery_s" in r]
     resize = [r for r in records(run_dir) if "elastic/resize_s" in r]
