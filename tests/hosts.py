@@ -212,14 +212,20 @@ class Hosts:
         return [ns for ns in _our_namespaces() if ns == self.switch or ns.startswith(f"{self.prefix}h")]
 
 
-@pytest.fixture
-def hosts():
-    """A `Hosts` for one test; skips (fails in CI) where namespaces cannot be made."""
+def require_netns() -> None:
+    """Skip the calling test where namespaces cannot be made; fail it instead under
+    LOOMTRAIN_REQUIRE_NETNS=1 (CI), so that CI never passes by skipping."""
     reason = netns_unavailable()
     if reason:
         if os.environ.get("LOOMTRAIN_REQUIRE_NETNS") == "1":
             pytest.fail(f"LOOMTRAIN_REQUIRE_NETNS=1 but {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture
+def hosts():
+    """A `Hosts` for one test; skips (fails in CI) where namespaces cannot be made."""
+    require_netns()
     with Hosts() as net:
         yield net
     assert not net.leftovers(), f"namespaces left behind: {net.leftovers()}"

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from hosts import Host, Hosts, netns_unavailable
+from hosts import Host, Hosts, require_netns
 
 GCS_PORT = 6379
 DASHBOARD_PORT = 8265
@@ -195,11 +195,7 @@ def start_ray_cluster(net: Hosts, n_hosts: int = 2, cpus_per_host: int = CPUS_PE
 def ray_cluster():
     """2 hosts x 2 CPUs in one Ray cluster for a test module; skips (fails in CI) where
     namespaces cannot be made. Tests that kill a host leave the cluster as they changed it."""
-    reason = netns_unavailable()
-    if reason:
-        if os.environ.get("LOOMTRAIN_REQUIRE_NETNS") == "1":
-            pytest.fail(f"LOOMTRAIN_REQUIRE_NETNS=1 but {reason}")
-        pytest.skip(reason)
+    require_netns()
     with Hosts() as net:
         cluster = start_ray_cluster(net)
         try:
