@@ -344,9 +344,26 @@ def _join_group(backend: str, timeout: timedelta, chosen: dict[str, str]) -> Non
     except RuntimeError as exc:  # torch's DistError family, gloo's connectFullMesh, a bad interface name
         with contextlib.suppress(Exception):  # best effort: the others time out without it
             who = host_label(os.environ["MASTER_ADDR"])
-            _store_client(timedelta(seconds=5)).set(key, f"rank {rank} ({who}) failed: {first_line(exc)}")
+            _tell_the_others(_store_client(timedelta(seconds=5)), key, f"rank {rank} ({who}) failed: {first_line(exc)}")
         note = f" (the library's messages: {held})" if held.exists() else ""
         raise RendezvousError(rendezvous_failure(exc, backend, chosen) + note) from None
+
+
+# How long a rank that failed to join waits for the others to read its line before it exits.
+RENDEZVOUS_TELL_S = 10.0
+
+
+def _tell_the_others(store, key: str, line: str) -> None:
+    """Leave this rank's failure for the ranks still waiting, and stay until each of them has
+    read it or failed too (at most RENDEZVOUS_TELL_S): on the master's host, this rank's exit
+    ends torchrun's agent and the store with it, before a waiting rank's next look."""
+    store.set(key, line)
+    world = int(os.environ["WORLD_SIZE"])
+    done = store.add(f"{key}/done", 1)
+    deadline = time.monotonic() + RENDEZVOUS_TELL_S
+    while done < world and time.monotonic() < deadline:
+        time.sleep(0.2)
+        done = store.add(f"{key}/done", 0)
 
 
 def _store_client(timeout: timedelta):
@@ -367,6 +384,7 @@ def _bound_rendezvous(
             store = store or _store_client(timedelta(seconds=5))
             if store.check([key]):
                 failed = store.get(key).decode()
+                store.add(f"{key}/done", 1)  # read: the failed rank may go
         if failed is None and time.monotonic() < deadline:
             continue
         cause = failed or f"no peer connected within {timeout.total_seconds():.0f} s"

@@ -4,11 +4,11 @@ One cluster for the module: a head on 198.18.0.1 and a node on 198.18.0.2, 2 CPU
 4 one-CPU workers (tp 1 x dp 4, fp32) sit 2 per host; the driver runs on the head's host. No
 GLOO_SOCKET_IFNAME anywhere: loomtrain's workers pick the interface that routes to rank 0.
 
-* an uninterrupted 12-step run (the reference), whose console has loomtrain's lines and none
-  of Ray's;
-* node loss with a replacement: every process of the second host is killed after step 5, a
-  fresh host joins; the run resumes by itself from the last checkpoint and its losses equal
-  the reference's, with the restart and recovery lines and the fault figures written once;
+* node loss with a replacement (one run for two tests): every process of the host beside the
+  head's is killed after step 5, a fresh host joins; the run resumes by itself from the last
+  checkpoint and its losses equal those of the same job in one process; its console has
+  loomtrain's lines (the restart and recovery lines among them) and none of Ray's, and the
+  fault figures are written once;
 * node loss without one: the restart waits ray.start_timeout_s and the run exits 1 with one
   line;
 * `preprocess --ray` from the head's host: Ray tasks on both hosts, the same bytes as locally;
@@ -26,6 +26,7 @@ import json
 import re
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import launch
@@ -86,11 +87,13 @@ def start_run(cluster, run_dir: Path, data_cache: Path, *extra: str) -> subproce
     )
 
 
-def two_hosts(cluster) -> tuple:
-    """The head's host and one other live host (a fresh one joins when an earlier test killed it)."""
-    live = cluster.live_nodes()
-    others = [h for h in cluster.hosts[1:] if h.addr in live]
-    return cluster.head, (others[0] if others else cluster.add_node())
+def host_of_the_workers(cluster, run_dir: Path):
+    """The host other than the head's that holds workers of the run's current attempt (from its
+    ray_attempts.jsonl, written before step 1): the one to kill."""
+    hosts = json.loads((run_dir / "ray_attempts.jsonl").read_text().splitlines()[-1])["hosts"]
+    others = [h for h in cluster.hosts[1:] if h.addr in hosts]
+    assert len(others) == 1, (hosts, [h.addr for h in cluster.hosts])
+    return others[0]
 
 
 def read_until(proc: subprocess.Popen, lines: list[str], predicate, timeout_s: float) -> str | None:
@@ -105,30 +108,61 @@ def read_until(proc: subprocess.Popen, lines: list[str], predicate, timeout_s: f
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, tmp_path_factory, data_cache):  # noqa: F811
-    """The reference: 12 steps on 2 hosts x 2 workers -> (run dir, console text, seconds)."""
-    two_hosts(ray_cluster)
-    run_dir = tmp_path_factory.mktemp("ray2h") / "run"
+def reference(tmp_path_factory, data_cache) -> dict[int, float]:
+    """The same job in one process (DP 1, 4 micro batches per step): the losses every run must have."""
+    run_dir = tmp_path_factory.mktemp("one_process") / "run"
+    one_process = [arg for arg in TRAIN if not arg.startswith("ray.")]
+    launch.run_loomtrain("train", launch.TINY, *one_process, f"run.dir={run_dir}", f"data.cache_dir={data_cache}")
+    return losses(run_dir)
+
+
+@dataclass
+class NodeLoss:
+    run_dir: Path
+    console: str
+    returncode: int
+    lost: object  # the killed host
+    replacement: object  # the host that joined after the kill
+    killed_at: float  # time.monotonic()
+    seconds: float  # the whole run
+
+
+@pytest.fixture(scope="module")
+def node_loss(ray_cluster, tmp_path_factory, data_cache) -> NodeLoss:  # noqa: F811
+    """One run of 12 steps on 2 hosts x 2 workers: after step 5 every process of the second
+    host is killed and a fresh host joins."""
+    run_dir = tmp_path_factory.mktemp("node_loss") / "run"
     started = time.monotonic()
-    proc = start_run(ray_cluster, run_dir, data_cache)
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out[-4000:]
-    return run_dir, out, time.monotonic() - started
+    proc = start_run(ray_cluster, run_dir, data_cache, "log.tensorboard=true")
+    lines: list[str] = []
+    try:
+        assert read_until(proc, lines, lambda line: line.startswith("step 5/"), timeout_s=300)
+        lost = host_of_the_workers(ray_cluster, run_dir)
+        killed_at = time.monotonic()
+        lost.kill()  # a node crash: its raylet, its workers, everything
+        replacement = ray_cluster.add_node()
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    console = "".join(lines) + out
+    return NodeLoss(run_dir, console, proc.returncode, lost, replacement, killed_at, time.monotonic() - started)
 
 
 @pytest.mark.slow
-def test_two_hosts_train_with_loomtrains_lines_on_the_console(ray_cluster, uninterrupted):  # noqa: F811
-    run_dir, console, _ = uninterrupted
+def test_two_hosts_train_with_loomtrains_lines_on_the_console(ray_cluster, node_loss):  # noqa: F811
+    run_dir, console = node_loss.run_dir, node_loss.console
+    assert node_loss.returncode == 0, console[-4000:]
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     attempts = [json.loads(x) for x in (run_dir / "ray_attempts.jsonl").read_text().splitlines()]
-    assert len(attempts) == 1
-    hosts = attempts[0]["hosts"]
-    assert sorted(set(hosts)) == sorted(h.addr for h in ray_cluster.hosts[:2]) and len(hosts) == 4
+    first = attempts[0]["hosts"]
+    assert sorted(set(first)) == sorted(h.addr for h in ray_cluster.hosts[:2]) and len(first) == 4
     # loomtrain's lines: rank 0's progress as it is, the other ranks' behind their host and rank.
     assert f"step {STEPS}/{STEPS} | loss" in console
-    assert "loomtrain: Ray Train run finished: step 12" in console
+    assert f"loomtrain: Ray Train run finished: step {STEPS}" in console
     prefixed = set(re.findall(r"^\[(198\.18\.0\.\d+) rank (\d)\] ", console, re.M))
-    assert prefixed and all(int(rank) > 0 and hosts[int(rank)] == addr for addr, rank in prefixed), prefixed
+    assert prefixed, console[-3000:]
+    assert all(int(rank) > 0 and any(a["hosts"][int(rank)] == addr for a in attempts) for addr, rank in prefixed)
     assert not re.search(r"^\[\S+ rank 0\]", console, re.M)
     # Ray's lines are not there, but in the run's logs.
     shown = [line for line in console.splitlines() if any(noise in line for noise in RAY_LINES)]
@@ -151,9 +185,9 @@ def test_preprocess_on_ray_across_two_hosts_equals_the_local_command(ray_cluster
         )
     args = ["preprocess", "--no-progress", "--input", str(inputs / "*"), "--tokenizer", "byte", "--shard-tokens", "900"]
     local = launch.run_loomtrain(*args, "--output", tmp_path / "local", "--workers", "2", timeout=300)
-    head, other = two_hosts(ray_cluster)
+    assert len(ray_cluster.live_nodes()) == 2
     argv = launch.loomtrain_cmd(*args, "--output", tmp_path / "ray", "--ray", "--address", ray_cluster.address)
-    on_ray = head.run(argv, env=ray_cluster.client_env(launch.child_env()), cwd=tmp_path, timeout=300)
+    on_ray = ray_cluster.head.run(argv, env=ray_cluster.client_env(launch.child_env()), cwd=tmp_path, timeout=300)
     assert on_ray.returncode == 0, on_ray.stdout[-2000:] + on_ray.stderr[-3000:]
     assert "8 input files as Ray tasks, 4 at a time" in on_ray.stdout + on_ray.stderr  # 2 hosts x 2 CPUs
     assert local.returncode == 0
@@ -165,39 +199,18 @@ def test_preprocess_on_ray_across_two_hosts_equals_the_local_command(ray_cluster
 
 
 @pytest.mark.slow
-def test_node_loss_resumes_on_a_replacement_host_with_the_same_losses(
-    ray_cluster,  # noqa: F811
-    uninterrupted,
-    tmp_path,
-    data_cache,
-):
-    reference = losses(uninterrupted[0])
-    _, lost = two_hosts(ray_cluster)
-    run_dir = tmp_path / "run"
-    started = time.monotonic()
-    proc = start_run(ray_cluster, run_dir, data_cache, "log.tensorboard=true")
-    lines: list[str] = []
-    try:
-        assert read_until(proc, lines, lambda line: line.startswith("step 5/"), timeout_s=300)
-        killed_at = time.monotonic()
-        lost.kill()  # a node crash: its raylet, its workers, everything
-        replacement = ray_cluster.add_node()
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    console = "".join(lines) + out
-    elapsed = time.monotonic() - started
-    assert proc.returncode == 0, console[-4000:]
-
+def test_node_loss_resumes_on_a_replacement_host_with_the_same_losses(node_loss, reference):
+    run_dir, console, lost = node_loss.run_dir, node_loss.console, node_loss.lost
+    assert node_loss.returncode == 0, console[-4000:]
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert max(abs(got[s] - reference[s]) for s in got) <= 1e-6
+    worst = max(abs(got[s] - reference[s]) for s in got)
+    assert worst <= 1e-5, (got, reference)  # DP 4 across hosts vs 4 micro batches in one process, fp32
 
     attempts = [json.loads(x) for x in (run_dir / "ray_attempts.jsonl").read_text().splitlines()]
     assert len(attempts) == 2
     second = attempts[1]
-    assert second["lost_hosts"] == [lost.addr] and replacement.addr in second["hosts"]
+    assert second["lost_hosts"] == [lost.addr] and node_loss.replacement.addr in second["hosts"]
     failed_after, resumed = second["failed_after_step"], second["resumed_from_step"]
     assert resumed % EVERY == 0 and 0 <= failed_after - resumed <= EVERY and failed_after >= 5
     ranks = ", ".join(str(r) for r, h in enumerate(attempts[0]["hosts"]) if h == lost.addr)
@@ -213,18 +226,16 @@ def test_node_loss_resumes_on_a_replacement_host_with_the_same_losses(
     assert len(faults) == 1 and faults[0]["step"] == resumed + 1
     assert faults[0]["fault/steps_lost"] == failed_after - resumed
     recovery_s = faults[0]["fault/recovery_s"]
-    assert 0 < recovery_s < time.monotonic() - killed_at + 2
+    assert 0 < recovery_s < node_loss.seconds
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()
     assert [e.step for e in events.Scalars("fault/recovery_s")] == [resumed + 1]
     assert [e.value for e in events.Scalars("fault/steps_lost")] == [failed_after - resumed]
-    shown = [line for line in console.splitlines() if any(noise in line for noise in RAY_LINES)]
-    assert not shown, "\n".join(shown[:10])
     print(
         f"\nnode loss: recovery {recovery_s:.1f} s, {failed_after - resumed} steps lost "
-        f"(failed after step {failed_after}, resumed from {resumed}), run {elapsed:.0f} s, "
-        f"reference {uninterrupted[2]:.0f} s, max |dloss| {max(abs(got[s] - reference[s]) for s in got):.1e}"
+        f"(failed after step {failed_after}, resumed from {resumed}), run {node_loss.seconds:.0f} s, "
+        f"max |dloss| vs one process {worst:.1e}"
     )
 
 
@@ -234,13 +245,16 @@ def test_node_loss_without_a_replacement_ends_after_start_timeout_with_one_line(
     tmp_path,
     data_cache,
 ):
-    _, lost = two_hosts(ray_cluster)
-    timeout_s = 15
+    if len(ray_cluster.live_nodes()) < 2:
+        ray_cluster.add_node()
+    timeout_s = 10
+    run_dir = tmp_path / "run"
     extra = (f"ray.start_timeout_s={timeout_s}", "train.max_steps=60")
-    proc = start_run(ray_cluster, tmp_path / "run", data_cache, *extra)
+    proc = start_run(ray_cluster, run_dir, data_cache, *extra)
     lines: list[str] = []
     try:
         assert read_until(proc, lines, lambda line: line.startswith("step 2/"), timeout_s=300)
+        lost = host_of_the_workers(ray_cluster, run_dir)
         lost.kill()
         killed_at = time.monotonic()
         out, _ = proc.communicate(timeout=timeout_s + 120)

@@ -205,8 +205,9 @@ def test_a_wrong_interface_of_the_users_is_kept_and_fails_as_one_line(hosts, tmp
             f"over GLOO_SOCKET_IFNAME={ifname} (your setting)"
         ), ours[0]
         assert "set GLOO_SOCKET_IFNAME to this host's interface" in ours[0] and "GLOO_SOCKET_IFNAME=eth0" in ours[0]
+        assert "no peer connected within" not in ours[0], ours[0]  # the failing side told the other
         assert not ours_in_traceback(text), text[-3000:]
-    assert took < 90, took  # well inside the group's timeout (30 + 60 s): the failing side tells the other
+    assert took < 90, took  # inside the group's timeout (30 + 60 s) with start-up on a loaded machine
     assert_nothing_left(a, b)
 
 
