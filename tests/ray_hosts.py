@@ -7,7 +7,7 @@
     cluster.add_node()                               # a fresh host joins: 198.18.0.3
     cluster.wait_for_nodes(2)                        # until the head sees 2 live nodes
 
-or the `ray_cluster` fixture (module-scoped: one cluster for a test module, 2 hosts x 2 CPUs).
+or the `ray_cluster` fixture (session-scoped: one cluster for the multi-host modules, 2 hosts x 2 CPUs).
 
 The head host runs `ray start --head --node-ip-address=198.18.0.1 --block`, every other host
 `ray start --address=198.18.0.1:6379 --node-ip-address=198.18.0.N --block`, each with
@@ -135,6 +135,14 @@ class RayCluster:
         out = self.head.run([sys.executable, "-c", _LIVE_NODES, url, self.token], timeout=30)
         return json.loads(out.stdout) if out.returncode == 0 else []
 
+    def live_hosts(self, n: int = 2) -> list[Host]:
+        """The head's host first, then other live hosts: `n` in all (fresh ones join as needed)."""
+        live = self.live_nodes()
+        others = [h for h in self.hosts[1:] if h.addr in live]
+        while len(others) < n - 1:
+            others.append(self.add_node())
+        return [self.head, *others[: n - 1]]
+
     def wait_for_nodes(self, addrs: list[str] | int, timeout_s: float = 120.0) -> list[str]:
         """Wait until the live nodes are exactly `addrs` (or `addrs` many); return them."""
         want = addrs if isinstance(addrs, int) else sorted(addrs)
@@ -191,10 +199,12 @@ def start_ray_cluster(net: Hosts, n_hosts: int = 2, cpus_per_host: int = CPUS_PE
     return cluster
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster():
-    """2 hosts x 2 CPUs in one Ray cluster for a test module; skips (fails in CI) where
-    namespaces cannot be made. Tests that kill a host leave the cluster as they changed it."""
+    """2 hosts x 2 CPUs in one Ray cluster for the session (the multi-host modules share it:
+    a cluster costs ~15 s to start); skips (fails in CI) where namespaces cannot be made. Tests
+    that kill a host leave the cluster as they changed it: a test takes the live hosts it finds
+    (`live_hosts`), adding one where it needs more."""
     require_netns()
     with Hosts() as net:
         cluster = start_ray_cluster(net)

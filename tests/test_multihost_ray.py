@@ -1,8 +1,9 @@
 """`train --ray` on a Ray cluster across two hosts (network namespaces, tests/ray_hosts.py).
 
-One cluster for the module: a head on 198.18.0.1 and a node on 198.18.0.2, 2 CPUs each, so the
-4 one-CPU workers (tp 1 x dp 4, fp32) sit 2 per host; the driver runs on the head's host. No
-GLOO_SOCKET_IFNAME anywhere: loomtrain's workers pick the interface that routes to rank 0.
+The session's cluster (shared with test_multihost_elastic.py): a head on 198.18.0.1 and a node
+on 198.18.0.2 (or a host that replaced it), 2 CPUs each, so the 4 one-CPU workers (tp 1 x
+dp 4, fp32) sit 2 per host; the driver runs on the head's host. No GLOO_SOCKET_IFNAME
+anywhere: loomtrain's workers pick the interface that routes to rank 0.
 
 * node loss with a replacement (one run for two tests): every process of the host beside the
   head's is killed after step 5, a fresh host joins; the run resumes by itself from the last
@@ -32,7 +33,6 @@ from pathlib import Path
 import launch
 import pytest
 from launch import losses, records
-from ray_hosts import ray_cluster  # noqa: F401  (the module's cluster)
 
 STEPS, EVERY = 12, 3
 TRAIN = [
@@ -121,6 +121,7 @@ class NodeLoss:
     run_dir: Path
     console: str
     returncode: int
+    hosts: list  # the head's host and the other one the run started on
     lost: object  # the killed host
     replacement: object  # the host that joined after the kill
     killed_at: float  # time.monotonic()
@@ -128,10 +129,11 @@ class NodeLoss:
 
 
 @pytest.fixture(scope="module")
-def node_loss(ray_cluster, tmp_path_factory, data_cache) -> NodeLoss:  # noqa: F811
+def node_loss(ray_cluster, tmp_path_factory, data_cache) -> NodeLoss:
     """One run of 12 steps on 2 hosts x 2 workers: after step 5 every process of the second
     host is killed and a fresh host joins."""
     run_dir = tmp_path_factory.mktemp("node_loss") / "run"
+    hosts = ray_cluster.live_hosts(2)
     started = time.monotonic()
     proc = start_run(ray_cluster, run_dir, data_cache, "log.tensorboard=true")
     lines: list[str] = []
@@ -146,17 +148,17 @@ def node_loss(ray_cluster, tmp_path_factory, data_cache) -> NodeLoss:  # noqa: F
         if proc.poll() is None:
             proc.kill()
     console = "".join(lines) + out
-    return NodeLoss(run_dir, console, proc.returncode, lost, replacement, killed_at, time.monotonic() - started)
+    return NodeLoss(run_dir, console, proc.returncode, hosts, lost, replacement, killed_at, time.monotonic() - started)
 
 
 @pytest.mark.slow
-def test_two_hosts_train_with_loomtrains_lines_on_the_console(ray_cluster, node_loss):  # noqa: F811
+def test_two_hosts_train_with_loomtrains_lines_on_the_console(ray_cluster, node_loss):
     run_dir, console = node_loss.run_dir, node_loss.console
     assert node_loss.returncode == 0, console[-4000:]
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     attempts = [json.loads(x) for x in (run_dir / "ray_attempts.jsonl").read_text().splitlines()]
     first = attempts[0]["hosts"]
-    assert sorted(set(first)) == sorted(h.addr for h in ray_cluster.hosts[:2]) and len(first) == 4
+    assert sorted(set(first)) == sorted(h.addr for h in node_loss.hosts) and len(first) == 4
     # loomtrain's lines: rank 0's progress as it is, the other ranks' behind their host and rank.
     assert f"step {STEPS}/{STEPS} | loss" in console
     assert f"loomtrain: Ray Train run finished: step {STEPS}" in console
@@ -175,7 +177,7 @@ def test_two_hosts_train_with_loomtrains_lines_on_the_console(ray_cluster, node_
 
 
 @pytest.mark.slow
-def test_preprocess_on_ray_across_two_hosts_equals_the_local_command(ray_cluster, tmp_path):  # noqa: F811
+def test_preprocess_on_ray_across_two_hosts_equals_the_local_command(ray_cluster, tmp_path):
     # Ray tasks, not gloo: no interface to pick, but every task must reach the driver on host A.
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -185,7 +187,7 @@ def test_preprocess_on_ray_across_two_hosts_equals_the_local_command(ray_cluster
         )
     args = ["preprocess", "--no-progress", "--input", str(inputs / "*"), "--tokenizer", "byte", "--shard-tokens", "900"]
     local = launch.run_loomtrain(*args, "--output", tmp_path / "local", "--workers", "2", timeout=300)
-    assert len(ray_cluster.live_nodes()) == 2
+    ray_cluster.live_hosts(2)
     argv = launch.loomtrain_cmd(*args, "--output", tmp_path / "ray", "--ray", "--address", ray_cluster.address)
     on_ray = ray_cluster.head.run(argv, env=ray_cluster.client_env(launch.child_env()), cwd=tmp_path, timeout=300)
     assert on_ray.returncode == 0, on_ray.stdout[-2000:] + on_ray.stderr[-3000:]
@@ -241,12 +243,11 @@ def test_node_loss_resumes_on_a_replacement_host_with_the_same_losses(node_loss,
 
 @pytest.mark.slow
 def test_node_loss_without_a_replacement_ends_after_start_timeout_with_one_line(
-    ray_cluster,  # noqa: F811
+    ray_cluster,
     tmp_path,
     data_cache,
 ):
-    if len(ray_cluster.live_nodes()) < 2:
-        ray_cluster.add_node()
+    ray_cluster.live_hosts(2)
     timeout_s = 10
     run_dir = tmp_path / "run"
     extra = (f"ray.start_timeout_s={timeout_s}", "train.max_steps=60")
