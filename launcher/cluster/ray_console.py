@@ -108,7 +108,10 @@ class DriverConsole:
     """While a run is driven: Ray's lines to RUN_DIR/logs/ray_driver.log, the workers' to the console.
 
     Enter before `ray.init` (its own log lines go to the file), call `take_over_lines()` after it
-    (ray.init installs the printer being replaced); leaving restores what was there."""
+    (ray.init installs the printer being replaced). Leaving restores the loggers; the printer
+    stays while Ray is connected: Ray's processes still send lines after the run has ended (a
+    failed controller's traceback arrives after the driver's one-line error), and they go on
+    to the log file."""
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.logs = Path(run_dir) / "logs"
@@ -145,7 +148,9 @@ class DriverConsole:
         ray_worker.print_to_stdstream = lambda data, ignore_prefix=False: self._print_lines(data)
 
     def __exit__(self, *exc) -> None:
-        if self._dispatcher is not None:
+        import ray
+
+        if self._dispatcher is not None and not ray.is_initialized():
             self._dispatcher.remove_handler("ray_print_logs")
             for handler in self._previous:
                 self._dispatcher.add_handler("ray_print_logs", handler)
@@ -169,6 +174,9 @@ class DriverConsole:
             lines = list(self._ray_worker.filter_autoscaler_events(lines))
         who = data.get("actor_name") or data.get("task_name")
         prefix = f"({who + ' ' if who else ''}pid={pid}, ip={data.get('ip')}) "
-        if self.log.closed:  # a Ray thread that took the printer just before __exit__ put Ray's back
+        text = "".join(prefix + line + "\n" for line in lines)
+        if self.log.closed:  # a line that came after the run ended
+            with open(self.logs / DRIVER_LOG, "a") as late:
+                late.write(text)
             return
-        self.log.write("".join(prefix + line + "\n" for line in lines))
+        self.log.write(text)
