@@ -8,7 +8,7 @@ it unconditionally.
   per evaluation (`eval/loss`, `eval/ppl`), each with `step`;
 * TensorBoard event files in RUN_DIR itself, so that `tensorboard --logdir runs/`
   lists each run under its own name: the same scalars under grouped tags
-  (`train/loss`, `perf/tokens_per_s`, `memory/mem_bytes`, ...; see `tb_tag`), the
+  (`loss/train`, `loss/eval`, `perf/tokens_per_s`, `memory/mem_gib`, ...; see `tb_tag`), the
   hyperparameters (HParams plugin), generated text samples and the profiler's
   top-ops table;
 * console: a tqdm bar (step, loss, tok/s, ETA) on a terminal, plain lines
@@ -185,13 +185,20 @@ HPARAMS_FIRST = (
     "parallel.zero_stage",
     "ray.num_workers",
 )
+# The losses in a group of their own, `loss`: TensorBoard orders groups by name, and `loss` comes
+# before `memory`, `perf` and `train` (only a run that lost a host or resized has `elastic` and
+# `fault` groups above it), so the loss curve is the first chart a user sees.
+_TB_TAGS = {"loss": "loss/train", "eval/loss": "loss/eval", "eval/ppl": "loss/eval_ppl"}
 # TensorBoard's Custom Scalars tab: the train and eval loss in one chart.
-CUSTOM_SCALARS = {"loss": {"train and eval loss": ["Multiline", ["train/loss", "eval/loss"]]}}
+CUSTOM_SCALARS = {"loss": {"train and eval loss": ["Multiline", ["loss/train", "loss/eval"]]}}
 STRAGGLER_RATIO = 1.2  # the console names the slowest rank above this x the median
 
 
 def tb_tag(key: str) -> str:
-    """`loss` -> `train/loss`, `mfu` -> `perf/mfu`, `mem_bytes` -> `memory/mem_gib`."""
+    """`loss` -> `loss/train`, `eval/loss` -> `loss/eval`, `mfu` -> `perf/mfu`, `mem_bytes` ->
+    `memory/mem_gib`."""
+    if key in _TB_TAGS:
+        return _TB_TAGS[key]
     if "/" in key:
         return key
     return f"{_TB_GROUPS.get(key, 'train')}/{_TB_GIB.get(key, key)}"
@@ -311,7 +318,7 @@ class MetricsLogger:
         return self.run_dir
 
     # --- writers ----------------------------------------------------------------
-    def hparams(self, config: dict[str, Any], metrics: tuple[str, ...] = ("train/loss", "eval/loss")) -> None:
+    def hparams(self, config: dict[str, Any], metrics: tuple[str, ...] = ("loss/train", "loss/eval")) -> None:
         """The resolved config as TensorBoard hyperparameters (in this run's own event file)."""
         if self.writer is None:
             return

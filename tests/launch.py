@@ -55,7 +55,7 @@ QUIET = ["eval.every_steps=0", "eval.num_samples=0", "log.progress=plain", "log.
 # The TensorBoard scalars every training run writes (metrics.jsonl has the same under plain
 # keys, memory in bytes where TensorBoard has GiB).
 TB_SCALARS = {
-    "train/loss",
+    "loss/train",
     "train/lr",
     "train/grad_norm",
     "perf/tokens_per_s",

@@ -76,7 +76,7 @@ def test_each_run_is_one_tensorboard_run_with_grouped_tags(two_runs):
     scalars = set(mux.GetAccumulator("a").Tags()["scalars"])
     assert launch.TB_SCALARS <= scalars
     assert not launch.TB_RANK_SCALARS & scalars  # one process: no flat-zero slowest rank in TensorBoard
-    assert [e.step for e in mux.Scalars("a", "train/loss")] == [1, 2, 3, 4, 5]  # across the resume
+    assert [e.step for e in mux.Scalars("a", "loss/train")] == [1, 2, 3, 4, 5]  # across the resume
     # metrics.jsonl keeps its plain keys (memory in bytes, GiB in TensorBoard) and the job-wide figures
     rec = json.loads((two_runs / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     assert mux.Scalars("a", "memory/mem_gib")[-1].value == pytest.approx(rec["mem_bytes"] / 2**30, rel=1e-6)
@@ -108,12 +108,12 @@ def test_tensorboard_layout_a_user_reads_at_a_glance(two_runs):
     layout = layout_pb2.Layout.FromString(layout_event.tensor_proto.string_val[0])
     chart = layout.category[0].chart[0]
     assert (layout.category[0].title, chart.title) == ("loss", "train and eval loss")
-    assert list(chart.multiline.tag) == ["train/loss", "eval/loss"]
+    assert list(chart.multiline.tag) == ["loss/train", "loss/eval"]
     content = acc.PluginTagToContent("hparams")["_hparams_/experiment"]  # the table's columns, in order
     columns = [h.name for h in plugin_data_pb2.HParamsPluginData.FromString(content).experiment.hparam_infos]
     assert columns[:5] == ["model.d_model", "model.n_layers", "model.n_heads", "model.vocab_size", "train.lr"]
     scalars = metrics.tb_scalars({"mem_bytes": 2**31, "slowest_rank": 0, "loss": 1.5, "tag": "x"}, world_size=1)
-    assert scalars == {"memory/mem_gib": 2.0, "train/loss": 1.5}
+    assert scalars == {"memory/mem_gib": 2.0, "loss/train": 1.5}
     assert metrics.tb_scalars({"slowest_rank": 1, "mem_bytes_max": 2**30}, world_size=2) == {
         "perf/slowest_rank": 1,
         "memory/mem_gib_max": 1.0,
@@ -185,7 +185,7 @@ def test_an_error_mid_step_closes_the_prefetch_thread_and_tensorboard(two_runs):
     assert len(events) == 1
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
+    assert [e.step for e in acc.Scalars("loss/train")] == [1, 2]
     assert "FaultInjected: test fault: rank 0 raises" in (run_dir / "logs" / "rank_00000.log").read_text()
     assert failed.tb is not None
 
