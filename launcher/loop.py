@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from loomtrain.data_pipeline import TokenStream
 from loomtrain.data_pipeline.tokenizer import Tokenizer
-from loomtrain.launcher import components, faults, rundir, weights
+from loomtrain.launcher import components, faults, host_memory, rundir, weights
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import save_config, to_dict, validate
@@ -293,13 +293,14 @@ def _set_up(
     opened.callback(train_stream.close)
     if cfg.eval.every_steps:  # an unusable val split fails now, not at the first eval
         components.val_stream(cfg, shard_dir, topology, tokenizer).close()
-    model = components.build_model(cfg, topology, env.device)
-    ctx = build_context(cfg, env, topology, run_dir, model, tokenizer, shard_dir, train_stream)
-    grad_accum = cfg.train.grad_accum_steps(topology.dp_size)
-
     # Every run checkpoints; a launcher adds its own hooks (Ray's report hook).
     hook_list = HookList([CheckpointHook(cfg), *hooks])
-    hook_list.on_train_start(ctx)  # resume happens here
+    with host_memory.start_up_allocations():  # full-size buffers, once freed, leave the process
+        model = components.build_model(cfg, topology, env.device)
+        ctx = build_context(cfg, env, topology, run_dir, model, tokenizer, shard_dir, train_stream)
+        hook_list.on_train_start(ctx)  # resume happens here
+    rank_log.write(f"start-up: peak RSS {host_memory.peak_rss_bytes() / 2**30:.3f} GiB")
+    grad_accum = cfg.train.grad_accum_steps(topology.dp_size)
     if env.is_logging_rank:  # after the resume: a refused one leaves the earlier config.yaml as it was
         save_config(cfg, run_dir / "config.yaml")
 

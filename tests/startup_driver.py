@@ -3,8 +3,6 @@
     python -m torch.distributed.run --standalone --nproc_per_node 4 tests/startup_driver.py \
         MODE OUT CONFIG --tiny k=v ... --big k=v ...
 
-MODE rss: start up the tiny config, note the peak RSS (ru_maxrss), then the big one and
-note it again; writes OUT/rss.rank{R}.json with both peaks and the big model's size.
 MODE params: start up the big config only, counting the bytes of parameter values this
 rank holds (materialised shards, ZeRO-3 partitions, anything gathered) at every
 materialised parameter and, from a sampling thread, throughout engine creation; writes
@@ -14,7 +12,6 @@ OUT/params.rank{R}.json with the peak and the model's size.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import threading
 import time
@@ -33,10 +30,6 @@ def _start(cfg):
     model = components.build_model(cfg, topology, env.device)
     engine, _, _ = engine_mod.build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
     return env, model, engine
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 class ParamBytes:
@@ -99,12 +92,7 @@ def main(argv: list[str]) -> int:
             current.append(arg)
     big = load_config(config, groups["--big"])
     model_bytes = 4 * param_count(big.model)
-    if mode == "rss":
-        _start(load_config(config, groups["--tiny"]))
-        tiny_peak = _peak_rss()
-        env, _, _ = _start(big)
-        result = dict(tiny_peak=tiny_peak, big_peak=_peak_rss(), model_bytes=model_bytes)
-    elif mode == "params":
+    if mode == "params":
         counter = ParamBytes()
         counter.wrap_partitioner()
         thread = counter.run_thread()

@@ -2,8 +2,9 @@
 
 * Values: bitwise those of "seeded full init, then slice", at tp 1, 2 and 4. That path
   lives here only, as the reference (`_reference_shards`), not in production code.
-* Memory: world 4 x tp 4, ZeRO-0, fp32, ~106 M parameters: each rank's start-up peak RSS
-  above a tiny model's is at most half the full fp32 model.
+* Memory: `loomtrain train` under torchrun, world 4 x tp 4, ZeRO-0, fp32, ~106 M parameters,
+  and the same with a tiny model, each in its own processes: every rank's start-up peak RSS
+  above the tiny run's is at most 0.35x the full fp32 model.
 * ZeRO-3 at dp 4: the parameter bytes a rank holds during build and engine creation never
   exceed a quarter of the model plus one parameter.
 """
@@ -12,15 +13,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from launch import python_cmd, run_child
+from launch import QUIET, python_cmd, run_child, run_loomtrain
 from loomtrain.launcher.components import build_model
 from loomtrain.launcher.config_loader import resolve
 from loomtrain.launcher.planning.dryrun import OneRankTopology
-from loomtrain.model import ModelConfig, RMSNorm, init_tensors
+from loomtrain.model import ModelConfig, RMSNorm, init_tensors, param_count
 from loomtrain.model.transformer import Transformer
 from loomtrain.parallel.materialize import materialize, sharded_meta_model
 from torch import nn
@@ -152,11 +154,29 @@ COMMON = [
 ]
 
 
+def _startup_peak_rss(run_dir: Path, data_cache: Path, model: list[str]) -> list[int]:
+    """`loomtrain train` under torchrun (4 ranks, its own processes), one step: each rank's
+    start-up peak RSS, from the line its rank log has after the engine and the resume are built."""
+    run_loomtrain(
+        "train", TINY, *COMMON, *model, *QUIET, "train.max_steps=1", "data.max_files=20",
+        f"run.dir={run_dir}", f"data.cache_dir={data_cache}", nproc=4, timeout=900,
+    )  # fmt: skip
+    peaks = []
+    for rank in range(4):
+        log = (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
+        found = re.findall(r"^start-up: peak RSS ([\d.]+) GiB$", log, re.M)
+        assert len(found) == 1, rank
+        peaks.append(float(found[0]) * 2**30)
+    return peaks
+
+
 @pytest.mark.slow
-def test_startup_peak_rss_is_a_shard_not_the_model(tmp_path):
-    tiny = [*COMMON, "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4"]
+def test_startup_peak_rss_of_every_rank_is_a_shard_not_the_model(tmp_path, data_cache):
+    """World 4, tp 4, ZeRO-0, fp32, ~106 M parameters: each rank's start-up peak RSS above the
+    same command's with a tiny model is at most 0.35x the full fp32 model, on the worst rank
+    (freed full-size buffers once stayed in glibc's heap on one or two ranks: 0.69-0.71x)."""
+    tiny = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4"]
     big = [
-        *COMMON,
         "model.vocab_size=8192",
         "model.d_model=1024",
         "model.n_layers=8",
@@ -164,14 +184,15 @@ def test_startup_peak_rss_is_a_shard_not_the_model(tmp_path):
         "model.n_kv_heads=4",
         "model.tie_embeddings=false",
     ]
-    for rank, m in enumerate(_torchrun("rss", tmp_path, tiny, big)):
-        grown = m["big_peak"] - m["tiny_peak"]
-        print(
-            f"\nrank {rank}: start-up peak RSS above the tiny model's {grown / 2**20:.0f} MiB "
-            f"= {grown / m['model_bytes']:.2f} x the full fp32 model ({m['model_bytes'] / 2**20:.0f} MiB)"
-        )
-        assert 100e6 < m["model_bytes"] / 4 < 110e6
-        assert grown <= 0.5 * m["model_bytes"], m
+    model_bytes = 4 * param_count(resolve(TINY, [*COMMON, *big]).model)
+    assert 100e6 < model_bytes / 4 < 110e6
+    small = _startup_peak_rss(tmp_path / "tiny", data_cache, tiny)
+    large = _startup_peak_rss(tmp_path / "big", data_cache, big)
+    grown = [b - t for b, t in zip(large, small)]
+    for rank, g in enumerate(grown):
+        print(f"\nrank {rank}: start-up peak RSS above the tiny model's {g / 2**20:.0f} MiB = {g / model_bytes:.2f} x")
+    worst = max(grown)
+    assert worst <= 0.35 * model_bytes, [round(g / model_bytes, 2) for g in grown]
 
 
 @pytest.mark.slow

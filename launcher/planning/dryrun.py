@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ from accelerate.utils import find_executable_batch_size
 from loomtrain.launcher.components import apply_block_options
 from loomtrain.launcher.distributed import init_distributed
 from loomtrain.launcher.engine import build_engine
+from loomtrain.launcher.host_memory import peak_rss_bytes
 from loomtrain.launcher.metrics import device_peak_flops
 from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.planning.memory_measure import GradPeak, measure
@@ -101,10 +101,6 @@ def _rss() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -157,7 +153,7 @@ def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0, log=N
     if device.type == "cuda":
         peak_bytes = int(torch.cuda.max_memory_allocated(device))
     else:
-        peak_bytes = _peak_rss() - base_rss
+        peak_bytes = peak_rss_bytes() - base_rss
     result = Measured(states, times, peak_bytes, skipped=int(engine.skipped_steps))
     if device.type == "cuda" and search_from:
 
