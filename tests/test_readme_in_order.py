@@ -1,0 +1,154 @@
+"""The README runs in order: every command of its `bash` blocks, top to bottom, in a fresh copy.
+
+A copy of the project (tests/test_lone_clone.py's) stands for a user's fresh clone. What the
+README asks the user to bring is made first, where its commands look for it: their own text (a
+few markdown documents and some Python files under a `corpus` folder) and a Hugging Face model
+directory (tests/hf_fixtures.py's tiny Llama).
+The mixture config the README shows as a `yaml` block is written where it says. Then each
+command runs as written, in the copy, one after the other, with overrides appended that only
+shrink it (fewer steps, a toy model for `dryrun` on a CPU), and must exit 0: so the examples
+cannot collide (a later run finding an earlier one's checkpoint) and cannot rot.
+
+Commands that need what a CPU test cannot have (a Ray or Kubernetes cluster, several hosts,
+a GPU) are skipped by the rules in CLUSTER and GPU_ONLY; a command that matches no rule and
+is not `loomtrain ...` fails the test, so a new block is either run here or skipped on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from launch import child_env
+from source_tree import ROOT
+
+pytestmark = pytest.mark.slow
+
+# Appended to each `loomtrain VERB ...` (a later key=value wins): fewer steps, less data.
+SHRINK = {
+    # 150 files: the embedded corpus's validation split (1%) holds at least one document
+    "train": ["train.max_steps=4", "data.max_files=150", "eval.num_samples=0", "log.progress=plain"],
+    # gpt-1b's layout at toy size (tests/test_plan_dryrun.py's SHRINK)
+    "dryrun": [
+        "model.n_layers=2",
+        "model.d_model=128",
+        "model.n_heads=4",
+        "model.n_kv_heads=4",
+        "model.vocab_size=1000",
+        "train.seq_len=32",
+        "train.micro_batch_size=2",
+    ],
+}
+# A command needing a cluster, several hosts or a placeholder filled in by the user.
+CLUSTER = re.compile(r"\bHEAD\b|JOB_ID|/mnt/|10\.0\.0\.|^kubectl |^ray start |^export RAY_|--ray\b|--nnodes")
+# The README's full-size dryrun: one rank of gpt-1b on a GPU.
+GPU_ONLY = "needs ~24 GiB of GPU memory"
+# The set-up commands: the environment this test already runs in; their `loomtrain` part runs.
+SETUP = re.compile(r"^(python3 -m venv |pip install )")
+
+
+def readme_commands() -> list[str]:
+    """Each command of the README's `bash` blocks in order: continuation lines joined, comment
+    lines dropped, `a && b` split (the set-up lines' `loomtrain ...` part runs too)."""
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+        joined = re.sub(r"\\\n\s*", "", block)
+        for line in joined.splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                commands += [part.strip() for part in line.split(" && ")]
+    return commands
+
+
+def mixture_config() -> tuple[str, str]:
+    """(file name, text) of the README's `yaml` block that starts `# NAME, in the repository root`."""
+    text = (ROOT / "README.md").read_text()
+    for block in re.findall(r"^```yaml\n(.*?)^```", text, re.S | re.M):
+        named = re.match(r"# (\S+\.yaml), in the repository root", block)
+        if named:
+            return named.group(1), block
+    raise AssertionError("README.md: no yaml block named '# NAME.yaml, in the repository root'")
+
+
+def what_to_do(command: str) -> tuple[str, list[str] | None]:
+    """('run', argv after `loomtrain`) or ('skip', None) or ('setup', None)."""
+    if SETUP.match(command) or command.startswith(". .venv/"):
+        return "setup", None
+    if CLUSTER.search(command):
+        return "skip", None
+    words = shlex.split(command, comments=True)
+    if GPU_ONLY in command:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "skip", None
+    if words[:2] == ["python", "-m"] and words[2] == "pytest":
+        return "setup", None  # the test suite itself
+    assert words[0] == "loomtrain", f"README.md: {command!r} is neither run nor skipped by {__file__}"
+    return "run", [*words[1:], *SHRINK.get(words[1], [])]
+
+
+def the_users_own_inputs(clone: Path, bpe) -> None:
+    """What the README asks the user to bring: a few documents, some Python files, a HF model."""
+    docs = clone / "corpus" / "docs"
+    docs.mkdir(parents=True)
+    for topic in ("install", "training", "checkpoints"):  # 3 files of 60 documents, as the README's
+        records = (
+            {"text": f"Note {n} on {topic}. " + " ".join(f"Step {s}: the run goes on as planned." for s in range(30))}
+            for n in range(60)
+        )
+        (docs / f"{topic}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    code = clone / "corpus" / "code"
+    code.mkdir(parents=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for source in sorted(stdlib.glob("*.py"))[:40]:  # 40 files: a 5% validation split holds two
+        (code / source.name).write_text(source.read_text())
+    from hf_fixtures import tiny_llama
+
+    tiny_llama(clone / "hf" / "tiny-llama", bpe)
+
+
+def test_every_readme_command_runs_in_order_in_a_fresh_copy(tmp_path, bpe):
+    from test_lone_clone import make_lone_clone
+
+    clone = make_lone_clone(tmp_path / "loomtrain")
+    the_users_own_inputs(clone, bpe)
+    name, text = mixture_config()
+    (clone / name).write_text(text)
+    env = child_env(PYTHONPATH=str(tmp_path))  # the copy's package first
+
+    ran, skipped = [], []
+    for command in readme_commands():
+        action, argv = what_to_do(command)
+        if action != "run":
+            skipped += [command] if action == "skip" else []
+            continue
+        proc = subprocess.run(
+            [sys.executable, "-m", "loomtrain", *argv], cwd=clone, env=env, capture_output=True, text=True, timeout=600
+        )
+        output = proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, f"README command {command!r} (as {argv}):\n{output}"
+        ran.append(argv[0])
+    print(f"\nran {len(ran)} README commands ({', '.join(ran)}); skipped {len(skipped)} that need a cluster or GPU")
+    # The commands a user on one machine types are all here, in the README's order.
+    assert ran == [
+        "train",
+        "preprocess",
+        "preprocess",
+        "data-stats",
+        "train",
+        "plan",
+        "dryrun",
+        "import",
+        "generate",
+        "train",
+        "export",
+    ], ran
+    assert (clone / "runs" / "tiny" / "final").is_dir() and (clone / "runs" / "mix" / "final").is_dir()
+    assert (clone / "hf" / "tiny-llama-ft" / "config.json").is_file()
