@@ -8,7 +8,7 @@ it unconditionally.
   per evaluation (`eval/loss`, `eval/ppl`), each with `step`;
 * TensorBoard event files in RUN_DIR itself, so that `tensorboard --logdir runs/`
   lists each run under its own name: the same scalars under grouped tags
-  (`loss/train`, `loss/eval`, `perf/tokens_per_s`, `memory/mem_gib`, ...; see `tb_tag`), the
+  (`loss/train`, `loss/val`, `perf/tokens_per_s`, `memory/mem_gib`, ...; see `tb_tag`), the
   hyperparameters (HParams plugin), generated text samples and the profiler's
   top-ops table;
 * console: a tqdm bar (step, loss, tok/s, ETA) on a terminal, plain lines
@@ -187,15 +187,16 @@ HPARAMS_FIRST = (
 )
 # The losses in a group of their own, `loss`: TensorBoard orders groups by name, and `loss` comes
 # before `memory`, `perf` and `train` (only a run that lost a host or resized has `elastic` and
-# `fault` groups above it), so the loss curve is the first chart a user sees.
-_TB_TAGS = {"loss": "loss/train", "eval/loss": "loss/eval", "eval/ppl": "loss/eval_ppl"}
+# `fault` groups above it), so the loss curve is the first chart a user sees; in the group, cards
+# are ordered by name too: `train`, then `val` (the validation split's loss) and `val_ppl`.
+_TB_TAGS = {"loss": "loss/train", "eval/loss": "loss/val", "eval/ppl": "loss/val_ppl"}
 # TensorBoard's Custom Scalars tab: the train and eval loss in one chart.
-CUSTOM_SCALARS = {"loss": {"train and eval loss": ["Multiline", ["loss/train", "loss/eval"]]}}
+CUSTOM_SCALARS = {"loss": {"train and eval loss": ["Multiline", ["loss/train", "loss/val"]]}}
 STRAGGLER_RATIO = 1.2  # the console names the slowest rank above this x the median
 
 
 def tb_tag(key: str) -> str:
-    """`loss` -> `loss/train`, `eval/loss` -> `loss/eval`, `mfu` -> `perf/mfu`, `mem_bytes` ->
+    """`loss` -> `loss/train`, `eval/loss` -> `loss/val`, `mfu` -> `perf/mfu`, `mem_bytes` ->
     `memory/mem_gib`."""
     if key in _TB_TAGS:
         return _TB_TAGS[key]
@@ -318,7 +319,7 @@ class MetricsLogger:
         return self.run_dir
 
     # --- writers ----------------------------------------------------------------
-    def hparams(self, config: dict[str, Any], metrics: tuple[str, ...] = ("loss/train", "loss/eval")) -> None:
+    def hparams(self, config: dict[str, Any], metrics: tuple[str, ...] = ("loss/train", "loss/val")) -> None:
         """The resolved config as TensorBoard hyperparameters (in this run's own event file)."""
         if self.writer is None:
             return

@@ -108,7 +108,7 @@ def test_tensorboard_layout_a_user_reads_at_a_glance(two_runs):
     layout = layout_pb2.Layout.FromString(layout_event.tensor_proto.string_val[0])
     chart = layout.category[0].chart[0]
     assert (layout.category[0].title, chart.title) == ("loss", "train and eval loss")
-    assert list(chart.multiline.tag) == ["loss/train", "loss/eval"]
+    assert list(chart.multiline.tag) == ["loss/train", "loss/val"]
     content = acc.PluginTagToContent("hparams")["_hparams_/experiment"]  # the table's columns, in order
     columns = [h.name for h in plugin_data_pb2.HParamsPluginData.FromString(content).experiment.hparam_infos]
     assert columns[:5] == ["model.d_model", "model.n_layers", "model.n_heads", "model.vocab_size", "train.lr"]

@@ -20,7 +20,7 @@ SMALL = [
     "checkpoint.every_steps=0",
 ]
 TRAIN_TAGS = {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "mem_bytes"}
-EVAL_TAGS = {"loss/eval", "loss/eval_ppl"}
+EVAL_TAGS = {"loss/val", "loss/val_ppl"}
 # TensorBoard groups the same metrics (metrics.jsonl keeps the plain keys above).
 TB_TAGS = launch.TB_SCALARS
 
@@ -77,7 +77,7 @@ def test_cli_run_writes_tensorboard_events(cli_run):
     assert TB_TAGS | EVAL_TAGS <= set(tags["scalars"]), tags["scalars"]
     assert not TRAIN_TAGS & set(tags["scalars"])  # no ungrouped duplicates
     assert [e.step for e in acc.Scalars("loss/train")] == [1, 2, 3, 4]
-    assert [e.step for e in acc.Scalars("loss/eval")] == [2, 4]
+    assert [e.step for e in acc.Scalars("loss/val")] == [2, 4]
     # TensorBoard orders the groups by name: the losses' group is the first a user sees
     assert sorted({t.split("/")[0] for t in tags["scalars"]})[0] == "loss", tags["scalars"]
     assert any(t.startswith("samples/") for t in tags["tensors"])  # text samples
