@@ -155,10 +155,12 @@ COMMON = [
 
 
 def _startup_peak_rss(run_dir: Path, data_cache: Path, model: list[str]) -> list[int]:
-    """`loomtrain train` under torchrun (4 ranks, its own processes), one step: each rank's
-    start-up peak RSS, from the line its rank log has after the engine and the resume are built."""
+    """`loomtrain train` under torchrun (4 ranks, its own processes), one step of one 16-token
+    sequence (the step is not measured): each rank's start-up peak RSS, from the line its rank
+    log has once the model, the engine and the resume are built."""
+    one_short_step = ["train.max_steps=1", "train.seq_len=16", "train.micro_batch_size=1", "train.global_batch_size=1"]
     run_loomtrain(
-        "train", TINY, *COMMON, *model, *QUIET, "train.max_steps=1", "data.max_files=20",
+        "train", TINY, *COMMON, *model, *QUIET, *one_short_step, "data.max_files=20",
         f"run.dir={run_dir}", f"data.cache_dir={data_cache}", nproc=4, timeout=900,
     )  # fmt: skip
     peaks = []
