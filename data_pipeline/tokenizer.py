@@ -6,6 +6,11 @@ Common interface: `encode(str) -> list[int]`, `decode(ids) -> str`,
 a short stable string that changes whenever the id <-> text mapping changes;
 token shards record it so a run never reads shards made by another tokenizer.
 
+A chat model's tokenizer also carries its prompt format: Hugging Face's `chat_template` (a
+Jinja template, from `tokenizer_config.json` or `chat_template.jinja` beside tokenizer.json),
+kept by `save` in `tokenizer_config.json`, so shards, imports and checkpoints pass it on;
+`user_turn(text)` renders a user's message and the assistant's cue with it.
+
 Byte tokenizer ids: 0..255 are the raw UTF-8 bytes, 256 is EOS
 (`<|endoftext|>`), so vocab_size = 257 (models pad it, e.g. to 320).
 Documents are separated by EOS in every tokenizer.
@@ -15,6 +20,7 @@ No torch import here: preprocessing workers load this module.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,6 +37,36 @@ EOS_TOKEN = "<|endoftext|>"
 # Names an existing tokenizer.json may use for its end-of-document token.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
 _BYTE_FORMAT = "loomtrain-byte-tokenizer"
+
+
+CHAT_CONFIG = "tokenizer_config.json"
+
+
+def _token_text(value) -> str:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    return value.get("content", "") if isinstance(value, dict) else value if isinstance(value, str) else ""
+
+
+def read_chat_format(directory: Path) -> dict[str, str] | None:
+    """{"chat_template", "bos_token", "eos_token"} from a Hugging Face tokenizer directory, or
+    None when it has no chat template (named templates: the one named "default")."""
+    config = {}
+    with contextlib.suppress(OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = json.loads((directory / CHAT_CONFIG).read_text(encoding="utf-8"))
+    config = config if isinstance(config, dict) else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    if not isinstance(template, str) or not template.strip():
+        return None
+    return {
+        "chat_template": template,
+        "bos_token": _token_text(config.get("bos_token")),
+        "eos_token": _token_text(config.get("eos_token")),
+    }
 
 
 def _short_hash(payload: str) -> str:
@@ -92,9 +128,10 @@ class HFTokenizer:
 
     name = "bpe"
 
-    def __init__(self, tok, source: str = ""):
+    def __init__(self, tok, source: str = "", chat: dict[str, str] | None = None):
         self._tok = tok
         self.source = source
+        self.chat = chat  # read_chat_format's dict for a chat model's tokenizer, else None
         eos = next((t for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
         if eos is None:
             raise DataError(
@@ -110,7 +147,8 @@ class HFTokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
         try:
-            return cls(tokenizers.Tokenizer.from_file(str(path)), source=str(path))
+            tok = tokenizers.Tokenizer.from_file(str(path))
+            return cls(tok, source=str(path), chat=read_chat_format(Path(path).parent))
         except DataError:
             raise
         except Exception as exc:  # the Rust error text is long; keep its first line
@@ -136,13 +174,39 @@ class HFTokenizer:
         return self._tok.to_str(pretty=True)
 
     def save(self, directory: str | os.PathLike) -> Path:
+        if self.chat is not None:
+            atomic_write(Path(directory) / CHAT_CONFIG, json.dumps(self.chat, indent=2) + "\n")
         return atomic_write(Path(directory) / "tokenizer.json", self.to_json())
 
+    def user_turn(self, text: str) -> str | None:
+        """`text` as a user's message in this chat model's format, followed by the cue for the
+        assistant's reply (as transformers' apply_chat_template(add_generation_prompt=True));
+        None without a chat template or when it cannot be rendered."""
+        if self.chat is None:
+            return None
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat["chat_template"]).render(
+                messages=[{"role": "user", "content": text}],
+                add_generation_prompt=True,
+                bos_token=self.chat["bos_token"],
+                eos_token=self.chat["eos_token"] or self.eos_token,
+            )
+        except TemplateError:
+            return None
+
     def __getstate__(self):
-        return {"json": self._tok.to_str(), "source": self.source}
+        return {"json": self._tok.to_str(), "source": self.source, "chat": self.chat}
 
     def __setstate__(self, state):
-        self.__init__(tokenizers.Tokenizer.from_str(state["json"]), state["source"])
+        self.__init__(tokenizers.Tokenizer.from_str(state["json"]), state["source"], state.get("chat"))
 
     def __repr__(self) -> str:
         return (

@@ -151,7 +151,9 @@ def held_out_prompt(tokens: list[int], eos_id: int, n: int = PROMPT_TOKENS) -> l
 
 def sample_prompt(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer) -> list[int]:
     """The token ids the evaluation samples continue: eval.prompt when set, else the start of a
-    held-out document, so the prompt fits the data (a 'def ' suits only Python)."""
+    held-out document, so the prompt fits the data (a 'def ' suits only Python); with a chat
+    model's tokenizer, that start as a user's turn in its chat template, so the sample is the
+    model's reply."""
     if cfg.eval.prompt:
         return tok.encode(cfg.eval.prompt) or [tok.eos_id]
     try:
@@ -162,7 +164,9 @@ def sample_prompt(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer)
             stream.close()
     except (DataError, StopIteration, ValueError, OSError):  # no usable validation split: from end-of-text
         return [tok.eos_id]
-    return held_out_prompt(x[0].tolist(), tok.eos_id, min(PROMPT_TOKENS, cfg.model.max_seq_len // 2))
+    prompt = held_out_prompt(x[0].tolist(), tok.eos_id, min(PROMPT_TOKENS, cfg.model.max_seq_len // 2))
+    turn = tok.user_turn(tok.decode(prompt)) if getattr(tok, "chat", None) else None
+    return (tok.encode(turn) or prompt) if turn else prompt
 
 
 def _stream(cfg: RunConfig, shard_dir, split: str, topology: Topology, tok: Tokenizer, prefetch: int) -> TokenStream:

@@ -195,3 +195,47 @@ def test_unrepresentable_fields_are_refused_by_name(tmp_path, capsys, bpe, field
     config[field] = value
     (src / "config.json").write_text(json.dumps(config))
     assert refusal(capsys, src, tmp_path).startswith(f"loomtrain import: {src / 'config.json'}: {field}=")
+
+
+# A chat format of the usual shape: a turn per message, then the assistant's cue.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+def test_a_chat_models_format_travels_and_its_eval_samples_answer_a_user_turn(tmp_path, capsys, bpe, where):
+    """Import keeps the chat template (from tokenizer_config.json, or chat_template.jinja as newer
+    transformers save it); a run from the import starts its evaluation samples from a held-out
+    document's start as a user's turn, so each sample is the model's reply; export gives the
+    template back to transformers."""
+    from launch import QUIET, SMALL, run_loomtrain
+
+    src = tmp_path / "hf"
+    tiny_llama(src, bpe)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    if where == "chat_template.jinja":
+        (src / where).write_text(CHAT_TEMPLATE)
+    else:
+        config["chat_template"] = CHAT_TEMPLATE
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    run = tmp_path / "imported"
+    assert cli.main(["import", "--format", "hf", str(src), "--output", str(run)]) == 0
+    kept = json.loads((run / "final" / "tokenizer" / "tokenizer_config.json").read_text())
+    assert kept["chat_template"] == CHAT_TEMPLATE and kept["eos_token"] == "<|endoftext|>"
+
+    ft = tmp_path / "ft"
+    args = [*SMALL, *QUIET, "train.max_steps=2", "eval.every_steps=2", "eval.num_samples=1", "eval.sample_tokens=4"]
+    proc = run_loomtrain("train", run / "config.yaml", *args, f"run.dir={ft}", "data.max_files=150", cwd=tmp_path)
+    samples = [line for line in proc.stdout.splitlines() if line.startswith("sample: ")]
+    assert len(samples) == 1, proc.stdout[-2000:]
+    # <|endoftext|> as BOS, the user's turn holding the held-out document's start, the cue
+    assert samples[0].startswith("sample: '<|endoftext|><|user|>\\n"), samples[0]
+    assert "<|endoftext|>\\n<|assistant|>\\n" in samples[0], samples[0]
+
+    out = tmp_path / "back"
+    assert cli.main(["export", str(ft), "--format", "hf", "--output", str(out)]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    chat = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|endoftext|><|user|>\nhi<|endoftext|>\n<|assistant|>\n"

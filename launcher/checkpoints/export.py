@@ -377,6 +377,9 @@ def export_tokenizer(tok_dir: Path | None, out: Path, max_len: int) -> None:
     }
     if eos:
         cfg.update(eos_token=eos, bos_token=eos)
+    chat = getattr(tok, "chat", None)
+    if chat:  # a chat model's prompt format goes back where transformers reads it
+        cfg.update({k: v for k, v in chat.items() if v})
     write_durable(out / "tokenizer_config.json", json.dumps(cfg, indent=2) + "\n")
 
 
