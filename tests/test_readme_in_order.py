@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from launch import child_env
 from source_tree import ROOT
+from test_plan_dryrun import SHRINK as GPT1B_AT_TOY_SIZE  # gpt-1b's layout at toy size
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +35,7 @@ pytestmark = pytest.mark.slow
 SHRINK = {
     # 150 files: the embedded corpus's validation split (1%) holds at least one document
     "train": ["train.max_steps=4", "data.max_files=150", "eval.num_samples=0", "log.progress=plain"],
-    # gpt-1b's layout at toy size (tests/test_plan_dryrun.py's SHRINK)
-    "dryrun": [
-        "model.n_layers=2",
-        "model.d_model=128",
-        "model.n_heads=4",
-        "model.n_kv_heads=4",
-        "model.vocab_size=1000",
-        "train.seq_len=32",
-        "train.micro_batch_size=2",
-    ],
+    "dryrun": GPT1B_AT_TOY_SIZE,
 }
 # A command needing a cluster, several hosts or a placeholder filled in by the user.
 CLUSTER = re.compile(r"\bHEAD\b|JOB_ID|/mnt/|10\.0\.0\.|^kubectl |^ray start |^export RAY_|--ray\b|--nnodes")
