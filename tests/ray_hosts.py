@@ -7,7 +7,7 @@
     cluster.add_node()                               # a fresh host joins: 198.18.0.3
     cluster.wait_for_nodes(2)                        # until the head sees 2 live nodes
 
-or the `ray_cluster` fixture (session-scoped: one cluster for the multi-host modules, 2 hosts x 2 CPUs).
+or the `ray_cluster` fixture (module-scoped: one cluster for a test module, 2 hosts x 2 CPUs).
 
 The head host runs `ray start --head --node-ip-address=198.18.0.1 --block`, every other host
 `ray start --address=198.18.0.1:6379 --node-ip-address=198.18.0.N --block`, each with
@@ -199,12 +199,12 @@ def start_ray_cluster(net: Hosts, n_hosts: int = 2, cpus_per_host: int = CPUS_PE
     return cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """2 hosts x 2 CPUs in one Ray cluster for the session (the multi-host modules share it:
-    a cluster costs ~15 s to start); skips (fails in CI) where namespaces cannot be made. Tests
-    that kill a host leave the cluster as they changed it: a test takes the live hosts it finds
-    (`live_hosts`), adding one where it needs more."""
+    """2 hosts x 2 CPUs in one Ray cluster for a test module (~12 s to start; gone with the
+    module, so that no idle cluster takes CPU from the modules after it); skips (fails in CI)
+    where namespaces cannot be made. Tests that kill a host leave the cluster as they changed
+    it: a test takes the live hosts it finds (`live_hosts`), adding one where it needs more."""
     require_netns()
     with Hosts() as net:
         cluster = start_ray_cluster(net)

@@ -70,7 +70,7 @@ def test_a_lost_node_costs_only_speed_and_the_group_grows_back(ray_cluster, tmp_
         f"run.dir={run_dir}", f"data.cache_dir={cache}",
     )  # fmt: skip
     env = ray_cluster.client_env(child_env(LOOMTRAIN_TEST_FAULTS="delay:0:0.4"))  # paced: time to watch it
-    host_b = ray_cluster.live_hosts(2)[1]  # the cluster is shared: an earlier test may have replaced a host
+    host_b = ray_cluster.live_hosts(2)[1]
     lines: list[str] = []
     driver = ray_cluster.head.popen(
         cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -1,9 +1,9 @@
 """`train --ray` on a Ray cluster across two hosts (network namespaces, tests/ray_hosts.py).
 
-The session's cluster (shared with test_multihost_elastic.py): a head on 198.18.0.1 and a node
-on 198.18.0.2 (or a host that replaced it), 2 CPUs each, so the 4 one-CPU workers (tp 1 x
-dp 4, fp32) sit 2 per host; the driver runs on the head's host. No GLOO_SOCKET_IFNAME
-anywhere: loomtrain's workers pick the interface that routes to rank 0.
+One cluster for the module: a head on 198.18.0.1 and a node on 198.18.0.2 (or a host that
+replaced it), 2 CPUs each, so the 4 one-CPU workers (tp 1 x dp 4, fp32) sit 2 per host; the
+driver runs on the head's host. No GLOO_SOCKET_IFNAME anywhere: loomtrain's workers pick the
+interface that routes to rank 0.
 
 * node loss with a replacement (one run for two tests): every process of the host beside the
   head's is killed after step 5, a fresh host joins; the run resumes by itself from the last
