@@ -166,7 +166,7 @@ def sample_prompt(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer)
         return [tok.eos_id]
     prompt = held_out_prompt(x[0].tolist(), tok.eos_id, min(PROMPT_TOKENS, cfg.model.max_seq_len // 2))
     turn = tok.user_turn(tok.decode(prompt)) if getattr(tok, "chat", None) else None
-    return (tok.encode(turn) or prompt) if turn else prompt
+    return tok.encode(turn) if turn else prompt
 
 
 def _stream(cfg: RunConfig, shard_dir, split: str, topology: Topology, tok: Tokenizer, prefetch: int) -> TokenStream:
