@@ -35,6 +35,7 @@ def test_70b_plan_prints_host_ram_per_node_and_fits_an_8_gpu_1_tb_node():
     assert "start-up fits a node with 8 GPUs and 1 TB of RAM" in text
     assert re.search(r"^  size +770\.9 GiB", text, re.M), text
     assert "save at 1 GB/s per node: synchronous 1.7 min (all 8 nodes writing); async blocks training" in text
+    assert re.search(r"^  resume +5\.7 min +\(each rank reads 40\.2 GiB at 1 GB/s per node", text, re.M), text
 
 
 def test_host_figures_follow_the_layout_and_the_flags():
@@ -47,6 +48,10 @@ def test_host_figures_follow_the_layout_and_the_flags():
     assert h.checkpoint_bytes_per_rank == pytest.approx(12 * p.params.per_rank / 8)
     assert h.save_sync_s == pytest.approx(12 * n / (16 * 2e9))
     assert h.save_async_blocked_s == pytest.approx(h.checkpoint_bytes_per_rank / (hm.HOST_COPY_GBPS * 1e9))
+    # ZeRO 1: a resume reads the TP shard's weights whole and its DP partition of the moments
+    assert run.parallel.zero_stage == 1
+    assert h.resume_bytes_per_rank == pytest.approx(4 * p.params.per_rank + 8 * p.params.per_rank / 8)
+    assert h.resume_s == pytest.approx(max(4 * h.resume_bytes_per_rank / 2e9, h.resume_bytes_per_rank / 1.4e9))
     assert h.largest_param == 32000 * 8192  # the embedding (and the untied output layer)
     assert h.startup_per_node == pytest.approx(4 * (hm.HOST_PROCESS_GIB * GiB + 4 * h.largest_param * (1 + 2 / 8)))
     assert h.startup_fits and h.node_ram == 512 * GiB

@@ -239,6 +239,17 @@ def held_values(engine, p, key: str | None) -> torch.Tensor:
     return inner_optimizer(engine.optimizer).state[hp][key].reshape(-1)
 
 
+def load_target(engine, p, key: str | None) -> torch.Tensor | None:
+    """A CPU fp32 tensor that holds `held_range`'s values in place, for a reader to fill
+    directly (no copy through a temporary): an Adam moment at ZeRO 0-2, or the parameter itself
+    when it is its own fp32 master (ZeRO 0, fp32). None where set_held_values must do the work
+    (ZeRO-3 partitions, low-precision weights, GPU tensors)."""
+    if hasattr(p, "ds_id") or (key is None and (_is_ds(p) or _master_of(engine, p) is not p)):
+        return None
+    t = held_values(engine, p, key)
+    return t if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() else None
+
+
 def set_held_values(engine, p, key: str | None, value: torch.Tensor) -> None:
     """Put back `held_range`'s values (a 1-D fp32 tensor). For the master at ZeRO 0-2 use
     `write_local` with the whole shard instead (the model's own copy needs all of it)."""

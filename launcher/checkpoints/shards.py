@@ -33,15 +33,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 GRID_ROWS, GRID_COLS = 32, 8
 
@@ -105,71 +106,110 @@ class Region:
         return cls(tuple(int(v) for v in d["box"]), tuple(int(v) for v in d["flat"]))
 
 
-def region_runs(reg: Region, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The region's real (non-padding) values as runs contiguous in the matrix's row-major order:
-    (matrix offset of each run, its length, its offset inside the region's flat range)."""
+Rect = tuple[int, int, int, int]  # box-local rows [i0, i1) x columns [j0, j1)
+
+
+def region_bands(reg: Region, rows: int, cols: int) -> list[Rect]:
+    """The region's real (non-padding) values as at most three rectangles, box-local: the first
+    row (from the flat start), the full rows, the last row (to the flat end). Row-major order
+    inside each, and from one to the next, is the order the piece stores its values in."""
     r0, r1, c0, c1 = reg.box
     a, b = reg.flat
     w = c1 - c0
-    empty = (np.zeros(0, np.int64),) * 3
     if b <= a or w <= 0:
-        return empty
-    if c0 == 0 and w == cols:  # full rows: one contiguous run
-        x0, x1 = r0 * cols + a, min(r0 * cols + b, rows * cols)
-        if x1 <= x0:
-            return empty
-        return np.array([x0], np.int64), np.array([x1 - x0], np.int64), np.array([0], np.int64)
-    real_w = max(0, min(c1, cols) - c0)
-    i = np.arange(a // w, (b - 1) // w + 1, dtype=np.int64)
-    lo = np.maximum(a, i * w)
-    hi = np.minimum(b, i * w + real_w)
-    keep = (hi > lo) & (r0 + i < rows)
-    i, lo, hi = i[keep], lo[keep], hi[keep]
-    return (r0 + i) * cols + c0 + (lo - i * w), hi - lo, lo - a
+        return []
+    first, last = a // w, (b - 1) // w
+    if first == last:
+        spans = [(first, first + 1, a - first * w, b - first * w)]
+    else:
+        spans = [(first, first + 1, a - first * w, w), (first + 1, last, 0, w), (last, last + 1, 0, b - last * w)]
+    real_h, real_w = min(r1, rows) - r0, min(c1, cols) - c0
+    out = []
+    for i0, i1, j0, j1 in spans:
+        i1, j1 = min(i1, real_h), min(j1, real_w)
+        if i1 > i0 and j1 > j0:
+            out.append((i0, i1, j0, j1))
+    return out
+
+
+def real_count(reg: Region, rows: int, cols: int) -> int:
+    """How many real (non-padding) values the region holds."""
+    return sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1 in region_bands(reg, rows, cols))
 
 
 def _grid(rows: int, cols: int) -> tuple[int, int]:
     return max(1, -(-rows // GRID_ROWS)), max(1, -(-cols // GRID_COLS))
 
 
-def _expand(runs, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-    """Matrix offsets and region offsets of every value of `runs` inside matrix offsets [lo, hi)."""
-    x0, n, off = runs
-    s = np.maximum(x0, lo)
-    e = np.minimum(x0 + n, hi)
-    keep = e > s
-    s, e, base = s[keep], e[keep], (off + (np.maximum(x0, lo) - x0))[keep]
-    lens = e - s
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    starts = np.repeat(np.cumsum(lens) - lens, lens)
-    step = np.arange(total, dtype=np.int64) - starts
-    return np.repeat(s, lens) + step, np.repeat(base, lens) + step
-
-
-def _row_blocks(runs, cols: int, rb: int) -> range:
-    x0, n, _ = runs
-    if len(x0) == 0:
-        return range(0)
-    return range(int(x0.min()) // cols // rb, (int((x0 + n).max()) - 1) // cols // rb + 1)
-
-
-def _tiles(runs, rows: int, cols: int):
-    """Per tile the piece touches: (tile row, tile col, matrix offsets, region offsets), row-major."""
+def _tile_rects(reg: Region, rows: int, cols: int) -> dict[tuple[int, int], list[Rect]]:
+    """Per grid tile the region touches: its values in that tile as box-local rectangles, in
+    stored (row-major) order."""
     rb, cs = _grid(rows, cols)
-    for ti in _row_blocks(runs, cols, rb):
-        x, off = _expand(runs, ti * rb * cols, (ti + 1) * rb * cols)
-        if len(x) == 0:
-            continue
-        g = (x % cols) // cs
-        for tg in np.unique(g):
-            sel = g == tg
-            yield ti, int(tg), x[sel], off[sel]
+    r0, _, c0, _ = reg.box
+    tiles: dict[tuple[int, int], list[Rect]] = {}
+    for i0, i1, j0, j1 in region_bands(reg, rows, cols):
+        top, bottom, left, right = r0 + i0, r0 + i1, c0 + j0, c0 + j1
+        for ti in range(top // rb, (bottom - 1) // rb + 1):
+            ra, rz = max(top, ti * rb) - r0, min(bottom, (ti + 1) * rb) - r0
+            for tg in range(left // cs, (right - 1) // cs + 1):
+                ca, cz = max(left, tg * cs) - c0, min(right, (tg + 1) * cs) - c0
+                tiles.setdefault((ti, tg), []).append((ra, rz, ca, cz))
+    return tiles
 
 
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(_bytes_of(t)).hexdigest()
+def _rect_view(data: np.ndarray, reg: Region, rect: Rect) -> np.ndarray:
+    """The stored values of a box-local rectangle of the region: a 2-D view of its 1-D array.
+    Only the band of full rows spans several rows (region_bands), so a view of whole rows,
+    cut to the rectangle's columns, never reaches past the array."""
+    i0, i1, j0, j1 = rect
+    w = reg.box[3] - reg.box[2]
+    start = i0 * w - reg.flat[0]
+    if i1 - i0 == 1:
+        return data[start + j0 : start + j1].reshape(1, j1 - j0)
+    return data[start : start + (i1 - i0) * w].reshape(i1 - i0, w)[:, j0:j1]
+
+
+def _hash_rects(data: np.ndarray, reg: Region, rects: list[Rect]) -> str:
+    h = hashlib.sha256()
+    for rect in rects:
+        h.update(np.ascontiguousarray(_rect_view(data, reg, rect)))
+    return h.hexdigest()
+
+
+_helper: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _hash_helper() -> ThreadPoolExecutor | None:
+    """One helper thread per process (made anew in a forked child, whose copy has no thread)."""
+    global _helper
+    if (os.cpu_count() or 1) < 2:
+        return None
+    if _helper is None or _helper[0] != os.getpid():
+        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="tile-sha256"))
+    return _helper[1]
+
+
+def _hash_tiles(data: np.ndarray, reg: Region, tiles: list[list[Rect]]) -> list[str]:
+    """sha256 of each tile's values; a large piece's tiles in halves, one on the helper thread
+    (hashlib lets go of the GIL while it hashes)."""
+    helper = _hash_helper() if len(tiles) >= 32 else None
+    if helper is None:
+        return [_hash_rects(data, reg, rects) for rects in tiles]
+    half = len(tiles) // 2
+    other = helper.submit(lambda: [_hash_rects(data, reg, rects) for rects in tiles[half:]])
+    mine = [_hash_rects(data, reg, rects) for rects in tiles[:half]]
+    return mine + other.result()
+
+
+_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a 1-D numpy array of same-sized integers (bytes for hashing, any dtype)."""
+    t = t.detach().cpu().contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t.view(getattr(torch, np.dtype(_INT_OF_SIZE[t.element_size()]).name)).numpy()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -177,21 +217,14 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def _take(data: torch.Tensor, off: np.ndarray) -> torch.Tensor:
-    if len(off) and int(off[-1]) - int(off[0]) + 1 == len(off):
-        return data[int(off[0]) : int(off[-1]) + 1]
-    return data[torch.from_numpy(off)]
-
-
 def tile_hashes(region: Region, full_shape, tensors: dict[str, torch.Tensor]) -> list[list]:
     """[[tile row, tile col, sha256 of tensors[k]'s values in the tile for each k (sorted)], ...]
     for one stored piece (1-D tensors of region.numel values each)."""
     rows, cols = matrix_shape(full_shape)
-    keys = sorted(tensors)
-    out = []
-    for ti, tg, _, off in _tiles(region_runs(region, rows, cols), rows, cols):
-        out.append([ti, tg, *[_sha(_take(tensors[k], off)) for k in keys]])
-    return out
+    tiles = _tile_rects(region, rows, cols)
+    order = sorted(tiles)
+    digests = [_hash_tiles(_raw(tensors[k]), region, [tiles[t] for t in order]) for k in sorted(tensors)]
+    return [[ti, tg, *per_key] for (ti, tg), *per_key in zip(order, *digests)]
 
 
 # Writing ----------------------------------------------------------------------------
@@ -259,13 +292,86 @@ def write_safetensors(
 
 
 # Reading ----------------------------------------------------------------------------
+_NUMPY = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "BF16": np.int16,
+}  # BF16: raw, converted by torch
+_ITEMSIZE = {"F32": 4, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "BOOL": 1, "BF16": 2}
+
+
+class _MappedFile:
+    """A safetensors file mapped into memory: each tensor a zero-copy numpy view, so a reader
+    touches only the pages it reads. The header is checked against the file's size first (a
+    truncated file is named, never a SIGBUS)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            try:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n)) if 8 + n <= size else None
+            except (struct.error, ValueError, UnicodeDecodeError):
+                header = None
+            if not isinstance(header, dict):
+                raise CorruptCheckpoint(f"{path}: not a readable safetensors file (damaged header)")
+            header.pop("__metadata__", None)
+            end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+            if 8 + n + end > size:
+                raise CorruptCheckpoint(f"{path}: {size} bytes, its header says {8 + n + end} (truncated?)")
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        self._header, self._base = header, 8 + n
+
+    def tensor(self, name: str) -> tuple[np.ndarray, str]:
+        """(the tensor's values as a flat array of its raw type, its safetensors dtype)."""
+        try:
+            info = self._header[name]
+            dtype = info["dtype"]
+            lo, hi = (int(v) for v in info["data_offsets"])
+            count = (hi - lo) // _ITEMSIZE[dtype]
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpoint(f"{self.path}: no tensor {name!r} (named by the checkpoint index)") from None
+        return np.frombuffer(self._map, dtype=_NUMPY[dtype], count=count, offset=self._base + lo), dtype
+
+
+def _as_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return torch.from_numpy(np.ascontiguousarray(values)).view(torch.bfloat16).float().numpy()
+    return values
+
+
+def _intersect(a: tuple, b: tuple) -> tuple | None:
+    """Two matrix rectangles (r0, r1, c0, c1): their overlap, or None."""
+    r0, r1, c0, c1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
+    return (r0, r1, c0, c1) if r1 > r0 and c1 > c0 else None
+
+
+def _to_matrix(reg: Region, rect: Rect) -> tuple[int, int, int, int]:
+    return (reg.box[0] + rect[0], reg.box[0] + rect[1], reg.box[2] + rect[2], reg.box[2] + rect[3])
+
+
+def _to_local(reg: Region, m: tuple) -> Rect:
+    return (m[0] - reg.box[0], m[1] - reg.box[0], m[2] - reg.box[2], m[3] - reg.box[2])
+
+
 class ShardedReader:
     """Reads slices of tensors from a sharded directory through its index, verifying every tile
-    it touches; `bytes_read` counts the tensor bytes taken from the files.
+    it touches; `bytes_read` counts the tensor bytes taken from the files (the whole of every
+    tile touched: what is hashed).
 
     index: {"params": {name: {"shape", "pieces": [{"file", "box", "flat", "tiles"}]}}} where
     "tiles" rows are [tile row, tile col, sha256 per key in `keys` order]; `files` maps a key
-    (None for the weight) to (sub-directory, tensor-name pattern with {name})."""
+    (None for the weight) to (sub-directory, tensor-name pattern with {name}).
+
+    Files are memory-mapped: a piece's wanted values are copied straight from the page cache
+    into the result, rectangle by rectangle, and each touched tile is hashed where it lies."""
 
     def __init__(self, root: str | os.PathLike, index: dict, files: dict, keys: list):
         self.root = Path(root)
@@ -273,7 +379,7 @@ class ShardedReader:
         self.files = files
         self.keys = keys
         self.bytes_read = 0
-        self._open: dict = {}
+        self._open: dict[str, _MappedFile] = {}
 
     def names(self) -> list[str]:
         return list(self.params)
@@ -281,15 +387,19 @@ class ShardedReader:
     def shape(self, name: str) -> list[int]:
         return list(self.params[name]["shape"])
 
-    def close(self) -> None:
-        self._open.clear()
+    def files_read(self) -> list[str]:
+        """The files opened so far (paths under the root)."""
+        return sorted(self._open)
 
-    def _handle(self, rel: str):
+    def close(self) -> None:
+        self._open.clear()  # the maps close once no array refers to them
+
+    def _file(self, rel: str) -> _MappedFile:
         if rel not in self._open:
             path = self.root / rel
             if not path.is_file():
                 raise CorruptCheckpoint(f"{path}: missing (named by the checkpoint index)")
-            self._open[rel] = safe_open(str(path), framework="pt")
+            self._open[rel] = _MappedFile(path)
         return self._open[rel]
 
     def full(self, name: str, key: str | None = None) -> torch.Tensor:
@@ -297,61 +407,49 @@ class ShardedReader:
         rows, cols = matrix_shape(shape)
         return self.read(name, key, Region.whole((0, rows, 0, cols))).reshape(shape)
 
-    def read(self, name: str, key: str | None, target: Region) -> torch.Tensor:
-        """The values of `target` (a 1-D tensor; padding positions are zero)."""
+    def read(self, name: str, key: str | None, target: Region, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The values of `target` (a 1-D float32 tensor; padding positions are zero), written
+        into `out` (a contiguous CPU float32 tensor of target.numel values) when given."""
         entry = self.params[name]
         rows, cols = matrix_shape(entry["shape"])
         sub, pattern = self.files[key]
         col = 2 + self.keys.index(key)
-        out = torch.zeros(target.numel, dtype=torch.float32)
-        t_x0, t_n, t_off = region_runs(target, rows, cols)
-        if len(t_x0) == 0:
-            return out
+        bands = region_bands(target, rows, cols)
+        if out is None:
+            out = torch.zeros(target.numel, dtype=torch.float32)
+        elif real_count(target, rows, cols) < target.numel:
+            out.zero_()  # padding positions
+        dest = out.detach().view(-1).numpy()
+        wanted = [_to_matrix(target, r) for r in bands]
         rb, cs = _grid(rows, cols)
         for piece in entry["pieces"]:
             reg = Region.from_json(piece)
-            tiles = {(int(t[0]), int(t[1])): t[col] for t in piece["tiles"]}
-            rel = f"{sub}/{piece['file']}"
-            tname = pattern.format(name=name)
-            runs = region_runs(reg, rows, cols)
-            for ti in _row_blocks(runs, cols, rb):
-                x, off = _expand(runs, ti * rb * cols, (ti + 1) * rb * cols)
-                if len(x) == 0:
-                    continue
-                # where each of the piece's values goes in the target (-1: not wanted)
-                k = np.searchsorted(t_x0, x, side="right") - 1
-                inside = (k >= 0) & (x < t_x0[np.maximum(k, 0)] + t_n[np.maximum(k, 0)])
-                if not inside.any():
-                    continue
-                dest = np.where(inside, t_off[np.maximum(k, 0)] + x - t_x0[np.maximum(k, 0)], -1)
-                g = (x % cols) // cs
-                wanted = np.unique(g[inside])
-                sel = np.isin(g, wanted)
-                data = self._read_offsets(rel, tname, off[sel])
-                gs, ds = g[sel], dest[sel]
-                for tg in wanted:
-                    m = gs == tg
-                    want = tiles.get((ti, int(tg)))
-                    got = _sha(data[torch.from_numpy(m)])
-                    if want != got:
-                        raise CorruptCheckpoint(
-                            f"{self.root / rel}: {tname} (tile {ti},{int(tg)}) fails its sha256 checksum"
-                        )
-                ok = ds >= 0
-                out[torch.from_numpy(ds[ok])] = data[torch.from_numpy(ok)].float()
+            held = [_to_matrix(reg, band) for band in region_bands(reg, rows, cols)]
+            overlaps = [m for h in held for w in wanted if (m := _intersect(h, w))]
+            if not overlaps:
+                continue
+            rel, tname = f"{sub}/{piece['file']}", pattern.format(name=name)
+            data, dtype = self._file(rel).tensor(tname)
+            if len(data) != reg.numel:
+                raise CorruptCheckpoint(
+                    f"{self.root / rel}: {tname} has {len(data)} values, the index says {reg.numel}"
+                )
+            tiles = _tile_rects(reg, rows, cols)
+            hashes = {(int(t[0]), int(t[1])): t[col] for t in piece["tiles"]}
+            touched = {
+                (ti, tg)
+                for r0, r1, c0, c1 in overlaps
+                for ti in range(r0 // rb, (r1 - 1) // rb + 1)
+                for tg in range(c0 // cs, (c1 - 1) // cs + 1)
+            }
+            touched = sorted(touched)
+            for tile, digest in zip(touched, _hash_tiles(data, reg, [tiles[t] for t in touched])):
+                if hashes.get(tile) != digest:
+                    raise CorruptCheckpoint(
+                        f"{self.root / rel}: {tname} (tile {tile[0]},{tile[1]}) fails its sha256 checksum"
+                    )
+                self.bytes_read += data.itemsize * sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1 in tiles[tile])
+            for m in overlaps:
+                src = _as_float32(_rect_view(data, reg, _to_local(reg, m)), dtype)
+                _rect_view(dest, target, _to_local(target, m))[...] = src
         return out
-
-    def _read_offsets(self, rel: str, tname: str, off: np.ndarray) -> torch.Tensor:
-        """The stored values at these (sorted) offsets, read as few contiguous slices."""
-        f = self._handle(rel)
-        sl = f.get_slice(tname)
-        breaks = np.flatnonzero(np.diff(off) != 1) + 1
-        starts = np.concatenate([[0], breaks])
-        ends = np.concatenate([breaks, [len(off)]])
-        parts = []
-        for s, e in zip(starts, ends):
-            lo, hi = int(off[s]), int(off[e - 1]) + 1
-            t = sl[lo:hi]
-            self.bytes_read += t.numel() * t.element_size()
-            parts.append(t)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -41,12 +41,13 @@ import hashlib
 import json
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from loomtrain.durable import json_bytes, write_durable, write_json_durable
+from loomtrain.durable import json_bytes, write_durable
 from loomtrain.launcher import faults
 from loomtrain.launcher.checkpoints.ds_state import (
     MOMENTS,
@@ -56,6 +57,7 @@ from loomtrain.launcher.checkpoints.ds_state import (
     held_range,
     held_values,
     inner_optimizer,
+    load_target,
     local_box,
     local_full_shape,
     named_params,
@@ -71,7 +73,7 @@ from loomtrain.launcher.checkpoints.shards import (
     Region,
     ShardedReader,
     matrix_shape,
-    region_runs,
+    real_count,
     tile_hashes,
     write_safetensors,
 )
@@ -213,6 +215,11 @@ def _write(tmp: Path, rel: str, data: bytes) -> dict:
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def _compact_json(obj) -> bytes:
+    """For the tile index (tens of thousands of hashes): one line, and json's C encoder."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def _write_json(tmp: Path, rel: str, obj) -> dict:
     return _write(tmp, rel, json_bytes(obj))
 
@@ -228,18 +235,20 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
     index_part: dict = {}
     if snap.pieces:
         model_rel, optim_rel = f"model/rank_{rank:05d}.safetensors", f"optim/rank_{rank:05d}.safetensors"
-        weights, moments = {}, {}
-        for name, (region, values) in snap.pieces.items():
-            weights[name] = values["weight"]
-            for k in MOMENTS:
-                moments[f"{name}/{k}"] = values[k]
-            index_part[name] = {
-                "file": f"rank_{rank:05d}.safetensors",
-                **region.to_json(),
-                "tiles": tile_hashes(region, snap.shapes[name], values),
-            }
-        files[model_rel] = write_safetensors(tmp / model_rel, weights, metadata={"format": FORMAT})
-        files[optim_rel] = write_safetensors(tmp / optim_rel, moments, metadata={"format": FORMAT})
+        weights = {name: values["weight"] for name, (_, values) in snap.pieces.items()}
+        moments = {f"{name}/{k}": values[k] for name, (_, values) in snap.pieces.items() for k in MOMENTS}
+        # The two files are written (and hashed whole) on their own threads while this one hashes
+        # the tiles: the disk, not the hashing, sets the pace.
+        with ThreadPoolExecutor(2, thread_name_prefix="checkpoint-write") as writers:
+            model_file = writers.submit(write_safetensors, tmp / model_rel, weights, {"format": FORMAT})
+            optim_file = writers.submit(write_safetensors, tmp / optim_rel, moments, {"format": FORMAT})
+            for name, (region, values) in snap.pieces.items():
+                index_part[name] = {
+                    "file": f"rank_{rank:05d}.safetensors",
+                    **region.to_json(),
+                    "tiles": tile_hashes(region, snap.shapes[name], values),
+                }
+            files[model_rel], files[optim_rel] = model_file.result(), optim_file.result()
     rng_rel = f"rng/rank_{rank:05d}.safetensors"
     files[rng_rel] = write_safetensors(tmp / rng_rel, *snap.rng)
     if snap.data is not None:
@@ -260,7 +269,7 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
     if rank == 0:
         part["shapes"] = snap.shapes
         part["meta"] = snap.meta
-    write_json_durable(tmp / PARTS_DIR / f"index_rank_{rank:05d}.json", part)
+    write_durable(tmp / PARTS_DIR / f"index_rank_{rank:05d}.json", _compact_json(part))
     store.add_part(tmp, rank, files)
 
 
@@ -291,10 +300,11 @@ def publish_snapshot(store: CheckpointStore, tmp: Path, step: int, world: int) -
             params[name]["pieces"].append(piece)
     for name, entry in params.items():  # every value written exactly once, by someone
         rows, cols = matrix_shape(entry["shape"])
-        covered = sum(int(region_runs(Region.from_json(pc), rows, cols)[1].sum()) for pc in entry["pieces"])
+        covered = sum(real_count(Region.from_json(pc), rows, cols) for pc in entry["pieces"])
         if covered != rows * cols:
             raise RuntimeError(f"checkpoint step {step}: {name}: the ranks wrote {covered} of {rows * cols} values")
-    _write_json(tmp, "model/index.json", {"format": FORMAT, "grid": [GRID_ROWS, GRID_COLS], "params": params})
+    index = {"format": FORMAT, "grid": [GRID_ROWS, GRID_COLS], "params": params}
+    _write(tmp, "model/index.json", _compact_json(index))
     return store.publish(tmp, step, meta)
 
 
@@ -407,7 +417,8 @@ def load_checkpoint(
     Every rank calls it after deepspeed.initialize and reads only its slices: its TP shard of
     the weights (at ZeRO-3 only its partition) and its partition of the Adam moments, checking
     the sha256 of every tile it reads. Returns trainer.json (step, counters, ...) plus
-    "bytes_read" (tensor bytes this rank read). A damaged file raises CorruptCheckpoint."""
+    "bytes_read" (tensor bytes this rank read) and "files_read" (the tensor files it opened).
+    A damaged file raises CorruptCheckpoint."""
     path = Path(path)
     manifest = read_manifest(path)
     trainer = json.loads(verified_bytes(path, "trainer.json", manifest))
@@ -429,13 +440,18 @@ def load_checkpoint(
     for name, p in params:
         box = local_box(p)
         held = Region(box, held_range(engine, p, topology))
-        if hasattr(p, "ds_id"):  # ZeRO-3: only this rank's partition, never the whole shard
-            set_held_values(engine, p, None, reader.read(name, None, held))
-        else:
-            write_local(engine, p, None, reader.read(name, None, Region.whole(box)).reshape(local_full_shape(p)))
-        if held.numel:
-            for k in MOMENTS:
+        for k in KEYS:
+            whole = k is None and not hasattr(p, "ds_id")  # ZeRO 0-2 weights: the whole TP shard
+            if not whole and not held.numel:
+                continue
+            into = load_target(engine, p, k)
+            if into is not None:  # DeepSpeed's own buffer, filled in place
+                reader.read(name, k, held, out=into)
+            elif whole:
+                write_local(engine, p, None, reader.read(name, None, Region.whole(box)).reshape(local_full_shape(p)))
+            else:  # at ZeRO-3 the weights too: only this rank's partition, never the whole shard
                 set_held_values(engine, p, k, reader.read(name, k, held))
+    files_read = reader.files_read()
     reader.close()
     set_adam_step(engine, trainer["adam_step"])
 
@@ -487,5 +503,5 @@ def load_checkpoint(
         if (path / src).exists():
             stream.load_state_dict(json.loads(verified_bytes(path, src, manifest)))
     barrier()
-    trainer["bytes_read"] = reader.bytes_read
+    trainer["bytes_read"], trainer["files_read"] = reader.bytes_read, files_read
     return trainer

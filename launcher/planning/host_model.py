@@ -19,9 +19,14 @@ Every figure comes from the config and the layout (`loomtrain.parallel.plan`):
   through host memory), so per rank the share plus the process allowance.
 * Save time: the nodes write in parallel, each at the stated storage bandwidth
   (--storage-gbps, GB/s per node): checkpoint bytes / (nodes x bandwidth) for a
-  synchronous save. An async save blocks training only while each rank copies its share
-  to host memory (HOST_COPY_GBPS per GPU, pinned device-to-host over PCIe; on a CPU
-  device a host memcpy, CPU_COPY_GBPS).
+  synchronous save. loomtrain's save runs at the storage's fsynced write rate (0.9-1.2x of
+  `dd conv=fsync` on a 2-core machine: benchmarks/checkpoint_speed.py; hashing overlaps the
+  writes). An async save blocks training only while each rank copies its share to host
+  memory (HOST_COPY_GBPS per GPU, pinned device-to-host over PCIe; on a CPU device a host
+  memcpy, CPU_COPY_GBPS).
+* Resume time: each rank reads its share (its TP shard of the weights, whole over DP below
+  ZeRO-3, and its partition of the moments) and checks the sha256 of what it reads, at
+  HASH_GBPS per rank; the nodes read at the storage bandwidth. The slower of the two.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ DEFAULT_NODE_RAM_GIB = 1024.0  # a 1 TB host
 HOST_COPY_GBPS = 20.0  # pinned device-to-host per GPU (PCIe Gen4 x16 ~25 GB/s; conservative)
 CPU_COPY_GBPS = 5.0  # host memcpy of one rank's share on a CPU "device"
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master + Adam exp_avg + exp_avg_sq
+HASH_GBPS = 1.4  # sha256 on one core with SHA extensions (measured: benchmarks/checkpoint_speed.py's floor)
 
 
 @dataclass
@@ -55,6 +61,8 @@ class HostPlan:
     storage_bps: float  # bytes/s per node
     save_sync_s: float
     save_async_blocked_s: float
+    resume_bytes_per_rank: float
+    resume_s: float
 
     @property
     def startup_fits(self) -> bool:
@@ -73,6 +81,7 @@ def host_plan(
     tp: int,
     dp: int,
     world_size: int,
+    zero_stage: int = 0,
     device_states_on_host: float = 0.0,
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
     node_ram_gib: float = DEFAULT_NODE_RAM_GIB,
@@ -97,6 +106,8 @@ def host_plan(
     ckpt = CHECKPOINT_BYTES_PER_PARAM * total_params
     storage = storage_gbps * 1e9
     copy = (CPU_COPY_GBPS if on_cpu else HOST_COPY_GBPS) * 1e9
+    weights_read = 4 * per_rank_params / (dp if zero_stage == 3 else 1)
+    resume_read = weights_read + 8 * per_rank_params / dp
     return HostPlan(
         ranks_per_node=per_node,
         nodes=nodes,
@@ -112,6 +123,8 @@ def host_plan(
         storage_bps=storage,
         save_sync_s=ckpt / (nodes * storage),
         save_async_blocked_s=share / copy,
+        resume_bytes_per_rank=resume_read,
+        resume_s=max(per_node * resume_read / storage, resume_read / (HASH_GBPS * 1e9)),
     )
 
 
@@ -151,6 +164,9 @@ def format_host(h: HostPlan) -> list[str]:
         f"  save at {h.storage_bps / 1e9:g} GB/s per node: synchronous {format_seconds(h.save_sync_s)} "
         f"(all {h.nodes} node{'s' if h.nodes > 1 else ''} writing); async blocks training "
         f"{format_seconds(h.save_async_blocked_s)} (the copy to host memory), then writes in the background",
+        f"  resume            {format_seconds(h.resume_s):>12}   (each rank reads "
+        f"{format_bytes(h.resume_bytes_per_rank)} at {h.storage_bps / 1e9:g} GB/s per node and checks its "
+        f"sha256 at {HASH_GBPS:g} GB/s per rank, the slower of the two)",
     ]
     verdict = "fits" if h.startup_fits else "DOES NOT FIT"
     lines.append(

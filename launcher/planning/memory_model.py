@@ -399,6 +399,7 @@ def make_plan(
         tp=tp,
         dp=dp,
         world_size=world_size,
+        zero_stage=stage,
         device_states_on_host=on_host,
         on_cpu=gpu == "cpu",
         **host,
