@@ -228,16 +228,26 @@ def tile_hashes(region: Region, full_shape, tensors: dict[str, torch.Tensor]) ->
 
 
 # Writing ----------------------------------------------------------------------------
+FLUSH_EVERY = 64 << 20  # bytes a writer leaves in the page cache before it flushes them
+
+
+def _fdatasync(f) -> None:
+    f.flush()
+    getattr(os, "fdatasync", os.fsync)(f.fileno())
+
+
 class SafetensorsWriter:
     """A safetensors file written tensor by tensor: the header (names, dtypes, shapes) first,
     then each tensor's bytes as the caller produces them, hashed on the way; so a file of many
-    tensors never needs them all in memory. `close()` fsyncs and returns {"size", "sha256"}."""
+    tensors never needs them all in memory. `close()` fsyncs and returns {"size", "sha256"}
+    ({"size"} alone with whole_file_hash=False: for files whose every value a tile hash covers)."""
 
     def __init__(
         self,
         path: str | os.PathLike,
         specs: list[tuple[str, torch.dtype, list[int]]],
         metadata: dict[str, str] | None = None,
+        whole_file_hash: bool = True,
     ):
         header: dict = {}
         pos = 0
@@ -254,14 +264,23 @@ class SafetensorsWriter:
         self._specs = list(specs)
         self._next = 0
         self._size = 8 + len(raw) + pos
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if whole_file_hash else None
+        self._unsynced = 0
         self._f = open(self.path, "wb")
         for chunk in (struct.pack("<Q", len(raw)), raw):
             self._write(memoryview(chunk))
 
     def _write(self, data: memoryview) -> None:
         self._f.write(data)
-        self._hash.update(data)
+        if self._hash is not None:
+            self._hash.update(data)
+        self._unsynced += len(data)
+        if self._unsynced >= FLUSH_EVERY:
+            # Write-behind: the disk starts on what is written while the caller produces the
+            # rest (hashing, the next tensor); left to close(), the whole file would be flushed
+            # only after everything else is done.
+            _fdatasync(self._f)
+            self._unsynced = 0
 
     def write(self, name: str, t: torch.Tensor) -> None:
         want, dtype, shape = self._specs[self._next]
@@ -278,14 +297,21 @@ class SafetensorsWriter:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+        if self._hash is None:
+            return {"size": self._size}
         return {"size": self._size, "sha256": self._hash.hexdigest()}
 
 
 def write_safetensors(
-    path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    path: str | os.PathLike,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    whole_file_hash: bool = True,
 ) -> dict:
-    """Write a safetensors file, hashing as it goes; fsynced. Returns {"size", "sha256"}."""
-    w = SafetensorsWriter(path, [(k, t.dtype, list(t.shape)) for k, t in tensors.items()], metadata)
+    """Write a safetensors file, hashing as it goes; fsynced. Returns {"size", "sha256"}
+    (see SafetensorsWriter for whole_file_hash)."""
+    specs = [(k, t.dtype, list(t.shape)) for k, t in tensors.items()]
+    w = SafetensorsWriter(path, specs, metadata, whole_file_hash)
     for k, t in tensors.items():
         w.write(k, t)
     return w.close()

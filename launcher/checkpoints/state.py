@@ -18,7 +18,10 @@ layout-free form, under our control (see shards.py for the piece/tile geometry):
     data/dp_DDDDD.json             each data-parallel rank's stream state (global position)
     rng/rank_RRRRR.safetensors     every rank's RNG states (python, numpy, torch CPU, CUDA)
     config.yaml, tokenizer/        the resolved config and the tokenizer
-    manifest.json                  sizes + sha256 of all of the above (store.py)
+    manifest.json                  sizes + sha256 of all of the above (store.py); for the model/
+                                   and optim/ files sizes only: every value in them is covered
+                                   by a tile hash in the index, checked by whoever reads it, so
+                                   a save hashes each byte once, not twice
 
 Save: each rank writes what DeepSpeed keeps on it (ds_state.py `held_range`; ranks that hold
 the same values split them), hashing while it writes; no gather, no re-read. Per-rank index
@@ -240,15 +243,16 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
         # The two files are written (and hashed whole) on their own threads while this one hashes
         # the tiles: the disk, not the hashing, sets the pace.
         with ThreadPoolExecutor(2, thread_name_prefix="checkpoint-write") as writers:
-            model_file = writers.submit(write_safetensors, tmp / model_rel, weights, {"format": FORMAT})
-            optim_file = writers.submit(write_safetensors, tmp / optim_rel, moments, {"format": FORMAT})
+            model_file = writers.submit(write_safetensors, tmp / model_rel, weights, {"format": FORMAT}, False)
+            optim_file = writers.submit(write_safetensors, tmp / optim_rel, moments, {"format": FORMAT}, False)
             for name, (region, values) in snap.pieces.items():
                 index_part[name] = {
                     "file": f"rank_{rank:05d}.safetensors",
                     **region.to_json(),
                     "tiles": tile_hashes(region, snap.shapes[name], values),
                 }
-            files[model_rel], files[optim_rel] = model_file.result(), optim_file.result()
+            for rel, written in ((model_rel, model_file), (optim_rel, optim_file)):
+                files[rel] = {**written.result(), "tile_sha256": "model/index.json"}
     rng_rel = f"rng/rank_{rank:05d}.safetensors"
     files[rng_rel] = write_safetensors(tmp / rng_rel, *snap.rng)
     if snap.data is not None:
