@@ -11,18 +11,25 @@ tokenizer/tokenizer.json, the source's tensors in their own dtype) and RUN_DIR/c
 (a full run config: the model section from config.json, data.tokenizer the imported
 tokenizer, model.init_from these weights), so `loomtrain generate RUN_DIR` works and
 `loomtrain train RUN_DIR/config.yaml run.dir=NEW_DIR data.path=...` continues training.
+
+RUN_DIR must be absent, an empty directory, or a previous import of the same source (config.yaml's
+first line names it; the import replaces it); never a file, the source itself or a folder holding
+anything else. Everything is checked and read (headers, dtypes, shapes, every value finite)
+before anything is written, and a failure while writing leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 from loomtrain.data_pipeline import DataError, load_tokenizer
+from loomtrain.durable import atomic_write
 from loomtrain.launcher.checkpoints.hf_source import HFImportError, open_hf
 from loomtrain.launcher.checkpoints.safetensors_source import WeightSource, check_complete, model_tensor_names
 from loomtrain.launcher.config import DataConfig, RunConfig, RunSection, TrainConfig
-from loomtrain.launcher.config_loader import save_config
+from loomtrain.launcher.config_loader import to_yaml
 from loomtrain.launcher.weights import TOKENIZER_DIR, write_final
 
 FORMATS = ("hf",)
@@ -50,7 +57,13 @@ def _load_tokenizer(source: WeightSource, src: Path):
     return tok
 
 
-def write_run_config(out: Path, model_cfg, tokenizer_file: Path) -> Path:
+# config.yaml's first line: the source this folder was imported from, so that running the same
+# import again replaces it while any other use of a non-empty folder is refused.
+IMPORTED_FROM = "# made by `loomtrain import --format hf {}`\n"
+IMPORT_ENTRIES = {"final", "config.yaml"}
+
+
+def write_run_config(out: Path, model_cfg, tokenizer_file: Path, src: Path) -> Path:
     """RUN_DIR/config.yaml: a run that starts from these weights with this tokenizer."""
     run = RunConfig(
         run=RunSection(name=out.name, dir=str(out)),
@@ -58,23 +71,85 @@ def write_run_config(out: Path, model_cfg, tokenizer_file: Path) -> Path:
         data=DataConfig(tokenizer=str(tokenizer_file)),
         train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)),
     )
-    save_config(run, out / "config.yaml")
+    atomic_write(out / "config.yaml", IMPORTED_FROM.format(src.resolve()) + to_yaml(run))
     return out / "config.yaml"
+
+
+def _imported_from(out: Path) -> str | None:
+    """The source a previous import into `out` came from (config.yaml's first line), or None."""
+    try:
+        with open(out / "config.yaml", encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+    except OSError:
+        return None
+    head, tail = IMPORTED_FROM.split("{}")
+    return first[len(head) : -len(tail)] if first.startswith(head) and first.endswith(tail) else None
+
+
+def check_output(out: Path, src: Path) -> None:
+    """--output is absent, an empty directory, or a previous import of the same source (which
+    the import replaces); never a file, the source itself or a folder holding anything else.
+    Refused in one line, with nothing there changed."""
+    untouched = "choose a new or empty directory (nothing in it was touched)"
+    if out.exists() and not out.is_dir():
+        raise HFImportError(f"--output {out}: is a file; expected a new or empty directory")
+    if not out.is_dir():
+        return
+    if out.resolve() == src.resolve():
+        raise HFImportError(f"--output {out}: is the source directory itself; {untouched}")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    previous = _imported_from(out)
+    if set(entries) <= IMPORT_ENTRIES and previous == str(src.resolve()):
+        return
+    if set(entries) <= IMPORT_ENTRIES and previous is not None:
+        raise HFImportError(f"--output {out}: holds an import of {previous}, not of {src.resolve()}; {untouched}")
+    others = [e for e in entries if e not in IMPORT_ENTRIES] or entries
+    more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
+    raise HFImportError(f"--output {out}: holds {others[0]}{more}, not a previous import of {src}; {untouched}")
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (what an import creates), or None."""
+    missing = None
+    for p in [path, *path.parents]:
+        if p.exists():
+            return missing
+        missing = p
+    return missing
+
+
+def write_import(out: Path, state: dict, source: WeightSource, tok, src: Path) -> None:
+    """OUTPUT/final and OUTPUT/config.yaml; on any failure nothing is left behind (no final.tmp,
+    no folder the import created) and an OS error is one line naming the path."""
+    made = _first_missing(out)
+    try:
+        write_final(state, source.model_cfg, tok, out / "final")
+        write_run_config(out, source.model_cfg, out / "final" / TOKENIZER_DIR / "tokenizer.json", src)
+    except BaseException as exc:
+        shutil.rmtree(made if made is not None else out / "final.tmp", ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise HFImportError(
+                f"--output {out}: cannot write {exc.filename or out}: {exc.strerror or exc} (nothing was left there)"
+            ) from None
+        raise
 
 
 def import_hf(src: str | Path, output: str | Path) -> Path:
     src, out = Path(src).expanduser(), Path(output).expanduser().absolute()
+    try:
+        check_output(out, src)
+    except OSError as exc:  # a folder on the way that cannot be read
+        raise HFImportError(f"--output {out}: cannot look into {exc.filename or out}: {exc.strerror or exc}") from None
     if not (src / "config.json").is_file():
         raise HFImportError(f"{src}: no config.json (expected a Hugging Face model directory)")
-    for existing in (out / "final", out / "config.yaml"):
-        if existing.exists():
-            raise HFImportError(f"{existing} already exists; choose a new --output directory")
     source = open_hf(src)
-    check_complete(source)
+    check_complete(source)  # dtypes and shapes, from the files' headers
     tok = _load_tokenizer(source, src)
+    # all read (each tensor checked to be finite) before anything is written
     state = {name: source.read(name) for name in model_tensor_names(source.model_cfg)}
-    write_final(state, source.model_cfg, tok, out / "final")
-    write_run_config(out, source.model_cfg, out / "final" / TOKENIZER_DIR / "tokenizer.json")
+    write_import(out, state, source, tok, src)
     n = sum(t.numel() for t in state.values())
     print(f"import: {source.description} -> {out} ({n:,} parameters, tokenizer {tok.vocab_size} tokens)")
     return out

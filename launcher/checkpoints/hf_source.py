@@ -20,6 +20,7 @@ pickled .bin files are refused and never opened.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from loomtrain.launcher.checkpoints.safetensors_source import (
@@ -79,22 +80,79 @@ def _off(value) -> bool:
     return value in (None, False, 0, "", [], {})
 
 
+_REQUIRED = object()
+
+
+class _Missing(KeyError):
+    """A field the architecture needs is not in config.json."""
+
+
+def _get(c: dict, field: str, default):
+    """config.json's `field` (in `rope_parameters`: "rope_parameters.FIELD"); null counts as
+    absent, as transformers writes `"head_dim": null`."""
+    section, _, key = field.rpartition(".")
+    value = ((c.get(section) or {}) if section else c).get(key)  # a section's type is checked first
+    if value is None:
+        if default is _REQUIRED:
+            raise _Missing(field)
+        return default
+    return value
+
+
+def _int(c: dict, where: Path, field: str, default=_REQUIRED) -> int | None:
+    """A positive integer (a size or a count); a string, float or bool is refused by name."""
+    value = _get(c, field, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        _refuse(where, field, value, "expected a positive integer")
+    return value
+
+
+def _float(c: dict, where: Path, field: str, default: float) -> float:
+    value = _get(c, field, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _refuse(where, field, value, "expected a finite number")
+    return float(value)
+
+
+def _bool(c: dict, where: Path, field: str, default: bool) -> bool:
+    value = _get(c, field, default)
+    if value not in (True, False):  # 0 and 1 pass too, as some hand-written configs have them
+        _refuse(where, field, value, "expected true or false")
+    return bool(value)
+
+
+def _str(c: dict, where: Path, field: str, default: str) -> str:
+    value = _get(c, field, default)
+    if not isinstance(value, str):
+        _refuse(where, field, value, "expected a string")
+    return value
+
+
+def _str_list(c: dict, where: Path, field: str) -> list[str]:
+    value = _get(c, field, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        _refuse(where, field, value, "expected a list of strings")
+    return value
+
+
 # config.json -> ModelConfig -------------------------------------------------------------------
 def _llama_config(c: dict, where: Path) -> dict:
-    if c.get("hidden_act", "silu") != "silu":
+    if _str(c, where, "hidden_act", "silu") != "silu":
         _refuse(where, "hidden_act", c["hidden_act"], "loomtrain's Llama MLP is SwiGLU (silu)")
-    d, heads = c["hidden_size"], c["num_attention_heads"]
-    head_dim = c.get("head_dim")
+    d, heads = _int(c, where, "hidden_size"), _int(c, where, "num_attention_heads")
+    head_dim = _int(c, where, "head_dim", None)
     if head_dim is not None and head_dim * heads != d:
         _refuse(
             where, "head_dim", head_dim, f"loomtrain's head dim is hidden_size / num_attention_heads = {d // heads}"
         )
-    rope = c.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
+    rope = _get(c, "rope_parameters", {})
+    if not isinstance(rope, dict):
+        _refuse(where, "rope_parameters", rope, "expected a JSON object")
+    if _str(c, where, "rope_parameters.rope_type", "default") != "default":
         _refuse(where, "rope_parameters.rope_type", rope["rope_type"], "RoPE scaling is not in loomtrain's model")
-    if c.get("partial_rotary_factor", 1.0) != 1.0:
+    if _float(c, where, "partial_rotary_factor", 1.0) != 1.0:
         _refuse(where, "partial_rotary_factor", c["partial_rotary_factor"], "loomtrain rotates the whole head")
-    attn_bias, mlp_bias = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
+    attn_bias, mlp_bias = _bool(c, where, "attention_bias", False), _bool(c, where, "mlp_bias", False)
     if attn_bias != mlp_bias:
         _refuse(
             where,
@@ -110,35 +168,35 @@ def _llama_config(c: dict, where: Path) -> dict:
             "loomtrain's model.dropout also drops the residual stream; set it after import instead",
         )
     return dict(
-        vocab_size=c["vocab_size"],
+        vocab_size=_int(c, where, "vocab_size"),
         d_model=d,
-        n_layers=c["num_hidden_layers"],
+        n_layers=_int(c, where, "num_hidden_layers"),
         n_heads=heads,
-        n_kv_heads=c.get("num_key_value_heads") or heads,
-        ffn_hidden=c["intermediate_size"],
-        max_seq_len=c.get("max_position_embeddings", 2048),
+        n_kv_heads=_int(c, where, "num_key_value_heads", heads),
+        ffn_hidden=_int(c, where, "intermediate_size"),
+        max_seq_len=_int(c, where, "max_position_embeddings", 2048),
         norm="rmsnorm",
         norm_placement="pre",
         activation="swiglu",
         positions="rope",
-        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        rope_theta=_float(c, where, "rope_parameters.rope_theta", _float(c, where, "rope_theta", 10000.0)),
+        tie_embeddings=_bool(c, where, "tie_word_embeddings", False),
         bias=attn_bias,
         dropout=0.0,
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        init_std=float(c.get("initializer_range", 0.02)),
+        norm_eps=_float(c, where, "rms_norm_eps", 1e-6),
+        init_std=_float(c, where, "initializer_range", 0.02),
     )
 
 
 def _gpt2_config(c: dict, where: Path) -> dict:
-    act = c.get("activation_function", "gelu_new")
+    act = _str(c, where, "activation_function", "gelu_new")
     if act not in GPT2_ACTIVATIONS:
         _refuse(where, "activation_function", act, f"loomtrain has {', '.join(GPT2_ACTIVATIONS)}")
-    if not c.get("scale_attn_weights", True):
+    if not _bool(c, where, "scale_attn_weights", True):
         _refuse(where, "scale_attn_weights", False, "loomtrain scales attention by 1/sqrt(head_dim)")
-    if c.get("scale_attn_by_inverse_layer_idx", False):
+    if _bool(c, where, "scale_attn_by_inverse_layer_idx", False):
         _refuse(where, "scale_attn_by_inverse_layer_idx", True, "loomtrain scales every layer alike")
-    drops = {k: float(c.get(k, 0.1)) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    drops = {k: _float(c, where, k, 0.1) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     if len(set(drops.values())) > 1:
         _refuse(
             where,
@@ -147,24 +205,24 @@ def _gpt2_config(c: dict, where: Path) -> dict:
             f"loomtrain has one model.dropout for all three "
             f"(resid_pdrop={drops['resid_pdrop']}, embd_pdrop={drops['embd_pdrop']})",
         )
-    d = c["n_embd"]
+    d = _int(c, where, "n_embd")
     return dict(
-        vocab_size=c["vocab_size"],
+        vocab_size=_int(c, where, "vocab_size"),
         d_model=d,
-        n_layers=c["n_layer"],
-        n_heads=c["n_head"],
+        n_layers=_int(c, where, "n_layer"),
+        n_heads=_int(c, where, "n_head"),
         n_kv_heads=None,
-        ffn_hidden=c.get("n_inner") or 4 * d,
-        max_seq_len=c.get("n_positions", 1024),
+        ffn_hidden=_int(c, where, "n_inner", 4 * d),
+        max_seq_len=_int(c, where, "n_positions", 1024),
         norm="layernorm",
         norm_placement="pre",
         activation=GPT2_ACTIVATIONS[act],
         positions="learned",
-        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        tie_embeddings=_bool(c, where, "tie_word_embeddings", True),
         bias=True,
         dropout=drops["resid_pdrop"],
-        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
-        init_std=float(c.get("initializer_range", 0.02)),
+        norm_eps=_float(c, where, "layer_norm_epsilon", 1e-5),
+        init_std=_float(c, where, "initializer_range", 0.02),
     )
 
 
@@ -173,22 +231,26 @@ def read_hf_config(src: Path) -> tuple[str, dict]:
     where = src / "config.json"
     try:
         c = json.loads(where.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise HFImportError(f"{where}: cannot read it: {exc}") from None
-    archs = c.get("architectures") or []
+    except OSError as exc:
+        raise HFImportError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise HFImportError(f"{where}: not JSON: {exc}") from None
+    if not isinstance(c, dict):
+        raise HFImportError(f"{where}: a JSON {type(c).__name__}, expected an object of model settings")
+    archs = _str_list(c, where, "architectures")
     known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
     if len(archs) != 1 or not known:
         _refuse(where, "architectures", archs, f"loomtrain imports {' and '.join(ARCHITECTURES)}")
     for field, what in UNSUPPORTED.items():
         if not _off(c.get(field)):
             _refuse(where, field, c[field], f"{what} is not in loomtrain's model")
-    layer_types = set(c.get("layer_types") or ["full_attention"])
+    layer_types = set(_str_list(c, where, "layer_types") or ["full_attention"])
     if layer_types != {"full_attention"}:
         _refuse(where, "layer_types", sorted(layer_types), "loomtrain has full attention in every layer")
     arch = known[0]
     try:
         return arch, (_llama_config if arch == "llama" else _gpt2_config)(c, where)
-    except KeyError as exc:
+    except _Missing as exc:
         raise HFImportError(f"{where}: no {exc.args[0]!r}, which a {archs[0]} config needs") from None
 
 
@@ -239,7 +301,7 @@ def open_hf(src: str | Path) -> WeightSource:
     arch, kwargs = read_hf_config(src)
     try:
         cfg = ModelConfig(**kwargs)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise HFImportError(f"{src / 'config.json'}: gives a model loomtrain cannot build: {exc}") from None
     files = SafetensorsFiles(src)
     keys = set(files.keys())

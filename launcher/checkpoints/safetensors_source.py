@@ -10,13 +10,14 @@ columns asked for are read, and nothing is ever unpickled.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from loomtrain.launcher.weights import WEIGHTS, WEIGHTS_INDEX
 from loomtrain.model import Transformer
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 # Pickled weight files: refused, never opened.
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -38,22 +39,127 @@ class TensorRef:
     rows: int | None = None
 
 
-def weight_files(directory: Path) -> dict[str, Path]:
-    """tensor name -> the safetensors file holding it: one model.safetensors, or the shards an
-    index names. Pickled weights are refused without being opened."""
+# safetensors dtype -> bytes per value (every dtype the format has)
+ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+# What a loomtrain model's weights can be (quantized or integer tensors cannot be trained).
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as a safetensors header describes it (checked against the file's size)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _bad_file(path: Path, why: str) -> WeightSourceError:
+    return WeightSourceError(f"{path}: {why}")
+
+
+def _header_entry(path: Path, key: str, entry) -> tuple[TensorInfo, int, int]:
+    """(the tensor's dtype and shape, its data's [start, end) bytes), each field's type checked."""
+    if not isinstance(entry, dict):
+        raise _bad_file(path, f"tensor {key!r}: its header entry is not a JSON object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in ITEMSIZE:
+        raise _bad_file(path, f"tensor {key!r}: dtype {dtype!r} is not a safetensors dtype")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise _bad_file(path, f"tensor {key!r}: shape {shape!r} is not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)):
+        raise _bad_file(path, f"tensor {key!r}: data_offsets {offsets!r} is not [start, end]")
+    start, end = offsets
+    need = math.prod(shape) * ITEMSIZE[dtype]
+    if not 0 <= start <= end or end - start != need:
+        raise _bad_file(
+            path,
+            f"tensor {key!r}: data_offsets {offsets} hold {end - start} bytes, "
+            f"but {dtype} {shape} takes {need} (a corrupt header)",
+        )
+    return TensorInfo(dtype, tuple(shape)), start, end
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """The tensors a safetensors file holds, from its header alone (no data is read): every
+    entry's dtype, shape and byte range checked against each other and against the file's size,
+    so a file cut short (an interrupted download or copy) is refused naming the first tensor
+    it cuts, and a bad header naming the entry, before safetensors sees either."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+            if n is None or n > size - 8:
+                raise _bad_file(
+                    path,
+                    f"truncated: {size} bytes, too short for the safetensors header it starts "
+                    f"(an interrupted download or copy? fetch the file again)",
+                )
+            raw = f.read(n)
+    except OSError as exc:
+        raise _bad_file(path, f"cannot read it: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw)
+    except ValueError:  # not JSON, or not UTF-8
+        header = None
+    if not isinstance(header, dict):
+        raise _bad_file(path, "not a safetensors file (its header is not a JSON object)")
+    data_size, out, ends = size - 8 - n, {}, []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        out[key], start, end = _header_entry(path, key, entry)
+        ends.append((end, key))
+    for end, key in sorted(ends):
+        if end > data_size:
+            raise _bad_file(
+                path,
+                f"truncated: tensor {key!r} ends at byte {8 + n + end}, the file has {size} bytes "
+                f"(an interrupted download or copy? fetch the file again)",
+            )
+    last = max(ends)[0] if ends else 0
+    if last != data_size:
+        raise _bad_file(path, f"{data_size - last} bytes after the last tensor its header describes (a corrupt file)")
+    return out
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except OSError as exc:
+        raise _bad_file(index, f"cannot read it: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _bad_file(index, f"not a safetensors index (no readable weight_map: {exc})") from None
+    if not isinstance(weight_map, dict):
+        raise _bad_file(index, f"weight_map is a {type(weight_map).__name__}, expected {{tensor name: file name}}")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+            raise _bad_file(index, f"weight_map[{key!r}] = {name!r}: expected the name of a file beside the index")
+    return weight_map
+
+
+def weight_files(directory: Path) -> dict[str, tuple[Path, TensorInfo]]:
+    """tensor name -> (the safetensors file holding it, its dtype and shape): one
+    model.safetensors, or the shards an index names, each index entry checked against the
+    shard's header. Pickled weights are refused without being opened."""
     index = directory / WEIGHTS_INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise WeightSourceError(f"{index}: not a safetensors index (no readable weight_map: {exc})") from None
+        weight_map = _read_index(index)
         missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
         if missing:
-            raise WeightSourceError(f"{index}: names shard {missing[0]}, which is not in {directory}")
-        return {k: directory / f for k, f in weight_map.items()}
+            raise _bad_file(index, f"names shard {missing[0]}, which is not in {directory}")
+        headers = {f: read_header(directory / f) for f in sorted(set(weight_map.values()))}
+        for key, name in weight_map.items():
+            if key not in headers[name]:
+                holders = [f for f, h in headers.items() if key in h]
+                where = f"it is in {holders[0]}" if holders else "no shard holds it"
+                raise _bad_file(index, f"weight_map puts tensor {key!r} in {name}, which does not hold it ({where})")
+        return {key: (directory / name, headers[name][key]) for key, name in weight_map.items()}
     if (directory / WEIGHTS).is_file():
-        with safe_open(str(directory / WEIGHTS), framework="pt") as f:
-            return {k: directory / WEIGHTS for k in f.keys()}
+        return {key: (directory / WEIGHTS, info) for key, info in read_header(directory / WEIGHTS).items()}
     pickled = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLED_SUFFIXES)
     if pickled:
         raise WeightSourceError(
@@ -64,8 +170,16 @@ def weight_files(directory: Path) -> dict[str, Path]:
     raise WeightSourceError(f"{directory}: no {WEIGHTS} and no {WEIGHTS_INDEX}")
 
 
+def _count_nonfinite(t: torch.Tensor) -> str:
+    nan = int(torch.isnan(t).sum())
+    inf = t.numel() - nan - int(torch.isfinite(t).sum())
+    parts = [f"{nan:,} NaN" if nan else "", f"{inf:,} inf" if inf else ""]
+    return " and ".join(p for p in parts if p) + f" of {t.numel():,} values read"
+
+
 class SafetensorsFiles:
-    """Reads TensorRefs from a directory's safetensors files, whole or a range of one dim."""
+    """Reads TensorRefs from a directory's safetensors files, whole or a range of one dim;
+    every tensor read is checked to be finite (a NaN in the weights would train as `loss nan`)."""
 
     def __init__(self, directory: Path):
         self.directory = directory
@@ -75,25 +189,46 @@ class SafetensorsFiles:
     def keys(self) -> list[str]:
         return list(self.files)
 
-    def _slice(self, key: str):
-        path = self.files.get(key)
-        if path is None:
+    def _where(self, key: str) -> tuple[Path, TensorInfo]:
+        found = self.files.get(key)
+        if found is None:
             raise WeightSourceError(f"{self.directory}: no tensor {key!r} in the weight files")
+        return found
+
+    def _slice(self, key: str):
+        path, _ = self._where(key)
         if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt")
+            try:
+                self._open[path] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as exc:  # what read_header does not check
+                raise _bad_file(path, f"not a readable safetensors file ({str(exc).splitlines()[0]})") from None
         return self._open[path].get_slice(key)
+
+    def dtype(self, ref: TensorRef) -> str:
+        """The tensor's safetensors dtype ("F32", "BF16", ...)."""
+        return self._where(ref.key)[1].dtype
+
+    def file_of(self, ref: TensorRef) -> Path:
+        return self._where(ref.key)[0]
 
     def shape(self, ref: TensorRef) -> tuple[int, ...]:
         """The loomtrain tensor's shape."""
-        shape = list(self._slice(ref.key).get_shape())
+        path, info = self._where(ref.key)
+        shape = list(info.shape)
         if ref.transpose:
             shape = shape[::-1]
         if ref.rows is not None:
+            if not shape or ref.offset + ref.rows > shape[0]:
+                raise _bad_file(
+                    path, f"tensor {ref.key!r} has shape {list(info.shape)}, too small to hold rows "
+                    f"[{ref.offset}, {ref.offset + ref.rows}) of the fused tensor"
+                )  # fmt: skip
             shape[0] = ref.rows
         return tuple(shape)
 
     def read(self, ref: TensorRef, dim: int = 0, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """The loomtrain tensor, only entries [lo, hi) along `dim` (all by default)."""
+        """The loomtrain tensor, only entries [lo, hi) along `dim` (all by default); refused
+        naming the file and tensor when it holds a NaN or inf."""
         full = self.shape(ref)
         hi = full[dim] if hi is None else hi
         ours = [slice(0, n) for n in full]
@@ -101,6 +236,12 @@ class SafetensorsFiles:
         ours[0] = slice(ours[0].start + ref.offset, ours[0].stop + ref.offset)
         theirs = ours[::-1] if ref.transpose else ours
         t = self._slice(ref.key)[tuple(theirs)]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise _bad_file(
+                self.file_of(ref),
+                f"tensor {ref.key!r} holds {_count_nonfinite(t)}; the weights must be finite numbers "
+                f"(a diverged run or a corrupt copy? take the weights from before it went wrong)",
+            )
         return t.t().contiguous() if ref.transpose else t
 
 
@@ -131,12 +272,19 @@ def model_tensor_names(model_cfg) -> dict[str, tuple[int, ...]]:
 
 
 def check_complete(source: WeightSource) -> None:
-    """Every tensor the model needs is there with the model's shape; nothing is left over."""
+    """Every tensor the model needs is there, of a floating-point dtype, with the model's shape."""
     expected = model_tensor_names(source.model_cfg)
     for name, shape in expected.items():
         ref = source.refs.get(name)
         if ref is None:
             raise WeightSourceError(f"{source.description}: no tensor for loomtrain's {name}")
+        dtype = source.files.dtype(ref)
+        if dtype not in FLOAT_DTYPES:
+            raise _bad_file(
+                source.files.file_of(ref),
+                f"tensor {ref.key!r} is {dtype}; loomtrain reads floating-point weights "
+                f"({', '.join(FLOAT_DTYPES)}), not quantized or integer ones: import the unquantized model",
+            )
         got = source.shape(name)
         if got != shape:
             raise WeightSourceError(

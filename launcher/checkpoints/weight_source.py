@@ -146,16 +146,21 @@ def load_into(model: torch.nn.Module, source: WeightSource) -> None:
         p.copy_(read_shard(source, name, spec_of(p)))
 
 
+def _config_error(exc: WeightSourceError) -> ConfigError:
+    msg = str(exc)
+    return ConfigError(msg if msg.startswith("model.") else f"model.init_from: {msg}")
+
+
 def open_matching(cfg) -> WeightSource:
     """The source model.init_from names, checked against model.*: a one-line ConfigError naming
-    the field otherwise (the launcher's validation calls this before any worker starts)."""
+    the field otherwise (the launcher's validation calls this before any worker starts; it
+    reads the files' headers, not their tensors)."""
     try:
         source = open_source(cfg.init_from)
         check_matches(source, cfg)
         check_complete(source)
     except WeightSourceError as exc:
-        msg = str(exc)
-        raise ConfigError(msg if msg.startswith("model.") else f"model.init_from: {msg}") from None
+        raise _config_error(exc) from None
     return source
 
 
@@ -171,5 +176,8 @@ def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str 
             log(f"model.init_from: {cfg.init_from} is gone; the run resumes from {found}")
             return
     source = open_matching(cfg)
-    load_into(model, source)
+    try:
+        load_into(model, source)  # every tensor is checked to be finite as it is read
+    except WeightSourceError as exc:  # a NaN or inf: refused before step 1, naming the tensor
+        raise _config_error(exc) from None
     log(f"model.init_from: starting from {source.description}")

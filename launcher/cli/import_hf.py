@@ -21,7 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("src", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
     ap.add_argument("--format", default="hf", choices=FORMATS, help="the source's format")
-    ap.add_argument("--output", required=True, help="the run directory to create (final/ and config.yaml)")
+    ap.add_argument(
+        "--output",
+        required=True,
+        help="the run directory to create (final/ and config.yaml): absent, empty, or a previous import of SRC",
+    )
     return ap
 
 
@@ -32,4 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except WeightSourceError as exc:
         print(f"loomtrain import: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # import_hf removed what it had written
+        print(f"loomtrain import: interrupted; nothing was written to {args.output}", file=sys.stderr)
+        return 130
     return 0
