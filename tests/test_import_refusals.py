@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_fixtures import tiny_llama
-from launch import child_env, loomtrain_cmd
+from launch import QUIET, child_env, loomtrain_cmd
 from loomtrain.launcher import cli
 from safetensors.torch import load_file, save_file
 
@@ -218,6 +218,43 @@ def test_a_non_finite_weight_in_the_source_is_refused_naming_the_tensor(tmp_path
     path = edit_tensor(src, Q_PROJ, with_value(value))
     err = refused(capsys, tmp_path, src, tmp_path / "run")
     assert err.startswith(f"loomtrain import: {path}: tensor {Q_PROJ!r} holds {what} of 4,096 values read;"), err
+
+
+def test_init_from_weights_holding_an_inf_is_refused_before_step_1(tmp_path, capsys, src, data_cache):
+    """Why 4: `train` with model.init_from on such weights ran `loss nan -> nan`, exited 0 and
+    wrote final/ (with more steps the stop message blamed the learning rate). The tensor is
+    named while the weights are loaded, before the first step; the run leaves no folder."""
+    run = tmp_path / "run"
+    assert cli.main(import_cmd(src, run)) == 0  # the config the run uses, from the clean model
+    path = edit_tensor(src, Q_PROJ, with_value(float("inf")))
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    rc = cli.main(
+        [
+            "train",
+            str(run / "config.yaml"),
+            f"run.dir={tmp_path / 'ft'}",
+            f"model.init_from={src}",
+            f"data.tokenizer={src}",
+            f"data.cache_dir={data_cache}",
+            "data.max_files=10",
+            "train.max_steps=2",
+            "train.seq_len=32",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=4",
+            "checkpoint.every_steps=0",
+            *QUIET,
+        ]
+    )
+    captured = capsys.readouterr()
+    assert rc == 2, captured.out + captured.err
+    assert captured.err == (
+        f"loomtrain: config error: model.init_from: {path}: tensor {Q_PROJ!r} holds 1 inf of 4,096 values read; "
+        "the weights must be finite numbers (a diverged run or a corrupt copy? take the weights from before it "
+        "went wrong)\n"
+    )
+    assert "step 1" not in captured.out
+    assert snapshot(tmp_path) == before  # no tmp_path/ft, the source and the import as they were
 
 
 # Why 5: folders import must not write into ---------------------------------------------------------
