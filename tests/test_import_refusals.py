@@ -162,7 +162,7 @@ def config_a_list(src: Path) -> str:
 
 def int8_tensor(src: Path) -> str:
     path = edit_tensor(src, Q_PROJ, lambda t: t.mul(50).to(torch.int8))
-    return f"{path}: tensor {Q_PROJ!r} is I8; loomtrain reads floating-point weights"
+    return f"{path}: tensor {Q_PROJ!r} is I8; loomtrain reads F32, BF16, F16, F64 weights"
 
 
 MALFORMED = [

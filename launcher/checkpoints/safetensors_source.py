@@ -5,6 +5,12 @@ The readers of a folder build one (weight_source.open_source for a run's final/,
 hf_source.open_hf for a Hugging Face model directory); everything that reads weights a slice
 at a time works on it. Reading goes through `safe_open(...).get_slice`, so only the rows or
 columns asked for are read, and nothing is ever unpickled.
+
+Every check is made here, once, for `loomtrain import` and `model.init_from` alike, each failure
+a WeightSourceError of one line naming the file and the tensor or field: each file's header
+against the file (`read_header`: a file cut short, sizes that disagree with shapes), an index's
+entries against its shards (`weight_files`), dtypes and shapes against the model
+(`check_complete`), and every value read finite (`SafetensorsFiles.read`, as it is read).
 """
 
 from __future__ import annotations
@@ -107,20 +113,24 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         header = None
     if not isinstance(header, dict):
         raise _bad_file(path, "not a safetensors file (its header is not a JSON object)")
-    data_size, out, ends = size - 8 - n, {}, []
+    data_size, out, spans = size - 8 - n, {}, []
     for key, entry in header.items():
         if key == "__metadata__":
             continue
         out[key], start, end = _header_entry(path, key, entry)
-        ends.append((end, key))
-    for end, key in sorted(ends):
+        spans.append((start, end, key))
+    last, before = 0, None  # the tensors' bytes follow one another, as safetensors requires
+    for start, end, key in sorted(spans):
+        if start != last:
+            how = f"overlap {before!r}" if start < last else f"leave a gap after {before or 'the header'!r}"
+            raise _bad_file(path, f"tensor {key!r}: data_offsets [{start}, {end}] {how} (a corrupt header)")
         if end > data_size:
             raise _bad_file(
                 path,
                 f"truncated: tensor {key!r} ends at byte {8 + n + end}, the file has {size} bytes "
                 f"(an interrupted download or copy? fetch the file again)",
             )
-    last = max(ends)[0] if ends else 0
+        last, before = end, key
     if last != data_size:
         raise _bad_file(path, f"{data_size - last} bytes after the last tensor its header describes (a corrupt file)")
     return out
@@ -168,6 +178,19 @@ def weight_files(directory: Path) -> dict[str, tuple[Path, TensorInfo]]:
             f".save_pretrained(OUT) with transformers, which writes model.safetensors"
         )
     raise WeightSourceError(f"{directory}: no {WEIGHTS} and no {WEIGHTS_INDEX}")
+
+
+FINITE_CHUNK = 1 << 24  # values checked at a time: the exact check's scratch stays at 16 MiB
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """A sum is finite only when every value is (an inf or NaN never cancels out), and a sum is
+    one fast vectorised pass (20x isfinite's on CPU); only a sum that is not finite (a NaN, or
+    large values overflowing fp16) is checked value by value."""
+    if math.isfinite(t.sum().item()):
+        return True
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i : i + FINITE_CHUNK]).all()) for i in range(0, flat.numel(), FINITE_CHUNK))
 
 
 def _count_nonfinite(t: torch.Tensor) -> str:
@@ -236,7 +259,7 @@ class SafetensorsFiles:
         ours[0] = slice(ours[0].start + ref.offset, ours[0].stop + ref.offset)
         theirs = ours[::-1] if ref.transpose else ours
         t = self._slice(ref.key)[tuple(theirs)]
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not _all_finite(t):
             raise _bad_file(
                 self.file_of(ref),
                 f"tensor {ref.key!r} holds {_count_nonfinite(t)}; the weights must be finite numbers "
@@ -282,8 +305,8 @@ def check_complete(source: WeightSource) -> None:
         if dtype not in FLOAT_DTYPES:
             raise _bad_file(
                 source.files.file_of(ref),
-                f"tensor {ref.key!r} is {dtype}; loomtrain reads floating-point weights "
-                f"({', '.join(FLOAT_DTYPES)}), not quantized or integer ones: import the unquantized model",
+                f"tensor {ref.key!r} is {dtype}; loomtrain reads {', '.join(FLOAT_DTYPES)} weights, "
+                f"not 8-bit or integer (quantized) ones: import the unquantized model",
             )
         got = source.shape(name)
         if got != shape:
