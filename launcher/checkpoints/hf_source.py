@@ -13,7 +13,8 @@ inverse of `loomtrain export --format hf` (export.py), tensor for tensor:
 
 Anything loomtrain's model cannot compute exactly (RoPE scaling, sliding windows, mixtures
 of experts, quantized weights, other architectures...) is refused naming the config.json
-field. Weights are safetensors only, single or sharded (model.safetensors.index.json);
+field, and so is a field of the wrong type (`"hidden_size": "64"`) or a config.json that is not
+a JSON object. Weights are safetensors only, single or sharded (model.safetensors.index.json);
 pickled .bin files are refused and never opened.
 """
 
