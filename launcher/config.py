@@ -124,8 +124,19 @@ class ParallelConfig:
     # torch.compile each transformer block (parameter names, so checkpoints, unchanged)
     compile: bool = False
     # No progress for this long = a hang: every rank dumps its stacks into its log and
-    # the run ends naming the stuck rank (the collective timeout is set a minute above).
+    # the run ends naming the stuck rank (the collective timeout is set a minute above the
+    # longest allowance). This is a training step's allowance; the phases that are slow and
+    # healthy get their own (launcher/watchdog.py; a hang line names the phase and its knob):
     timeout_s: int = 600
+    # The first step of an attempt (communicators, allocator and DeepSpeed warm-up); 0 = 3 x timeout_s.
+    startup_timeout_s: int = 0
+    # One forward pass of evaluation or sampling (an eval batch, a sampled token): evaluation is
+    # allowed timeout_s + eval.batches x this, samples timeout_s + eval.sample_tokens x this.
+    # 0 = timeout_s / 3 (a forward pass is at most a third of a training step's forward and backward).
+    forward_timeout_s: float = 0.0
+    # With compile: added to each phase the first time it runs in a process (torch.compile traces
+    # and compiles the training step, evaluation's no-grad forward and sampling's shapes once).
+    compile_timeout_s: int = 600
     # A tensor-parallel group (tp consecutive ranks) that would span hosts is refused at
     # start: its all-reduces, several per layer, would cross the network. True runs it anyway.
     allow_cross_host_tp: bool = False
@@ -136,6 +147,8 @@ class ParallelConfig:
         check(self.zero_stage in ZERO_STAGES, f"{prefix}.zero_stage", stages, self.zero_stage)
         self.check_offload(prefix)
         check_positive(f"{prefix}.timeout_s", self.timeout_s)
+        for key in ("startup_timeout_s", "forward_timeout_s", "compile_timeout_s"):
+            check_positive(f"{prefix}.{key}", getattr(self, key), allow_zero=True)
 
     def check_offload(self, prefix: str = "parallel") -> None:
         """The offload rule, asked by config validation, the engine and the memory plan alike."""

@@ -17,8 +17,8 @@ all-gathers its host (`host_label`: hostname and the address that routes to the 
 since hostnames alone repeat across containers and namespaces), so `DistEnv.hosts` says
 where each rank runs (the TP placement check and the logs use it). A group made here is destroyed
 at exit (an adopted one is left to its launcher). A hung rank is found by the
-loop's watchdog after `parallel.timeout_s` (loomtrain.launcher.watchdog); the
-collective timeout is a margin above that, so the watchdog's report (which rank,
+loop's watchdog after its phase's allowance (loomtrain.launcher.watchdog); the
+collective timeout is a margin above the longest one, so the watchdog's report (which rank,
 where) comes first and the library's timeout is only the backstop.
 
 On CUDA the NCCL flight recorder is on unless the environment says otherwise: the
@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import math
 import os
 import socket
 import sys
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 from loomtrain.launcher import rundir
 from loomtrain.launcher.config import RunConfig
-from loomtrain.launcher.watchdog import HANG_REPORT_MARGIN_S
+from loomtrain.launcher.watchdog import HANG_REPORT_MARGIN_S, allowances
 
 
 @dataclass
@@ -243,8 +244,10 @@ def _library_output_aside(keep_on_failure: Path):
 
 
 def collective_timeout_s(cfg: RunConfig) -> int:
-    """The process group's timeout: above the watchdog's, so that the watchdog reports first."""
-    return cfg.parallel.timeout_s + HANG_REPORT_MARGIN_S
+    """The process group's timeout: above the watchdog's longest allowance (a rank may wait in a
+    collective while a peer is in a long evaluation or checkpoint save), so that the watchdog
+    reports first."""
+    return math.ceil(allowances(cfg).longest) + HANG_REPORT_MARGIN_S
 
 
 def flight_recorder_env(run_dir: str | os.PathLike) -> dict[str, str]:

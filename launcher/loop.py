@@ -52,7 +52,7 @@ from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard
 from loomtrain.launcher.profiling import StepProfiler
 from loomtrain.launcher.ranklog import RankLog, logs_dir
 from loomtrain.launcher.stopping import StopRequest, signal_name
-from loomtrain.launcher.watchdog import Watchdog, io_phase
+from loomtrain.launcher.watchdog import EVALUATION, SAMPLES, Watchdog, allowances, io_phase
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
 from loomtrain.parallel import Topology, gathered_logits
@@ -100,6 +100,8 @@ class _Run:
     flops_per_token: float
     peak_flops: float  # the whole job's (NaN for an unknown GPU)
     loop_start: float = 0.0  # perf_counter at the first step of this call
+    last_step_end: float = 0.0  # perf_counter when the previous step's compute ended (the loop start at first)
+    outside_steps_at_end: float = 0.0  # dog.outside_steps_s then
 
 
 def _dp_mean(value: torch.Tensor, ctx: TrainContext) -> float:
@@ -336,8 +338,7 @@ def _set_up(
         run_dir,
         env.rank,
         env.world_size,
-        cfg.parallel.timeout_s,
-        cfg.checkpoint.timeout_s,
+        allowances(cfg),
         rank_log=rank_log,
         host=env.host,
         master=master_address(),
@@ -364,8 +365,9 @@ def _loop(run: _Run) -> None:
     ctx, cfg = run.ctx, run.ctx.cfg
     ctx.engine.train()
     run.loop_start, elapsed_at_start = time.perf_counter(), ctx.state.elapsed
+    run.last_step_end, run.outside_steps_at_end = run.loop_start, run.dog.outside_steps_s
     while ctx.state.step < cfg.train.max_steps and not ctx.stop_requested:
-        metrics, data_wait = _train_and_count(run)
+        metrics, data_wait, own_time = _train_and_count(run)
         step = ctx.state.step
         run.result.train_s = time.perf_counter() - run.loop_start
         ctx.state.elapsed = elapsed_at_start + run.result.train_s
@@ -374,7 +376,7 @@ def _loop(run: _Run) -> None:
         run.result.steps.append(step)
         ctx.last_metrics = metrics
         if step % cfg.log.every_steps == 0 or _is_final(step, cfg):
-            _log_step(run, step, metrics, data_wait)
+            _log_step(run, step, metrics, data_wait, own_time)
         if run.profiler.enabled:
             _profile(run, step)
         if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or _is_final(step, cfg)):
@@ -393,8 +395,9 @@ def _loop(run: _Run) -> None:
             raise
 
 
-def _train_and_count(run: _Run) -> tuple[dict[str, Any], float]:
-    """One optimizer step, counted in ctx.state -> (its metrics, this rank's data wait)."""
+def _train_and_count(run: _Run) -> tuple[dict[str, Any], float, float]:
+    """One optimizer step, counted in ctx.state -> (its metrics, this rank's data wait, this
+    rank's own time in the step)."""
     ctx = run.ctx
     t, env = ctx.cfg.train, ctx.dist
     step_start = time.perf_counter()
@@ -403,7 +406,9 @@ def _train_and_count(run: _Run) -> tuple[dict[str, Any], float]:
     out = train_step(ctx, run.grad_accum, run.guard)
     if faults.ACTIVE:
         faults.at("step", step=ctx.state.step + 1, rank=env.rank)
-    step_time = time.perf_counter() - step_start
+    end = time.perf_counter()
+    own_time = end - step_start
+    step_time = _world_step_time(run, end)
     tokens_per_step = t.global_batch_size * t.seq_len
     ctx.state.step += 1
     ctx.state.tokens_seen += tokens_per_step
@@ -421,13 +426,25 @@ def _train_and_count(run: _Run) -> tuple[dict[str, Any], float]:
     }
     if out.samples_hash is not None:
         metrics["data/samples_hash"] = out.samples_hash
-    return metrics, out.data_wait_s
+    return metrics, out.data_wait_s, own_time
 
 
-def _log_step(run: _Run, step: int, metrics: dict[str, Any], data_wait: float) -> None:
+def _world_step_time(run: _Run, end: float) -> float:
+    """The step that just ended, as the whole world took it: wall time on this rank since the
+    previous step's compute ended, less the announced phases in between (evaluation, samples,
+    checkpoint I/O, profiler export). Every step ends in collectives (the loss all-reduce, the
+    stop vote), so this rank's waits for a slower one are in it (a wait after one step's compute
+    lands in the next step's time): the slowest rank's pace, end to end, with no collective added."""
+    outside = run.dog.outside_steps_s - run.outside_steps_at_end
+    took = end - run.last_step_end - outside
+    run.last_step_end, run.outside_steps_at_end = end, run.dog.outside_steps_s
+    return max(took, 1e-9)
+
+
+def _log_step(run: _Run, step: int, metrics: dict[str, Any], data_wait: float, own_time: float) -> None:
     """metrics.jsonl, TensorBoard and the console; every rank calls it at the same step."""
-    # the job-wide straggler figures (one small all-gather)
-    metrics.update(gather_rank_stats(metrics["step_time_s"], data_wait, metrics["mem_bytes"], run.ctx.dist.device))
+    # the job-wide straggler figures from each rank's own work in the step (one small all-gather)
+    metrics.update(gather_rank_stats(own_time, data_wait, metrics["mem_bytes"], run.ctx.dist.device))
     run.log.log(step, metrics)
     run.log.console(step, metrics, time.perf_counter() - run.loop_start, step - run.start_step)
 
@@ -444,17 +461,19 @@ def _evaluate_and_sample(run: _Run, step: int) -> None:
     """eval/loss and eval/ppl, then a few text samples: logged, kept in the result, and
     handed to the hooks (on_eval_end)."""
     ctx, log = run.ctx, run.log
-    ev = evaluate(ctx)
+    with run.dog.phase(EVALUATION):  # the watchdog allows it by eval.batches (and its compile, once)
+        ev = evaluate(ctx)
     run.result.evals[step] = ev["eval/loss"]
     log.log(step, ev)
     log.message(f"eval step {step}: loss {ev['eval/loss']:.4f} | ppl {ev['eval/ppl']:.2f}")
-    for i, text in enumerate(samples(ctx)):
+    with run.dog.phase(SAMPLES):
+        texts = samples(ctx)
+    for i, text in enumerate(texts):
         log.text(f"samples/{i}", text, step)
         if i == 0:
             log.message(f"sample: {text[:200]!r}")
     run.hooks.on_eval_end(ctx, ev)
     log.flush()
-    run.dog.beat(step, "eval")
 
 
 def _finish(run: _Run, wall_start: float) -> TrainResult:

@@ -1,14 +1,25 @@
 """Hang detection: a watchdog thread per rank, heartbeats in RUN_DIR, one line that names the stuck rank.
 
-Each rank runs `Watchdog` (a daemon thread). The loop calls `beat(step)` after every
-step; `io_phase("checkpoint save")` around checkpoint I/O swaps the limit for
-`checkpoint.timeout_s` (a slow save is not a hang, and a hang is not excused as a save).
-Every `interval` seconds the thread writes this rank's heartbeat,
-RUN_DIR/logs/heartbeats/rank_NNNNN.json: host, pid, last completed step, phase, the
-function its main thread is in, and a beat counter.
+Each rank runs `Watchdog` (a daemon thread). The loop announces what the rank is doing,
+and each phase has its own allowance (`Allowances`, from the config):
 
-When a rank has made no progress for its limit (`parallel.timeout_s`; 3x that for the
-first step of an attempt, which compiles and sets up communicators), its watchdog
+    phase           allowance                                              knob
+    start-up        the first step of an attempt: 3 x parallel.timeout_s   parallel.startup_timeout_s
+    training step   parallel.timeout_s                                     parallel.timeout_s
+    evaluation      timeout_s + eval.batches x one forward pass            parallel.forward_timeout_s
+    samples         timeout_s + eval.sample_tokens x one forward pass      parallel.forward_timeout_s
+    checkpoint I/O  checkpoint.timeout_s (`io_phase`)                      checkpoint.timeout_s
+
+plus, with parallel.compile, parallel.compile_timeout_s the first time a phase runs in the
+process (torch.compile compiles the training step, the no-grad forward and sampling's
+shapes once). Announcing is attribute writes on the loop's thread: `beat(step)` after every
+step, `with phase("evaluation"):` around a phase, `io_phase(...)` around checkpoint I/O
+(a slow save is not a hang, and a hang is not excused as a save). No collective, no
+device sync. Every `interval` seconds the thread writes this rank's heartbeat,
+RUN_DIR/logs/heartbeats/rank_NNNNN.json: host, pid, last completed step, phase and its
+allowance, the function its main thread is in, and a beat counter.
+
+When a rank has made no progress for its phase's allowance, its watchdog
 
 1. dumps every thread's Python stack (faulthandler) into its rank log;
 2. probes the master (a TCP connect to MASTER_ADDR:MASTER_PORT, PROBE_TIMEOUT_S) and
@@ -20,15 +31,16 @@ first step of an attempt, which compiles and sets up communicators), its watchdo
    rank is alive and waits in a collective, and only the probe tells the sides apart),
    else the ranks behind the others' step, else the ranks not waiting in a collective;
 4. on the lowest live rank, prints one line (console, its log and rank 0's log):
-   `loomtrain: hang: rank N (host H, pid P) did not reach step S; ranks ... waited in
-   FUNCTION; stacks in RUN_DIR/logs/`, records it in RUN_DIR/logs/hang.json (the
+   `loomtrain: hang: rank N (host H, pid P) did not reach step S (in PHASE, allowed X s:
+   KNOB); ranks ... waited in FUNCTION; stacks in RUN_DIR/logs/`, records it in RUN_DIR/logs/hang.json (the
    next Ray attempt says why the previous one ended), and SIGKILLs stuck ranks on
    its own host that no longer beat (a stopped process would otherwise hold the
    launcher's shutdown for its SIGTERM grace);
 5. ends its process with exit status HANG_EXIT_CODE.
 
-The process group's own timeout is set HANG_REPORT_MARGIN_S above parallel.timeout_s
-(loomtrain.launcher.distributed), so this report comes before a library traceback.
+The process group's own timeout is set HANG_REPORT_MARGIN_S above the longest allowance
+(loomtrain.launcher.distributed), so this report comes before a library traceback, and a
+rank waiting in a collective for a peer's long phase is not cut off by the library first.
 Heartbeats are files (not the torch.distributed store) because the store lives in
 one process, which may be the stuck one; RUN_DIR is shared by all ranks anyway.
 """
@@ -45,17 +57,69 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loomtrain.durable import atomic_write
 from loomtrain.launcher.ranklog import logs_dir, rank_log_path
 
+if TYPE_CHECKING:
+    from loomtrain.launcher.config import RunConfig
+
 HANG_EXIT_CODE = 3
 PROBE_TIMEOUT_S = 3.0  # a host cut off never answers; one on the network answers in milliseconds
 HANG_REPORT_MARGIN_S = 60  # process-group timeout above parallel.timeout_s
-FIRST_STEP_FACTOR = 3
+FIRST_STEP_FACTOR = 3  # parallel.startup_timeout_s = 0: the first step gets this x timeout_s
+FORWARD_SHARE = 3  # parallel.forward_timeout_s = 0: one forward pass gets timeout_s / this
+
+# The phases the loop announces (heartbeats and hang lines name them).
+START_UP = "start-up"
+STEP = "training step"
+EVALUATION = "evaluation"
+SAMPLES = "samples"
 
 _current: Watchdog | None = None
+
+
+@dataclass(frozen=True)
+class Allowances:
+    """Seconds without progress each phase may take before it is a hang, and the knob that sets each."""
+
+    step: float
+    start_up: float
+    evaluation: float
+    samples: float
+    io: float
+    compile: float = 0.0  # added the first time a phase runs in this process (0: no compile)
+
+    def limit(self, phase: str) -> tuple[float, str]:
+        """(allowance, knob) of `phase`; a phase not named here is checkpoint-like I/O."""
+        return {
+            START_UP: (self.start_up, "parallel.startup_timeout_s"),
+            STEP: (self.step, "parallel.timeout_s"),
+            EVALUATION: (self.evaluation, "parallel.forward_timeout_s"),
+            SAMPLES: (self.samples, "parallel.forward_timeout_s"),
+        }.get(phase, (self.io, "checkpoint.timeout_s"))
+
+    @property
+    def longest(self) -> float:
+        return max(self.step, self.start_up, self.evaluation, self.samples, self.io) + self.compile
+
+
+def allowances(cfg: RunConfig) -> Allowances:
+    """Each phase's allowance from the config (see the table in this module's docstring)."""
+    p, e = cfg.parallel, cfg.eval
+    step = float(p.timeout_s)
+    forward = p.forward_timeout_s or step / FORWARD_SHARE
+    return Allowances(
+        step=step,
+        start_up=float(p.startup_timeout_s or FIRST_STEP_FACTOR * step),
+        evaluation=step + e.batches * forward,
+        samples=step + e.sample_tokens * forward,
+        io=float(cfg.checkpoint.timeout_s),
+        compile=float(p.compile_timeout_s) if p.compile else 0.0,
+    )
 
 
 def heartbeat_path(run_dir, rank: int) -> Path:
@@ -119,7 +183,7 @@ def io_phase(name: str):
     if dog is None:
         yield
         return
-    with dog.phase(name, dog.io_timeout_s):
+    with dog.phase(name, dog.allow.io):
         yield
 
 
@@ -129,8 +193,7 @@ class Watchdog:
         run_dir,
         rank: int,
         world_size: int,
-        timeout_s: float,
-        io_timeout_s: float,
+        allow: Allowances,
         rank_log=None,
         interval_s: float | None = None,
         host: str | None = None,
@@ -139,35 +202,56 @@ class Watchdog:
         """`host`: this rank's host as the report names it (DistEnv.host); `master`: the
         MASTER_ADDR:MASTER_PORT a hung rank probes to tell a partition from a stuck peer."""
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
-        self.timeout_s, self.io_timeout_s = float(timeout_s), float(io_timeout_s)
-        self.interval = interval_s or min(5.0, max(0.5, timeout_s / 10))
+        self.allow = allow
+        self.interval = interval_s or min(5.0, max(0.5, allow.step / 10))
         self.rank_log = rank_log
         self.host, self.pid = host or socket.gethostname(), os.getpid()
         self.master = master
         self.reaches_master: bool | None = None  # probed once a hang is suspected
-        self.step, self.phase_name = 0, "first step"
-        self.limit = self.timeout_s * FIRST_STEP_FACTOR
+        self.step = 0
+        self.ran: set[str] = set()  # the phases run once in this process (compiled by now)
+        self.phase_name, self.limit, self.knob = self._allowance(START_UP)
         self.progress_at = time.monotonic()
+        self.outside_steps_s = 0.0  # time in announced phases other than steps (not training time)
         self.beats = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loomtrain-watchdog", daemon=True)
         self._main = threading.current_thread().ident  # the training thread (not main under Ray)
         self.exit = os._exit  # a seam for unit tests
 
+    def _allowance(self, phase: str) -> tuple[str, float, str]:
+        """(phase, allowance, knob), the compile allowance added the first time `phase` runs."""
+        limit, knob = self.allow.limit(phase)
+        if self.allow.compile and phase not in self.ran:
+            self.ran.add(phase)
+            limit, knob = limit + self.allow.compile, f"{knob} + parallel.compile_timeout_s"
+        return phase, limit, knob
+
     # --- called by the loop (main thread): attribute writes only ----------------------
-    def beat(self, step: int, phase: str = "step") -> None:
-        self.step, self.phase_name, self.limit = step, phase, self.timeout_s
+    def beat(self, step: int) -> None:
+        """Step `step` is done; the next one is a training step (the first, start-up, compiled it)."""
+        self.step = step
+        self.phase_name, self.limit, self.knob = STEP, self.allow.step, "parallel.timeout_s"
         self.progress_at = time.monotonic()
 
     @contextlib.contextmanager
-    def phase(self, name: str, limit: float):
-        before = (self.phase_name, self.limit)
-        self.phase_name, self.limit, self.progress_at = name, limit, time.monotonic()
+    def phase(self, name: str, limit: float | None = None):
+        """The rank is in phase `name` until the block ends: its allowance (`limit`, else the
+        phase's own), and ending it is progress."""
+        before = (self.phase_name, self.limit, self.knob)
+        if limit is None:
+            self.phase_name, self.limit, self.knob = self._allowance(name)
+        else:
+            self.phase_name, self.limit, self.knob = name, limit, self.allow.limit(name)[1]
+        start = self.progress_at = time.monotonic()
+        outermost = before[0] in (STEP, START_UP)
         try:
             yield
         finally:
-            self.phase_name, self.limit = before
+            self.phase_name, self.limit, self.knob = before
             self.progress_at = time.monotonic()
+            if outermost:
+                self.outside_steps_s += self.progress_at - start
 
     def start(self) -> Watchdog:
         global _current
@@ -201,6 +285,8 @@ class Watchdog:
             "pid": self.pid,
             "step": self.step,
             "phase": self.phase_name,
+            "allowed_s": self.limit,
+            "knob": self.knob,
             "where": where(self._main),
             "beats": self.beats,
             "hung": hung,
@@ -347,14 +433,32 @@ def _hang_line(
         "; ".join(f"ranks {', '.join(map(str, rs))} waited in {f}" for f, rs in places.items())
         or "no other rank was waiting"
     )
-    cut = ""
+    cut = _phases(stuck, beats)
     if master:
         hosts = sorted({beats.get(r, {}).get("host", "?") for r in stuck})
-        cut = f", cut off: host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} cannot reach the master {master}"
+        cut += f", cut off: host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} cannot reach the master {master}"
     return (
         f"loomtrain: hang: {', '.join(who(r) for r in stuck)} did not reach step {step}{cut}; {waited}; "
         f"stacks in {logs_dir(run_dir)}/"
     )
+
+
+def _phases(stuck: list[int], beats: dict[int, dict]) -> str:
+    """' (in PHASE, allowed X s: KNOB)' for the stuck ranks' phase; per rank where they differ."""
+
+    def phase(r: int) -> str:
+        rec = beats.get(r, {})
+        allowed = rec.get("allowed_s")
+        limit = "" if allowed is None else f", allowed {allowed:.0f} s: {rec.get('knob', '?')}"
+        return f"{rec.get('phase', '?')}{limit}"
+
+    # A rank with no heartbeat at all (it never started its watchdog) has no phase to name.
+    each = {r: phase(r) for r in stuck if "phase" in beats.get(r, {})}
+    if not each:
+        return ""
+    if len(set(each.values())) == 1 and len(each) == len(stuck):
+        return f" (in {next(iter(each.values()))})"
+    return " (" + "; ".join(f"rank {r} in {p}" for r, p in each.items()) + ")"
 
 
 def _append(path: Path, line: str) -> None:

@@ -303,7 +303,8 @@ def test_a_partition_is_named_by_the_hang_watchdog(hosts, tmp_path, data_cache):
     line = hang[0]
     assert re.match(
         r"loomtrain: hang: rank 2 \(host \S+/198\.18\.0\.2, pid \d+\), rank 3 \(host \S+/198\.18\.0\.2, pid \d+\) "
-        r"did not reach step \d+, cut off: host \S+/198\.18\.0\.2 cannot reach the master "
+        r"did not reach step \d+ \(in training step, allowed \d+ s: parallel\.timeout_s\), "
+        r"cut off: host \S+/198\.18\.0\.2 cannot reach the master "
         rf"{re.escape(a.addr)}:{MASTER_PORT}; ranks 0(, 1)? waited in ",
         line,
     ), line
