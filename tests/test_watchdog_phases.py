@@ -1,4 +1,4 @@
-"""The hang watchdog knows what a rank is doing, and throughput is the world's (issue 28, Why 1 and 7).
+"""The hang watchdog knows what a rank is doing, and throughput is the world's.
 
 * A healthy run is not killed for a long evaluation, nor for compiling inside its samples: each
   phase the loop announces (start-up, training step, evaluation, samples, checkpoint I/O) has its
@@ -81,7 +81,7 @@ def hang_line(run_dir) -> str | None:
 
 
 def test_a_long_evaluation_is_not_a_hang(tmp_path, data_cache, hangs, monkeypatch):
-    """Why 1: `eval.batches=300 parallel.timeout_s=8` was killed as hung inside `evaluate`."""
+    """A run with `eval.batches=300 parallel.timeout_s=8` was killed as hung inside `evaluate`."""
     took = timed(monkeypatch, "evaluate")
     run = tmp_path / "run"
     overrides = [*EVAL_RUN, "eval.batches=800", "parallel.timeout_s=1"]  # ~3 s of evaluation on one core
@@ -95,7 +95,7 @@ def test_a_long_evaluation_is_not_a_hang(tmp_path, data_cache, hangs, monkeypatc
 
 @pytest.mark.slow
 def test_compiling_inside_samples_is_not_a_hang(tmp_path, data_cache, hangs, monkeypatch):
-    """Why 1: `parallel.compile=true` with evaluation: the first step, the first evaluation and the
+    """`parallel.compile=true` with evaluation: the first step, the first evaluation and the
     first samples compile (samples recompile for each new shape); each gets the compile allowance."""
     import torch._inductor.config
 
@@ -174,7 +174,7 @@ def test_each_phase_has_its_allowance_and_the_line_names_each_ranks_phase(tmp_pa
 
 @pytest.mark.slow
 def test_a_straggler_sets_the_worlds_throughput(tmp_path, data_cache):
-    """Why 7: torchrun world 2, rank 1 slowed by DELAY s per step after its share of the step:
+    """torchrun world 2, rank 1 slowed by DELAY s per step after its share of the step:
     tok/s and MFU follow the world's real rate (at most one step per DELAY s), not rank 0's own
     compute (the console showed 4,255 tok/s for a real ~164)."""
     delay = 1.0
