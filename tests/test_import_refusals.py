@@ -1,6 +1,6 @@
 """`loomtrain import --format hf` refuses a malformed or non-finite source, and an --output it
 must not write into, in one line naming the file and the field or tensor, with nothing the user
-owns changed and nothing left behind (issue 28, Why 3-5); `model.init_from` finds a NaN in its
+owns changed and nothing left behind; `model.init_from` finds a NaN in its
 weights before step 1, naming the tensor."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def edit_config(src: Path, edit) -> None:
     path.write_text(json.dumps(edit(json.loads(path.read_text()))))
 
 
-# Why 3: malformed sources -----------------------------------------------------------------------
+# Malformed sources -----------------------------------------------------------------------
 def truncated_file(src: Path) -> str:
     """One model.safetensors (as most small models are saved) cut short by 100 bytes."""
     tensors = {}
@@ -179,7 +179,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("malform", MALFORMED, ids=lambda f: f.__name__)
 def test_a_malformed_source_is_refused_in_one_line_naming_the_file_and_field(tmp_path, capsys, src, malform):
-    """Why 3: each of these was a SafetensorError, TypeError, AttributeError or KeyError
+    """each of these was a SafetensorError, TypeError, AttributeError or KeyError
     traceback (the int8 one leaving OUTPUT/final.tmp/ behind)."""
     expected = malform(src)
     err = refused(capsys, tmp_path, src, tmp_path / "run")
@@ -187,7 +187,7 @@ def test_a_malformed_source_is_refused_in_one_line_naming_the_file_and_field(tmp
 
 
 def test_an_output_that_is_a_file_is_refused(tmp_path, capsys, src):
-    """Why 3: --output an existing file was a NotADirectoryError traceback."""
+    """--output an existing file was a NotADirectoryError traceback."""
     out = tmp_path / "notes.txt"
     out.write_text("my notes\n")
     err = refused(capsys, tmp_path, src, out)
@@ -195,7 +195,7 @@ def test_an_output_that_is_a_file_is_refused(tmp_path, capsys, src):
 
 
 def test_an_output_under_a_read_only_folder_is_refused_without_capabilities(tmp_path, src):
-    """Why 3: --output under a folder the user may not write was a PermissionError traceback.
+    """--output under a folder the user may not write was a PermissionError traceback.
     As root the import runs without the capabilities that ignore file permissions."""
     parent = tmp_path / "readonly"
     parent.mkdir()
@@ -213,17 +213,17 @@ def test_an_output_under_a_read_only_folder_is_refused_without_capabilities(tmp_
     assert snapshot(tmp_path) == before
 
 
-# Why 4: non-finite weights ----------------------------------------------------------------------
+# Non-finite weights ----------------------------------------------------------------------
 @pytest.mark.parametrize("value, what", [(float("nan"), "1 NaN"), (float("-inf"), "1 inf")])
 def test_a_non_finite_weight_in_the_source_is_refused_naming_the_tensor(tmp_path, capsys, src, value, what):
-    """Why 4: one NaN in a q_proj imported silently, and `generate` printed garbage."""
+    """one NaN in a q_proj imported silently, and `generate` printed garbage."""
     path = edit_tensor(src, Q_PROJ, with_value(value))
     err = refused(capsys, tmp_path, src, tmp_path / "run")
     assert err.startswith(f"loomtrain import: {path}: tensor {Q_PROJ!r} holds {what} of 4,096 values read;"), err
 
 
 def test_init_from_weights_holding_an_inf_is_refused_before_step_1(tmp_path, capsys, src, data_cache):
-    """Why 4: `train` with model.init_from on such weights ran `loss nan -> nan`, exited 0 and
+    """`train` with model.init_from on such weights ran `loss nan -> nan`, exited 0 and
     wrote final/ (with more steps the stop message blamed the learning rate). The tensor is
     named while the weights are loaded, before the first step; the run leaves no folder."""
     run = tmp_path / "run"
@@ -259,9 +259,9 @@ def test_init_from_weights_holding_an_inf_is_refused_before_step_1(tmp_path, cap
     assert snapshot(tmp_path) == before  # no tmp_path/ft, the source and the import as they were
 
 
-# Why 5: folders import must not write into ---------------------------------------------------------
+# Folders import must not write into ---------------------------------------------------------
 def test_an_output_holding_user_files_or_the_source_itself_is_refused(tmp_path, capsys, src):
-    """Why 5: a folder holding thesis.txt got final/ and config.yaml beside it, and SRC == OUTPUT
+    """a folder holding thesis.txt got final/ and config.yaml beside it, and SRC == OUTPUT
     wrote into the model's own folder."""
     out = tmp_path / "mine"
     out.mkdir()
@@ -279,7 +279,7 @@ def test_an_output_holding_user_files_or_the_source_itself_is_refused(tmp_path, 
 
 
 def test_an_import_replaces_a_previous_import_of_the_same_source_only(tmp_path, capsys, src, hf_model):
-    """Why 5: an empty folder, or a previous import of the same source, is what --output may be;
+    """an empty folder, or a previous import of the same source, is what --output may be;
     an import of another source is refused like any other full folder."""
     out = tmp_path / "run"
     out.mkdir()
