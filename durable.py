@@ -77,14 +77,16 @@ class AtomicFile:
         self.file: IO[bytes] = open(self.tmp, "wb")
 
     def write(self, data: bytes | str) -> int:
-        return self.file.write(_as_bytes(data))
+        with naming(self.path):  # a full disk fails the write itself, with no file name
+            return self.file.write(_as_bytes(data))
 
     def commit(self) -> Path:
         try:
-            self.file.flush()
-            if self.fsync:
-                os.fsync(self.file.fileno())
-            self.file.close()
+            with naming(self.path):
+                self.file.flush()
+                if self.fsync:
+                    os.fsync(self.file.fileno())
+                self.file.close()
             os.replace(self.tmp, self.path)
         except BaseException:
             self.discard()
@@ -94,8 +96,16 @@ class AtomicFile:
         return self.path
 
     def discard(self) -> None:
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
+        # On the way out of a failed write (a full or read-only disk) closing and removing may
+        # fail too: the first error is the one to report (a leftover .tmp- file is swept later).
+        try:
+            self.file.close()
+        except OSError:
+            pass
+        try:
+            self.tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def __enter__(self) -> AtomicFile:
         return self
@@ -151,3 +161,20 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
         os.rename(tmp, final)
         fsync_path(final.parent)
     return final
+
+
+class naming:  # noqa: N801  (used as `with naming(path):`, like contextlib's lower-case helpers)
+    """An OSError raised inside without a file name (a write to an already open file: ENOSPC,
+    EIO) gets `path`, so that the one line a user reads names the file; the error is otherwise
+    unchanged (its type, errno and traceback)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = os.fspath(self.path)
+        return False

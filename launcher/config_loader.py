@@ -73,10 +73,34 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
+def _schema_default(key: str) -> Any:
+    """The schema's default for a dotted leaf key (None for an unknown one)."""
+    obj: Any = RunConfig()
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(obj) or not hasattr(obj, part):
+            return None
+        obj = getattr(obj, part)
+    return obj
+
+
+def _no_value(key: str, where: str) -> ConfigError:
+    """`run.dir=` (often an unset shell variable) or `dir:` with nothing after it: OmegaConf reads
+    a null, which no field accepts; say so, and what to write instead."""
+    none = f""", or "{key}=''" for none""" if _schema_default(key) == "" else ""
+    if where == "command line":
+        return ConfigError(
+            f"{key}: no value after '=' on the command line ('{key}=': an unset shell variable?); "
+            f"give one ({key}=VALUE){none}, or leave the override out to keep the config's value"
+        )
+    return ConfigError(f"{key}: empty in {where}; give it a value{none}, or remove the line for the default")
+
+
 def _omegaconf_error(exc: OmegaConfBaseException, where: str) -> ConfigError:
     key = getattr(exc, "full_key", None) or ""
     msg = _first_line(exc)
     name = type(exc).__name__
+    if key and (msg.startswith("Incompatible value 'None'") or msg.endswith("is not Optional")):
+        return _no_value(key, where)
     if "KeyError" in name or "not in" in msg:
         return ConfigError(f"{key}: unknown key{_closest(key)} [{where}]")
     if "ValidationError" in name or "could not be converted" in msg:
@@ -245,6 +269,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
 
 def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
     t, p, m = cfg.train, cfg.parallel, cfg.model
+    _check_path_fits("run.dir", cfg.run.dir)
+    if cfg.data.cache_dir:
+        _check_path_fits("data.cache_dir", cfg.data.cache_dir)
     resume = cfg.checkpoint.resume
     check(  # a PATH only seeds the first start: once the run has checkpoints, the seed may be gone
         resume in RESUME_MODES or "://" in resume or Path(resume).exists() or _run_has_checkpoints(cfg),
@@ -315,6 +342,43 @@ def _tokenizer_vocab(data) -> tuple[int, str] | None:
         return int(json.loads(index.read_text())["tokenizer"]["vocab_size"]), f"the tokenizer of {first}"
     except (OSError, ValueError, KeyError, TypeError):
         return None  # prepare_sources names what is wrong with the shards
+
+
+# What loomtrain adds below a run directory, at most (a checkpoint's temp folder and the files
+# in it, a heartbeat's temp file): a run.dir must leave this much of PATH_MAX.
+ROOM_UNDER_RUN_DIR = 200
+
+
+def _fs_limit(path: Path, name: str, fallback: int) -> int:
+    """os.pathconf `name` (PC_NAME_MAX, PC_PATH_MAX) of the filesystem `path` will be on."""
+    for folder in (path, *path.parents):
+        if os.path.exists(folder):  # False, not ENAMETOOLONG, for a name over the limit
+            try:
+                return os.pathconf(folder, name)
+            except (OSError, ValueError):
+                break
+    return fallback
+
+
+def _check_path_fits(key: str, value: str) -> None:
+    """A name over the filesystem's limit (255 bytes on most) fails every write under it with
+    ENAMETOOLONG: refuse it now, naming the key and the limit."""
+    path = Path(os.path.expanduser(value)).absolute()
+    name_max = _fs_limit(path, "PC_NAME_MAX", 255)
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > name_max:
+            raise ConfigError(
+                f"{key}: a folder name in it is {size} bytes long ({part[:24]}...); the filesystem "
+                f"allows at most {name_max} bytes per name: pick a shorter {key}"
+            )
+    path_max = _fs_limit(path, "PC_PATH_MAX", 4096)
+    size = len(os.fsencode(str(path)))
+    if size + ROOM_UNDER_RUN_DIR > path_max:
+        raise ConfigError(
+            f"{key}: the path is {size} bytes long; the filesystem allows {path_max} bytes per path, and "
+            f"loomtrain needs {ROOM_UNDER_RUN_DIR} of them for the files under it: pick a shorter {key}"
+        )
 
 
 def _run_has_checkpoints(cfg: RunConfig) -> bool:

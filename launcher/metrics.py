@@ -30,6 +30,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
-from loomtrain.durable import atomic_write
+from loomtrain.durable import atomic_write, naming
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
@@ -280,6 +281,23 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard writes its event file on a thread of its own; when a write fails (a full or
+    read-only disk) that thread re-raises, Python prints its traceback, and the training thread
+    gets the same error at its next TensorBoard call, which ends the run with one line. Only the
+    first is noise: an OSError on TensorBoard's writer thread is not printed."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not (issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+
+    hook.quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -301,13 +319,15 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # A fresh start (start_step 0) replaces an earlier run's metrics; a resume keeps
         # the records up to start_step and drops those of the steps it will redo.
-        path = self.run_dir / "metrics.jsonl"
+        path = self.jsonl_path = self.run_dir / "metrics.jsonl"
         kept = [line for line in _read_lines(path) if _step_of(line) <= start_step] if start_step else []
         atomic_write(path, "".join(kept))  # a crash here keeps the earlier records
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
+            _quiet_tensorboard_thread()
             # purge_step: TensorBoard hides older events from step start_step + 1 on.
-            self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=start_step + 1)
+            with self._tensorboard():
+                self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=start_step + 1)
         use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
         if use_bar:
             self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -318,32 +338,43 @@ class MetricsLogger:
         event files, so `tensorboard --logdir runs/` shows `NAME`, not `NAME/tb`."""
         return self.run_dir
 
+    def _tensorboard(self) -> naming:
+        """Around a TensorBoard call: a failed write names the event file (its thread's error
+        reaches us at the next call, without a file name)."""
+        file_writer = getattr(self.writer, "file_writer", None)
+        event_file = getattr(getattr(file_writer, "event_writer", None), "_file_name", None)
+        return naming(event_file or self.tb_dir)
+
     # --- writers ----------------------------------------------------------------
     def hparams(self, config: dict[str, Any], metrics: tuple[str, ...] = ("loss/train", "loss/val")) -> None:
         """The resolved config as TensorBoard hyperparameters (in this run's own event file)."""
         if self.writer is None:
             return
         exp, ssi, sei = hparams_summary(_hparams(hparams_order(flatten(config))), {m: float("nan") for m in metrics})
-        fw = self.writer._get_file_writer()
-        for summary in (exp, ssi, sei):
-            fw.add_summary(summary)
-        self.writer.add_custom_scalars(CUSTOM_SCALARS)
+        with self._tensorboard():
+            fw = self.writer._get_file_writer()
+            for summary in (exp, ssi, sei):
+                fw.add_summary(summary)
+            self.writer.add_custom_scalars(CUSTOM_SCALARS)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """One JSON line and one TensorBoard scalar per metric."""
         if not self.enabled:
             return
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
+        with naming(self.jsonl_path):
+            self._jsonl.write(json.dumps(record) + "\n")
         if self.writer is not None:
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-            for tag, value in tb_scalars(metrics, world).items():
-                self.writer.add_scalar(tag, value, step)
+            with self._tensorboard():
+                for tag, value in tb_scalars(metrics, world).items():
+                    self.writer.add_scalar(tag, value, step)
 
     def text(self, tag: str, text: str, step: int, raw: bool = False) -> None:
         """Markdown text; unless `raw`, fenced as code so that its indentation stays visible."""
         if self.writer is not None:
-            self.writer.add_text(tag, text if raw else "```\n" + text + "\n```", step)
+            with self._tensorboard():
+                self.writer.add_text(tag, text if raw else "```\n" + text + "\n```", step)
 
     def console(self, step: int, metrics: dict[str, float], elapsed: float, done_steps: int) -> None:
         """Progress: a bar update on a terminal, otherwise one plain line."""
@@ -375,20 +406,36 @@ class MetricsLogger:
 
     def flush(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
+            with self._tensorboard():
+                self.writer.flush()
         if self._jsonl is not None:
-            self._jsonl.flush()
+            with naming(self.jsonl_path):
+                self._jsonl.flush()
 
     def close(self) -> None:
+        """Close the bar, TensorBoard and metrics.jsonl, all of them whatever fails. A failed
+        last write is raised (naming its file) after that, unless the run is already ending on
+        an error: that one is the cause to report, this one only its echo."""
+        failed: OSError | None = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         if self.writer is not None:
-            self.writer.close()
+            try:
+                with self._tensorboard():
+                    self.writer.close()
+            except OSError as exc:
+                failed = exc
             self.writer = None
         if self._jsonl is not None:
-            self._jsonl.close()
+            try:
+                with naming(self.jsonl_path):
+                    self._jsonl.close()
+            except OSError as exc:
+                failed = failed or exc
             self._jsonl = None
+        if failed is not None and sys.exc_info()[1] is None:
+            raise failed
 
 
 def _read_lines(path: Path) -> list[str]:

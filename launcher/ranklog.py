@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from loomtrain.durable import naming
+
 HEADER = "=== loomtrain attempt"
 
 
@@ -30,23 +32,21 @@ def rank_log_path(run_dir: str | os.PathLike, rank: int) -> Path:
 
 class _Tee(io.TextIOBase):
     """Writes to the original stream and to the rank log; the stream's own attributes
-    (isatty, fileno, encoding) stay those of the console, so tqdm and friends behave."""
+    (isatty, fileno, encoding) stay those of the console, so tqdm and friends behave.
+    A log that cannot be written (a full or read-only disk) is left alone from then on: a
+    print never fails for it (the run ends, with one line, at the next write it needs)."""
 
-    def __init__(self, stream, log) -> None:
-        self._stream, self._log = stream, log
+    def __init__(self, stream, owner: RankLog) -> None:
+        self._stream, self._owner = stream, owner
 
     def write(self, text: str) -> int:
         n = self._stream.write(text)
-        try:
-            self._log.write(text)
-        except ValueError:  # the log was closed under us (teardown)
-            pass
+        self._owner.append(text)
         return n if n is not None else len(text)
 
     def flush(self) -> None:
         self._stream.flush()
-        if not self._log.closed:
-            self._log.flush()
+        self._owner.flush()
 
     def isatty(self) -> bool:
         return self._stream.isatty()
@@ -77,26 +77,46 @@ class RankLog:
         """`host`: where this rank runs (DistEnv.host: hostname/address; default the hostname);
         `interface`: the socket interface its process group uses (DistEnv.interface)."""
         self.path = rank_log_path(run_dir, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.attempt = _count_headers(self.path) + 1
         self.host, self.pid, self.rank = host or socket.gethostname(), os.getpid(), rank
-        self.file = open(self.path, "a", buffering=1, encoding="utf-8", errors="replace")
-        self.file.write(
-            f"{HEADER} {self.attempt}: {time.strftime('%Y-%m-%d %H:%M:%S %z')} host {self.host} "
-            f"pid {self.pid} rank {rank} of {world_size} ({launcher}{'; ' + interface if interface else ''}) ===\n"
-        )
+        self.error: OSError | None = None  # the first failed write; the log is left alone after it
+        with naming(self.path):  # the start fails here, naming the log, on a full or read-only disk
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.attempt = _count_headers(self.path) + 1
+            self.file = open(self.path, "a", buffering=1, encoding="utf-8", errors="replace")
+            self.file.write(
+                f"{HEADER} {self.attempt}: {time.strftime('%Y-%m-%d %H:%M:%S %z')} host {self.host} "
+                f"pid {self.pid} rank {rank} of {world_size} ({launcher}{'; ' + interface if interface else ''}) ===\n"
+            )
         self._saved = None
 
     def install(self) -> RankLog:
         self._saved = (sys.stdout, sys.stderr)
-        sys.stdout, sys.stderr = _Tee(sys.stdout, self.file), _Tee(sys.stderr, self.file)
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self), _Tee(sys.stderr, self)
         return self
+
+    def append(self, text: str) -> None:
+        """`text` into the log as it is, unless the log is closed or failed before."""
+        if self.error is None and not self.file.closed:
+            try:
+                self.file.write(text)
+            except OSError as exc:
+                self._failed(exc)
+
+    def flush(self) -> None:
+        if self.error is None and not self.file.closed:
+            try:
+                self.file.flush()
+            except OSError as exc:
+                self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        exc.filename = exc.filename or str(self.path)
+        self.error = exc
 
     def write(self, text: str) -> None:
         """Into the log only (not the console)."""
-        if not self.file.closed:
-            self.file.write(text if text.endswith("\n") else text + "\n")
-            self.file.flush()
+        self.append(text if text.endswith("\n") else text + "\n")
+        self.flush()
 
     def close(self) -> None:
         if self._saved is not None:
@@ -106,7 +126,10 @@ class RankLog:
             sys.stdout, sys.stderr = self._saved
             self._saved = None
         if not self.file.closed:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # its last lines could not be written: the console had them
+                pass
 
 
 def _count_headers(path: Path) -> int:

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loomtrain.durable import atomic_write
+from loomtrain.durable import atomic_write, naming
 
 if TYPE_CHECKING:
     from loomtrain.launcher.config import RunConfig
@@ -201,12 +201,17 @@ class RunLock:
             except FileExistsError:
                 self._handle_existing()
                 continue
-            except OSError as exc:  # a read-only or full disk
-                raise RunDirError(f"run.dir={self.run_dir}: cannot write {self.path} ({exc.strerror or exc})") from None
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            # A read-only or full disk fails here as an OSError naming the lock (the command's
+            # one line for a disk error); a lock left empty would only stand in the next start's way.
+            try:
+                with naming(self.path), os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(self.record) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+                raise
             self.held = True
             self._start_heartbeat()
             return
@@ -279,7 +284,12 @@ class RunLock:
         self._stop.set()
         holder = _read_lock(self.path)
         if holder and holder.get("pid") == self.record["pid"] and holder.get("host") == self.record["host"]:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:
+                # a read-only run directory: the lock stays, and names a process that is gone
+                # once this one exits, so the next start on this host takes it over
+                pass
 
 
 @contextlib.contextmanager
@@ -287,18 +297,13 @@ def claim(run_dir: str | os.PathLike, log=None) -> Iterator[RunLock]:
     """Check the marker, take the lock, write the marker; release the lock on the way out."""
     run_dir = local_path(run_dir)
     check_marker(run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RunDirError(f"run.dir={run_dir}: cannot create it ({exc.strerror or exc})") from None
+    # A read-only or full disk: an OSError naming the folder or file (one line in the command).
+    run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(run_dir, log=log)
     lock.acquire()
     try:
         check_marker(run_dir)  # a folder filled between the check and the lock
-        try:
-            write_marker(run_dir)
-        except OSError as exc:
-            raise RunDirError(f"run.dir={run_dir}: cannot write {run_dir / MARKER} ({exc.strerror or exc})") from None
+        write_marker(run_dir)
         yield lock
     finally:
         lock.release()

@@ -19,11 +19,13 @@ once a second; the run removes it when it starts and when it stops.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -47,6 +49,51 @@ def signal_name(signum: int) -> str:
 def request_stop(run_dir: str | os.PathLike, signum: int = signal.SIGTERM) -> Path:
     """Ask a running job (every rank, wherever it runs) to save and stop, through its run dir."""
     return atomic_write(Path(run_dir) / STOP_FILE, signal_name(signum) + "\n")
+
+
+class StoppedDuringStartUp(BaseException):
+    """A stop signal that came before the loop's StopRequest was in place (config, run lock,
+    imports, process group): there is nothing to save yet. A BaseException, as KeyboardInterrupt
+    is, so that library code's `except Exception` lets it through and every `finally` on the
+    way out runs (the run lock is released)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+    def line(self) -> str:
+        return (
+            f"loomtrain: {signal_name(self.signum)}: stopped during start-up, before the first step: "
+            f"nothing saved; run the same command to start again"
+        )
+
+
+@contextlib.contextmanager
+def stop_during_start_up() -> Iterator[None]:
+    """Until a StopRequest takes over: SIGTERM, Ctrl-C and SIGHUP raise StoppedDuringStartUp
+    in the main thread (Python's default for SIGTERM and SIGHUP ends the process on the spot,
+    leaving its run lock behind; Ctrl-C's is a KeyboardInterrupt traceback). Once only: a
+    second signal does not interrupt the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        if not raised:
+            raised.append(signum)
+            raise StoppedDuringStartUp(signum)
+
+    old = {}
+    for name in SIGNALS:
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            old[signum] = signal.signal(signum, on_signal)
+    try:
+        yield
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
 
 
 class StopRequest:

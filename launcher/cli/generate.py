@@ -128,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.max_new_tokens > room:  # said before the wait, not left for the user to count
+        print(
+            f"loomtrain generate: --max-new-tokens {args.max_new_tokens} is more than the context leaves: "
+            f"generation stops at model.max_seq_len {model.cfg.max_seq_len} (the prompt's {len(ids)} tokens "
+            f"+ at most {room} new)",
+            file=sys.stderr,
+        )
     gen = torch.Generator(device=device).manual_seed(args.seed)
     try:
         out = model.generate(

@@ -4,7 +4,9 @@ Locally (one process, the loop in launcher/loop.py), under torchrun (`torchrun
 --nproc_per_node N -m loomtrain train CONFIG`), or with --ray on a Ray cluster
 (launcher/cluster/ray_train.py).
 A bad config stops here with `loomtrain: config error: <dotted key>: ...` and
-exit status 2, before any process group, model or data exists.
+exit status 2, before any process group, model or data exists. A full or read-only disk
+is one line naming the file, the cause and the checkpoint that stays `latest` (exit 1);
+a signal before the loop's own handlers are in place is one line too (exit 128 + signal).
 """
 
 from __future__ import annotations
@@ -24,10 +26,21 @@ from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolv
 from loomtrain.launcher.nonfinite import NonFiniteError
 from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
 from loomtrain.launcher.rundir import RunDirError, claim, run_dir
-from loomtrain.launcher.stopping import exit_code
+from loomtrain.launcher.stopping import StoppedDuringStartUp, exit_code, stop_during_start_up
 
-# Disk trouble a user fixes (space, quota, permissions, a read-only mount): one line, no traceback.
-DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EIO}
+# Disk trouble a user fixes (space, quota, permissions, a read-only mount, a name too long):
+# one line, no traceback; errno -> what to do about it.
+DISK_FIXES = {
+    errno.ENOSPC: "free space on that disk (or pick another run.dir)",
+    errno.EDQUOT: "free space within your quota (or pick another run.dir)",
+    errno.EFBIG: "pick a run.dir on a filesystem that takes larger files",
+    errno.EROFS: "make that location writable (or pick another run.dir)",
+    errno.EACCES: "make that location writable (or pick another run.dir)",
+    errno.EPERM: "make that location writable (or pick another run.dir)",
+    errno.ENAMETOOLONG: "pick a shorter run.dir",
+    errno.EIO: "check that disk",
+}
+DISK_ERRNOS = set(DISK_FIXES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # A signal before the loop's own handlers are in place: one line, the run lock released.
+    try:
+        with stop_during_start_up():
+            return _main(args)
+    except StoppedDuringStartUp as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(exc.line(), file=sys.stderr, flush=True)
+        return 128 + exc.signum  # nothing was saved: not the 0 of a stop that saved a checkpoint
 
+
+def _main(args: argparse.Namespace) -> int:
     try:
         cfg = resolve(args.config, args.overrides)
         # With --ray the world size is ray.num_workers; else what the launcher set (or 1).
@@ -74,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     # outlives its worker groups' restarts), else global rank 0; the other ranks follow it.
     owner = args.ray or os.environ.get("RANK", "0") == "0"
     made = _first_missing(run_dir(cfg))  # what this start creates, if anything
-    rc = 1
+    rc, stopped = 1, False
     try:
         with claim(cfg.run.dir) if owner else contextlib.nullcontext():
             rc = _run(cfg, args)
@@ -83,10 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loomtrain: run directory error: {exc}", file=sys.stderr)
         rc = 2
         return rc
+    except OSError as exc:  # a full or read-only disk, wherever it struck (the lock, a log, a checkpoint)
+        if not isinstance(exc, CheckpointWriteError) and exc.errno not in DISK_ERRNOS:
+            raise
+        print(disk_error_line(exc, run_dir(cfg)), file=sys.stderr, flush=True)
+        rc = 1
+        return rc
+    except StoppedDuringStartUp:
+        stopped = True
+        raise
     finally:
         # exit 2: a config, data or run-directory error, whose one console line is the whole
-        # story (a hang or a crash keeps its folder: the stacks and rank logs are in it)
-        if rc == 2 and owner and not args.ray and made is not None:
+        # story (a hang or a crash keeps its folder: the stacks and rank logs are in it); a
+        # start stopped before its first step has nothing to keep either
+        if (rc == 2 or stopped) and owner and not args.ray and made is not None:
             _remove_if_no_step(run_dir(cfg), made)
 
 
@@ -151,9 +184,31 @@ def _run_here(cfg) -> int:
     except NonFiniteError as exc:
         print(f"loomtrain: training stopped: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # a full or read-only disk (checkpoints: CheckpointWriteError)
-        if not isinstance(exc, CheckpointWriteError) and exc.errno not in DISK_ERRNOS:
-            raise
-        print(f"loomtrain: write error: {exc}", file=sys.stderr)
-        return 1
     return exit_code(result.stopped_by)  # SIGTERM: 0; Ctrl-C: 130; SIGHUP: 129
+
+
+def disk_error_line(exc: OSError, run_dir: Path) -> str:
+    """A run ended by its disk, in one line: the file, the cause, the checkpoint that stays
+    `latest` (the newest one saved before the failure), and what to do."""
+    latest = _latest(run_dir)
+    if isinstance(exc, CheckpointWriteError):  # names the checkpoint it was writing and `latest`
+        what = str(exc)
+    else:
+        kept = f"{latest} stays latest" if latest else "no checkpoint was saved yet"
+        what = f"{os.fsdecode(exc.filename or run_dir)}: {exc.strerror or exc}; {kept}"  # TensorBoard's are bytes
+    # a CheckpointWriteError carries its cause as text ("No space left on device"), not an errno
+    code = exc.errno or next((e for e in DISK_FIXES if os.strerror(e) in str(exc)), None)
+    fix = DISK_FIXES.get(code, "check that disk")
+    then = f"run the same command to resume from {latest.name}" if latest else "run the same command to start"
+    return f"loomtrain: write error: {what}: {fix}, then {then}"
+
+
+def _latest(run_dir: Path) -> Path | None:
+    """The checkpoint RUN_DIR/checkpoints/latest names, if any."""
+    from loomtrain.launcher.checkpoints.store import LATEST
+
+    try:
+        name = (run_dir / "checkpoints" / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return run_dir / "checkpoints" / name if name else None
