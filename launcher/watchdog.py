@@ -7,7 +7,7 @@ and each phase has its own allowance (`Allowances`, from the config):
     start-up        the first step of an attempt: 3 x parallel.timeout_s   parallel.startup_timeout_s
     training step   parallel.timeout_s                                     parallel.timeout_s
     evaluation      timeout_s + eval.batches x one forward pass            parallel.forward_timeout_s
-    samples         timeout_s + eval.sample_tokens x one forward pass      parallel.forward_timeout_s
+    samples         timeout_s + eval.sample_tokens x one forward pass      (0: timeout_s / 3)
     checkpoint I/O  checkpoint.timeout_s (`io_phase`)                      checkpoint.timeout_s
 
 plus, with parallel.compile, parallel.compile_timeout_s the first time a phase runs in the
@@ -15,7 +15,8 @@ process (torch.compile compiles the training step, the no-grad forward and sampl
 shapes once). Announcing is attribute writes on the loop's thread: `beat(step)` after every
 step, `with phase("evaluation"):` around a phase, `io_phase(...)` around checkpoint I/O
 (a slow save is not a hang, and a hang is not excused as a save). No collective, no
-device sync. Every `interval` seconds the thread writes this rank's heartbeat,
+device sync. The time spent in announced phases (`outside_steps_s`) is what the loop
+leaves out of a step's time for tok/s. Every `interval` seconds the thread writes this rank's heartbeat,
 RUN_DIR/logs/heartbeats/rank_NNNNN.json: host, pid, last completed step, phase and its
 allowance, the function its main thread is in, and a beat counter.
 
@@ -32,8 +33,9 @@ When a rank has made no progress for its phase's allowance, its watchdog
    else the ranks behind the others' step, else the ranks not waiting in a collective;
 4. on the lowest live rank, prints one line (console, its log and rank 0's log):
    `loomtrain: hang: rank N (host H, pid P) did not reach step S (in PHASE, allowed X s:
-   KNOB); ranks ... waited in FUNCTION; stacks in RUN_DIR/logs/`, records it in RUN_DIR/logs/hang.json (the
-   next Ray attempt says why the previous one ended), and SIGKILLs stuck ranks on
+   KNOB); ranks ... waited in FUNCTION; stacks in RUN_DIR/logs/`, records it in
+   RUN_DIR/logs/hang.json (the next Ray attempt says why the previous one ended), and
+   SIGKILLs stuck ranks on
    its own host that no longer beat (a stopped process would otherwise hold the
    launcher's shutdown for its SIGTERM grace);
 5. ends its process with exit status HANG_EXIT_CODE.
