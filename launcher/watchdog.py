@@ -35,9 +35,8 @@ When a rank has made no progress for its phase's allowance, its watchdog
    `loomtrain: hang: rank N (host H, pid P) did not reach step S (in PHASE, allowed X s:
    KNOB); ranks ... waited in FUNCTION; stacks in RUN_DIR/logs/`, records it in
    RUN_DIR/logs/hang.json (the next Ray attempt says why the previous one ended), and
-   SIGKILLs stuck ranks on
-   its own host that no longer beat (a stopped process would otherwise hold the
-   launcher's shutdown for its SIGTERM grace);
+   SIGKILLs stuck ranks on its own host that no longer beat (a stopped process would
+   otherwise hold the launcher's shutdown for its SIGTERM grace);
 5. ends its process with exit status HANG_EXIT_CODE.
 
 The process group's own timeout is set HANG_REPORT_MARGIN_S above the longest allowance
