@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -45,7 +46,14 @@ from loomtrain.data_pipeline.shards import (
     SplitWriter,
     token_dtype,
 )
-from loomtrain.data_pipeline.staging import Parts, check_output, clear_assembly, open_partial, publish
+from loomtrain.data_pipeline.staging import (
+    Parts,
+    Progress,
+    check_output,
+    clear_assembly,
+    open_partial,
+    publish,
+)
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from loomtrain.durable import atomic_write_json
 from tqdm import tqdm
@@ -60,6 +68,13 @@ _W: dict = {}
 def _init_worker(tokenizer, text_field: str, skip_bad_lines: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _W.update(tokenizer=tokenizer, text_field=text_field, skip=skip_bad_lines)
+
+
+def _init_pool_worker(tokenizer, text_field: str, skip_bad_lines: bool) -> None:
+    # Ctrl-C reaches the whole process group: the parent stops the pool and says what was
+    # kept; a worker left to raise KeyboardInterrupt would print a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(tokenizer, text_field, skip_bad_lines)
 
 
 def _tokenize_unit(unit):
@@ -98,7 +113,7 @@ def _ordered_results(tagged_units, tokenizer, text_field, skip_bad_lines, worker
         return
     # spawn, not fork: the caller may be a training process with threads.
     with mp.get_context("spawn").Pool(
-        workers, initializer=_init_worker, initargs=(tokenizer, text_field, skip_bad_lines)
+        workers, initializer=_init_pool_worker, initargs=(tokenizer, text_field, skip_bad_lines)
     ) as pool:
         pending: deque = deque()
         for tag, unit in tagged_units:
@@ -327,90 +342,95 @@ def preprocess_files(
         raise DataError(f"--bpe-sample-bytes: expected >= 0 (0 = all the input), got {bpe_sample_bytes}")
     splitter = ValSplit(val_fraction, seed)
     out = Path(output)
-    check_output(out, overwrite)
-    t0 = time.perf_counter()
+    at = Progress(out, files)
     try:
+        check_output(out, overwrite)
+        t0 = time.perf_counter()
         sizes = [p.stat() for p in files]
-    except OSError as exc:
-        raise DataError(f"input {exc.filename}: {exc.strerror}") from None
-    total_bytes = sum(st.st_size for st in sizes)
-    job = {
-        "inputs": [[str(p.resolve()), st.st_size, st.st_mtime_ns] for p, st in zip(files, sizes)],
-        "tokenizer": _tokenizer_key(tokenizer, bpe_vocab_size, bpe_sample_bytes),
-        "text_field": text_field,
-        "skip_bad_lines": bool(skip_bad_lines),
-    }
-    work, resumed = open_partial(out, job, log)
-    tokenizer = _work_tokenizer(
-        work, resumed, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes, progress, log
-    )
-    parts = Parts(work, token_dtype(tokenizer.vocab_size))
-    todo = [i for i in range(len(files)) if not parts.done(i)]
-    if resumed and log:
-        log(f"preprocess: resuming {work}: {len(files) - len(todo)} of {len(files)} input files already done")
-    if executor is not None:
-
-        def write_part(i: int, results: list) -> None:
-            writer, stats = parts.writer(i), _zero_stats()
-            for tokens, lengths, cont, open_, st in results:
-                for k, v in st.items():
-                    stats[k] += v
-                writer.add(tokens, lengths, cont, open_)
-            writer.finish(stats)
-
-        workers = executor(
-            [(i, str(files[i])) for i in todo],
-            tokenizer,
-            text_field,
-            skip_bad_lines,
-            max_in_flight=workers,
-            on_file=write_part,
-            log=log,
+        total_bytes = sum(st.st_size for st in sizes)
+        job = {
+            "inputs": [[str(p.resolve()), st.st_size, st.st_mtime_ns] for p, st in zip(files, sizes)],
+            "tokenizer": _tokenizer_key(tokenizer, bpe_vocab_size, bpe_sample_bytes),
+            "text_field": text_field,
+            "skip_bad_lines": bool(skip_bad_lines),
+        }
+        work, resumed = open_partial(out, job, log)
+        at.work = work
+        tokenizer = _work_tokenizer(
+            work, resumed, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes, progress, log
         )
-    else:
-        workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
-        # Starting a pool (~1 s) only pays off for bigger inputs; BPE encodes ~100x slower than bytes.
-        todo_bytes = sum(sizes[i].st_size for i in todo)
-        if todo_bytes < (
-            4 * documents.UNIT_BYTES if isinstance(tokenizer, ByteTokenizer) else documents.UNIT_BYTES // 16
-        ):
-            workers = 1
-        bar = tqdm(
-            total=total_bytes,
-            initial=total_bytes - todo_bytes,
-            unit="B",
-            unit_scale=True,
-            desc="preprocess",
-            disable=not progress,
-            file=sys.stderr,
-        )
-        try:
-            _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar)
-        finally:
-            bar.close()
-    splits, stats = _assemble(work, parts, files, tokenizer, splitter, shard_tokens)
-    if splits["train"]["num_tokens"] == 0 and splits["val"]["num_tokens"] == 0:
-        raise DataError(f"inputs hold no text: {', '.join(sources or [str(p) for p in files[:3]])}")
-    dtype = token_dtype(tokenizer.vocab_size)
-    # Nothing here depends on timing, workers or Ray: the same inputs give the same bytes.
-    index = {
-        "format": FORMAT,
-        "version": VERSION,
-        "dtype": dtype.name,
-        "tokenizer": {
-            "hash": tokenizer.hash,
-            "name": tokenizer.name,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id,
-            "file": "tokenizer.json",
-        },
-        "splits": splits,
-        "split": {"val_fraction": val_fraction, "seed": seed, "method": "one document per stratum floor(i*f)"},
-        "stats": {"files": len(files), "bytes": total_bytes, **stats},
-        "sources": sources or [str(p) for p in files],
-    }
-    atomic_write_json(work / INDEX, index)
-    publish(work, out)
+        parts = at.parts = Parts(work, token_dtype(tokenizer.vocab_size))
+        todo = [i for i in range(len(files)) if not parts.done(i)]
+        if resumed and log:
+            log(f"preprocess: resuming {work}: {len(files) - len(todo)} of {len(files)} input files already done")
+        if executor is not None:
+
+            def write_part(i: int, results: list) -> None:
+                writer, stats = parts.writer(i), _zero_stats()
+                for tokens, lengths, cont, open_, st in results:
+                    for k, v in st.items():
+                        stats[k] += v
+                    writer.add(tokens, lengths, cont, open_)
+                writer.finish(stats)
+
+            workers = executor(
+                [(i, str(files[i])) for i in todo],
+                tokenizer,
+                text_field,
+                skip_bad_lines,
+                max_in_flight=workers,
+                on_file=write_part,
+                log=log,
+            )
+        else:
+            workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
+            # Starting a pool (~1 s) only pays off for bigger inputs; BPE encodes ~100x slower than bytes.
+            todo_bytes = sum(sizes[i].st_size for i in todo)
+            if todo_bytes < (
+                4 * documents.UNIT_BYTES if isinstance(tokenizer, ByteTokenizer) else documents.UNIT_BYTES // 16
+            ):
+                workers = 1
+            bar = tqdm(
+                total=total_bytes,
+                initial=total_bytes - todo_bytes,
+                unit="B",
+                unit_scale=True,
+                desc="preprocess",
+                disable=not progress,
+                file=sys.stderr,
+            )
+            try:
+                _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar)
+            finally:
+                bar.close()
+        at.assembling = True
+        splits, stats = _assemble(work, parts, files, tokenizer, splitter, shard_tokens)
+        if splits["train"]["num_tokens"] == 0 and splits["val"]["num_tokens"] == 0:
+            raise DataError(f"inputs hold no text: {', '.join(sources or [str(p) for p in files[:3]])}")
+        dtype = token_dtype(tokenizer.vocab_size)
+        # Nothing here depends on timing, workers or Ray: the same inputs give the same bytes.
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": dtype.name,
+            "tokenizer": {
+                "hash": tokenizer.hash,
+                "name": tokenizer.name,
+                "vocab_size": tokenizer.vocab_size,
+                "eos_id": tokenizer.eos_id,
+                "file": "tokenizer.json",
+            },
+            "splits": splits,
+            "split": {"val_fraction": val_fraction, "seed": seed, "method": "one document per stratum floor(i*f)"},
+            "stats": {"files": len(files), "bytes": total_bytes, **stats},
+            "sources": sources or [str(p) for p in files],
+        }
+        atomic_write_json(work / INDEX, index)
+        publish(work, out)
+    except KeyboardInterrupt:  # Ctrl-C: what was kept is in OUTPUT.partial, and a rerun resumes from it
+        raise at.interrupted() from None
+    except OSError as exc:  # a full, read-only or vanished disk: one line naming the path
+        raise at.os_error(exc) from None
     run = {
         "seconds": round(time.perf_counter() - t0, 3),
         "workers": workers,

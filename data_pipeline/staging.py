@@ -21,13 +21,14 @@ does not depend on which run, process or Ray task tokenized which file.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError
-from loomtrain.durable import AtomicFile, atomic_write_json, replace_dir
+from loomtrain.durable import TMP_PREFIX, AtomicFile, atomic_write_json, replace_dir
 
 PARTIAL_FORMAT = "loomtrain-preprocess-partial"
 JOB = "job.json"
@@ -203,3 +204,58 @@ def publish(work: Path, out: Path) -> None:
     replace_dir(work, out)
     (out / JOB).unlink(missing_ok=True)
     shutil.rmtree(out / "parts", ignore_errors=True)
+
+
+class Interrupted(Exception):
+    """Ctrl-C during preprocess; the message says what was kept and that a rerun resumes."""
+
+
+class Progress:
+    """How far a run got: what the one line that ends it early (Ctrl-C, an OS error) says was kept."""
+
+    def __init__(self, out: Path, files: list[Path]):
+        self.out, self.files = out, files
+        self.work: Path | None = None  # OUTPUT.partial, once opened
+        self.parts: Parts | None = None  # once the tokenizer is saved there
+        self.assembling = False
+
+    def kept(self) -> str | None:
+        """What a rerun of the same command starts from; None: nothing yet."""
+        if self.work is None:
+            return None
+        if self.parts is None:
+            return f"no input file was tokenized yet (the work folder {self.work} is kept)"
+        n = len(self.files)
+        done = sum(self.parts.done(i) for i in range(n))
+        if self.assembling and done == n:
+            return f"all {n} input files are tokenized and kept in {self.work}; the shards were not finished"
+        return f"{done} of {n} input files are tokenized and kept in {self.work}"
+
+    def interrupted(self) -> Interrupted:
+        kept = self.kept()
+        if kept is None:
+            return Interrupted("interrupted before anything was written; run the same command again to start")
+        return Interrupted(f"interrupted: {kept}; run the same command again to resume from there")
+
+    def _on_output(self, path: Path) -> bool:
+        """`path` is OUTPUT, OUTPUT.partial or inside them, a folder above OUTPUT, or the
+        .tmp-OUTPUT.old beside it that an earlier output is moved to when replaced."""
+        out, path = self.out.absolute(), path.absolute()
+        ours = {out, partial_dir(out), out.with_name(f"{TMP_PREFIX}{out.name}.old")}
+        return path in out.parents or any(p in ours for p in (path, *path.parents))
+
+    def os_error(self, exc: OSError) -> DataError:
+        cause = exc.strerror or str(exc)
+        path = Path(exc.filename) if exc.filename else (self.work or self.out)
+        if not self._on_output(path):
+            is_input = any(path.absolute() == f.absolute() for f in self.files)
+            return DataError(f"{'input ' if is_input else ''}{path}: {cause}")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space there, or choose another --output"
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = "make it writable, or choose another --output"
+        else:
+            fix = "check that location, or choose another --output"
+        kept = self.kept()
+        resume = f"; {kept}, where a rerun of the same command resumes" if kept else ""
+        return DataError(f"--output {self.out}: {path}: {cause}; {fix}{resume}")

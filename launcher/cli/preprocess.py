@@ -12,9 +12,12 @@ import sys
 from loomtrain.data_pipeline.documents import expand_inputs
 from loomtrain.data_pipeline.preprocess import DEFAULT_SHARD_TOKENS, preprocess_files
 from loomtrain.data_pipeline.shards import DataError
+from loomtrain.data_pipeline.staging import Interrupted
 from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.cluster.preprocess_tasks import RayTasks
 from loomtrain.launcher.config import DataConfig
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.address is not None and not args.ray:
         parser.error("--address needs --ray")
+    executor = RayTasks(args.address) if args.ray else None
     try:
+        if executor is not None:
+            executor.check()  # up front: a dead address fails in seconds, before anything is written
         files = expand_inputs(args.input)
         preprocess_files(
             files,
@@ -92,9 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             shard_tokens=args.shard_tokens,
             sources=args.input,
             overwrite=args.overwrite,
-            executor=RayTasks(args.address) if args.ray else None,
+            executor=executor,
         )
     except DataError as exc:
         print(f"loomtrain preprocess: error: {exc}", file=sys.stderr)
         return 1
+    except Interrupted as exc:  # Ctrl-C: the line says what was kept and that a rerun resumes
+        print(f"loomtrain preprocess: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # before preprocess_files began (listing the inputs)
+        print("loomtrain preprocess: interrupted before anything was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0

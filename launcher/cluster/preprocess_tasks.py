@@ -11,16 +11,61 @@ depend on where or how often it is computed.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from loomtrain.data_pipeline.preprocess import tokenize_file
 from loomtrain.data_pipeline.shards import DataError
 from loomtrain.launcher.addresses import AddressError, check_ray_address
 
+REACH_TIMEOUT_S = 5.0  # a cluster's head answers a TCP connect at once; this bounds a dead or filtered address
+RAY_CLIENT_PORT = 10001  # ray://HOST without a port
+
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_reachable(address: str, what: str) -> None:
+    """The cluster at `address` answers within REACH_TIMEOUT_S, else one line naming it: ray.init
+    retries a dead GCS for minutes, and waits without end on a port that accepts a connection but
+    speaks something else (the dashboard's 8265 given as HOST:PORT is the usual mix-up)."""
+    if address in ("auto", "local"):  # found (or refused at once) by Ray from this machine's own files
+        return
+    netloc = urlsplit(address).netloc if "://" in address else address
+    parts = urlsplit(f"//{netloc}")
+    host, port = parts.hostname, parts.port or RAY_CLIENT_PORT
+    fix = "check the address (HOST:6379, the head's GCS port, or ray://HEAD:10001) and that the cluster is up"
+    where = "" if f"{host}:{port}" in address else f" to {host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=REACH_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        cause = f"no answer within {REACH_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError) else exc.strerror or exc
+        raise DataError(f"{what} {address}: cannot connect{where} ({cause}); {fix}") from None
+    if "://" not in address and not _answers_as_gcs(address):
+        raise DataError(
+            f"{what} {address}: it accepts connections but does not answer as a Ray GCS within "
+            f"{REACH_TIMEOUT_S:g} s (is it the dashboard port, 8265?); {fix}"
+        )
+
+
+def _answers_as_gcs(address: str) -> bool:
+    """One GCS request (its cluster id) to HOST:PORT with a deadline."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=REACH_TIMEOUT_S
+            )
+        except grpc.RpcError as exc:
+            # A GCS that wants a token refuses us but is there; ray.init sends the token.
+            return exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+    return True
 
 
 def _connect(address: str | None, max_in_flight: int | None) -> bool:
@@ -29,11 +74,8 @@ def _connect(address: str | None, max_in_flight: int | None) -> bool:
 
     if ray.is_initialized():
         return False
+    RayTasks(address).check()
     address = address or os.environ.get("RAY_ADDRESS") or None
-    try:
-        check_ray_address(address or "", "--address")
-    except AddressError as exc:
-        raise DataError(str(exc)) from None
     try:
         if address:
             ray.init(address=address, log_to_driver=False)
@@ -70,7 +112,7 @@ def tokenize_on_ray(
             log(f"preprocess: {len(jobs)} input files as Ray tasks, {in_flight} at a time")
         task = ray.remote(num_cpus=1, max_retries=3)(tokenize_file)
         tok_ref = ray.put(tokenizer)
-        queue, running = list(jobs), {}
+        queue, running, path_of = list(jobs), {}, dict(jobs)
         while queue or running:
             while queue and len(running) < in_flight:
                 i, path = queue.pop(0)
@@ -82,6 +124,8 @@ def tokenize_on_ray(
             except RayTaskError as exc:
                 if isinstance(exc.cause, DataError):  # bad input: its own one-line message
                     raise DataError(str(exc.cause)) from None
+                if isinstance(exc.cause, OSError):  # an input the task could not read where it ran
+                    raise DataError(f"input {path_of[i]}: {exc.cause.strerror or exc.cause}") from None
                 raise
             on_file(i, results)
         return in_flight
@@ -97,6 +141,18 @@ class RayTasks:
 
     address: str | None = None
     name = "Ray"  # in preprocess' summary line: "N worker(s) on Ray"
+
+    def check(self) -> None:
+        """Before anything is written: the address is well formed and a cluster answers there
+        within a few seconds (DataError naming it otherwise); no address: a local instance."""
+        what = "--address" if self.address else "RAY_ADDRESS"
+        address = self.address or os.environ.get("RAY_ADDRESS") or ""
+        try:
+            check_ray_address(address, what)
+        except AddressError as exc:
+            raise DataError(str(exc)) from None
+        if address:
+            _check_reachable(address, what)
 
     def __call__(self, jobs, tokenizer, text_field, skip_bad_lines, *, max_in_flight, on_file, log=None) -> int:
         return tokenize_on_ray(
