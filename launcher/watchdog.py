@@ -273,7 +273,10 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._write_heartbeat()
+                try:
+                    self._write_heartbeat()
+                except OSError:  # a full or read-only run.dir: the training thread says so, once
+                    pass
                 if time.monotonic() - self.progress_at > self.limit:
                     self._on_hang()
             except Exception as exc:  # the watchdog must never be what kills a run
