@@ -429,7 +429,7 @@ def preprocess_files(
         publish(work, out)
     except KeyboardInterrupt:  # Ctrl-C: what was kept is in OUTPUT.partial, and a rerun resumes from it
         raise at.interrupted() from None
-    except OSError as exc:  # a full, read-only or vanished disk: one line naming the path
+    except OSError as exc:  # an input that cannot be read, a full or read-only output: named with the path
         raise at.os_error(exc) from None
     run = {
         "seconds": round(time.perf_counter() - t0, 3),

@@ -206,8 +206,19 @@ def publish(work: Path, out: Path) -> None:
     shutil.rmtree(out / "parts", ignore_errors=True)
 
 
-class Interrupted(Exception):
-    """Ctrl-C during preprocess; the message says what was kept and that a rerun resumes."""
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during preprocess; the message says what was kept and that a rerun resumes. Still a
+    KeyboardInterrupt, for callers that stop on one."""
+
+
+class OutputError(OSError):
+    """An OS error on preprocess's output (full, read-only, ...): still the OSError it was (errno,
+    strerror, filename: a caller's disk-error handling applies), with `line`: the one line the
+    preprocess command ends with (the path, the cause, what to do, what a rerun resumes from)."""
+
+    def __init__(self, exc: OSError, filename: str, line: str):
+        super().__init__(exc.errno, exc.strerror, filename)
+        self.line = line
 
 
 class Progress:
@@ -244,7 +255,9 @@ class Progress:
         ours = {out, partial_dir(out), out.with_name(f"{TMP_PREFIX}{out.name}.old")}
         return path in out.parents or any(p in ours for p in (path, *path.parents))
 
-    def os_error(self, exc: OSError) -> DataError:
+    def os_error(self, exc: OSError) -> DataError | OutputError:
+        """A DataError naming an input (or another path) that could not be read; an OutputError
+        for the output."""
         cause = exc.strerror or str(exc)
         path = Path(exc.filename) if exc.filename else (self.work or self.out)
         if not self._on_output(path):
@@ -258,4 +271,4 @@ class Progress:
             fix = "check that location, or choose another --output"
         kept = self.kept()
         resume = f"; {kept}, where a rerun of the same command resumes" if kept else ""
-        return DataError(f"--output {self.out}: {path}: {cause}; {fix}{resume}")
+        return OutputError(exc, str(path), f"--output {self.out}: {path}: {cause}; {fix}{resume}")

@@ -12,7 +12,7 @@ import sys
 from loomtrain.data_pipeline.documents import expand_inputs
 from loomtrain.data_pipeline.preprocess import DEFAULT_SHARD_TOKENS, preprocess_files
 from loomtrain.data_pipeline.shards import DataError
-from loomtrain.data_pipeline.staging import Interrupted
+from loomtrain.data_pipeline.staging import Interrupted, OutputError
 from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.cluster.preprocess_tasks import RayTasks
 from loomtrain.launcher.config import DataConfig
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except DataError as exc:
         print(f"loomtrain preprocess: error: {exc}", file=sys.stderr)
+        return 1
+    except OutputError as exc:  # full or read-only: the path, the cause, what a rerun resumes from
+        print(f"loomtrain preprocess: error: {exc.line}", file=sys.stderr)
         return 1
     except Interrupted as exc:  # Ctrl-C: the line says what was kept and that a rerun resumes
         print(f"loomtrain preprocess: {exc}", file=sys.stderr)
