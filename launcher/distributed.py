@@ -305,7 +305,12 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     # DeepSpeed's comm layer wraps the existing group (no second rendezvous). Imported here:
     # checkpoint readers (export, generate) use this module's rank helpers without DeepSpeed.
     import deepspeed
+    import deepspeed.ops
 
+    # DeepSpeed's shared-memory all-reduce serves only its inference engine (training talks to
+    # torch.distributed), yet on a CPU it is a C++ build of 30-80 s at the first start, and
+    # again whenever another `ninja` is first on PATH (two ninjas disagree on the build log).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout, verbose=False)
     return DistEnv(
         rank=dist.get_rank(),

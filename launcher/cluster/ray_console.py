@@ -20,8 +20,7 @@ start-up warnings from every worker. What goes where instead:
 The printer is Ray's private `global_worker_stdstream_dispatcher` and `print_to_stdstream` (in
 ray._private.worker: the only place Ray hands a driver the lines of its processes with who
 wrote them, and the GCS's messages such as "node ... marked dead"); if a Ray release drops
-them, the console falls back to Ray's own output and says so in the log. DeepSpeed's one
-"... shm_comm_op built successfully" print per rank stays: it is the same under torchrun.
+them, the console falls back to Ray's own output and says so in the log.
 """
 
 from __future__ import annotations
