@@ -57,6 +57,7 @@ def worker(args) -> None:
     sys.path.insert(0, str(HERE.parent))
     import common
     from loomtrain.launcher.checkpoints.background import BackgroundSave
+    from loomtrain.launcher.checkpoints.parts import Training
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
     from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.config_loader import load_config
@@ -83,13 +84,14 @@ def worker(args) -> None:
         world_size=world,
     )
     ctx = common.engine_context(cfg, run_dir=args.run_dir)
+    training = Training(ctx.engine, ctx.topology, zero_stage=1)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rank = ctx.dist.rank
     store = CheckpointStore(args.run_dir, keep_last=10, log=lambda m: None)
 
     barrier()
     t0 = time.perf_counter()
-    path = save_checkpoint(store, 1, ctx.engine, ctx.topology, zero_stage=1)
+    path = save_checkpoint(store, 1, training)
     sync_s = time.perf_counter() - t0
     written = sum(
         (path / d / f"rank_{rank:05d}.safetensors").stat().st_size
@@ -101,13 +103,13 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     tmp = store.begin(2) if rank == 0 else store.temp_dir(2)
     barrier()
-    snap = take_snapshot(2, ctx.engine, ctx.topology, copy=True, zero_stage=1)
+    snap = take_snapshot(2, training, copy=True)
     bg = BackgroundSave(snap, store, tmp).start()
     async_s = time.perf_counter() - t0
     bg.wait()
     barrier()
 
-    trainer = load_checkpoint(path, ctx.engine, ctx.topology, zero_stage=1)
+    trainer = load_checkpoint(path, training)
     out = {
         "rank": rank,
         "rss": rss,

@@ -75,6 +75,7 @@ def worker(args) -> None:
     sys.path.insert(0, str(HERE.parent))
     import common
     from loomtrain.launcher.checkpoints.background import BackgroundSave
+    from loomtrain.launcher.checkpoints.parts import Training
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
     from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.config_loader import load_config
@@ -100,13 +101,14 @@ def worker(args) -> None:
     )
     run_dir = Path(args.run_dir)
     ctx = common.engine_context(cfg, run_dir=str(run_dir))
+    training = Training(ctx.engine, ctx.topology, zero_stage=zero)
     rank = ctx.dist.rank
     store = CheckpointStore(run_dir, keep_last=1, log=lambda m: None)
     out = {k: [] for k in ("save", "dd", "resume", "floor", "resume_cold", "floor_cold", "async")}
     for r in range(args.rounds):
         step = 10 * (r + 1)
         barrier()
-        seconds, path = timed(save_checkpoint, store, step, ctx.engine, ctx.topology, zero_stage=zero)
+        seconds, path = timed(save_checkpoint, store, step, training)
         out["save"].append(seconds)
         mine = [path / d / f"rank_{rank:05d}.safetensors" for d in ("model", "optim", "rng")]
         written = sum(f.stat().st_size for f in mine if f.exists())
@@ -117,7 +119,7 @@ def worker(args) -> None:
         scratch.unlink()
 
         barrier()
-        seconds, trainer = timed(load_checkpoint, path, ctx.engine, ctx.topology, zero_stage=zero)
+        seconds, trainer = timed(load_checkpoint, path, training)
         out["resume"].append(seconds)
         files = [path / rel for rel in trainer["files_read"]]
         barrier()
@@ -125,7 +127,7 @@ def worker(args) -> None:
         barrier()
         drop_from_page_cache(path)
         barrier()
-        out["resume_cold"].append(timed(load_checkpoint, path, ctx.engine, ctx.topology, zero_stage=zero)[0])
+        out["resume_cold"].append(timed(load_checkpoint, path, training)[0])
         barrier()
         drop_from_page_cache(path)
         barrier()
@@ -135,7 +137,7 @@ def worker(args) -> None:
         t0 = time.perf_counter()
         tmp = store.begin(step + 1) if rank == 0 else store.temp_dir(step + 1)
         barrier()
-        snap = take_snapshot(step + 1, ctx.engine, ctx.topology, copy=True, zero_stage=zero)
+        snap = take_snapshot(step + 1, training, copy=True)
         save = BackgroundSave(snap, store, tmp).start()
         out["async"].append(time.perf_counter() - t0)
         save.wait()

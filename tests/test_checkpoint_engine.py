@@ -41,6 +41,7 @@ def worker(argv: list[str]) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
+    from loomtrain.launcher.checkpoints.parts import Training
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint
     from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.config import RunConfig
@@ -110,7 +111,7 @@ def worker(argv: list[str]) -> None:
     start = 0
     bytes_read = 0
     if a.load:
-        trainer = load_checkpoint(a.load, engine, topo, stream=stream)
+        trainer = load_checkpoint(a.load, Training(engine, topo, zero_stage=a.zero, stream=stream))
         start = trainer["step"]
         bytes_read = trainer["bytes_read"]
     losses, seen = {}, []
@@ -127,15 +128,7 @@ def worker(argv: list[str]) -> None:
             dist.all_reduce(total, group=topo.dp_group)
         losses[step] = total.item() / (ga * topo.dp_size)
         if step == a.save_at:
-            save_checkpoint(
-                store,
-                step,
-                engine,
-                topo,
-                stream=stream,
-                counters={"tokens": step * GLOBAL_BATCH * SEQ},
-                zero_stage=a.zero,
-            )
+            save_checkpoint(store, step, Training(engine, topo, zero_stage=a.zero, stream=stream))
     if topo.tp_rank == 0:
         all_seen = [None] * topo.dp_size
         if topo.dp_size > 1:

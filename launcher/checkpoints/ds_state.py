@@ -1,7 +1,7 @@
 """DeepSpeed state access: where DeepSpeed keeps a parameter's fp32 master and Adam moments,
 and how to read and write them at any ZeRO stage and precision.
 
-Used by state.py (save / load at any layout) and weights.py (final weights). Joining TP shards
+Used by parts.py (save / load at any layout) and weights.py (final weights). Joining TP shards
 into the full tensor and cutting them again is the TP layout's job (loomtrain.parallel.plan:
 `spec_of`, `gather_shards`, `shard_tensor`).
 
@@ -16,6 +16,8 @@ into the full tensor and cutting them again is the TP layout's job (loomtrain.pa
     write_local(engine, p, key, v)    the reverse (every DP rank passes the same value)
     ensure_optimizer_state(engine)    create Adam's lazily made state (zeros, step 0)
     adam_step / set_adam_step        Adam's step counter
+    optimizer_settings / engine_counters / loss_scaler_state (and their set_*): the small
+                                      optimizer and engine states a checkpoint keeps in trainer.json
 
 DeepSpeed's holders, all reached through `deepspeed.utils.safe_{get,set}_full_*` where it
 has them: ZeRO 1/2 (flat fp32 partitions, `_hp_mapping`), bf16 at ZeRO 0 (BF16_Optimizer,
@@ -91,6 +93,71 @@ def set_adam_step(engine, step: float) -> None:
     for st in inner.state.values():
         if "step" in st:
             st["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def optimizer_settings(engine) -> dict:
+    """Adam's step count and each param group's plain hyper-parameters (lr, betas, ...)."""
+    inner = inner_optimizer(engine.optimizer)
+    groups = [{k: v for k, v in g.items() if k != "params" and _is_plain(v)} for g in inner.param_groups]
+    return {"adam_step": adam_step(engine), "param_groups": groups}
+
+
+def set_optimizer_settings(engine, step: float, groups: list[dict]) -> None:
+    set_adam_step(engine, step)
+    for g, saved in zip(inner_optimizer(engine.optimizer).param_groups, groups):
+        for k, v in saved.items():
+            if k in g and k != "params":
+                g[k] = tuple(v) if isinstance(g[k], tuple) else v
+
+
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def engine_counters(engine) -> dict:
+    return {k: int(getattr(engine, k, 0) or 0) for k in _ENGINE_COUNTERS}
+
+
+def set_engine_counters(engine, saved: dict) -> None:
+    for k, v in saved.items():
+        if hasattr(engine, k) and k != "micro_steps":
+            setattr(engine, k, v)
+    if hasattr(engine, "micro_steps"):
+        # Micro steps count in this layout's gradient accumulation (it changes with DP size);
+        # a saved count from another layout would put the accumulation boundary mid-step.
+        engine.micro_steps = int(getattr(engine, "global_steps", 0)) * int(engine.gradient_accumulation_steps())
+
+
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def loss_scaler_state(engine) -> dict | None:
+    """fp16's dynamic loss scale; None without one."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None:
+        return None
+    out = {}
+    for k in _SCALER_FIELDS:
+        v = getattr(scaler, k, None)
+        if torch.is_tensor(v):
+            v = v.item()
+        if isinstance(v, (int, float)) or v is None:
+            out[k] = v
+    return out
+
+
+def set_loss_scaler_state(engine, saved: dict | None) -> None:
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None or not saved:
+        return
+    for k, v in saved.items():
+        if hasattr(scaler, k) and not torch.is_tensor(getattr(scaler, k)):
+            setattr(scaler, k, v)
+
+
+def _is_plain(v) -> bool:
+    return isinstance(v, (int, float, str, bool, type(None))) or (
+        isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str, bool)) for x in v)
+    )
 
 
 def _is_ds(p) -> bool:

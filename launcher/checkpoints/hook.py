@@ -31,6 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 from loomtrain.launcher.checkpoints.background import BackgroundSave
+from loomtrain.launcher.checkpoints.parts import Training
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
 from loomtrain.launcher.checkpoints.state import (
     load_checkpoint,
@@ -96,11 +97,6 @@ class CheckpointHook(Hooks):
         t0 = time.perf_counter()
         trainer = self._load_first_good(ctx, found, log)
         self._tidy(ctx, fresh=False, log=log)
-        state = trainer.get("counters", {}).get("state")
-        if state:
-            ctx.state.load_state_dict(state)
-        else:
-            ctx.state.step = int(trainer["step"])
         self.last_saved = ctx.state.step
         found = trainer["path"]
         ctx.resumed_from = Path(found)
@@ -126,14 +122,7 @@ class CheckpointHook(Hooks):
         while True:
             bad = None
             try:
-                trainer = load_checkpoint(
-                    found,
-                    ctx.engine,
-                    ctx.topology,
-                    stream=ctx.train_stream,
-                    lr_scheduler=ctx.scheduler,
-                    zero_stage=self.cfg.parallel.zero_stage,
-                )
+                trainer = load_checkpoint(found, self._training(ctx))
             except CorruptCheckpoint as exc:
                 bad = str(exc)
             except ValueError as exc:  # another model shape: the same verdict on every rank
@@ -235,16 +224,7 @@ class CheckpointHook(Hooks):
             barrier()
             asynchronous = bool(self.cfg.checkpoint.async_save)
             snap = take_snapshot(
-                step,
-                ctx.engine,
-                ctx.topology,
-                copy=asynchronous,
-                stream=ctx.train_stream,
-                counters={"state": ctx.state.state_dict()},
-                lr_scheduler=ctx.scheduler,
-                config_yaml=to_yaml(self.cfg),
-                tokenizer=ctx.tokenizer,
-                zero_stage=self.cfg.parallel.zero_stage,
+                step, self._training(ctx), copy=asynchronous, config_yaml=to_yaml(self.cfg), tokenizer=ctx.tokenizer
             )
             self.last_saved = step
             record = {"step": step, "reason": reason, "async": asynchronous}
@@ -272,6 +252,16 @@ class CheckpointHook(Hooks):
                 msg = f"checkpoint: step {step} -> {path} ({record['blocked_s']:.1f} s)"
                 self._message(ctx, msg + (f" [{reason}]" if reason else ""))
         return path
+
+    def _training(self, ctx: TrainContext) -> Training:
+        return Training(
+            ctx.engine,
+            ctx.topology,
+            zero_stage=self.cfg.parallel.zero_stage,
+            stream=ctx.train_stream,
+            lr_scheduler=ctx.scheduler,
+            train_state=ctx.state,
+        )
 
     @staticmethod
     def _message(ctx: TrainContext, msg: str, every_rank: bool = False) -> None:

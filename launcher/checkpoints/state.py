@@ -23,6 +23,10 @@ layout-free form, under our control (see shards.py for the piece/tile geometry):
                                    by a tile hash in the index, checked by whoever reads it, so
                                    a save hashes each byte once, not twice
 
+What each kind of state puts into a checkpoint and takes back is its own (parts.py: weights
+and moments, optimizer settings, LR schedule, engine counters, loss scale, RNG, data stream,
+the loop's counters); this module writes, publishes and opens checkpoints around them.
+
 Save: each rank writes what DeepSpeed keeps on it (ds_state.py `held_range`; ranks that hold
 the same values split them), hashing while it writes; no gather, no re-read. Per-rank index
 parts are merged by rank 0, which publishes (store.py protocol). `take_snapshot` (at the step
@@ -43,32 +47,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from loomtrain.durable import json_bytes, write_durable
 from loomtrain.launcher import faults
-from loomtrain.launcher.checkpoints.ds_state import (
-    MOMENTS,
-    adam_step,
-    ensure_optimizer_state,
-    full_shape,
-    held_range,
-    held_values,
-    inner_optimizer,
-    load_target,
-    local_box,
-    local_full_shape,
-    named_params,
-    set_adam_step,
-    set_held_values,
-    write_local,
-    written_range,
-)
+from loomtrain.launcher.checkpoints.ds_state import MOMENTS
+from loomtrain.launcher.checkpoints.parts import PARTS, Training
 from loomtrain.launcher.checkpoints.shards import (
     GRID_COLS,
     GRID_ROWS,
@@ -87,38 +74,8 @@ from loomtrain.launcher.checkpoints.store import (
     read_manifest,
 )
 from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
-from safetensors import safe_open
-from safetensors.torch import load as load_safetensors
 
 FORMAT = "loomtrain-sharded-v2"
-KEYS = (None, *MOMENTS)
-
-
-# RNG --------------------------------------------------------------------------------
-def rng_state() -> tuple[dict, dict]:
-    py = random.getstate()
-    npst = np.random.get_state()
-    meta = {
-        "python": json.dumps([py[0], list(py[1]), py[2]]),
-        "numpy": json.dumps([npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])]),
-    }
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda_{i}"] = s
-    return tensors, meta
-
-
-def set_rng_state(tensors: dict, meta: dict) -> None:
-    v, state, gauss = json.loads(meta["python"])
-    random.setstate((v, tuple(state), gauss))
-    name, keys, pos, has_gauss, cached = json.loads(meta["numpy"])
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["torch_cpu"])
-    if torch.cuda.is_available():
-        cuda = [tensors[f"cuda_{i}"] for i in range(torch.cuda.device_count()) if f"cuda_{i}" in tensors]
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
 
 
 # Save ---------------------------------------------------------------------------------
@@ -145,70 +102,21 @@ class Snapshot:
     meta: dict = field(default_factory=dict)
 
 
-def _to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:
-    if t.device.type == "cpu":
-        return t.detach().clone() if copy else t.detach()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    host.copy_(t.detach())
-    return host
-
-
 def take_snapshot(
-    step: int,
-    engine,
-    topology,
-    *,
-    copy: bool,
-    stream=None,
-    counters: dict | None = None,
-    lr_scheduler=None,
-    config_yaml: str | None = None,
-    tokenizer=None,
-    zero_stage: int = 0,
+    step: int, training: Training, *, copy: bool, config_yaml: str | None = None, tokenizer=None
 ) -> Snapshot:
-    """This rank's share of the checkpoint of `step`; no collective. With copy=False the pieces
-    are views of DeepSpeed's live buffers (the caller writes them before the next step)."""
+    """This rank's share of the checkpoint of `step` (every part's); no collective. With
+    copy=False the tensors are views of DeepSpeed's live buffers (the caller writes them
+    before the next step)."""
     rank = current_rank()
     snap = Snapshot(step=int(step), rank=rank, world=current_world_size())
-    ensure_optimizer_state(engine)
-    for name, p in named_params(engine):
-        snap.shapes[name] = full_shape(p)
-        ha, _ = held_range(engine, p, topology)
-        a, b = written_range(engine, p, topology)
-        if b <= a:
-            continue
-        values = {
-            ("weight" if k is None else k): _to_host(held_values(engine, p, k)[a - ha : b - ha], copy) for k in KEYS
-        }
-        snap.pieces[name] = (Region(local_box(p), (a, b)), values)
-    snap.rng = rng_state()
-    if stream is not None and (topology is None or topology.tp_rank == 0):
-        dp_rank = topology.dp_rank if topology is not None else 0
-        snap.data = (f"data/dp_{dp_rank:05d}.json", stream.state_dict())
-    snap.meta = {"layout": layout(topology, zero_stage), "checkpoint_format": FORMAT}
+    layout_now = layout(training.topology, training.zero_stage)
+    snap.meta = {"layout": layout_now, "checkpoint_format": FORMAT}
     if rank == 0:
-        sched = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler", None)
-        inner = inner_optimizer(engine.optimizer)
-        snap.trainer = {
-            "format": FORMAT,
-            "step": int(step),
-            "counters": dict(counters or {}),
-            "adam_step": adam_step(engine),
-            "lr_scheduler": _jsonable(sched.state_dict())
-            if sched is not None and hasattr(sched, "state_dict")
-            else None,
-            "param_groups": [
-                {k: v for k, v in g.items() if k != "params" and _is_plain(v)} for g in inner.param_groups
-            ],
-            "engine": {
-                k: int(getattr(engine, k, 0) or 0)
-                for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
-            },
-            "loss_scaler": _loss_scaler_state(engine),
-            "layout": layout(topology, zero_stage),
-        }
-        snap.config_yaml = config_yaml
-        snap.tokenizer = tokenizer
+        snap.trainer = {"format": FORMAT, "step": int(step), "layout": layout_now}
+        snap.config_yaml, snap.tokenizer = config_yaml, tokenizer
+    for part in PARTS:
+        part.take(training, snap, copy)
     return snap
 
 
@@ -312,57 +220,19 @@ def publish_snapshot(store: CheckpointStore, tmp: Path, step: int, world: int) -
     return store.publish(tmp, step, meta)
 
 
-def save_checkpoint(store: CheckpointStore, step: int, engine, topology, **what) -> Path:
+def save_checkpoint(store: CheckpointStore, step: int, training: Training, **what) -> Path:
     """Synchronous save: every rank calls this at the same step boundary; returns the published
     directory. Each rank writes only what it holds (no gather). `what`: take_snapshot's
-    keywords (stream, counters, lr_scheduler, config_yaml, tokenizer, zero_stage)."""
+    keywords (config_yaml, tokenizer)."""
     rank = current_rank()
     tmp = store.begin(step) if rank == 0 else store.temp_dir(step)
     barrier()
-    snap = take_snapshot(step, engine, topology, copy=False, **what)
+    snap = take_snapshot(step, training, copy=False, **what)
     write_snapshot(snap, store, tmp)
     barrier()
     path = publish_snapshot(store, tmp, step, snap.world) if rank == 0 else None
     barrier()
     return store.final_dir(step) if path is None else path
-
-
-_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-
-
-def _loss_scaler_state(engine) -> dict | None:
-    """fp16's dynamic loss scale (so a resume does not restart it from 2^16); None otherwise."""
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    if scaler is None:
-        return None
-    out = {}
-    for k in _SCALER_FIELDS:
-        v = getattr(scaler, k, None)
-        if torch.is_tensor(v):
-            v = v.item()
-        if isinstance(v, (int, float)) or v is None:
-            out[k] = v
-    return out
-
-
-def _is_plain(v) -> bool:
-    return isinstance(v, (int, float, str, bool, type(None))) or (
-        isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str, bool)) for x in v)
-    )
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if torch.is_tensor(obj):
-        return obj.item() if obj.numel() == 1 else obj.tolist()
-    if isinstance(obj, (np.generic,)):
-        return obj.item()
-    if isinstance(obj, (int, float, str, bool, type(None))):
-        return obj
-    return None  # e.g. lr_lambdas functions: rebuilt from the config, not stored
 
 
 # Load ---------------------------------------------------------------------------------
@@ -413,99 +283,39 @@ class ConsolidatedReader:
         return {n: self.get(n) for n in self.names()}
 
 
-def load_checkpoint(
-    path: str | os.PathLike, engine, topology, *, stream=None, lr_scheduler=None, zero_stage: int = 0
-) -> dict:
-    """Put a checkpoint back into a freshly built engine at any (tp, dp, zero stage).
+@dataclass
+class OpenCheckpoint:
+    """A published checkpoint as the parts read it: its manifest, trainer.json, its tiles."""
+
+    path: Path
+    manifest: dict
+    trainer: dict
+    tensors: ShardedReader
+    rank: int
+    world: int
+
+    def verified(self, rel: str) -> bytes:
+        return verified_bytes(self.path, rel, self.manifest)
+
+
+def load_checkpoint(path: str | os.PathLike, training: Training) -> dict:
+    """Put a checkpoint back into a freshly built engine at any (tp, dp, zero stage): every
+    part in turn (parts.PARTS).
 
     Every rank calls it after deepspeed.initialize and reads only its slices: its TP shard of
     the weights (at ZeRO-3 only its partition) and its partition of the Adam moments, checking
     the sha256 of every tile it reads. Returns trainer.json (step, counters, ...) plus
     "bytes_read" (tensor bytes this rank read) and "files_read" (the tensor files it opened).
-    A damaged file raises CorruptCheckpoint."""
+    A damaged file raises CorruptCheckpoint; another model's checkpoint ValueError."""
     path = Path(path)
     manifest = read_manifest(path)
     trainer = json.loads(verified_bytes(path, "trainer.json", manifest))
-    reader = open_reader(path, manifest)
-    params = named_params(engine)
-    missing = [n for n, _ in params if n not in reader.params]
-    extra = [n for n in reader.params if n not in dict(params)]
-    if missing or extra:
-        raise ValueError(
-            f"checkpoint {path}: parameters do not match the model "
-            f"(missing {missing[:5]}, unexpected {extra[:5]}); was it saved with another model config?"
-        )
-    for name, p in params:
-        if reader.shape(name) != full_shape(p):
-            raise ValueError(
-                f"checkpoint {path}: {name} has full shape {reader.shape(name)}, this model's is {full_shape(p)}"
-            )
-    ensure_optimizer_state(engine)
-    for name, p in params:
-        box = local_box(p)
-        held = Region(box, held_range(engine, p, topology))
-        for k in KEYS:
-            whole = k is None and not hasattr(p, "ds_id")  # ZeRO 0-2 weights: the whole TP shard
-            if not whole and not held.numel:
-                continue
-            into = load_target(engine, p, k)
-            if into is not None:  # DeepSpeed's own buffer, filled in place
-                reader.read(name, k, held, out=into)
-            elif whole:
-                write_local(engine, p, None, reader.read(name, None, Region.whole(box)).reshape(local_full_shape(p)))
-            else:  # at ZeRO-3 the weights too: only this rank's partition, never the whole shard
-                set_held_values(engine, p, k, reader.read(name, k, held))
-    files_read = reader.files_read()
-    reader.close()
-    set_adam_step(engine, trainer["adam_step"])
-
-    inner = inner_optimizer(engine.optimizer)
-    for g, saved in zip(inner.param_groups, trainer.get("param_groups", [])):
-        for k, v in saved.items():
-            if k in g and k != "params":
-                g[k] = tuple(v) if isinstance(g[k], tuple) else v
-    sched = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler", None)
-    if sched is not None and trainer.get("lr_scheduler") is not None:
-        state = dict(trainer["lr_scheduler"])
-        current = sched.state_dict()
-        for k in list(state):
-            if current.get(k) is None and state[k] is None:
-                state.pop(k)
-            elif k not in current:
-                state.pop(k)
-        if "lr_lambdas" in current:
-            state["lr_lambdas"] = current["lr_lambdas"]
-        sched.load_state_dict(state)
-    for k, v in trainer.get("engine", {}).items():
-        if hasattr(engine, k) and k != "micro_steps":
-            setattr(engine, k, v)
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    if scaler is not None and trainer.get("loss_scaler"):
-        for k, v in trainer["loss_scaler"].items():
-            if hasattr(scaler, k) and not torch.is_tensor(getattr(scaler, k)):
-                setattr(scaler, k, v)
-    if hasattr(engine, "micro_steps"):
-        # Micro steps count in this layout's gradient accumulation (it changes with DP size);
-        # a saved count from another layout would put the accumulation boundary mid-step.
-        engine.micro_steps = int(getattr(engine, "global_steps", 0)) * int(engine.gradient_accumulation_steps())
-
-    # RNG: each rank's own states when the world has the same size; at another size the
-    # streams cannot correspond, and the run keeps the seeds it started with (train.seed).
-    rank = current_rank()
-    rng_rel = f"rng/rank_{rank:05d}.safetensors"
-    if trainer["layout"]["world_size"] == current_world_size() and (path / rng_rel).exists():
-        raw = verified_bytes(path, rng_rel, manifest)
-        with safe_open(str(path / rng_rel), framework="pt") as f:
-            meta = f.metadata()
-        set_rng_state(load_safetensors(raw), meta)
-
-    if stream is not None:
-        dp_rank = topology.dp_rank if topology is not None else 0
-        own = f"data/dp_{dp_rank:05d}.json"
-        same_dp = trainer["layout"]["dp"] == (topology.dp_size if topology is not None else 1)
-        src = own if same_dp and (path / own).exists() else "data/dp_00000.json"
-        if (path / src).exists():
-            stream.load_state_dict(json.loads(verified_bytes(path, src, manifest)))
+    ckpt = OpenCheckpoint(path, manifest, trainer, open_reader(path, manifest), current_rank(), current_world_size())
+    try:
+        for part in PARTS:
+            part.put(training, ckpt)
+    finally:
+        files_read = ckpt.tensors.files_read()
+        ckpt.tensors.close()
     barrier()
-    trainer["bytes_read"], trainer["files_read"] = reader.bytes_read, files_read
-    return trainer
+    return {**trainer, "bytes_read": ckpt.tensors.bytes_read, "files_read": files_read}
