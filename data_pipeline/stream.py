@@ -175,7 +175,8 @@ class TokenStream:
         if prefetch < 0:
             raise ValueError(f"TokenStream: prefetch must be >= 0, got {prefetch}")
         sources = _source_list(shard_dir)
-        self.blend = Blend([w for _, w in sources])
+        self.source_weights = [w for _, w in sources]  # as data.sources gives them (the blend normalises)
+        self.blend = Blend(self.source_weights)
         self.sources: list[ShardSet] = []
         try:
             for path, _ in sources:
@@ -385,7 +386,12 @@ class TokenStream:
     def _mixture_state(self) -> dict | None:
         if len(self.sources) == 1:
             return None
-        return {"quotas": self.blend.quotas.tolist(), "samples_per_epoch": list(self.source_samples)}
+        return {
+            "quotas": self.blend.quotas.tolist(),
+            "samples_per_epoch": list(self.source_samples),
+            # What data.sources said, for the line that refuses a resume with other sources.
+            "sources": [{"path": str(s.dir), "weight": w} for s, w in zip(self.sources, self.source_weights)],
+        }
 
     def state_dict(self) -> dict:
         state = {
@@ -406,6 +412,13 @@ class TokenStream:
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise DataError(f"data state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+        change = mixture_change(state.get("mixture"), self._mixture_state())
+        if change:
+            raise DataError(
+                f"cannot resume the data stream: data.sources differs from the run's checkpoint: {change}; "
+                "to resume, keep the data.sources the run started with; to train on the new mixture, start "
+                "afresh with checkpoint.resume=never (earlier checkpoints are set aside) or another run.dir"
+            )
         for key, mine in (
             ("seed", self.seed),
             ("shuffle", self.shuffle),
@@ -413,7 +426,6 @@ class TokenStream:
             ("samples_per_epoch", self.samples_per_epoch),
             ("tokenizer_hash", self.tokenizer_hash),
             ("split", self.split),
-            ("mixture", self._mixture_state()),
         ):
             if state.get(key) != mine:
                 raise DataError(
@@ -429,6 +441,47 @@ class TokenStream:
             )
         self._halt()
         self._position = position
+
+
+def mixture_change(saved: dict | None, now: dict | None) -> str | None:
+    """How the mixture a stream state was saved with (TokenStream._mixture_state; None: one source)
+    differs from this stream's, in data.sources terms; None when the blend is the same (same
+    quotas and samples per source: weights 3:7 and 0.3:0.7 are one mixture)."""
+    keys = ("quotas", "samples_per_epoch")
+    if saved == now or (saved and now and all(saved.get(k) == now.get(k) for k in keys)):
+        return None
+    if saved is None or now is None:
+        had = "one source (data.path)" if saved is None else f"{len(saved['quotas'])} sources"
+        has = "one source" if now is None else f"{len(now['quotas'])}"
+        return f"the run read {had}, data.sources now lists {has}"
+    before, after = _described_sources(saved), _described_sources(now)
+    if len(before) != len(after):
+        return f"the run read {len(before)} sources, data.sources now lists {len(after)}"
+    paths_before, paths_after = [d["path"] for d in before], [d["path"] for d in after]
+    known = None not in paths_before  # states saved before paths were kept name sources by position
+    if known and paths_before != paths_after and sorted(paths_before) == sorted(paths_after):
+        return f"the same sources in another order: was [{', '.join(paths_before)}], now [{', '.join(paths_after)}]"
+    changes = []
+    for k, (b, a) in enumerate(zip(before, after)):
+        if known and b["path"] != a["path"]:
+            changes.append(f"data.sources[{k}].path was {b['path']}, now {a['path']}")
+        elif b["samples"] != a["samples"]:
+            changes.append(f"data.sources[{k}] ({a['path']}) held {b['samples']} samples, now {a['samples']}")
+        elif b["share"] != a["share"]:
+            changes.append(f"data.sources[{k}].weight was {b['weight']}, now {a['weight']}")
+    return "; ".join(changes) or f"the blend was {saved['quotas']} of {Blend.PERIOD}, now {now['quotas']}"
+
+
+def _described_sources(mixture: dict) -> list[dict]:
+    """Per source: path (None in a state saved before paths were kept), weight as given with its
+    share of the blend (the share alone in such a state), quota, samples per epoch."""
+    given = mixture.get("sources") or [{} for _ in mixture["quotas"]]
+    out = []
+    for quota, samples, src in zip(mixture["quotas"], mixture["samples_per_epoch"], given):
+        share = f"{quota / Blend.PERIOD:.1%} of the samples"
+        weight = f"{src['weight']:g} ({share})" if "weight" in src else share
+        out.append({"path": src.get("path"), "weight": weight, "share": quota, "samples": samples})
+    return out
 
 
 __all__ = ["TokenStream", "SeededPermutation"]
