@@ -26,6 +26,7 @@ from launch import ROOT, child_env, loomtrain_cmd, run_child
 from loomtrain.data_pipeline import preprocess as pp
 from loomtrain.data_pipeline.tokenizer import train_bpe
 from loomtrain.launcher.cli import preprocess as cli
+from loomtrain.launcher.cluster import preprocess_tasks
 
 DRIVER = ROOT / "tests" / "preprocess_ctrl_c_driver.py"
 AS_A_USER = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
@@ -193,21 +194,26 @@ class _Dashboard(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_ray_address_of_a_port_that_is_not_a_gcs_fails_in_seconds_naming_it(corpus, tmp_path, capsys):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Dashboard)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    address = f"127.0.0.1:{server.server_address[1]}"
+@pytest.mark.parametrize("scheme,server", [("", "a Ray GCS"), ("ray://", "a Ray client server")])
+def test_ray_address_of_a_port_that_is_not_ray_fails_in_seconds_naming_it(
+    scheme, server, corpus, tmp_path, capsys, monkeypatch
+):
+    # ray.init waited here without end (HOST:PORT), or 30 s (ray://) and then went on to write.
+    monkeypatch.setattr(preprocess_tasks, "REACH_TIMEOUT_S", 2.0)  # a client server's probe waits it out
+    http_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Dashboard)
+    threading.Thread(target=http_server.serve_forever, daemon=True).start()
+    address = f"{scheme}127.0.0.1:{http_server.server_address[1]}"
     try:
         start = time.monotonic()
         assert cli.main([*preprocess_args(corpus, tmp_path / "out", "--ray", "--address", address)[1:]]) == 1
-        assert time.monotonic() - start < 10  # ray.init waited here without end
+        assert time.monotonic() - start < 10
     finally:
-        server.shutdown()
-        server.server_close()
+        http_server.shutdown()
+        http_server.server_close()
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [
-        f"loomtrain preprocess: error: --address {address}: it accepts connections but does not answer as a "
-        "Ray GCS within 5 s (is it the dashboard port, 8265?); check the address (HOST:6379, the head's GCS "
+        f"loomtrain preprocess: error: --address {address}: it accepts connections but does not answer as "
+        f"{server} within 2 s (is it the dashboard port, 8265?); check the address (HOST:6379, the head's GCS "
         "port, or ray://HEAD:10001) and that the cluster is up"
     ], lines
     assert list(tmp_path.iterdir()) == []

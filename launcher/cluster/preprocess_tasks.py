@@ -45,11 +45,27 @@ def _check_reachable(address: str, what: str) -> None:
     except OSError as exc:
         cause = f"no answer within {REACH_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError) else exc.strerror or exc
         raise DataError(f"{what} {address}: cannot connect{where} ({cause}); {fix}") from None
-    if "://" not in address and not _answers_as_gcs(address):
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return  # the probes below speak plain gRPC; with TLS, Ray's own client is the judge
+    client = "://" in address
+    if not (_answers_grpc(f"{host}:{port}") if client else _answers_as_gcs(address)):
+        server = "a Ray client server" if client else "a Ray GCS"
         raise DataError(
-            f"{what} {address}: it accepts connections but does not answer as a Ray GCS within "
+            f"{what} {address}: it accepts connections but does not answer as {server} within "
             f"{REACH_TIMEOUT_S:g} s (is it the dashboard port, 8265?); {fix}"
         )
+
+
+def _answers_grpc(target: str) -> bool:
+    """A gRPC channel to HOST:PORT gets ready (an HTTP/2 server answered) within the deadline."""
+    import grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=REACH_TIMEOUT_S)
+        except grpc.FutureTimeoutError:
+            return False
+    return True
 
 
 def _answers_as_gcs(address: str) -> bool:
