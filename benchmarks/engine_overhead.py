@@ -11,10 +11,16 @@ vocab 8192, seq 256, batch 8) from the same weights on the same batch:
   `train_step` (engine forward, loss, engine.backward, grad norm, engine.step),
   exactly what `loomtrain train` runs per step;
 * plain: forward, cross-entropy, backward, torch.nn.utils.clip_grad_norm_, AdamW
-  step (the same param groups), LambdaLR step, zero_grad.
+  step (the same param groups), LambdaLR step, zero_grad;
+* before: the engine step as the loop ran it before its steps stopped reading back
+  (issue 26): the grad norm from each gradient's squares copied to the CPU one by one,
+  the loss and the norm read back every step, the stop vote every step. `engine` is a
+  step between log steps now: nothing read back (at fp32 ZeRO-0 the skip guard still reads
+  the one norm it decides on).
 
 Measured alternately in many short rounds (the order flips every round); reported:
-median tokens/s of each and the median per-round ratio engine/plain (target >= 0.95).
+median tokens/s of each and the median per-round ratio engine/plain (target >= 0.95),
+and engine/before.
 With --precision bf16 the engine keeps bf16 weights and fp32 master weights
 (DeepSpeed's bf16 optimizer) while the plain loop uses torch.autocast: not the same
 arithmetic, shown for information only.
@@ -84,6 +90,43 @@ def plain_step_fn(cfg, x, y, bf16: bool):
     return step
 
 
+def per_gradient_norm(model: torch.nn.Module) -> float:
+    """The grad norm as launcher/engine.py computed it before: each gradient's squares summed and
+    copied to the CPU, one by one (world 1, so no TP all-reduce)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            total += p.grad.detach().float().pow(2).sum().double().cpu()
+    return float(total.sqrt())
+
+
+def engine_before_step_fn(cfg, x, y):
+    """The loop's step before issue 26 (grad_accum 1, world 1): what it read back every step."""
+    from loomtrain.launcher.engine import records_grad_norm
+    from loomtrain.launcher.nonfinite import SkipGuard
+    from loomtrain.launcher.stopping import StopRequest
+
+    ctx = common.engine_context(cfg)
+    engine = ctx.engine
+    guard = SkipGuard(engine, cfg.train.max_consecutive_skips, cfg.train.precision)
+    stop = StopRequest()
+
+    def step():
+        loss = engine(x, targets=y)
+        engine.backward(loss)
+        norm = None if records_grad_norm(engine) else per_gradient_norm(ctx.model)
+        with guard.step(norm):
+            engine.step()
+        recorded = engine.get_global_grad_norm()
+        if recorded is not None:
+            norm = float(recorded)
+        stop.agree(ctx.dist.device)
+        ctx.state.step += 1
+        return float(loss.detach().float()), float("nan") if norm is None else norm
+
+    return step
+
+
 def engine_step_fn(cfg, x, y):
     from loomtrain.launcher import loop
     from loomtrain.launcher.nonfinite import SkipGuard
@@ -97,7 +140,11 @@ def engine_step_fn(cfg, x, y):
         ctx.state.step += 1
         return out
 
-    return step, ctx
+    def read(out) -> tuple[float, float]:  # what a log step reads back
+        fig = loop.dp_reduce([out], ctx)[0]
+        return fig.loss, fig.grad_norm
+
+    return step, read
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,40 +168,51 @@ def main(argv: list[str] | None = None) -> int:
     for precision in args.precision:
         for zero in args.zero:
             cfg = run_config(shape, precision, zero)
-            steps = {"engine": engine_step_fn(cfg, x, y)[0], "plain": plain_step_fn(cfg, x, y, precision == "bf16")}
+            engine_step, engine_read = engine_step_fn(cfg, x, y)
+            steps = {
+                "engine": engine_step,
+                "before": engine_before_step_fn(cfg, x, y),
+                "plain": plain_step_fn(cfg, x, y, precision == "bf16"),
+            }
             logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
             print(f"\n== {precision}, ZeRO {zero}: load average {common.loadavg()}")
             first = {name: fn() for name, fn in steps.items()}  # warm-up; same weights, same batch
+            first["engine"] = engine_read(first["engine"])
             print(
-                f"  first step (loss, grad norm): engine {first['engine'][0]:.5f}, {first['engine'][1]:.5f} | "
-                f"plain {first['plain'][0]:.5f}, {first['plain'][1]:.5f}"
+                "  first step (loss, grad norm): "
+                + " | ".join(f"{name} {loss:.5f}, {norm:.5f}" for name, (loss, norm) in first.items())
             )
             for fn in steps.values():
                 fn()
-            t = {"engine": [], "plain": []}
-            ratios = []
+            t = {name: [] for name in steps}
+            ratios, vs_before = [], []
             for r in range(args.rounds):
-                order = ("engine", "plain") if r % 2 == 0 else ("plain", "engine")
+                order = list(steps) if r % 2 == 0 else list(reversed(steps))
                 for name in order:
                     t[name].append(common.timed(steps[name], args.steps_per_round))
                 ratios.append(t["plain"][-1] / t["engine"][-1])
+                vs_before.append(t["before"][-1] / t["engine"][-1])
                 print(
-                    f"  round {r + 1:2d}/{args.rounds}: engine {t['engine'][-1]:.3f} s  plain {t['plain'][-1]:.3f} s"
-                    f"  ratio {ratios[-1]:.3f}",
+                    f"  round {r + 1:2d}/{args.rounds}: "
+                    + "  ".join(f"{name} {t[name][-1]:.3f} s" for name in steps)
+                    + f"  ratio {ratios[-1]:.3f}, engine/before {vs_before[-1]:.3f}",
                     flush=True,
                 )
             res = {
                 "precision": precision,
                 "zero": zero,
                 "engine_tok_s": tokens / common.median(t["engine"]),
+                "before_tok_s": tokens / common.median(t["before"]),
                 "plain_tok_s": tokens / common.median(t["plain"]),
                 "ratio": common.median(ratios),
+                "vs_before": common.median(vs_before),
                 "ratio_of_medians": common.median(t["plain"]) / common.median(t["engine"]),
                 "loadavg": common.loadavg(),
             }
             results.append(res)
             print(
-                f"  engine {res['engine_tok_s']:,.0f} tok/s | plain {res['plain_tok_s']:,.0f} tok/s | ratio "
+                f"  engine {res['engine_tok_s']:,.0f} tok/s | before {res['before_tok_s']:,.0f} tok/s "
+                f"(engine/before {res['vs_before']:.3f}) | plain {res['plain_tok_s']:,.0f} tok/s | ratio "
                 f"engine/plain {res['ratio']:.3f} (median of {args.rounds} rounds, range {min(ratios):.3f}.."
                 f"{max(ratios):.3f}; ratio of medians {res['ratio_of_medians']:.3f}); load average {res['loadavg']}"
             )
@@ -164,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nsummary")
     for r in results:
         print(
-            f"  {r['precision']} ZeRO {r['zero']}: engine {r['engine_tok_s']:,.0f} tok/s, plain "
+            f"  {r['precision']} ZeRO {r['zero']}: engine {r['engine_tok_s']:,.0f} tok/s, before "
+            f"{r['before_tok_s']:,.0f} tok/s (engine/before {r['vs_before']:.3f}), plain "
             f"{r['plain_tok_s']:,.0f} tok/s, ratio {r['ratio']:.3f} (target >= 0.95), load average {r['loadavg']}"
         )
     return 0

@@ -185,6 +185,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     # Stop the run after this many consecutive non-finite (skipped) steps.
     max_consecutive_skips: int = 5
+    # The ranks agree on a stop request (SIGTERM, Ctrl-C, RUN_DIR/STOP) on log steps and every
+    # this many steps: the vote is a collective and a device-to-host read, so a step between
+    # votes has none; a stop saves at the first vote after the signal (1 = every step).
+    stop_check_every_steps: int = 10
     device: str = "auto"  # DEVICES
 
     def validate(self, prefix: str) -> None:
@@ -197,7 +201,7 @@ class TrainConfig:
             "auto or cpu on a machine without CUDA",
             self.device,
         )
-        for key in ("max_steps", "seq_len", "micro_batch_size", "global_batch_size", "lr"):
+        for key in ("max_steps", "seq_len", "micro_batch_size", "global_batch_size", "lr", "stop_check_every_steps"):
             check_positive(f"{prefix}.{key}", getattr(self, key))
         for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eps", "max_consecutive_skips"):
             check_positive(f"{prefix}.{key}", getattr(self, key), allow_zero=True)

@@ -171,8 +171,9 @@ def records_grad_norm(engine) -> bool:
     return bool(engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())
 
 
-def grad_norm(model: nn.Module, mpu: Any = None) -> float:
-    """Global L2 norm of the current gradients (before clipping), over TP ranks.
+def grad_norm(model: nn.Module, mpu: Any = None) -> torch.Tensor:
+    """Global L2 norm of the current gradients (before clipping), over TP ranks, as a 0-d
+    float64 tensor on the gradients' device: computing it reads nothing back to the host.
 
     Same convention as deepspeed.runtime.utils.clip_grad_norm_: a parameter
     replicated across the TP group is counted once (on TP rank 0); sharded ones
@@ -181,14 +182,19 @@ def grad_norm(model: nn.Module, mpu: Any = None) -> float:
     engine.step().
     """
     tp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
-    total = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is not None and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False)):
-            # Squares summed in fp32 (torch's pairwise sum, ~1e-8 relative) and accumulated in
-            # float64: a float64 copy of every gradient cost ~15% of a small model's CPU step.
-            total += p.grad.detach().float().pow(2).sum().double().cpu()
+    grads = [
+        p.grad.detach()
+        for p in model.parameters()
+        if p.grad is not None and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+    ]
+    device = next(model.parameters()).device
+    if grads:
+        # One fused pass (per-tensor norms in fp32), their squares summed in float64.
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        total = torch.stack(norms).double().square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
     if mpu is not None and mpu.get_model_parallel_world_size() > 1:
-        device = next(model.parameters()).device
         total = total.to(device)
         torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())
-    return float(total.sqrt())
+    return total.sqrt()

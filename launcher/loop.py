@@ -19,6 +19,12 @@ schedule at the boundary). The step's reported loss is the mean over its micro
 batches, all-reduced (mean) over the data-parallel group, so it equals the
 single-process loss on the same global batch.
 
+A step between log steps reads nothing back to the host and adds no collective to
+DeepSpeed's own: its loss (and grad norm) stay on the device until the next log step,
+which averages all of them over DP in one all-reduce and reads them in one copy
+(`_report_pending`); the ranks vote on a stop request on log steps and every
+train.stop_check_every_steps (`_votes_at`). tests/test_step_syncs.py counts them.
+
 Plug-in points: `hooks` (see loomtrain.launcher.hooks) for checkpoints and Ray;
 `components.build_model` for TP; `engine.build_engine` for ZeRO / precision;
 `weights.save_final_sharded` for the final weights (each rank writes its share);
@@ -77,10 +83,18 @@ class TrainResult:
 
 
 class StepOutput(NamedTuple):
+    loss: torch.Tensor  # this rank's mean over the micro batches, on the device (not DP-averaged yet)
+    grad_norm: torch.Tensor | float | None  # None where none was computed; a tensor stays on the device
+    data_wait_s: float  # how long this rank waited for its batches
+    samples_digest: int | None = None  # this rank's share of the samples' digest (see dp_reduce)
+
+
+class StepFigures(NamedTuple):
+    """A step's figures as the host sees them, once reduced over DP (see dp_reduce)."""
+
     loss: float  # averaged over the micro batches and the DP group
     grad_norm: float  # NaN where none was computed
-    data_wait_s: float  # how long this rank waited for its batches
-    samples_hash: str | None = None  # the global batch's sample ids, hashed (see _dp_mean_and_digest)
+    samples_hash: str | None  # the global batch's sample ids, hashed; None where the stream keeps none
 
 
 @dataclass
@@ -99,38 +113,53 @@ class _Run:
     start_step: int  # where this call started (after a resume)
     flops_per_token: float
     peak_flops: float  # the whole job's (NaN for an unknown GPU)
+    pending: list[tuple[int, StepOutput]] = field(default_factory=list)  # steps not yet read back
+    interval_time: float = 0.0  # world step time of the steps since the last log step
+    interval_steps: int = 0
     loop_start: float = 0.0  # perf_counter at the first step of this call
     last_step_end: float = 0.0  # perf_counter when the previous step's compute ended (the loop start at first)
     outside_steps_at_end: float = 0.0  # dog.outside_steps_s then
 
 
-def _dp_mean(value: torch.Tensor, ctx: TrainContext) -> float:
-    """Mean over the data-parallel group (TP ranks already agree)."""
-    if ctx.topology.dp_size > 1:
-        value = value.detach().clone().float()
-        dist.all_reduce(value, group=ctx.topology.dp_group)
-        value /= ctx.topology.dp_size
-    return float(value)
+def dp_reduce(outs: list[StepOutput], ctx: TrainContext) -> list[StepFigures]:
+    """Steps' losses averaged over the DP group and their samples' digests summed over it, in
+    one all-reduce, and their grad norms, read back in one copy -> each step's figures.
+
+    Each number is what a per-step reduction gives: a loss is sent as float64 next to its digest
+    (float32 where the stream keeps no digest) and divided by the DP size on the host. The digest
+    sum is the same for the same global batch at any DP size, so two runs (say, one that lost a
+    node and went on at a smaller DP) can be compared step by step."""
+    if not outs:
+        return []
+    dp = ctx.topology.dp_size
+    losses = torch.stack([o.loss.detach().reshape(()) for o in outs])
+    digests = [o.samples_digest for o in outs]
+    keep_digest = all(d is not None for d in digests)
+    if keep_digest:
+        digest_col = torch.tensor([float(d % SAMPLES_HASH_MODULUS) for d in digests], dtype=torch.float64)
+        both = torch.stack([losses.double(), digest_col.to(losses.device)])
+        if dp > 1:
+            dist.all_reduce(both, group=ctx.topology.dp_group)
+        loss_sums, digest_sums = both.tolist()
+        loss_list = [v / dp for v in loss_sums]
+        hashes = [f"{int(v) % SAMPLES_HASH_MODULUS:010x}" for v in digest_sums]
+    else:
+        losses = losses.float()
+        if dp > 1:
+            dist.all_reduce(losses, group=ctx.topology.dp_group)
+            losses /= dp
+        loss_list, hashes = losses.tolist(), [None] * len(outs)
+    return [StepFigures(loss, norm, h) for loss, norm, h in zip(loss_list, _read_norms(outs), hashes)]
 
 
-def _dp_mean_and_digest(loss: torch.Tensor, digest: int | None, ctx: TrainContext) -> tuple[float, str | None]:
-    """The step's loss averaged over the DP group and its samples' digest summed over it, in
-    one all-reduce -> (loss, `data/samples_hash` as hex; None where the stream keeps none).
-
-    The digest sum is the same for the same global batch at any DP size, so two runs (say,
-    one that lost a node and went on at a smaller DP) can be compared step by step."""
-    if digest is None:
-        return _dp_mean(loss, ctx), None
-    both = torch.stack(
-        [
-            loss.detach().double(),
-            torch.tensor(float(digest % SAMPLES_HASH_MODULUS), dtype=torch.float64, device=loss.device),
-        ]
-    )
-    if ctx.topology.dp_size > 1:
-        dist.all_reduce(both, group=ctx.topology.dp_group)
-    loss_sum, digest_sum = both.tolist()
-    return loss_sum / ctx.topology.dp_size, f"{int(digest_sum) % SAMPLES_HASH_MODULUS:010x}"
+def _read_norms(outs: list[StepOutput]) -> list[float]:
+    """The steps' grad norms as floats (NaN where none was computed), the device ones in one copy."""
+    on_device = [o.grad_norm.detach().reshape(()).double() for o in outs if isinstance(o.grad_norm, torch.Tensor)]
+    read = iter(torch.stack(on_device).tolist() if on_device else [])
+    return [
+        next(read) if isinstance(o.grad_norm, torch.Tensor) else float("nan" if o.grad_norm is None else o.grad_norm)
+        for o in outs
+    ]
 
 
 def _to(batch, device):
@@ -157,16 +186,15 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
         engine.backward(loss)
         own_norm = None
         if micro == grad_accum - 1 and not records_grad_norm(engine):
-            norm = own_norm = grad_norm(ctx.model, engine.mpu)
+            norm = own_norm = grad_norm(ctx.model, engine.mpu)  # on the device (the guard reads it)
         with guard.step(own_norm) if guard is not None else contextlib.nullcontext():
             engine.step()
         total += loss.detach().float()
     recorded = engine.get_global_grad_norm()
     if recorded is not None:
-        norm = float(recorded)
+        norm = recorded
     take_digest = getattr(ctx.train_stream, "take_samples_digest", None)  # benchmarks feed fixed batches
-    loss, samples_hash = _dp_mean_and_digest(total / grad_accum, take_digest() if take_digest else None, ctx)
-    return StepOutput(loss, float("nan") if norm is None else norm, data_wait, samples_hash)
+    return StepOutput(total / grad_accum, norm, data_wait, take_digest() if take_digest else None)
 
 
 @torch.no_grad()
@@ -183,7 +211,7 @@ def evaluate(ctx: TrainContext) -> dict[str, float]:
     finally:
         stream.close()
         engine.train()
-    loss = _dp_mean(total / ctx.cfg.eval.batches, ctx)
+    loss = dp_reduce([StepOutput(total / ctx.cfg.eval.batches, None, 0.0)], ctx)[0].loss
     return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
 
 
@@ -218,6 +246,16 @@ def samples(ctx: TrainContext) -> list[str]:
 
 def _is_final(step: int, cfg: RunConfig) -> bool:
     return step == cfg.train.max_steps
+
+
+def _logs_at(step: int, cfg: RunConfig) -> bool:
+    """A log step: the pending steps' losses are read back and this one is logged."""
+    return step % cfg.log.every_steps == 0 or _is_final(step, cfg)
+
+
+def _votes_at(step: int, cfg: RunConfig) -> bool:
+    """The ranks vote on a stop request (a collective and a read-back) only on these steps."""
+    return _logs_at(step, cfg) or step % cfg.train.stop_check_every_steps == 0
 
 
 def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
@@ -372,27 +410,52 @@ def _loop(run: _Run) -> None:
         run.result.train_s = time.perf_counter() - run.loop_start
         ctx.state.elapsed = elapsed_at_start + run.result.train_s
         run.dog.beat(step)
-        run.result.losses.append(metrics["loss"])
-        run.result.steps.append(step)
         ctx.last_metrics = metrics
-        if step % cfg.log.every_steps == 0 or _is_final(step, cfg):
+        if _logs_at(step, cfg):
             _log_step(run, step, metrics, data_wait, own_time)
         if run.profiler.enabled:
             _profile(run, step)
         if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or _is_final(step, cfg)):
             _evaluate_and_sample(run, step)
-        signum = run.stop.agree(ctx.dist.device)  # every rank, same step: one tiny all-reduce
-        if signum:
-            ctx.stop_requested, ctx.stop_signal = True, signum
+        if _votes_at(step, cfg):
+            signum = run.stop.agree(ctx.dist.device)  # every rank, same step: one tiny all-reduce
+            if signum:
+                ctx.stop_requested, ctx.stop_signal = True, signum
         run.hooks.on_step_end(ctx, metrics)
         run.dog.beat(step)
         if faults.ACTIVE:
             faults.at("step_end", step=step, rank=ctx.dist.rank, run_dir=ctx.run_dir)
         try:
-            run.guard.after_step(step, metrics["loss"])
+            run.guard.after_step(step, _loss_reader(run, step, metrics))
         except NonFiniteError as exc:
             run.log.message(f"error: {exc}")
             raise
+    _report_pending(run, ctx.last_metrics)  # a stop between log steps: every rank leaves at the same step
+
+
+def _loss_reader(run: _Run, step: int, metrics: dict[str, Any]):
+    """The step's DP-mean loss for the non-finite guard: read already on a log step, else
+    read (one all-reduce) only if the guard asks, on a skipped step, which every rank sees alike."""
+    if "loss" in metrics:
+        return metrics["loss"]
+    out = next(o for s, o in run.pending if s == step)
+    return lambda: dp_reduce([out], run.ctx)[0].loss
+
+
+def _report_pending(run: _Run, metrics: dict[str, Any]) -> None:
+    """Read back the steps not yet read (one all-reduce over DP, one copy): their losses go into
+    the result, and the last one's loss, grad norm and samples hash into `metrics`."""
+    if not run.pending:
+        return
+    figures = dp_reduce([out for _, out in run.pending], run.ctx)
+    for (step, _), fig in zip(run.pending, figures):
+        run.result.losses.append(fig.loss)
+        run.result.steps.append(step)
+    run.pending.clear()
+    last = figures[-1]
+    metrics.update(loss=last.loss, grad_norm=last.grad_norm)
+    if last.samples_hash is not None:
+        metrics["data/samples_hash"] = last.samples_hash
 
 
 def _train_and_count(run: _Run) -> tuple[dict[str, Any], float, float]:
@@ -406,17 +469,24 @@ def _train_and_count(run: _Run) -> tuple[dict[str, Any], float, float]:
     out = train_step(ctx, run.grad_accum, run.guard)
     if faults.ACTIVE:
         faults.at("step", step=ctx.state.step + 1, rank=env.rank)
-    end = time.perf_counter()
-    own_time = end - step_start
-    step_time = _world_step_time(run, end)
+    step = ctx.state.step + 1
+    run.pending.append((step, out))
+    own_time = time.perf_counter() - step_start  # this rank's own work, before it waits for the others
+    read: dict[str, Any] = {}
+    if _logs_at(step, ctx.cfg):
+        _report_pending(run, read)  # its all-reduce waits for the slowest rank's step
+    step_time = _world_step_time(run, time.perf_counter())
+    if read:  # a log step: the mean step time since the last one (the device ran them up to here)
+        step_time = (run.interval_time + step_time) / (run.interval_steps + 1)
+        run.interval_time, run.interval_steps = 0.0, 0
+    else:
+        run.interval_time, run.interval_steps = run.interval_time + step_time, run.interval_steps + 1
     tokens_per_step = t.global_batch_size * t.seq_len
-    ctx.state.step += 1
+    ctx.state.step = step
     ctx.state.tokens_seen += tokens_per_step
     tps = tokens_per_step / step_time
     metrics = {
-        "loss": out.loss,
         "lr": lr,
-        "grad_norm": out.grad_norm,
         "tokens_per_s": tps,
         "mfu": mfu(run.flops_per_token, tps, run.peak_flops),
         "step_time_s": step_time,
@@ -424,17 +494,18 @@ def _train_and_count(run: _Run) -> tuple[dict[str, Any], float, float]:
         "tokens_seen": ctx.state.tokens_seen,
         "skipped_steps": run.guard.skipped_steps,
     }
-    if out.samples_hash is not None:
-        metrics["data/samples_hash"] = out.samples_hash
+    if read:  # in metrics.jsonl's order: loss, lr, grad_norm, ..., data/samples_hash
+        metrics = {"loss": read.pop("loss"), "lr": lr, "grad_norm": read.pop("grad_norm"), **metrics, **read}
     return metrics, out.data_wait_s, own_time
 
 
 def _world_step_time(run: _Run, end: float) -> float:
     """The step that just ended, as the whole world took it: wall time on this rank since the
     previous step's compute ended, less the announced phases in between (evaluation, samples,
-    checkpoint I/O, profiler export). Every step ends in collectives (the loss all-reduce, the
-    stop vote), so this rank's waits for a slower one are in it (a wait after one step's compute
-    lands in the next step's time): the slowest rank's pace, end to end, with no collective added."""
+    checkpoint I/O, profiler export). A log step ends in a collective (the loss all-reduce), so
+    over the steps since the last log step (the figure logged, see _train_and_count) this rank's
+    waits for a slower one, and for its own device, are in it: the slowest rank's pace, end to
+    end, with no collective added. A single step between log steps is only the host's time."""
     outside = run.dog.outside_steps_s - run.outside_steps_at_end
     took = end - run.last_step_end - outside
     run.last_step_end, run.outside_steps_at_end = end, run.dog.outside_steps_s

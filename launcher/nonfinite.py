@@ -9,6 +9,12 @@ Who skips (DeepSpeed 0.19.8, checked in tests/test_zero.py and tests/test_zero_u
   is marked `overflow`, so the engine counts the skip and leaves the LR schedule
   where it is), using the loop's own global gradient norm.
 
+The check runs every step without reading the loss back to the host: whether a step was
+skipped is the engine's own host-side count, so a NaN is caught the step it happens whatever
+log.every_steps is (the loss is read only under fp16, and only on a skipped step). The one
+device-to-host read is the fp32 ZeRO-0 guard's: it needs the gradient norm on the host to
+decide, before the optimizer step, whether to skip it.
+
 Every skipped step shows in `engine.skipped_steps` (the `skipped_steps` metric). After
 `train.max_consecutive_skips` skipped steps in a row (0 = never stop) `SkipGuard`
 raises `NonFiniteError`. Under fp16 only steps whose loss itself is non-finite count
@@ -22,9 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from deepspeed import DeepSpeedEngine
 
 
@@ -46,10 +54,11 @@ class SkipGuard:
         return int(self.engine.skipped_steps)
 
     @contextlib.contextmanager
-    def step(self, own_norm: float | None = None):
+    def step(self, own_norm: float | torch.Tensor | None = None):
         """Around engine.step(). `own_norm`: the global gradient norm at the boundary on the
-        path DeepSpeed does not guard (fp32 ZeRO 0); non-finite -> skip like DeepSpeed."""
-        if own_norm is None or math.isfinite(own_norm):
+        path DeepSpeed does not guard (fp32 ZeRO 0); non-finite -> skip like DeepSpeed.
+        A tensor is read back here: the skip is decided on the host, before the step."""
+        if own_norm is None or math.isfinite(float(own_norm)):
             yield
             return
         opt = self.engine.optimizer
@@ -65,11 +74,15 @@ class SkipGuard:
             else:
                 opt.step = saved
 
-    def after_step(self, step: int, loss: float) -> bool:
-        """Call after each optimizer step (1-based `step`, DP-mean loss): was it skipped?
-        Raises NonFiniteError after max_consecutive skips in a row."""
+    def after_step(self, step: int, loss: float | Callable[[], float]) -> bool:
+        """Call after each optimizer step (1-based `step`; the DP-mean loss, or a function that
+        reads it, called only on a skipped step): was it skipped? Raises NonFiniteError after
+        max_consecutive skips in a row. Every rank calls it at the same step and reads the loss
+        at the same steps (the engine's skip count is the same on every rank)."""
         now = self.skipped_steps
         skipped, self._seen = now > self._seen, now
+        if skipped and callable(loss):
+            loss = loss()
         counts = skipped and (not self.fp16 or not math.isfinite(loss))
         if counts:
             self.consecutive += 1

@@ -4,9 +4,11 @@
     SIGINT    Ctrl-C                                                                 -> exit 130
     SIGHUP    the terminal went away                                                 -> exit 129
 
-A handler only records the signal. At every step boundary the ranks agree on it
-(`StopRequest.agree`: one tiny all-reduce, so ranks that got the signal at different
-steps still stop at the same one); the checkpoint hook then saves, the loop ends, and
+A handler only records the signal. At the end of a vote step (a log step, and every
+train.stop_check_every_steps steps: the vote is a collective and a read back, which the
+steps between skip) the ranks agree on it (`StopRequest.agree`: one tiny all-reduce, so
+ranks that got the signal at different steps still stop at the same one); the checkpoint
+hook then saves, the loop ends, and
 rank 0 prints `stopped at step N (checkpoint saved)`. SIGTERM exits 0 because a
 scheduler that preempts a job asked for exactly that; Ctrl-C and SIGHUP exit
 128 + signal number, so a script can tell an interrupted run from a finished one (0)
@@ -163,7 +165,7 @@ class StopRequest:
         return self.signum
 
     def agree(self, device) -> int:
-        """The signal every rank stops for (0: none); all ranks call it at the same step."""
+        """The signal every rank stops for (0: none); all ranks call it at the same (vote) step."""
         signum = self.pending()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             t = torch.tensor([signum], dtype=torch.int32, device=device)  # NCCL: on the GPU
