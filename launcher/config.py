@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from loomtrain.launcher.addresses import check_ray_address
@@ -56,11 +56,17 @@ class DataSource:
     # Relative share of the samples (normalised over all sources).
     weight: float = 1.0
 
+    # What each field takes, in the errors that name it (here and in the config loader).
+    EXPECTED: ClassVar[dict[str, str]] = {
+        "path": "a shard directory made by `loomtrain preprocess`",
+        "weight": "a positive number (the source's relative share of the samples)",
+    }
+
     def validate(self, prefix: str) -> None:
-        check(bool(self.path), f"{prefix}.path", "a shard directory made by `loomtrain preprocess`", self.path)
+        check(bool(self.path), f"{prefix}.path", self.EXPECTED["path"], self.path)
         # A list item: the loader's finite-number rule covers section fields only.
         ok = math.isfinite(self.weight) and self.weight > 0
-        check(ok, f"{prefix}.weight", "a positive number", self.weight)
+        check(ok, f"{prefix}.weight", self.EXPECTED["weight"], self.weight)
 
 
 BUILTIN_TOKENIZERS = ("byte", "bpe")

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from loomtrain.durable import atomic_write
 from loomtrain.launcher.checkpoints.weight_source import open_matching
-from loomtrain.launcher.config import RESUME_MODES, ConfigError, RunConfig, check
+from loomtrain.launcher.config import RESUME_MODES, ConfigError, DataSource, RunConfig, check
 from loomtrain.launcher.rundir import run_dir
 from loomtrain.parallel.topology import check_tp
 from omegaconf import DictConfig, OmegaConf
@@ -187,11 +187,63 @@ def _check_keys(layer: DictConfig, source: str) -> None:
     walk(layer, "")
 
 
+# Keys holding a list of typed items. Merged as a whole, OmegaConf names a bad item's field alone
+# ("weight: wrong type"), so each item is checked on its own first, under its full name.
+ITEM_LISTS = {"data.sources": DataSource}
+
+
+def _item_shape(schema: type) -> str:
+    return "{" + ", ".join(f"{f.name}: ..." for f in dataclasses.fields(schema)) + "}"
+
+
+def _check_list_items(layer: DictConfig, source: str) -> None:
+    """Each item of an ITEM_LISTS key: a mapping of the item's own fields, each of its type;
+    an error names the item (`data.sources[1].weight`) and what it takes."""
+    for key, schema in ITEM_LISTS.items():
+        node = OmegaConf.select(layer, key, default=None, throw_on_missing=False)
+        if node is None:
+            continue
+        shape = _item_shape(schema)
+        if not OmegaConf.is_list(node):
+            raise ConfigError(f"{key}: expected a list of {shape} items, got {_plain(node)!r} [{source}]")
+        fields = [f.name for f in dataclasses.fields(schema)]
+        for i in range(len(node)):
+            item, name = node._get_node(i), f"{key}[{i}]"
+            if not OmegaConf.is_dict(item):
+                raise ConfigError(f"{name}: expected a mapping {shape}, got {_plain(item)!r} [{source}]")
+            for field in item.keys():
+                if field not in fields:
+                    near = difflib.get_close_matches(str(field), fields, n=1, cutoff=0.6)
+                    hint = (
+                        " (YAML needs a space after the colon: {path: DIR})"
+                        if ":" in str(field)
+                        else f" (did you mean {near[0]!r}?)"
+                        if near
+                        else ""
+                    )
+                    raise ConfigError(f"{name}.{field}: unknown key{hint}; an item has {shape} [{source}]")
+            try:
+                OmegaConf.merge(OmegaConf.structured(schema), item)
+            except OmegaConfBaseException as exc:
+                field = str(getattr(exc, "key", None) or getattr(exc, "full_key", "") or "")
+                value = _plain(item._get_node(field)) if field in fields else None
+                expected = schema.EXPECTED.get(field, "a value of the right type")
+                raise ConfigError(f"{name}.{field}: expected {expected}, got {value!r} [{source}]") from None
+
+
+def _plain(node: Any) -> Any:
+    """A node's value as plain Python (lists and mappings as such), for a message."""
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node)
+    return node._value() if hasattr(node, "_value") else node
+
+
 def merge_layers(layers: list[tuple[DictConfig, str]]) -> RunConfig:
     """Merge the layers onto the structured schema and build the dataclasses."""
     merged = OmegaConf.structured(RunConfig)
     for layer, source in layers:
         _check_keys(layer, source)
+        _check_list_items(layer, source)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:

@@ -1,6 +1,7 @@
-"""data.sources in one line: a mixture resumed with other weights, swapped or other sources says
-what differs, saved against now, and what to do (exit 2, the checkpoints as they were); the same
-mixture written otherwise (weights 3:7 as 0.3:0.7) resumes."""
+"""data.sources in one line: a bad item is named (`data.sources[1].weight`) with what it takes,
+in a YAML file as on the command line; a mixture resumed with other weights, swapped or other
+sources says what differs, saved against now, and what to do (exit 2, the checkpoints as they
+were); the same mixture written otherwise (weights 3:7 as 0.3:0.7) resumes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,45 @@ import pytest
 from launch import TINY
 from loomtrain.data_pipeline import DataError, TokenStream, preprocess_files
 from loomtrain.data_pipeline.shards import write_arrays
+from loomtrain.launcher.config import ConfigError
+from loomtrain.launcher.config_loader import load_config
+
+WEIGHT = "a positive number (the source's relative share of the samples)"
+ITEM = "{path: ..., weight: ...}"
+
+
+@pytest.mark.parametrize(
+    "sources,message",
+    [
+        ("[{path: a}, {path: b, weight: heavy}]", f"data.sources[1].weight: expected {WEIGHT}, got 'heavy'"),
+        ("[{path: a}, {path: b, weight: [1]}]", f"data.sources[1].weight: expected {WEIGHT}, got [1]"),
+        (
+            "[{path: a}, {path: [b]}]",
+            "data.sources[1].path: expected a shard directory made by `loomtrain preprocess`, got ['b']",
+        ),
+        (
+            "[{path: a}, {path: b, wieght: 2}]",
+            f"data.sources[1].wieght: unknown key (did you mean 'weight'?); an item has {ITEM}",
+        ),
+        (
+            "[{path:a}]",
+            "data.sources[0].path:a: unknown key (YAML needs a space after the colon: {path: DIR}); "
+            f"an item has {ITEM}",
+        ),
+        ("[{path: a}, b]", f"data.sources[1]: expected a mapping {ITEM}, got 'b'"),
+        ("a", f"data.sources: expected a list of {ITEM} items, got 'a'"),
+    ],
+)
+def test_a_bad_sources_item_is_named_with_what_it_takes(sources, message, tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_config(TINY, [f"data.sources={sources}"])
+    assert str(exc.value) == f"{message} [command line]"
+    config = tmp_path / "mix.yaml"
+    config.write_text(f"extends: {TINY}\ndata:\n  sources: {sources}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(config)
+    assert str(exc.value) == f"{message} [{config}]"
+
 
 # --- resuming a mixture ------------------------------------------------------------
 T = 8
