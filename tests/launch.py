@@ -133,6 +133,13 @@ def output(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 
 
+def one_line(err: str) -> str:
+    """The one line an error printed (asserting it is one, and no traceback)."""
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
 class Run:
     """A run in a child process whose output (stdout + stderr) is read line by line; use it as a
     context manager so that the child, and the ranks torchrun started, never outlive the test."""

@@ -11,18 +11,13 @@ import signal
 from pathlib import Path
 
 import pytest
+from launch import one_line
 from loomtrain.launcher.cli import generate, train
 from loomtrain.launcher.config_loader import ConfigError, load_config
 from loomtrain.launcher.rundir import LOCK
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-
-
-def one_line(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.mark.parametrize("key", ["run.dir", "model.init_from", "train.lr", "log.profile_steps"])
