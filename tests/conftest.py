@@ -3,6 +3,8 @@ fixtures several modules use. Runs launched in a child process (`python -m loomt
 torchrun) go through tests/launch.py, which also holds the shrunk configs they train."""
 
 import os
+import subprocess
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -51,3 +53,21 @@ def bpe():
 from hosts import hosts  # noqa: E402,F401  (network-namespace test hosts, tests/hosts.py)
 from ray_fixtures import ray_head  # noqa: E402,F401  (a session-scoped private Ray head)
 from ray_hosts import ray_cluster  # noqa: E402,F401  (a module-scoped Ray cluster across test hosts)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount_tmpfs(size) -> a fresh folder on a tmpfs of that size ("16M", "512k"), unmounted
+    after the test: a disk that fills (the tests run as root)."""
+    mounts = []
+
+    def mount_tmpfs(size: str) -> Path:
+        mount = tmp_path / f"disk{len(mounts)}"
+        mount.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True)
+        mounts.append(mount)
+        return mount
+
+    yield mount_tmpfs
+    for mount in mounts:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
