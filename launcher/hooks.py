@@ -7,9 +7,10 @@ The loop (`loomtrain.launcher.loop.run_training`) calls, on every rank:
                                        here (engine state, ctx.train_stream.load_state_dict,
                                        ctx.state.load_state_dict, RNG states)
     hooks.on_step_end(ctx, metrics)    after every optimizer step (metrics: this step's
-                                       loss, lr, grad_norm, ... on every rank, the loss
-                                       already averaged over DP): checkpoint every N steps,
-                                       report to Ray, ...
+                                       lr, tokens_per_s, ... on every rank; on a log step
+                                       also its loss, averaged over DP, and grad_norm: the
+                                       steps between read nothing back): checkpoint every
+                                       N steps, report to Ray, ...
     hooks.on_eval_end(ctx, metrics)    after each evaluation (eval/loss, eval/ppl)
     hooks.on_train_end(ctx)            after the last step (a final checkpoint), before
                                        the final weights are written
