@@ -13,7 +13,7 @@ vocab 8192, seq 256, batch 8) from the same weights on the same batch:
 * plain: forward, cross-entropy, backward, torch.nn.utils.clip_grad_norm_, AdamW
   step (the same param groups), LambdaLR step, zero_grad;
 * before: the engine step as the loop ran it before its steps stopped reading back
-  (issue 26): the grad norm from each gradient's squares copied to the CPU one by one,
+  (December 2026): the grad norm from each gradient's squares copied to the CPU one by one,
   the loss and the norm read back every step, the stop vote every step. `engine` is a
   step between log steps now: nothing read back (at fp32 ZeRO-0 the skip guard still reads
   the one norm it decides on).
@@ -101,7 +101,7 @@ def per_gradient_norm(model: torch.nn.Module) -> float:
 
 
 def engine_before_step_fn(cfg, x, y):
-    """The loop's step before issue 26 (grad_accum 1, world 1): what it read back every step."""
+    """The loop's step before it stopped reading back (grad_accum 1, world 1): what it read every step."""
     from loomtrain.launcher.engine import records_grad_norm
     from loomtrain.launcher.nonfinite import SkipGuard
     from loomtrain.launcher.stopping import StopRequest

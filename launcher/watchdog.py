@@ -128,7 +128,7 @@ def heartbeat_path(run_dir, rank: int) -> Path:
 
 
 def where(thread_id: int | None = None) -> str:
-    """The function a thread is in now, e.g. 'all_reduce (from _dp_mean, loop.py:62)'."""
+    """The function a thread is in now, e.g. 'all_reduce (from dp_reduce, loop.py:62)'."""
     frame = sys._current_frames().get(thread_id or threading.main_thread().ident)
     if frame is None:
         return "?"
