@@ -39,7 +39,13 @@ from loomtrain.launcher.checkpoints.state import (
     take_snapshot,
     write_snapshot,
 )
-from loomtrain.launcher.checkpoints.store import CheckpointStore, is_write_error, verify, write_error
+from loomtrain.launcher.checkpoints.store import (
+    CheckpointStore,
+    is_write_error,
+    verify,
+    wait_for_deletions,
+    write_error,
+)
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError, to_yaml
 from loomtrain.launcher.distributed import barrier, broadcast_str
@@ -174,13 +180,16 @@ class CheckpointHook(Hooks):
 
     # Saving -----------------------------------------------------------------------------
     def wait(self, ctx: TrainContext) -> None:
-        """Wait for the save in flight (every rank; rank 0 until it is published)."""
+        """Wait for the save in flight (every rank; rank 0 until it is published, and until
+        the checkpoints it pruned are deleted)."""
         bg, self.in_flight = self.in_flight, None
         if bg is None:
+            wait_for_deletions()
             return
         with io_phase("checkpoint save (waiting for the one in flight)"):
             bg.wait()
             barrier()
+        wait_for_deletions()
         for rec in self.saves:
             if rec["step"] == bg.step:
                 rec.update(bg.record())

@@ -28,13 +28,16 @@ is state.py's.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import re
 import shutil
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,15 +239,17 @@ class CheckpointStore:
         if self.keep_every > 0:
             keep |= {step for step, _ in pub if step % self.keep_every == 0}
         pointer = self.latest_pointer()
-        removed = []
+        removed, doomed = [], []
         for step, path in pub:
             if step in keep or path.name == pointer:
                 continue
-            # Rename first so a crash mid-delete never leaves a half-deleted "published" dir.
-            doomed = self.root / (TMP_PREFIX + "del-" + path.name)
-            os.rename(path, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            # Rename first so a crash mid-delete never leaves a half-deleted "published" dir
+            # (the next start removes a `.tmp-*` leftover).
+            doomed.append(self.root / f"{TMP_PREFIX}del-{path.name}.{uuid.uuid4().hex[:8]}")
+            os.rename(path, doomed[-1])
             removed.append(path)
+        if doomed:
+            _delete_in_background(doomed)
         return removed
 
     # Reading ----------------------------------------------------------------
@@ -315,6 +320,34 @@ class CheckpointStore:
         if not v.ok:
             raise ValueError(f"checkpoint.resume={resume!r}: not a usable checkpoint: {v.reason}")
         return path
+
+
+_deletions: list[threading.Thread] = []
+
+
+def _delete_in_background(paths: list[Path]) -> None:
+    """Remove pruned checkpoints off the saving thread: freeing a checkpoint's GBs takes a
+    disk a good part of a second that no step needs to wait for. Deletions run one after
+    another; the run waits for them when it stops (`wait_for_deletions`), the process at exit
+    (a kill leaves `.tmp-del-*`, which the next start removes)."""
+    before = _deletions[-1] if _deletions else None
+
+    def run() -> None:
+        if before is not None:
+            before.join()
+        for p in paths:
+            shutil.rmtree(p, ignore_errors=True)
+
+    _deletions[:] = [t for t in _deletions if t.is_alive()]
+    thread = threading.Thread(target=run, name="checkpoint-retention", daemon=True)
+    thread.start()
+    _deletions.append(thread)
+
+
+@atexit.register
+def wait_for_deletions() -> None:
+    for thread in list(_deletions):
+        thread.join()
 
 
 class CheckpointWriteError(OSError):
