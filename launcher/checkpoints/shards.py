@@ -180,9 +180,13 @@ _helper: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def _hash_helper() -> ThreadPoolExecutor | None:
-    """One helper thread per process (made anew in a forked child, whose copy has no thread)."""
+    """One helper thread per process (made anew in a forked child, whose copy has no thread),
+    where this host has a spare core for it: with as many ranks as cores (or more) the other
+    ranks keep the cores busy already, and a second thread only adds hand-overs."""
     global _helper
-    if (os.cpu_count() or 1) < 2:
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores < 2 * ranks_here:
         return None
     if _helper is None or _helper[0] != os.getpid():
         _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="tile-sha256"))
