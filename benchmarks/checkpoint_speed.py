@@ -77,7 +77,7 @@ def worker(args) -> None:
     from loomtrain.launcher.checkpoints.background import BackgroundSave
     from loomtrain.launcher.checkpoints.parts import Training
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
-    from loomtrain.launcher.checkpoints.store import CheckpointStore
+    from loomtrain.launcher.checkpoints.store import CheckpointStore, wait_for_deletions
     from loomtrain.launcher.config_loader import load_config
     from loomtrain.launcher.distributed import barrier
 
@@ -107,11 +107,15 @@ def worker(args) -> None:
     out = {k: [] for k in ("save", "dd", "resume", "floor", "resume_cold", "floor_cold", "async")}
     for r in range(args.rounds):
         step = 10 * (r + 1)
+        # A pruned checkpoint is deleted in the background while training goes on; here no
+        # steps run between saves, so each timed part starts once the deletions are done.
+        wait_for_deletions()
         barrier()
         seconds, path = timed(save_checkpoint, store, step, training)
         out["save"].append(seconds)
         mine = [path / d / f"rank_{rank:05d}.safetensors" for d in ("model", "optim", "rng")]
         written = sum(f.stat().st_size for f in mine if f.exists())
+        wait_for_deletions()
         scratch = run_dir / f"dd_rank_{rank}"
         dd = ["dd", "if=/dev/zero", f"of={scratch}", "bs=16M", f"count={written}", "iflag=count_bytes", "conv=fsync"]
         barrier()

@@ -8,7 +8,8 @@ steps; RANK is the global rank):
     nan:RANK:N[-M]             loss                the loss of steps N..M is NaN on rank RANK
     raise:RANK:STEP            loss                rank RANK raises FaultInjected in the middle of
                                                    step STEP (after its first forward)
-    delay:RANK:SECONDS         step                rank RANK spends SECONDS more in every step
+    delay:RANK:SECONDS         step                rank RANK spends SECONDS more in every step (and says
+                                                   so once, on its own output)
     signal:RANK:STEP:SIGNAME   step                rank RANK sends itself SIGNAME while step STEP
                                                    runs (Ctrl-C = SIGINT, a closed terminal = SIGHUP)
     sigstop:RANK:STEP          step_end            rank RANK stops itself (SIGSTOP) after step STEP
@@ -133,6 +134,9 @@ def at(point: str, value=None, *, step: int | None = None, rank: int | None = No
     return value
 
 
+_announced: set[int] = set()
+
+
 def _strike(fault: Fault, value, step, rank, run_dir, flush):
     kind = fault.kind
     if kind == "nan":
@@ -140,6 +144,10 @@ def _strike(fault: Fault, value, step, rank, run_dir, flush):
     if kind == "raise":
         raise FaultInjected(f"test fault: rank {rank} raises in the middle of step {step}")
     if kind == "delay":
+        if id(fault) not in _announced:  # once per process: the rank's own output says it is slowed
+            _announced.add(id(fault))
+            line = f"loomtrain: TEST FAULT delay {fault.seconds:g} s per step on rank {rank}"
+            print(line, file=sys.stderr, flush=True)
         time.sleep(fault.seconds)
         return value
     if kind == "signal":

@@ -68,9 +68,10 @@ RAY_LINES = (
 
 def start_run(cluster, run_dir: Path, data_cache: Path, *extra: str) -> subprocess.Popen:
     """`loomtrain train --ray` on the head's host, output (stdout + stderr) in a pipe."""
-    env = cluster.client_env(
-        launch.child_env(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1", LOOMTRAIN_TEST_FAULTS="delay:0:0.3")
-    )
+    # Rank 0 is paced so that the kill lands mid-run; rank 3's negligible delay is announced
+    # on its output: a line of another rank than 0, which the console shows behind host and rank.
+    faults = "delay:0:0.3,delay:3:0.001"
+    env = cluster.client_env(launch.child_env(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1", LOOMTRAIN_TEST_FAULTS=faults))
     argv = launch.loomtrain_cmd(
         "train",
         launch.TINY,
