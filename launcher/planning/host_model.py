@@ -19,11 +19,11 @@ Every figure comes from the config and the layout (`loomtrain.parallel.plan`):
   through host memory), so per rank the share plus the process allowance.
 * Save time: the nodes write in parallel, each at the stated storage bandwidth
   (--storage-gbps, GB/s per node): checkpoint bytes / (nodes x bandwidth) for a
-  synchronous save. loomtrain's save runs at the storage's fsynced write rate (0.9-1.2x of
-  `dd conv=fsync` on a 2-core machine: benchmarks/checkpoint_speed.py; hashing overlaps the
-  writes). An async save blocks training only while each rank copies its share to host
-  memory (HOST_COPY_GBPS per GPU, pinned device-to-host over PCIe; on a CPU device a host
-  memcpy, CPU_COPY_GBPS).
+  synchronous save: the storage is assumed to set the pace. (On a 2-core machine, where the
+  sha256 of each byte competes with the writes for the cores, a save measures 0.6-0.7x of
+  `dd conv=fsync`'s rate: benchmarks/checkpoint_speed.py.) An async save blocks training
+  only while each rank copies its share to host memory (HOST_COPY_GBPS per GPU, pinned
+  device-to-host over PCIe; on a CPU device a host memcpy, CPU_COPY_GBPS).
 * Resume time: each rank reads its share (its TP shard of the weights, whole over DP below
   ZeRO-3, and its partition of the moments) and checks the sha256 of what it reads, at
   HASH_GBPS per rank; the nodes read at the storage bandwidth. The slower of the two.
