@@ -22,12 +22,11 @@ import argparse
 import json
 import os
 import resource
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+import common
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -53,9 +52,6 @@ SMALL = [
 
 def worker(args) -> None:
     import torch.distributed as dist
-
-    sys.path.insert(0, str(HERE.parent))
-    import common
     from loomtrain.launcher.checkpoints.background import BackgroundSave
     from loomtrain.launcher.checkpoints.parts import Training
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
@@ -127,44 +123,11 @@ def worker(args) -> None:
         Path(args.out).write_text(json.dumps(rows))
 
 
-def run_layout(tp: int, dp: int, tiny: bool, tmp: Path) -> list[dict]:
-    world = tp * dp
-    out = tmp / f"tp{tp}dp{dp}.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    head = (
-        [sys.executable]
-        if world == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
-    )
-    cmd = [
-        *head,
-        str(HERE),
-        "--worker",
-        "--tp",
-        str(tp),
-        "--run-dir",
-        str(tmp / f"run_tp{tp}dp{dp}"),
-        "--out",
-        str(out),
-        *(["--tiny"] if tiny else []),
-    ]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
-    shutil.rmtree(tmp / f"run_tp{tp}dp{dp}", ignore_errors=True)  # GBs at the full size: one layout at a time
-    if p.returncode != 0:
-        sys.exit(f"checkpoint_scale: tp {tp} x dp {dp} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-    return json.loads(out.read_text())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a small model, worlds 1 and 2 (smoke test)")
     ap.add_argument("--layouts", default="", help="TPxDP list, e.g. 1x1,2x1,1x2,4x1,1x4")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    common.add_worker_args(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -174,7 +137,10 @@ def main() -> None:
     if pairs[0] != (1, 1):
         pairs.insert(0, (1, 1))
     with tempfile.TemporaryDirectory(prefix="ckpt_scale_") as d:
-        results = {p: run_layout(*p, args.tiny, Path(d)) for p in pairs}
+        results = {
+            p: common.run_layout(HERE, *p, Path(d), ["--tiny"] if args.tiny else [], {"OMP_NUM_THREADS": "1"}, 1800)
+            for p in pairs
+        }
     base = {k: max(r[k] for r in results[(1, 1)]) for k in ("rss", "written", "read", "sync_s", "async_s")}
     print(
         f"checkpoint_scale: {'tiny' if args.tiny else '~112 M'} model, fp32, ZeRO 1, CPU/gloo; "

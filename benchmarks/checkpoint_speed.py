@@ -27,13 +27,13 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+import common
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -71,9 +71,6 @@ def timed(fn, *args, **kwargs) -> tuple[float, object]:
 
 def worker(args) -> None:
     import torch.distributed as dist
-
-    sys.path.insert(0, str(HERE.parent))
-    import common
     from loomtrain.launcher.checkpoints.background import BackgroundSave
     from loomtrain.launcher.checkpoints.parts import Training
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
@@ -156,25 +153,6 @@ def worker(args) -> None:
         Path(args.out).write_text(json.dumps(rows))
 
 
-def run_layout(tp: int, dp: int, args, tmp: Path) -> list[dict]:
-    world = tp * dp
-    out = tmp / f"tp{tp}dp{dp}.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    head = [sys.executable]
-    if world > 1:
-        head += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
-    run_dir = tmp / f"run_tp{tp}dp{dp}"
-    cmd = [*head, str(HERE), "--worker", "--tp", str(tp), "--rounds", str(args.rounds)]
-    cmd += ["--run-dir", str(run_dir), "--out", str(out), *(["--tiny"] if args.tiny else [])]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=REPO)
-    shutil.rmtree(run_dir, ignore_errors=True)  # GBs at the full size: one layout at a time
-    if p.returncode != 0:
-        sys.exit(f"checkpoint_speed: tp {tp} x dp {dp} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-    return json.loads(out.read_text())
-
-
 def summary(rows: list[dict]) -> dict:
     """Per rank the median of each figure; then the worst rank's figure and ratio."""
     med = [{k: statistics.median(v) for k, v in r.items() if isinstance(v, list)} for r in rows]
@@ -193,17 +171,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per layout (medians)")
     ap.add_argument("--layouts", default="1x1,2x2", help="TPxDP list")
     ap.add_argument("--dir", default=None, help="where to write: the disk the runs use (default: the temp folder)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    common.add_worker_args(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
     pairs = [tuple(int(v) for v in item.split("x")) for item in args.layouts.split(",")]
     with tempfile.TemporaryDirectory(prefix="ckpt_speed_", dir=args.dir) as d:
-        results = {p: summary(run_layout(*p, args, Path(d))) for p in pairs}
+        extra = ["--rounds", str(args.rounds), *(["--tiny"] if args.tiny else [])]
+        results = {p: summary(common.run_layout(HERE, *p, Path(d), extra, {})) for p in pairs}
     print(
         f"checkpoint_speed: {'tiny' if args.tiny else '101 M'} model, fp32, CPU; worst rank's median of "
         f"{args.rounds} rounds (ratio: worst rank's)"

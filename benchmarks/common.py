@@ -6,10 +6,16 @@ The scripts put this folder on sys.path themselves (it is where they live), so
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -166,3 +172,34 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**30))
     except (OSError, AttributeError):
         return False
+
+
+# Scripts that run one worker per layout (checkpoint_scale.py, checkpoint_speed.py) ---------
+def add_worker_args(ap: argparse.ArgumentParser) -> None:
+    """The hidden arguments run_layout passes to the script's own --worker mode."""
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+
+
+def run_layout(
+    script: Path, tp: int, dp: int, tmp: Path, extra: list[str], env: dict[str, str], timeout: int = 3600
+) -> list[dict]:
+    """`script --worker` at tp x dp in processes of its own (torchrun above one rank), with a run
+    directory and an --out file under tmp; returns the rows rank 0 wrote there. The run directory
+    goes afterwards: GBs at a full size, so one layout at a time."""
+    world = tp * dp
+    out, run_dir = tmp / f"tp{tp}dp{dp}.json", tmp / f"run_tp{tp}dp{dp}"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", **env}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    head = [sys.executable]
+    if world > 1:
+        head += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+    cmd = [*head, str(script), "--worker", "--tp", str(tp), "--run-dir", str(run_dir), "--out", str(out), *extra]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=script.parents[1])
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if p.returncode != 0:
+        sys.exit(f"{script.stem}: tp {tp} x dp {dp} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return json.loads(out.read_text())
