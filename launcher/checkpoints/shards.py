@@ -333,7 +333,6 @@ _NUMPY = {
     "BOOL": np.bool_,
     "BF16": np.int16,
 }  # BF16: raw, converted by torch
-_ITEMSIZE = {"F32": 4, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "BOOL": 1, "BF16": 2}
 
 
 class _MappedFile:
@@ -365,7 +364,7 @@ class _MappedFile:
             info = self._header[name]
             dtype = info["dtype"]
             lo, hi = (int(v) for v in info["data_offsets"])
-            count = (hi - lo) // _ITEMSIZE[dtype]
+            count = (hi - lo) // np.dtype(_NUMPY[dtype]).itemsize
         except (KeyError, TypeError, ValueError):
             raise CorruptCheckpoint(f"{self.path}: no tensor {name!r} (named by the checkpoint index)") from None
         return np.frombuffer(self._map, dtype=_NUMPY[dtype], count=count, offset=self._base + lo), dtype
