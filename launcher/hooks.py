@@ -20,13 +20,15 @@ stops after the current step as if max_steps had been reached, without writing f
 weights unless `ctx.state.step == cfg.train.max_steps`.
 
 Checkpointing and Ray reporting are hooks, so the loop's body calls neither: every run gets
-the checkpoint hook (loomtrain.launcher.checkpoints.hook), and a launcher passes its own
-(Ray's report hook, loomtrain.launcher.cluster.ray_train).
+the checkpoint hook (loomtrain.launcher.checkpoints.hook), then the hooks of the plugin
+LOOMTRAIN_PLUGIN names, if any (a .py file or a module whose `hooks(cfg)` returns them, read
+once when the run starts; loomtrain.launcher.plugins), then a launcher's own (Ray's report
+hook, loomtrain.launcher.cluster.ray_train).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,8 +84,6 @@ class TrainContext:
     # Set by the checkpoint hook:
     resumed_from: Path | None = None  # the checkpoint this run resumed from
     checkpoint_saves: list[dict[str, Any]] = field(default_factory=list)  # per save: step, blocked_s, times
-    # Waits, without a collective, until a save in flight is published (test-only faults strike after it).
-    checkpoint_flush: Callable[[], None] | None = None
 
 
 class Hooks:

@@ -28,7 +28,7 @@ train.stop_check_every_steps (`_votes_at`). tests/test_step_syncs.py counts them
 Plug-in points: `hooks` (see loomtrain.launcher.hooks) for checkpoints and Ray;
 `components.build_model` for TP; `engine.build_engine` for ZeRO / precision;
 `weights.save_final_sharded` for the final weights (each rank writes its share);
-loomtrain.launcher.faults for test-only faults.
+LOOMTRAIN_PLUGIN for hooks from outside the package (loomtrain.launcher.plugins).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from loomtrain.data_pipeline import TokenStream
 from loomtrain.data_pipeline.tokenizer import Tokenizer
-from loomtrain.launcher import components, faults, host_memory, rundir, weights
+from loomtrain.launcher import components, host_memory, plugins, rundir, weights
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import save_config, to_dict, validate
@@ -171,7 +171,6 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
     """One optimizer step. A non-finite step is skipped (see loomtrain.launcher.nonfinite);
     `guard` covers the one path DeepSpeed does not guard itself (fp32 at ZeRO 0)."""
     engine, device = ctx.engine, ctx.dist.device
-    step, rank = ctx.state.step + 1, ctx.dist.rank
     total = torch.zeros((), dtype=torch.float32, device=device)
     norm = None
     data_wait = 0.0
@@ -181,8 +180,6 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
         data_wait += time.perf_counter() - t0
         x, y = _to(batch, device)
         loss = engine(x, targets=y)
-        if faults.ACTIVE:
-            loss = faults.at("loss", loss, step=step, rank=rank)
         engine.backward(loss)
         own_norm = None
         if micro == grad_accum - 1 and not records_grad_norm(engine):
@@ -266,6 +263,7 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     rank when a step makes no progress for parallel.timeout_s (loomtrain.launcher.watchdog);
     SIGTERM / SIGINT / SIGHUP save a checkpoint and stop (loomtrain.launcher.stopping)."""
     wall_start = time.perf_counter()
+    hooks = [*plugins.hooks(cfg), *hooks]  # LOOMTRAIN_PLUGIN's, read once: after the checkpoint hook, before Ray's
     env = init_distributed(cfg)
     validate(cfg, env.world_size)  # batch-size rules against the real world size
     run_dir = rundir.run_dir(cfg)
@@ -423,8 +421,6 @@ def _loop(run: _Run) -> None:
                 ctx.stop_requested, ctx.stop_signal = True, signum
         run.hooks.on_step_end(ctx, metrics)
         run.dog.beat(step)
-        if faults.ACTIVE:
-            faults.at("step_end", step=step, rank=ctx.dist.rank, run_dir=ctx.run_dir)
         try:
             run.guard.after_step(step, _loss_reader(run, step, metrics))
         except NonFiniteError as exc:
@@ -467,8 +463,6 @@ def _train_and_count(run: _Run) -> tuple[dict[str, Any], float, float]:
     run.profiler.before_step(ctx.state.step + 1)
     lr = float(ctx.engine.get_lr()[0])  # what this step uses (the schedule steps after it)
     out = train_step(ctx, run.grad_accum, run.guard)
-    if faults.ACTIVE:
-        faults.at("step", step=ctx.state.step + 1, rank=env.rank)
     step = ctx.state.step + 1
     run.pending.append((step, out))
     own_time = time.perf_counter() - step_start  # this rank's own work, before it waits for the others

@@ -20,8 +20,8 @@ Every skipped step shows in `engine.skipped_steps` (the `skipped_steps` metric).
 raises `NonFiniteError`. Under fp16 only steps whose loss itself is non-finite count
 towards that limit: a scaler overflow with a finite loss is loss scaling at work.
 
-Tests force NaN losses through the test-only fault seam (`nan:RANK:N-M`,
-loomtrain.launcher.faults).
+Tests force NaN losses with the test suite's fault plugin (`nan:RANK:N-M`,
+tests/fault_plugin.py).
 """
 
 from __future__ import annotations

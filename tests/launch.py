@@ -6,8 +6,8 @@
 
 Every child gets `child_env()`: this process's environment without what an in-process run
 or another test left in it (a torch.distributed rendezvous would make the child join a group
-that is gone, RAY_ADDRESS a cluster it was not given, a LOOMTRAIN_TEST_* fault would strike
-a run that did not ask for it), plus the CPU settings every test run wants: DeepSpeed's CPU
+that is gone, RAY_ADDRESS a cluster it was not given, a LOOMTRAIN_PLUGIN or LOOMTRAIN_TEST_*
+fault would strike a run that did not ask for it), plus the CPU settings every test run wants: DeepSpeed's CPU
 accelerator, one OpenMP thread per rank (2 shared cores), no tokenizers thread pool.
 More than one rank runs under torchrun `--standalone`, which binds a free port itself.
 """
@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import fault_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -86,8 +88,15 @@ NOT_INHERITED = {
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a launched run (see the module docstring); `extra` is added last."""
-    base = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED and not k.startswith("LOOMTRAIN_TEST_")}
+    """The environment of a launched run (see the module docstring); `extra` is added last.
+    LOOMTRAIN_TEST_FAULTS=SPEC plans test faults: the fault plugin and its plan (tests/fault_plugin.py)."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in NOT_INHERITED and not k.startswith(("LOOMTRAIN_TEST_", "LOOMTRAIN_PLUGIN"))
+    }
+    if "LOOMTRAIN_TEST_FAULTS" in extra:
+        extra.update(fault_plugin.env(extra.pop("LOOMTRAIN_TEST_FAULTS")))
     return {**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
 
 

@@ -1,7 +1,7 @@
 """checkpoint.async_save: a background writer holds the same tensors as a synchronous save,
 training steps go on while it writes, and a kill or SIGTERM during the write loses nothing.
 
-The test-only fault `ckpt_slow:STEP:SECONDS` (loomtrain.launcher.faults) makes the writer of STEP sleep first."""
+The test fault `ckpt_slow:STEP:SECONDS` (tests/fault_plugin.py) makes the writer of STEP sleep first."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import signal
 import time
 from pathlib import Path
 
+import fault_plugin
 import launch
 import pytest
 import torch
 from launch import TINY, Run, checkpoint_saved_on_signal, child_env, loomtrain_cmd, output, run_child
-from loomtrain.launcher import faults
 from loomtrain.launcher.config_loader import load_config
 
 SMALL = [
@@ -58,7 +58,7 @@ def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path
         def on_train_end(self, ctx):
             seen.update({r["step"]: r for r in ctx.checkpoint_saves})
 
-    with faults.planned("ckpt_slow:3:2"):
+    with fault_plugin.planned("ckpt_slow:3:2"):
         asyn = run_training(_cfg(tmp_path / "async", data_cache), hooks=[times, Saves()])
     assert asyn.losses == sync.losses  # bitwise
     for step in (3, 6, 9):

@@ -114,17 +114,17 @@ def test_resolve_resume_modes(tmp_path):
 def test_pause_fault_only_at_named_step(tmp_path):
     import time
 
-    from loomtrain.launcher import faults
+    import fault_plugin
 
     store = CheckpointStore(tmp_path, keep_last=0)
-    with faults.planned("ckpt_pause:20:0.3"):
+    with fault_plugin.planned("ckpt_pause:20:0.3"):
         t = time.time()
         save(store, 10)
         assert time.time() - t < 0.25
         t = time.time()
         save(store, 20)
         assert time.time() - t >= 0.3
-    assert not faults.ACTIVE  # the plan before the block (none) is back
+    assert fault_plugin.striking("checkpoint_publish", 20, None) == []  # the plan before the block (none) is back
 
 
 def test_set_aside_for_a_fresh_start(tmp_path):

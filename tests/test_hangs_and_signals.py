@@ -1,6 +1,6 @@
 """Hangs, stragglers and stop signals on the real multi-rank paths (torchrun world 2, Ray 2 workers).
 
-Faults come from the loop's test-only seam (LOOMTRAIN_TEST_FAULTS, loomtrain.launcher.faults):
+Faults come from the test suite's fault plugin (LOOMTRAIN_TEST_FAULTS, tests/fault_plugin.py):
 `sigstop:RANK:STEP` freezes a rank, `delay:RANK:S` makes one rank slow, `signal:RANK:STEP:SIG`
 delivers a real signal to a rank while that step runs.
 """

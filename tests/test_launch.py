@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import sys
 
+import fault_plugin
 from launch import child_env, loomtrain_cmd
 
 
 def test_a_child_inherits_no_rendezvous_ray_address_or_test_fault(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS", "LOOMTRAIN_TEST_FAULTS"):
+    inherited = ("LOOMTRAIN_TEST_FAULTS", "LOOMTRAIN_PLUGIN", "LOOMTRAIN_PLUGIN_FAULTS")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS", *inherited):
         monkeypatch.setenv(key, "1")
     monkeypatch.setenv("SOME_USER_SETTING", "kept")
     env = child_env(LOOMTRAIN_TEST_FAULTS="delay:1:0.5")
     assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"} & env.keys()
-    assert env["LOOMTRAIN_TEST_FAULTS"] == "delay:1:0.5"  # only when asked for
-    assert "LOOMTRAIN_TEST_FAULTS" not in child_env()
+    # only when asked for: the fault plugin and its plan (tests/fault_plugin.py)
+    assert env["LOOMTRAIN_PLUGIN"] == str(fault_plugin.PLUGIN) and env["LOOMTRAIN_PLUGIN_FAULTS"] == "delay:1:0.5"
+    assert not set(inherited) & child_env().keys() and "LOOMTRAIN_TEST_FAULTS" not in env
     assert env["SOME_USER_SETTING"] == "kept"
     assert (env["DS_ACCELERATOR"], env["OMP_NUM_THREADS"], env["TOKENIZERS_PARALLELISM"]) == ("cpu", "1", "false")
 

@@ -103,12 +103,12 @@ def test_ray_worker_hard_exit_restarts_from_newest_checkpoint(
     """A hard exit of rank 0 right after step 4's checkpoint was published but before it was
     reported to Ray: the restart resumes from step 4, which only loomtrain's scan knows. (An exit
     between checkpoints, resumed from the one before: test_multihost_ray.py's node loss.)"""
-    from loomtrain.launcher import faults
+    import fault_plugin
     from loomtrain.launcher.cluster import ray_train
 
     run_dir = tmp_path / "run"
     cfg = ray_cfg(ray_head, run_dir, data_cache, "checkpoint.resume=never")
-    with faults.planned("exit:0:4"):  # the driver hands its plan to the workers
+    with fault_plugin.planned("exit:0:4"):  # the driver hands LOOMTRAIN_PLUGIN* to the workers
         ray_train.run(cfg)
 
     got = losses(run_dir)

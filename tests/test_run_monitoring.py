@@ -144,8 +144,8 @@ def test_an_error_mid_step_closes_the_prefetch_thread_and_tensorboard(two_runs):
     event file reads back with the steps before the failure."""
     import threading
 
+    import fault_plugin
     import psutil
-    from loomtrain.launcher import faults
     from loomtrain.launcher.hooks import Hooks
     from loomtrain.launcher.loop import run_training
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -173,7 +173,10 @@ def test_an_error_mid_step_closes_the_prefetch_thread_and_tensorboard(two_runs):
     stdout, stderr = sys.stdout, sys.stderr
     # `failed` keeps the traceback, and with it every frame's locals, alive (as a caller that
     # reports the error does): what is closed here was closed by the run, not by the collector.
-    with faults.planned("raise:0:3"), pytest.raises(faults.FaultInjected, match="middle of step 3") as failed:
+    with (
+        fault_plugin.planned("raise:0:3"),
+        pytest.raises(fault_plugin.FaultInjected, match="middle of step 3") as failed,
+    ):
         run_training(cfg, hooks=[Threads()])
     assert {n.split("-dp")[0] for n in during} == set(ours)  # both ran during the steps
     assert [t.name for t in threading.enumerate() if t.name.startswith(ours)] == []

@@ -1,12 +1,12 @@
-"""Engine pieces checked without processes: activation checkpointing, the test-only fault seam, SkipGuard."""
+"""Engine pieces checked without processes: activation checkpointing, the test fault plugin's grammar, SkipGuard."""
 
 from __future__ import annotations
 
 import math
 
+import fault_plugin
 import pytest
 import torch
-from loomtrain.launcher import faults
 from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard
 from loomtrain.model import ModelConfig, Transformer
@@ -34,25 +34,25 @@ def test_activation_checkpointing_same_outputs_grads_and_names():
     assert ck.generate(tokens[:, :4], 3).shape == (2, 7)
 
 
-def test_fault_seam_parses_one_grammar_and_strikes_only_where_planned():
-    plan = faults.parse("nan:0:2, nan:0:4-6,raise:1:3,delay:1:0.5,signal:0:16:SIGINT,ckpt_pause:10:120")
+def test_fault_plugin_parses_one_grammar_and_strikes_only_where_planned():
+    plan = fault_plugin.parse("nan:0:2, nan:0:4-6,raise:1:3,delay:1:0.5,signal:0:16:SIGINT,ckpt_pause:10:120")
     assert sorted(plan) == ["checkpoint_publish", "loss", "step"]
     assert [f.steps for f in plan["loss"]] == [range(2, 3), range(4, 7), range(3, 4)]
-    assert faults.parse("") == {}
-    with pytest.raises(ValueError, match="LOOMTRAIN_TEST_FAULTS: cannot read 'nan:0'"):
-        faults.parse("nan:0")
+    assert fault_plugin.parse("") == {}
+    with pytest.raises(ValueError, match="LOOMTRAIN_PLUGIN_FAULTS: cannot read 'nan:0'"):
+        fault_plugin.parse("nan:0")
     with pytest.raises(ValueError, match="cannot read 'explode:1:2'"):
-        faults.parse("explode:1:2")
+        fault_plugin.parse("explode:1:2")
     one = torch.tensor(1.0)
-    assert not faults.ACTIVE  # off unless planned: the call sites skip `at` altogether
-    with faults.planned("nan:0:3,nan:0:5-6,raise:1:4"):
-        assert faults.ACTIVE
-        assert math.isnan(faults.at("loss", one, step=3, rank=0)) and math.isnan(faults.at("loss", one, step=6, rank=0))
-        assert faults.at("loss", one, step=3, rank=1) == 1 and faults.at("loss", one, step=4, rank=0) == 1
-        with pytest.raises(faults.FaultInjected, match="rank 1 raises in the middle of step 4"):
-            faults.at("loss", one, step=4, rank=1)
-        assert faults.at("step", step=3, rank=0) is None  # nothing planned at that point
-    assert not faults.ACTIVE
+    assert fault_plugin.striking("loss", 3, 0) == []  # off unless planned
+    with fault_plugin.planned("nan:0:3,nan:0:5-6,raise:1:4"):
+        loss_at = fault_plugin.loss_at
+        assert math.isnan(loss_at(one, 3, 0)) and math.isnan(loss_at(one, 6, 0))
+        assert loss_at(one, 3, 1) == 1 and loss_at(one, 4, 0) == 1
+        with pytest.raises(fault_plugin.FaultInjected, match="rank 1 raises in the middle of step 4"):
+            loss_at(one, 4, 1)
+        assert fault_plugin.striking("step", 3, 0) == []  # nothing planned at that point
+    assert fault_plugin.striking("loss", 3, 0) == []
 
 
 class _Engine:

@@ -5,7 +5,7 @@
 
 Each variant is `run_training(load_config(CONFIG, common + variant + run.dir=OUT/NAME))`
 in the same process group, so a test pays for process start-up and the DeepSpeed import
-once. A variant argument `faults:SPEC` plans test-only faults (loomtrain.launcher.faults,
+once. A variant argument `faults:SPEC` plans test faults (tests/fault_plugin.py,
 e.g. `faults:nan:0:2,nan:0:4-5`) for that variant; a NonFiniteError that stops it is
 written to OUT/NAME/stopped.txt. After the first optimizer step a hook measures what this rank holds
 (loomtrain.launcher.planning.memory_measure) and writes OUT/NAME/memory.rank{R}.json.
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from loomtrain.launcher import faults
+import fault_plugin
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.hooks import Hooks
 from loomtrain.launcher.loop import run_training
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         spec = ",".join(o[len("faults:") :] for o in overrides if o.startswith("faults:"))
         try:
-            with faults.planned(spec):
+            with fault_plugin.planned(spec):
                 run_training(cfg, hooks=[MeasureMemory(run_dir)])
         except NonFiniteError as exc:
             (run_dir / "stopped.txt").write_text(str(exc))

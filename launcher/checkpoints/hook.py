@@ -80,7 +80,6 @@ class CheckpointHook(Hooks):
         say = ctx.metrics.message if ctx.metrics is not None else (lambda m: print(m, file=sys.stderr, flush=True))
         log = say if ctx.dist.rank == 0 else (lambda m: None)
         self.store = CheckpointStore(ctx.run_dir, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
-        ctx.checkpoint_flush = self.flush_local
         ctx.checkpoint_saves = self.saves
         found, error = None, None
         if ctx.dist.rank == 0:
@@ -199,20 +198,6 @@ class CheckpointHook(Hooks):
             self._message(
                 ctx, f"checkpoint: step {bg.step} was not saved (rank {ctx.dist.rank}): {bg.error}", every_rank=True
             )
-
-    def flush_local(self, timeout_s: float = 300.0) -> None:
-        """Block until the save in flight is published, without a collective (rank 0's writer
-        publishes once every rank's part is on disk). For test-only faults that must strike
-        "right after a checkpoint": with async saves the step ends before its checkpoint exists."""
-        bg = self.in_flight
-        if bg is None:
-            return
-        bg.wait()
-        deadline = time.time() + timeout_s
-        while bg.error is None and not self.store.final_dir(bg.step).exists() and time.time() < deadline:
-            if any((self.store.temp_dir(bg.step) / ".parts").glob("rank_*.failed")):
-                return
-            time.sleep(0.05)
 
     def save(self, ctx: TrainContext, reason: str = "") -> Path:
         """Save this step: synchronously, or (checkpoint.async_save) hand it to a writer thread

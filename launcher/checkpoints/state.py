@@ -53,7 +53,6 @@ from pathlib import Path
 
 import torch
 from loomtrain.durable import json_bytes, write_durable
-from loomtrain.launcher import faults
 from loomtrain.launcher.checkpoints.ds_state import MOMENTS
 from loomtrain.launcher.checkpoints.parts import PARTS, Training
 from loomtrain.launcher.checkpoints.shards import (
@@ -138,8 +137,6 @@ def _write_json(tmp: Path, rel: str, obj) -> dict:
 def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
     """Write this rank's files into the temp directory, hashing as it writes, then its index
     part and file list (the list last: its presence says this rank is done)."""
-    if faults.ACTIVE:
-        faults.at("checkpoint_write", step=snap.step)
     tmp = Path(tmp)
     rank = snap.rank
     files: dict[str, dict] = {}

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loomtrain.durable import TMP_PREFIX, atomic_write, fsync_path, replace_dir, write_json_durable
-from loomtrain.launcher import faults
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -180,8 +179,6 @@ class CheckpointStore:
         shutil.rmtree(parts)
         for d in sorted({p.parent for p in tmp.rglob("*") if p.is_file()} | {tmp}):
             fsync_path(d)
-        if faults.ACTIVE:  # a test's SIGKILL lands here
-            faults.at("checkpoint_publish", step=step)
         manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), **meta, "files": files}
         write_json_durable(tmp / MANIFEST, manifest)
         # Re-saving a step (e.g. resumed and saved again) replaces it.

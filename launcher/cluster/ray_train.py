@@ -53,9 +53,9 @@ SIGTERM to it) writes RUN_DIR/STOP; rank 0 sees it within a second, every rank s
 checkpoint at the next step and the run ends; the driver then exits like a local run
 (SIGTERM 0, SIGINT 130, SIGHUP 129; loomtrain.launcher.stopping).
 
-Test-only faults (loomtrain.launcher.faults) are the driver's: it hands its plan to the
-workers, whose environment is not its own. `exit:RANK:STEP` strikes in `RayReportHook`,
-after step STEP's checkpoint is published and before Ray hears of it.
+A plugin (LOOMTRAIN_PLUGIN, loomtrain.launcher.plugins) is the driver's: it hands
+LOOMTRAIN_PLUGIN and LOOMTRAIN_PLUGIN_* to the workers, whose environment is not its own; a
+plugin's hooks run before `RayReportHook`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from loomtrain.durable import atomic_write
-from loomtrain.launcher import faults
+from loomtrain.launcher import plugins
 from loomtrain.launcher.cluster.recovery import Recovery, restart_note
 from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
@@ -252,10 +252,6 @@ class RayReportHook(Hooks):
         self.last_reported = ctx.state.step  # a resumed-from checkpoint is not re-reported
 
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
-        if faults.ACTIVE:  # an async save of this step is published first
-            faults.at(
-                "report", step=ctx.state.step, rank=ctx.dist.rank, run_dir=self.cfg.run.dir, flush=ctx.checkpoint_flush
-            )
         if self.recovery is not None:
             self.recovery.on_step_end(ctx)
         path = self._published_now(ctx)
@@ -312,7 +308,7 @@ def train_worker(config: dict) -> None:
     """Ray Train's per-worker function: the same run_training as everywhere else."""
     import ray.train
 
-    faults.configure(config["test_faults"])
+    plugins.adopt_env(config["plugin_env"])  # before run_training reads LOOMTRAIN_PLUGIN
     from loomtrain.launcher.config_loader import config_from_dict
     from loomtrain.launcher.loop import run_training
 
@@ -409,7 +405,7 @@ def build_trainer(cfg: RunConfig, started_at: float):
         train_loop_config={
             "cfg": _to_dict(cfg),
             "started_at": started_at,
-            "test_faults": faults.SPEC,
+            "plugin_env": plugins.forwarded_env(),
         },
         torch_config=LoomtrainTorchConfig(timeout_s=collective_timeout_s(cfg), run_dir=cfg.run.dir),
         scaling_config=ScalingConfig(
