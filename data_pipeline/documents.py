@@ -108,7 +108,7 @@ def _cut_point(data: bytes) -> int:
     return len(data)
 
 
-def _decode(raw: bytes) -> tuple[str, int]:
+def decode_line(raw: bytes) -> tuple[str, int]:
     try:
         return raw.decode("utf-8"), 0
     except UnicodeDecodeError:
@@ -132,7 +132,7 @@ def unit_texts(unit, text_field: str, skip_bad_lines: bool):
     kind, path, where, payload, first, last, _ = unit
     stats = {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
     if kind == "text":
-        text, stats["replaced_chars"] = _decode(payload)
+        text, stats["replaced_chars"] = decode_line(payload)
         return [text], stats
     texts = []
     if kind == "texts":
@@ -147,7 +147,7 @@ def unit_texts(unit, text_field: str, skip_bad_lines: bool):
     for lineno, raw in enumerate(payload, where):
         if not raw.strip():
             continue
-        line, bad = _decode(raw)
+        line, bad = decode_line(raw)
         stats["replaced_chars"] += bad
         try:
             obj = json.loads(line)

@@ -2,7 +2,9 @@
 `loomtrain preprocess` (launcher/cli/preprocess.py).
 
 Documents (documents.py): a .jsonl line's text field, a .parquet row's text
-column, or a whole .txt (or any other text) file. Every document ends with EOS.
+column, or a whole .txt (or any other text) file. Every document ends with EOS. Instruction
+and chat records (records.py: --format prompt-response | chat, detected from the first
+record) are one document each, with a loss mask beside their tokens ({split}.mask.bin).
 
 Two phases, both in OUTPUT.partial/ (staging.py), published by one rename:
 1. Tokenize: each input file becomes a part (its tokens and document lengths),
@@ -25,6 +27,8 @@ the corpus, and the choice depends only on (fraction, seed, document order).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import multiprocessing as mp
 import os
@@ -36,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 from loomtrain.data_pipeline import documents
-from loomtrain.data_pipeline.documents import iter_units, unit_texts
+from loomtrain.data_pipeline.documents import decode_line, iter_units, unit_texts
+from loomtrain.data_pipeline.records import TEXT, RecordFormat, check_format, detect_format, record_tokens
 from loomtrain.data_pipeline.shards import (
     FORMAT,
     INDEX,
@@ -65,20 +70,55 @@ DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
 _W: dict = {}
 
 
-def _init_worker(tokenizer, text_field: str, skip_bad_lines: bool) -> None:
+def _init_worker(tokenizer, text_field: str, skip_bad_lines: bool, records: RecordFormat = TEXT) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _W.update(tokenizer=tokenizer, text_field=text_field, skip=skip_bad_lines)
+    _W.update(tokenizer=tokenizer, text_field=text_field, skip=skip_bad_lines, records=records)
 
 
-def _init_pool_worker(tokenizer, text_field: str, skip_bad_lines: bool) -> None:
+def _init_pool_worker(tokenizer, text_field: str, skip_bad_lines: bool, records: RecordFormat = TEXT) -> None:
     # Ctrl-C reaches the whole process group: the parent stops the pool and says what was
     # kept; a worker left to raise KeyboardInterrupt would print a traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _init_worker(tokenizer, text_field, skip_bad_lines)
+    _init_worker(tokenizer, text_field, skip_bad_lines, records)
+
+
+def _tokenize_records(unit):
+    """A JSONL unit of instruction or chat records -> _tokenize_unit's result, with the loss mask.
+    A bad record is one line naming file:line (or skipped and counted with --skip-bad-lines)."""
+    tok, fmt = _W["tokenizer"], _W["records"]
+    _, path, where, payload, _, _, _ = unit
+    stats = {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
+    dtype = token_dtype(tok.vocab_size)
+    tokens, masks, lengths = [], [], []
+    for lineno, raw in enumerate(payload, where):
+        if not raw.strip():
+            continue
+        line, bad = decode_line(raw)
+        stats["replaced_chars"] += bad
+        try:
+            ids, mask = record_tokens(json.loads(line), fmt, tok)
+        except json.JSONDecodeError as exc:
+            problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
+        except ValueError as exc:
+            problem = str(exc)
+        else:
+            tokens.append(ids.astype(dtype))
+            masks.append(mask)
+            lengths.append(ids.size)
+            continue
+        if not _W["skip"]:
+            raise DataError(f"{path}:{lineno}: {problem}; --skip-bad-lines skips and counts such records")
+        stats["bad_lines"] += 1
+    if not tokens:
+        return np.zeros(0, dtype), [], False, False, stats, np.zeros(0, np.uint8)
+    return np.concatenate(tokens), lengths, False, False, stats, np.concatenate(masks)
 
 
 def _tokenize_unit(unit):
-    """-> (tokens, piece lengths, first piece continues a document, last piece left open, stats)."""
+    """-> (tokens, piece lengths, first piece continues a document, last piece left open, stats,
+    loss mask: None for text)."""
+    if _W["records"].masked:
+        return _tokenize_records(unit)
     tok = _W["tokenizer"]
     kind, first, last = unit[0], unit[4], unit[5]
     texts, stats = unit_texts(unit, _W["text_field"], _W["skip"])
@@ -88,7 +128,7 @@ def _tokenize_unit(unit):
         cont, open_ = not first, not last
         if first and last and not texts[0]:
             stats["empty_docs"] += 1
-            return np.zeros(0, dtype), [], False, False, stats
+            return np.zeros(0, dtype), [], False, False, stats, None
     else:
         cont = open_ = False
         stats["empty_docs"] += sum(1 for t in texts if not t)
@@ -101,19 +141,19 @@ def _tokenize_unit(unit):
             pieces.append(eos)
     lengths = [a.size + (0 if (open_ and i == len(arrays) - 1) else 1) for i, a in enumerate(arrays)]
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
-    return tokens, lengths, cont, open_, stats
+    return tokens, lengths, cont, open_, stats, None
 
 
-def _ordered_results(tagged_units, tokenizer, text_field, skip_bad_lines, workers):
+def _ordered_results(tagged_units, tokenizer, text_field, skip_bad_lines, workers, records=TEXT):
     """(tag, unit) pairs -> (tag, unit nbytes, result) in input order, at most 2*workers+2 units in flight."""
     if workers <= 1:
-        _init_worker(tokenizer, text_field, skip_bad_lines)
+        _init_worker(tokenizer, text_field, skip_bad_lines, records)
         for tag, unit in tagged_units:
             yield tag, unit[6], _tokenize_unit(unit)
         return
     # spawn, not fork: the caller may be a training process with threads.
     with mp.get_context("spawn").Pool(
-        workers, initializer=_init_pool_worker, initargs=(tokenizer, text_field, skip_bad_lines)
+        workers, initializer=_init_pool_worker, initargs=(tokenizer, text_field, skip_bad_lines, records)
     ) as pool:
         pending: deque = deque()
         for tag, unit in tagged_units:
@@ -159,9 +199,9 @@ class ValSplit:
 
 
 # The driver ---------------------------------------------------------------
-def tokenize_file(path: str, tokenizer, text_field: str, skip_bad_lines: bool) -> list:
+def tokenize_file(path: str, tokenizer, text_field: str, skip_bad_lines: bool, records: RecordFormat = TEXT) -> list:
     """One input file's unit results, in order (a Ray task: the file is read where it runs)."""
-    _init_worker(tokenizer, text_field, skip_bad_lines)
+    _init_worker(tokenizer, text_field, skip_bad_lines, records)
     return [_tokenize_unit(unit) for unit in iter_units([Path(path)], text_field)]
 
 
@@ -245,7 +285,7 @@ def _work_tokenizer(
     return tokenizer
 
 
-def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar) -> None:
+def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar, records) -> None:
     """Input files `todo` -> their parts, streaming units through the worker pool in input order."""
     pending = iter(todo)
     current = {"i": None, "writer": None, "stats": None}
@@ -264,13 +304,13 @@ def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines,
     # Tagged with the file's position: the same file may be given twice.
     units = ((i, unit) for i in todo for unit in iter_units([files[i]], text_field))
     try:
-        for i, nbytes, (tokens, lengths, cont, open_, st) in _ordered_results(
-            units, tokenizer, text_field, skip_bad_lines, workers
+        for i, nbytes, (tokens, lengths, cont, open_, st, mask) in _ordered_results(
+            units, tokenizer, text_field, skip_bad_lines, workers, records
         ):
             advance(i)
             for k, v in st.items():
                 current["stats"][k] += v
-            current["writer"].add(tokens, lengths, cont, open_)
+            current["writer"].add(tokens, lengths, cont, open_, mask)
             bar.update(nbytes)
         advance(None)
     except BaseException:
@@ -283,11 +323,12 @@ def _assemble(work: Path, parts: Parts, files, tokenizer, splitter: ValSplit, sh
     """Parts -> shards, in input order; documents numbered across files for the val split."""
     clear_assembly(work)
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {s: SplitWriter(work, s, dtype, shard_tokens) for s in SPLITS}
+    writers = {s: SplitWriter(work, s, dtype, shard_tokens, masked=parts.masked) for s in SPLITS}
     stats, doc = _zero_stats(), 0
     try:
         for i in range(len(files)):
             tokens, lengths, st = parts.read(i)
+            mask = parts.read_mask(i)
             for k, v in st.items():
                 stats[k] += v
             is_val = np.array([splitter.is_val(doc + j) for j in range(len(lengths))], dtype=bool)
@@ -295,7 +336,9 @@ def _assemble(work: Path, parts: Parts, files, tokenizer, splitter: ValSplit, sh
             cuts = [0, *(np.flatnonzero(np.diff(is_val)) + 1).tolist(), len(lengths)]
             for a, b in zip(cuts[:-1], cuts[1:]):
                 if b > a:
-                    writers["val" if is_val[a] else "train"].write_docs(tokens[offsets[a] : offsets[b]], lengths[a:b])
+                    span = slice(offsets[a], offsets[b])
+                    part_mask = None if mask is None else mask[span]
+                    writers["val" if is_val[a] else "train"].write_docs(tokens[span], lengths[a:b], part_mask)
             doc += len(lengths)
             del tokens
     except BaseException:
@@ -322,6 +365,7 @@ def preprocess_files(
     sources: list[str] | None = None,
     overwrite: bool = False,
     executor=None,
+    records: RecordFormat | None = None,
     log=print,
 ) -> dict:
     """Tokenize `files` into the shard directory `output`; returns the index (plus a
@@ -333,7 +377,10 @@ def preprocess_files(
     executor(jobs, tokenizer, text_field, skip_bad_lines, *, max_in_flight, on_file, log)
     -> tasks kept in flight: runs tokenize_file for each (i, path) of jobs, at most max_in_flight
     (`workers`) at once, and calls on_file(i, results) here as each finishes; `executor.name` ("Ray")
-    is named in the summary line. It is passed in, not imported: this package knows no cluster."""
+    is named in the summary line. It is passed in, not imported: this package knows no cluster;
+    for instruction or chat records it is also given records=RecordFormat.
+
+    records: how JSONL lines are read (records.py); None: detected from the first record."""
     if not files:
         raise DataError("no input files")
     if not isinstance(shard_tokens, int) or shard_tokens <= 0:
@@ -341,6 +388,9 @@ def preprocess_files(
     if bpe_sample_bytes < 0:
         raise DataError(f"--bpe-sample-bytes: expected >= 0 (0 = all the input), got {bpe_sample_bytes}")
     splitter = ValSplit(val_fraction, seed)
+    if records is None:
+        records = RecordFormat(detect_format(files, text_field))
+    check_format(records, files)
     out = Path(output)
     at = Progress(out, files)
     try:
@@ -354,12 +404,14 @@ def preprocess_files(
             "text_field": text_field,
             "skip_bad_lines": bool(skip_bad_lines),
         }
+        if records.masked:  # a text job's job.json is as before, so its earlier partial output resumes
+            job["records"] = dataclasses.asdict(records)
         work, resumed = open_partial(out, job, log)
         at.work = work
         tokenizer = _work_tokenizer(
             work, resumed, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes, progress, log
         )
-        parts = at.parts = Parts(work, token_dtype(tokenizer.vocab_size))
+        parts = at.parts = Parts(work, token_dtype(tokenizer.vocab_size), masked=records.masked)
         todo = [i for i in range(len(files)) if not parts.done(i)]
         if resumed and log:
             log(f"preprocess: resuming {work}: {len(files) - len(todo)} of {len(files)} input files already done")
@@ -367,10 +419,10 @@ def preprocess_files(
 
             def write_part(i: int, results: list) -> None:
                 writer, stats = parts.writer(i), _zero_stats()
-                for tokens, lengths, cont, open_, st in results:
+                for tokens, lengths, cont, open_, st, mask in results:
                     for k, v in st.items():
                         stats[k] += v
-                    writer.add(tokens, lengths, cont, open_)
+                    writer.add(tokens, lengths, cont, open_, mask)
                 writer.finish(stats)
 
             workers = executor(
@@ -381,6 +433,7 @@ def preprocess_files(
                 max_in_flight=workers,
                 on_file=write_part,
                 log=log,
+                **({"records": records} if records.masked else {}),
             )
         else:
             workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
@@ -400,7 +453,7 @@ def preprocess_files(
                 file=sys.stderr,
             )
             try:
-                _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar)
+                _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar, records)
             finally:
                 bar.close()
         at.assembling = True
@@ -412,6 +465,7 @@ def preprocess_files(
         index = {
             "format": FORMAT,
             "version": VERSION,
+            "records": records.format,
             "dtype": dtype.name,
             "tokenizer": {
                 "hash": tokenizer.hash,

@@ -10,12 +10,17 @@ A shard directory holds
   {split}.docs.bin      uint64 start offset of every document in the split's token
                         stream (kept out of index.json so the index stays small
                         whatever the corpus size)
+  {split}.mask.bin      (version 2, instruction and chat data only) one uint8 per token of
+                        the split: 1 where the token is a target of the loss, 0 where it is
+                        not (a prompt); without it every token is a target
 
 index.json:
-  {"format": "loomtrain-shards", "version": 1, "dtype": "uint16",
+  {"format": "loomtrain-shards", "version": 2, "dtype": "uint16",
+   "records": "text" | "prompt-response" | "chat",   (version 2; version 1 shards are text)
    "tokenizer": {"hash", "name", "vocab_size", "eos_id", "file"},
    "splits": {"train": {"num_tokens", "num_docs", "doc_offsets": "train.docs.bin",
                         "shards": [{"file", "num_tokens"}, ...]},
+                        "loss_mask": "train.mask.bin" (version 2, masked records only)},
               "val": {...}},
    "split": {"val_fraction", "seed", "method"}, "stats": {...}, "sources": [...]}
 """
@@ -30,7 +35,8 @@ import numpy as np
 from loomtrain.durable import AtomicFile, atomic_write_json
 
 FORMAT = "loomtrain-shards"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # version 1: no loss masks and no "records" (text, every token a target)
 INDEX = "index.json"
 SPLITS = ("train", "val")
 
@@ -47,7 +53,7 @@ class SplitWriter:
     """Appends token pieces to one split's shard files; each file is an AtomicFile
     (temp name, fsynced, renamed into place when full or at close)."""
 
-    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, masked: bool = False):
         self.dir, self.split, self.dtype, self.shard_tokens = out_dir, split, np.dtype(dtype), int(shard_tokens)
         self.shards: list[dict] = []
         self.num_tokens = 0
@@ -56,6 +62,8 @@ class SplitWriter:
         self._file_tokens = 0
         self._docs_name = f"{split}.docs.bin"
         self._docs = AtomicFile(out_dir / self._docs_name)
+        self._mask_name = f"{split}.mask.bin"
+        self._mask = AtomicFile(out_dir / self._mask_name) if masked else None
 
     def _open(self) -> None:
         self._name = f"{self.split}_{len(self.shards):05d}.bin"
@@ -88,25 +96,36 @@ class SplitWriter:
             if self._file_tokens >= self.shard_tokens:
                 self._finish_file()
 
-    def write_docs(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Whole documents at once: `lengths` (tokens each) cover `tokens`."""
+    def write_docs(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Whole documents at once: `lengths` (tokens each) cover `tokens`; `mask` (1 = target,
+        one per token) for a writer made with masked=True."""
+        if (mask is None) != (self._mask is None):
+            raise ValueError(f"{self.split}: a loss mask is {'missing' if mask is None else 'not expected'}")
+        if not len(lengths):
+            return
         starts = self.num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
         self._docs.write(starts.astype("<u8").tobytes())
         self.num_docs += len(lengths)
+        if mask is not None:
+            self._mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
         self.write(tokens)
 
     def close(self) -> dict:
         self._finish_file()
         self._docs.commit()
-        return {
+        info = {
             "num_tokens": self.num_tokens,
             "num_docs": self.num_docs,
             "doc_offsets": self._docs_name,
             "shards": self.shards,
         }
+        if self._mask is not None:
+            self._mask.commit()
+            info["loss_mask"] = self._mask_name
+        return info
 
     def abort(self) -> None:
-        for f in (self._file, self._docs):
+        for f in (self._file, self._docs, self._mask):
             if f is not None:
                 f.discard()
 
@@ -129,9 +148,10 @@ def read_index(shard_dir: str | os.PathLike) -> dict:
             f"{path} is not a loomtrain shard index (format "
             f"{index.get('format') if isinstance(index, dict) else None!r})"
         )
-    if index.get("version") != VERSION:
+    if index.get("version") not in READS:
         raise DataError(
-            f"{path}: shard format version {index.get('version')} is not supported (this code reads {VERSION})"
+            f"{path}: shard format version {index.get('version')} is not supported "
+            f"(this code reads {', '.join(map(str, READS))})"
         )
     _check_index_keys(index, path)
     return index
@@ -156,10 +176,14 @@ def _check_index_keys(index: dict, path: Path) -> None:
     need(tok, "hash", "tokenizer.hash", str)
     need(tok, "vocab_size", "tokenizer.vocab_size", int)
     need(tok, "eos_id", "tokenizer.eos_id", int)
+    if "records" in index and index["records"] not in ("text", "prompt-response", "chat"):
+        raise DataError(f"{path}: key 'records' is {index['records']!r}, expected text, prompt-response or chat")
     for split, info in need(index, "splits", "splits", dict).items():
         if not isinstance(info, dict):
             raise DataError(f"{path}: key 'splits.{split}' is {info!r}, expected a dict")
         need(info, "num_tokens", f"splits.{split}.num_tokens", int)
+        if "loss_mask" in info:
+            need(info, "loss_mask", f"splits.{split}.loss_mask", str)
         for i, shard in enumerate(need(info, "shards", f"splits.{split}.shards", list)):
             need(shard, "file", f"splits.{split}.shards[{i}].file", str)
             need(shard, "num_tokens", f"splits.{split}.shards[{i}].num_tokens", int)
@@ -213,6 +237,40 @@ class ShardSet:
             raise DataError(
                 f"{self.dir}: split {split!r} shards hold {self.num_tokens} tokens, index says {info['num_tokens']}"
             )
+        self.records = self.index.get("records", "text")  # version 1: text
+        self.mask: np.ndarray | None = None  # 1 = target; None: every token is a target
+        if "loss_mask" in info:
+            path = self.dir / info["loss_mask"]
+            actual = path.stat().st_size if path.exists() else None
+            if actual != self.num_tokens:
+                raise DataError(
+                    f"loss mask {path} is {'missing' if actual is None else 'truncated or corrupt'}: the split has "
+                    f"{self.num_tokens} tokens, the mask {actual or 0} bytes (one per token)"
+                )
+            self.mask = np.memmap(path, dtype=np.uint8, mode="r") if self.num_tokens else np.zeros(0, np.uint8)
+        self._doc_starts: np.ndarray | None = None
+
+    @property
+    def doc_starts(self) -> np.ndarray:
+        """int64 start offset of every document of the split (from {split}.docs.bin), read once."""
+        if self._doc_starts is None:
+            info = self.index["splits"][self.split]
+            name = info.get("doc_offsets")
+            path = self.dir / name if name else None
+            if path is None or not path.is_file() or path.stat().st_size != 8 * info.get("num_docs", -1):
+                raise DataError(
+                    f"{self.dir}: split {self.split!r} has no complete document offsets "
+                    f"({path or 'no doc_offsets in the index'}); re-run `loomtrain preprocess`"
+                )
+            starts = np.fromfile(path, dtype="<u8").astype(np.int64)
+            self._doc_starts = starts if starts.size and starts[0] == 0 else np.concatenate([[0], starts])
+        return self._doc_starts
+
+    def read_mask(self, start: int, length: int) -> np.ndarray:
+        """uint8 [length]: 1 where token start + i is a target (all ones without a loss mask)."""
+        if self.mask is None:
+            return np.ones(length, dtype=np.uint8)
+        return np.array(self.mask[start : start + length])
 
     def read(self, start: int, length: int) -> np.ndarray:
         """A copy of tokens [start, start + length) of the split, crossing shard files as needed."""
@@ -254,6 +312,7 @@ class ShardSet:
         # Drop the maps; numpy unmaps each file when its last view is gone
         # (closing the mmap by hand while a view lives would crash the process).
         self.arrays = []
+        self.mask = None
 
 
 def write_arrays(
@@ -262,23 +321,32 @@ def write_arrays(
     tokenizer_info: dict,
     shard_tokens: int = 1 << 27,
     dtype=None,
+    doc_lengths: dict[str, list[int]] | None = None,
+    masks: dict[str, np.ndarray] | None = None,
+    records: str | None = None,
 ) -> dict:
     """Write ready token arrays as a shard directory (synthetic data for tests and
-    benchmarks). tokenizer_info: {"hash", "name", "vocab_size", "eos_id"}."""
+    benchmarks). tokenizer_info: {"hash", "name", "vocab_size", "eos_id"}. Each split is one
+    document unless doc_lengths gives its documents' lengths; masks (uint8, 1 = target, per
+    token) make a loss-masked split, and records names the data ("chat" by default then)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(dtype) if dtype is not None else token_dtype(tokenizer_info["vocab_size"])
+    doc_lengths, masks = doc_lengths or {}, masks or {}
     info = {}
     for split in SPLITS:
-        w = SplitWriter(out, split, dtype, shard_tokens)
+        w = SplitWriter(out, split, dtype, shard_tokens, masked=bool(masks))
         tokens = splits.get(split, np.zeros(0, dtype))
-        if tokens.size:
-            w.start_doc()
-            w.write(tokens)
+        lengths = doc_lengths.get(split, [tokens.size] if tokens.size else [])
+        if masks:
+            w.write_docs(tokens, np.asarray(lengths, dtype=np.int64), masks.get(split, np.zeros(0, np.uint8)))
+        elif tokens.size:
+            w.write_docs(tokens, np.asarray(lengths, dtype=np.int64))
         info[split] = w.close()
     index = {
         "format": FORMAT,
         "version": VERSION,
+        "records": records or ("chat" if masks else "text"),
         "dtype": dtype.name,
         "tokenizer": {"file": None, **tokenizer_info},
         "splits": info,

@@ -111,9 +111,10 @@ def open_partial(out: Path, job: dict, log=None) -> tuple[Path, bool]:
 class Parts:
     """Per-input-file token parts in OUTPUT.partial/parts/ (see the module docstring)."""
 
-    def __init__(self, work: Path, dtype: np.dtype):
+    def __init__(self, work: Path, dtype: np.dtype, masked: bool = False):
         self.dir = work / "parts"
         self.dtype = np.dtype(dtype)
+        self.masked = masked  # a uint8 loss mask per token beside the tokens (instruction and chat records)
 
     def _path(self, i: int, ext: str) -> Path:
         return self.dir / f"{i:06d}.{ext}"
@@ -124,12 +125,19 @@ class Parts:
             return (
                 self._path(i, "tokens").stat().st_size == meta["num_tokens"] * self.dtype.itemsize
                 and self._path(i, "docs").stat().st_size == meta["num_docs"] * 8
+                and (not self.masked or self._path(i, "mask").stat().st_size == meta["num_tokens"])
             )
         except (OSError, ValueError, KeyError, TypeError):
             return False
 
     def writer(self, i: int) -> PartWriter:
         return PartWriter(self, i)
+
+    def read_mask(self, i: int) -> np.ndarray | None:
+        """Part i's loss mask (uint8 per token), None for text."""
+        if not self.masked:
+            return None
+        return np.fromfile(self._path(i, "mask"), dtype=np.uint8)
 
     def read(self, i: int) -> tuple[np.ndarray, np.ndarray, dict]:
         meta = json.loads(self._path(i, "json").read_text(encoding="utf-8"))
@@ -150,12 +158,16 @@ class PartWriter:
         # Fixed temp names: a rerun after a kill overwrites the half-written part's files.
         self._tok = AtomicFile(parts._path(i, "tokens"), tmp=parts._path(i, "tokens.tmp"))
         self._doc = AtomicFile(parts._path(i, "docs"), tmp=parts._path(i, "docs.tmp"))
+        self._mask = AtomicFile(parts._path(i, "mask"), tmp=parts._path(i, "mask.tmp")) if parts.masked else None
         self.num_tokens, self.num_docs, self._open_len = 0, 0, None
 
-    def add(self, tokens: np.ndarray, lengths, cont: bool, open_: bool) -> None:
+    def add(self, tokens: np.ndarray, lengths, cont: bool, open_: bool, mask: np.ndarray | None = None) -> None:
         """Pieces in order: `lengths` per piece; the first continues the open document
-        when `cont`, the last stays open (its document goes on in the next unit) when `open_`."""
+        when `cont`, the last stays open (its document goes on in the next unit) when `open_`.
+        `mask`: the tokens' loss mask, for parts of masked records."""
         dtype = self.parts.dtype
+        if self._mask is not None:
+            self._mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
         self._tok.write(np.asarray(tokens).astype("<" + dtype.str[1:], copy=False).tobytes())
         self.num_tokens += int(np.asarray(tokens).size)
         lengths = [int(n) for n in lengths]
@@ -180,6 +192,8 @@ class PartWriter:
             self._close_doc()
         self._tok.commit()
         self._doc.commit()
+        if self._mask is not None:
+            self._mask.commit()
         atomic_write_json(
             self.parts._path(self.i, "json"), {"num_tokens": self.num_tokens, "num_docs": self.num_docs, "stats": stats}
         )
@@ -187,6 +201,8 @@ class PartWriter:
     def abort(self) -> None:
         self._tok.discard()
         self._doc.discard()
+        if self._mask is not None:
+            self._mask.discard()
 
 
 def clear_assembly(work: Path) -> None:

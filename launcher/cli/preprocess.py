@@ -11,6 +11,7 @@ import sys
 
 from loomtrain.data_pipeline.documents import expand_inputs
 from loomtrain.data_pipeline.preprocess import DEFAULT_SHARD_TOKENS, preprocess_files
+from loomtrain.data_pipeline.records import FORMATS, RecordFormat, detect_format
 from loomtrain.data_pipeline.shards import DataError
 from loomtrain.data_pipeline.staging import Interrupted, OutputError
 from loomtrain.launcher.cli import HelpFormatter
@@ -39,6 +40,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="vocabulary size a --tokenizer bpe is trained up to (a small corpus stops short)",
     )
     p.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="what a JSONL line holds: text (--text-field), prompt-response ({prompt, response}) or chat "
+        "({messages: [{role, content}, ...]}); default: detected from the first record",
+    )
+    p.add_argument(
+        "--train-on-prompt",
+        action="store_true",
+        help="prompt-response / chat: every token is a target (default: only the assistant's replies)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prompt-response / chat: the run's train.seq_len; a record of more than N + 1 tokens is an error "
+        "naming its file and line (or cut with --truncate); 0 = no limit here (train refuses such records)",
+    )
+    p.add_argument("--truncate", action="store_true", help="with --seq-len: cut longer records instead of failing")
     p.add_argument(
         "--val-fraction", type=float, default=d.val_fraction, help="fraction of the documents in the validation split"
     )
@@ -78,11 +100,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.address is not None and not args.ray:
         parser.error("--address needs --ray")
+    if args.truncate and not args.seq_len:
+        parser.error("--truncate needs --seq-len (the run's train.seq_len)")
+    if args.seq_len < 0:
+        parser.error(f"--seq-len: expected the run's train.seq_len (a positive number of tokens), got {args.seq_len}")
     executor = RayTasks(args.address) if args.ray else None
     try:
         if executor is not None:
             executor.check()  # up front: a dead address fails in seconds, before anything is written
         files = expand_inputs(args.input)
+        records = None
+        if args.format is not None or args.train_on_prompt or args.seq_len:
+            records = RecordFormat(
+                args.format or detect_format(files, args.text_field),
+                train_on_prompt=args.train_on_prompt,
+                max_tokens=args.seq_len + 1 if args.seq_len else 0,
+                truncate=args.truncate,
+            )
         preprocess_files(
             files,
             args.output,
@@ -99,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             sources=args.input,
             overwrite=args.overwrite,
             executor=executor,
+            records=records,
         )
     except DataError as exc:
         print(f"loomtrain preprocess: error: {exc}", file=sys.stderr)

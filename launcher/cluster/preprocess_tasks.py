@@ -114,6 +114,7 @@ def tokenize_on_ray(
     max_in_flight: int | None,
     on_file,
     log=None,
+    records=None,
 ) -> int:
     """Run tokenize_file for each (i, path) of `jobs` as a Ray task, at most
     max_in_flight at once (default: the cluster's CPUs); call on_file(i, results)
@@ -132,7 +133,8 @@ def tokenize_on_ray(
         while queue or running:
             while queue and len(running) < in_flight:
                 i, path = queue.pop(0)
-                running[task.remote(path, tok_ref, text_field, skip_bad_lines)] = i
+                extra = () if records is None else (records,)  # instruction or chat records (records.py)
+                running[task.remote(path, tok_ref, text_field, skip_bad_lines, *extra)] = i
             done, _ = ray.wait(list(running), num_returns=1)
             i = running.pop(done[0])
             try:
@@ -170,7 +172,9 @@ class RayTasks:
         if address:
             _check_reachable(address, what)
 
-    def __call__(self, jobs, tokenizer, text_field, skip_bad_lines, *, max_in_flight, on_file, log=None) -> int:
+    def __call__(
+        self, jobs, tokenizer, text_field, skip_bad_lines, *, max_in_flight, on_file, log=None, records=None
+    ) -> int:
         return tokenize_on_ray(
             jobs,
             tokenizer,
@@ -180,4 +184,5 @@ class RayTasks:
             max_in_flight=max_in_flight,
             on_file=on_file,
             log=log,
+            records=records,
         )

@@ -1,0 +1,200 @@
+"""Instruction and chat records -> tokens and a loss mask (`loomtrain preprocess --format`).
+
+Formats of a JSONL line:
+  text             {"text": ...} (the --text-field): every token is a target
+  prompt-response  {"prompt": ..., "response": ...}: a one-turn chat, user then assistant
+  chat             {"messages": [{"role": "system" | "user" | "assistant", "content": ...}, ...]}
+
+Only the assistant's tokens (and the token that ends each of its turns) are targets; with
+`--train-on-prompt` every token is. The mask is 1 where a token is a target: predicting it
+from the tokens before it counts in the loss.
+
+Templates. A tokenizer that carries a Hugging Face chat template (`HFTokenizer.chat`) renders
+the conversation with it: the text between the rendering of the turns before an assistant
+message (with the generation cue) and the rendering that includes it is that message's target.
+Otherwise the built-in template, the same for the byte and BPE tokenizers:
+
+    <|system|>\\n{content}\\n        (not a target)
+    <|user|>\\n{content}\\n          (not a target)
+    <|assistant|>\\n                 (not a target)
+    {content}EOS                    (the target: the reply and the end-of-text that ends it)
+
+Every record ends with EOS (one that is no target is added when the last turn is not the
+assistant's), so records are documents as the rest of the pipeline knows them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from loomtrain.data_pipeline.shards import DataError
+
+FORMATS = ("text", "prompt-response", "chat")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """How preprocess reads JSONL records. max_tokens: the most tokens a record may hold
+    (train.seq_len + 1: seq_len inputs, each predicting the next; 0 = no limit); longer ones
+    are refused, or cut to max_tokens with `truncate`."""
+
+    format: str = "text"
+    train_on_prompt: bool = False
+    max_tokens: int = 0
+    truncate: bool = False
+
+    @property
+    def masked(self) -> bool:
+        return self.format != "text"
+
+
+TEXT = RecordFormat()
+
+
+def detect_format(files: list[Path], text_field: str) -> str:
+    """The format of the first record of the first JSONL input: chat with "messages",
+    prompt-response with "prompt" and "response", else text (also for .txt and Parquet)."""
+    for path in files:
+        if not path.name.lower().endswith((".jsonl", ".ndjson")):
+            return "text"
+        with open(path, "rb") as f:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return "text"  # the text reader names the bad line
+                if isinstance(obj, dict) and text_field not in obj:
+                    if "messages" in obj:
+                        return "chat"
+                    if "prompt" in obj and "response" in obj:
+                        return "prompt-response"
+                return "text"
+    return "text"
+
+
+def record_messages(obj, fmt: str) -> list[dict]:
+    """A record's conversation as [{"role", "content"}], checked; ValueError names what is wrong."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+    if fmt == "prompt-response":
+        for key in ("prompt", "response"):
+            if not isinstance(obj.get(key), str):
+                found = "missing" if key not in obj else f"{type(obj[key]).__name__}"
+                raise ValueError(f"field {key!r} is {found}, expected a string (--format prompt-response)")
+        return [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["response"]}]
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("field 'messages' is missing or empty, expected a list of {role, content} (--format chat)")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] is a {type(m).__name__}, expected an object with role and content")
+        if m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}].role is {m.get('role')!r}, expected system, user or assistant")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content is {type(m.get('content')).__name__}, expected a string")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+EOS = object()  # a segment that is the EOS token itself (the byte tokenizer has no text for it)
+
+
+def _builtin_segments(messages: list[dict]) -> list[tuple[object, bool]]:
+    """(text or EOS, is_target) pieces of the built-in template."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            out += [("<|assistant|>\n", False), (m["content"], True), (EOS, True)]
+        else:
+            out.append((f"<|{m['role']}|>\n{m['content']}\n", False))
+    return out
+
+
+def _render(chat: dict, messages: list[dict], cue: bool, eos_token: str) -> str:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(chat["chat_template"]).render(
+        messages=messages,
+        add_generation_prompt=cue,
+        bos_token=chat["bos_token"],
+        eos_token=chat["eos_token"] or eos_token,
+    )
+
+
+def _template_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """(text, is_target) pieces rendered by the tokenizer's own chat template."""
+    from jinja2 import TemplateError
+
+    out, done = [], ""
+    try:
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            cue = _render(tokenizer.chat, messages[:i], True, tokenizer.eos_token)
+            full = _render(tokenizer.chat, messages[: i + 1], False, tokenizer.eos_token)
+            if not (cue.startswith(done) and full.startswith(cue)):
+                raise ValueError(
+                    "the tokenizer's chat template does not render the conversation turn by turn (an earlier "
+                    "turn changes when a later one is added), so the assistant's tokens cannot be told apart"
+                )
+            out += [(cue[len(done) :], False), (full[len(cue) :], True)]
+            done = full
+        whole = _render(tokenizer.chat, messages, False, tokenizer.eos_token)
+    except TemplateError as exc:
+        raise ValueError(f"the tokenizer's chat template refused the conversation: {exc}") from None
+    if not whole.startswith(done):
+        raise ValueError("the tokenizer's chat template renders the whole conversation otherwise than turn by turn")
+    out.append((whole[len(done) :], False))
+    return out
+
+
+def record_tokens(obj, fmt: RecordFormat, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """One JSONL record -> (token ids int64, mask uint8: 1 = target). ValueError names the problem."""
+    messages = record_messages(obj, fmt.format)
+    eos_id = tokenizer.eos_id
+    chat = getattr(tokenizer, "chat", None)
+    segments = _template_segments(tokenizer, messages) if chat else _builtin_segments(messages)
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, target in segments:
+        piece = [eos_id] if text is EOS else tokenizer.encode(text) if text else []
+        ids += piece
+        mask += [1 if (target or fmt.train_on_prompt) else 0] * len(piece)
+    if not ids or ids[-1] != eos_id:  # every document ends with EOS
+        ids.append(eos_id)
+        mask.append(1 if fmt.train_on_prompt else 0)
+    if fmt.max_tokens and len(ids) > fmt.max_tokens:
+        if not fmt.truncate:
+            raise ValueError(
+                f"the record is {len(ids)} tokens, more than train.seq_len + 1 = {fmt.max_tokens} "
+                f"(--seq-len {fmt.max_tokens - 1}); shorten it, or pass --truncate to cut such records"
+            )
+        ids, mask = ids[: fmt.max_tokens], mask[: fmt.max_tokens]
+    if not any(mask[1:]):  # the first token is never predicted
+        why = "no assistant message" if not any(m["role"] == "assistant" for m in messages) else "empty replies"
+        cut = " after --truncate" if fmt.max_tokens and fmt.truncate else ""
+        raise ValueError(f"the record has no target tokens ({why}{cut}); --train-on-prompt trains on every token")
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+
+
+def check_format(fmt: RecordFormat, files: list[Path]) -> None:
+    """--format prompt-response and chat read JSONL only."""
+    if fmt.format not in FORMATS:
+        raise DataError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt.format!r}")
+    if fmt.masked:
+        for path in files:
+            if not path.name.lower().endswith((".jsonl", ".ndjson")):
+                raise DataError(f"{path}: --format {fmt.format} reads JSONL records (.jsonl), not this file")
+    if fmt.max_tokens < 0:
+        raise DataError(f"--seq-len: expected a positive number of tokens (train.seq_len), got {fmt.max_tokens - 1}")
