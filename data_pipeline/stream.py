@@ -16,6 +16,16 @@ with global batch G = m*d*grad_accum reads positions [s*G, (s+1)*G) whatever d
 is, and the state (global position, seed) can be loaded under another d when
 the position is a multiple of m*d.
 
+Document masking (`document_masking`, default: on when a source holds instruction or chat
+records, off for text): a sample is a packed window instead: whole documents, in shard order,
+as many as fit in seq_len + 1 tokens (next fit), the rest padded with EOS; a document longer
+than that (text only) is cut into pieces of seq_len + 1 that share a boundary token, like the
+windows above. Samples are then these windows, permuted and dealt out exactly as above. The
+batch is (inputs, targets, document_ids): ids count the documents of each row from 0 (padding
+is one more), and a target is -100 (not trained on) where it is padding, the first token of
+another document, or not a target in the shards' loss mask. Without document masking, a loss
+mask still sets its non-targets to -100 in the plain windows.
+
 Mixtures (several shard directories with weights): a `Blend` maps global
 position P to one source k and a position p_k inside it, deterministically;
 source k's epochs then wrap on their own exactly as above (epoch p_k // S_k,
@@ -34,6 +44,7 @@ import torch
 from loomtrain.data_pipeline.shards import DataError, ShardSet
 
 STATE_VERSION = 1
+IGNORE_INDEX = -100  # a target not trained on (model/loss.py's, the Hugging Face convention)
 SAMPLE_DIGEST_SHIFT = 24  # a sample's digest is the top 40 bits of its mixed id
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -145,8 +156,32 @@ def _source_list(source):
     return [(source, 1.0)]
 
 
+def packed_windows(doc_starts: np.ndarray, num_tokens: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+    """Next-fit packing of whole documents into windows of at most `span` tokens -> (starts, ends).
+
+    Windows are contiguous ranges of the token stream, in order: each holds as many whole
+    documents as fit; a document longer than `span` is cut into windows of `span` tokens, each
+    starting on the last token of the one before (that token is an input again, not a target)."""
+    starts, ends = [], []
+    bounds = np.append(doc_starts[doc_starts < num_tokens], num_tokens)
+    pos = 0
+    while pos < num_tokens - 1:  # a last lone token has nothing to predict
+        limit = pos + span
+        k = int(np.searchsorted(bounds, limit, side="right")) - 1  # the last boundary <= limit
+        if bounds[k] > pos:  # whole documents (or the tail of a cut one) up to that boundary
+            starts.append(pos)
+            ends.append(int(bounds[k]))
+            pos = int(bounds[k])
+        else:  # a document longer than the window
+            starts.append(pos)
+            ends.append(limit)
+            pos = limit - 1
+    return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+
+
 class TokenStream:
-    """Iterator of (inputs, targets) LongTensors [micro_batch_size, seq_len] for one DP rank.
+    """Iterator of (inputs, targets) LongTensors [micro_batch_size, seq_len] for one DP rank,
+    or with document masking (inputs, targets, document_ids) (see the module docstring).
 
     Infinite: epochs follow one another (see `epoch`). Tensor-parallel ranks of
     one DP group pass the same dp_rank and get identical batches.
@@ -166,6 +201,7 @@ class TokenStream:
         prefetch: int = 2,
         expected_tokenizer_hash: str | None = None,
         shuffle: bool = True,
+        document_masking: bool | None = None,
     ):
         for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("dp_size", dp_size)):
             if not isinstance(value, int) or value <= 0:
@@ -203,7 +239,21 @@ class TokenStream:
             shuffle,
         )
         self.tokenizer_hash = self.shards.tokenizer_hash
-        self.source_samples = [(s.num_tokens - 1) // seq_len if s.num_tokens else 0 for s in self.sources]
+        instruction = [s.records != "text" for s in self.sources]
+        self.document_masking = any(instruction) if document_masking is None else bool(document_masking)
+        self.loss_masked = any(s.mask is not None for s in self.sources)
+        self.windows: list[tuple[np.ndarray, np.ndarray]] = []  # per source, with document masking
+        if self.document_masking:
+            try:
+                for s, whole in zip(self.sources, instruction):
+                    self.windows.append(self._pack(s, seq_len + 1, must_fit=whole))
+            except BaseException:
+                for s in self.sources:
+                    s.close()
+                raise
+            self.source_samples = [len(w[0]) for w in self.windows]
+        else:
+            self.source_samples = [(s.num_tokens - 1) // seq_len if s.num_tokens else 0 for s in self.sources]
         for s, n in zip(self.sources, self.source_samples):
             if n <= 0:
                 hint = "; re-run `loomtrain preprocess` with a larger --val-fraction" if split == "val" else ""
@@ -266,6 +316,46 @@ class TokenStream:
             out[sel] = perm(pos[sel])
         return out
 
+    @staticmethod
+    def _pack(shards: ShardSet, span: int, must_fit: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The source's packed windows; an instruction or chat record longer than a window is
+        refused (cut, it would train on an answer without its question)."""
+        starts = shards.doc_starts
+        if must_fit and starts.size:
+            lengths = np.diff(np.append(starts, shards.num_tokens))
+            k = int(np.argmax(lengths))
+            if lengths[k] > span:
+                raise DataError(
+                    f"{shards.dir}: record {k} of split {shards.split!r} is {int(lengths[k])} tokens, more than "
+                    f"train.seq_len + 1 = {span}; re-run `loomtrain preprocess` with --seq-len {span - 1} (names "
+                    f"such records by file and line; --truncate cuts them), or raise train.seq_len"
+                )
+        return packed_windows(starts, shards.num_tokens, span)
+
+    def packed_rows(self, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Document masking: global positions -> (inputs, targets, document_ids), int64 [n, seq_len] each."""
+        sources, idx = self.locate(positions)
+        span = self.seq_len + 1
+        n = len(idx)
+        tokens = np.empty((n, span), dtype=np.int64)
+        docs = np.empty((n, span), dtype=np.int64)
+        target = np.zeros((n, span), dtype=bool)
+        length = np.empty((n, 1), dtype=np.int64)
+        for row, (k, i) in enumerate(zip(sources, idx)):
+            src = self.sources[int(k)]
+            a, b = (int(w[int(i)]) for w in self.windows[int(k)])
+            length[row] = b - a
+            tokens[row, : b - a] = src.read(a, b - a)
+            tokens[row, b - a :] = src.eos_id  # padding
+            ids = np.searchsorted(src.doc_starts, np.arange(a, b), side="right")
+            docs[row, : b - a] = ids - ids[0]
+            docs[row, b - a :] = docs[row, b - a - 1] + 1
+            target[row, : b - a] = src.read_mask(a, b - a).astype(bool)
+        # A target counts when it is a target in the shards, inside a document and not padding.
+        keep = target[:, 1:] & (docs[:, 1:] == docs[:, :-1]) & (np.arange(1, span) < length)
+        targets = np.where(keep, tokens[:, 1:], IGNORE_INDEX)
+        return tokens[:, :-1], targets, docs[:, :-1]
+
     def rows(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """Global positions -> (int64 [n, seq_len + 1] token rows, source of each row)."""
         sources, idx = self.locate(positions)
@@ -287,12 +377,19 @@ class TokenStream:
         return (sources.astype(u) << u(56)) | (epochs.astype(u) << u(36)) | index.astype(u)
 
     def _batch(self, round_start: int):
-        """(inputs, targets) of this rank's micro batch, and the digest of its sample ids."""
+        """(inputs, targets[, document_ids]) of this rank's micro batch, and the digest of its sample ids."""
         positions = self.rank_positions(round_start)
-        rows, _ = self.rows(positions)
-        block = torch.from_numpy(rows)
         digest = int((_mix64(self.sample_ids(positions)) >> np.uint64(SAMPLE_DIGEST_SHIFT)).sum(dtype=np.uint64))
-        return (block[:, :-1].contiguous(), block[:, 1:].contiguous()), digest
+        if self.document_masking:
+            return tuple(torch.from_numpy(a) for a in self.packed_rows(positions)), digest
+        rows, sources = self.rows(positions)
+        block = torch.from_numpy(rows)
+        targets = block[:, 1:].contiguous()
+        if self.loss_masked:  # plain windows of masked records: the prompt tokens are no targets
+            for row, (k, i) in enumerate(zip(sources, self.locate(positions)[1])):
+                keep = self.sources[int(k)].read_mask(int(i) * self.seq_len + 1, self.seq_len)
+                targets[row, torch.from_numpy(keep == 0)] = IGNORE_INDEX
+        return (block[:, :-1].contiguous(), targets), digest
 
     def take_samples_digest(self) -> int:
         """The sum of the digests of every sample this rank yielded since the last call.
@@ -405,6 +502,8 @@ class TokenStream:
             "split": self.split,
             "tokenizer_hash": self.tokenizer_hash,
         }
+        if self.document_masking:  # another sample layout: a state of one is no position in the other
+            state["document_masking"] = True
         if len(self.sources) > 1:
             state["mixture"] = self._mixture_state()
         return state
@@ -426,8 +525,9 @@ class TokenStream:
             ("samples_per_epoch", self.samples_per_epoch),
             ("tokenizer_hash", self.tokenizer_hash),
             ("split", self.split),
+            ("document_masking", self.document_masking),
         ):
-            if state.get(key) != mine:
+            if state.get(key, False if key == "document_masking" else None) != mine:
                 raise DataError(
                     f"cannot resume the data stream: the saved state has {key}={state.get(key)!r}, this stream has "
                     f"{key}={mine!r}"

@@ -159,7 +159,7 @@ def sample_prompt(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer)
     try:
         stream = val_stream(cfg, shard_dir, topology, tok)
         try:
-            x, _ = next(stream)
+            x = next(stream)[0]
         finally:
             stream.close()
     except (DataError, StopIteration, ValueError, OSError):  # no usable validation split: from end-of-text
@@ -182,4 +182,5 @@ def _stream(cfg: RunConfig, shard_dir, split: str, topology: Topology, tok: Toke
         seed=t.seed,
         prefetch=prefetch,
         expected_tokenizer_hash=tok.hash,
+        document_masking=cfg.data.document_masking,
     )

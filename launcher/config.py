@@ -90,6 +90,10 @@ class DataConfig:
     cache_dir: str = ""
     # Micro-batches made ahead of time by a background thread (0 = none).
     prefetch: int = 2
+    # Packed documents never see each other: attention stays inside each document, positions
+    # restart at each, and a window holds whole documents (data_pipeline/stream.py). null = on
+    # for instruction and chat data (`preprocess --format prompt-response|chat`), off for text.
+    document_masking: bool | None = None
 
     def validate(self, prefix: str) -> None:
         tok = self.tokenizer

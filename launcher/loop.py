@@ -15,9 +15,14 @@ Each optimizer step runs grad_accum micro steps of
 `loss = engine(x, targets=y); engine.backward(loss); engine.step()` (the model's output
 layer computes the loss, see loomtrain.model.loss)
 (DeepSpeed scales the loss by 1/grad_accum and steps the optimizer and the LR
-schedule at the boundary). The step's reported loss is the mean over its micro
-batches, all-reduced (mean) over the data-parallel group, so it equals the
-single-process loss on the same global batch.
+schedule at the boundary). The step's loss is the mean over the target tokens of the
+whole global batch (every micro batch, every DP rank), not a mean of per-micro-batch
+means: with loss masks or packed documents each micro batch's mean is weighted by its
+share of the step's targets (`_loss_weights`), so the same data gives the same loss and
+gradients at any micro-batch size, accumulation or DP size; plain text in full windows,
+where every micro batch has as many targets, needs no weights (the step is unchanged).
+The reported loss is that mean (each rank's part all-reduced over the data-parallel
+group), so it equals the single-process loss on the same global batch.
 
 A step between log steps reads nothing back to the host and adds no collective to
 DeepSpeed's own: its loss (and grad norm) stay on the device until the next log step,
@@ -61,6 +66,7 @@ from loomtrain.launcher.stopping import StopRequest, signal_name
 from loomtrain.launcher.watchdog import EVALUATION, SAMPLES, Watchdog, allowances, io_phase
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
+from loomtrain.model.loss import IGNORE_INDEX
 from loomtrain.parallel import Topology, gathered_logits
 from torch import nn
 
@@ -83,7 +89,7 @@ class TrainResult:
 
 
 class StepOutput(NamedTuple):
-    loss: torch.Tensor  # this rank's mean over the micro batches, on the device (not DP-averaged yet)
+    loss: torch.Tensor  # this rank's part of the step's loss x dp, on the device (dp_reduce averages it over DP)
     grad_norm: torch.Tensor | float | None  # None where none was computed; a tensor stays on the device
     data_wait_s: float  # how long this rank waited for its batches
     samples_digest: int | None = None  # this rank's share of the samples' digest (see dp_reduce)
@@ -163,8 +169,34 @@ def _read_norms(outs: list[StepOutput]) -> list[float]:
 
 
 def _to(batch, device):
-    x, y = batch
-    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    """(inputs, targets[, document_ids]) on the device."""
+    return tuple(t.to(device, non_blocking=True) for t in batch)
+
+
+def _forward(engine, batch):
+    """The mean loss of one micro batch over its targets (those not -100); packed documents
+    (a third tensor, the stream's document ids) attend and count positions each on its own."""
+    x, y, *docs = batch
+    return engine(x, targets=y, document_ids=docs[0]) if docs else engine(x, targets=y)
+
+
+def _loss_weights(batches, ctx: TrainContext, grad_accum: int) -> list[torch.Tensor] | None:
+    """What each micro batch's mean loss is multiplied by so that the step's loss is the mean over
+    the target tokens of the whole global batch: n_micro * dp * grad_accum / N_global, where N_global,
+    the step's target count over every micro batch and DP rank, is one all-reduce over DP (DeepSpeed
+    then divides by grad_accum and averages over DP). None where every micro batch has the same
+    count (plain text in full windows: every token a target): there the mean of the micro batches'
+    means already is that mean, and the step is as it was, bitwise, with no collective added."""
+    stream = ctx.train_stream
+    if not (getattr(stream, "document_masking", False) or getattr(stream, "loss_masked", False)):
+        return None
+    counts = [int((b[1] != IGNORE_INDEX).sum()) for b in batches]  # on the host: the stream's tensors
+    total = torch.tensor(float(sum(counts)), dtype=torch.float32, device=ctx.dist.device)
+    dp = ctx.topology.dp_size
+    if dp > 1:
+        dist.all_reduce(total, group=ctx.topology.dp_group)
+    share = (dp * grad_accum) / total.clamp(min=1.0)
+    return [share * n for n in counts]
 
 
 def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = None) -> StepOutput:
@@ -173,13 +205,14 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
     engine, device = ctx.engine, ctx.dist.device
     total = torch.zeros((), dtype=torch.float32, device=device)
     norm = None
-    data_wait = 0.0
-    for micro in range(grad_accum):
-        t0 = time.perf_counter()
-        batch = next(ctx.train_stream)
-        data_wait += time.perf_counter() - t0
-        x, y = _to(batch, device)
-        loss = engine(x, targets=y)
+    t0 = time.perf_counter()
+    batches = [next(ctx.train_stream) for _ in range(grad_accum)]  # all first: the step's target count
+    data_wait = time.perf_counter() - t0
+    weights = _loss_weights(batches, ctx, grad_accum)
+    for micro, batch in enumerate(batches):
+        loss = _forward(engine, _to(batch, device))
+        if weights is not None:
+            loss = loss * weights[micro]
         engine.backward(loss)
         own_norm = None
         if micro == grad_accum - 1 and not records_grad_norm(engine):
@@ -203,8 +236,7 @@ def evaluate(ctx: TrainContext) -> dict[str, float]:
     try:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for _ in range(ctx.cfg.eval.batches):
-            x, y = _to(next(stream), device)
-            total += engine(x, targets=y).float()
+            total += _forward(engine, _to(next(stream), device)).float()
     finally:
         stream.close()
         engine.train()

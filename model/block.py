@@ -31,9 +31,10 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: LayerKV | None = None,
+        doc_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.pre:
-            x = x + self.resid_drop(self.attn(self.attn_norm(x), rope, cache))
+            x = x + self.resid_drop(self.attn(self.attn_norm(x), rope, cache, doc_mask))
             return x + self.resid_drop(self.ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + self.resid_drop(self.attn(x, rope, cache)))
+        x = self.attn_norm(x + self.resid_drop(self.attn(x, rope, cache, doc_mask)))
         return self.ffn_norm(x + self.resid_drop(self.ffn(x)))

@@ -12,6 +12,15 @@ import torch
 from torch.autograd.function import once_differentiable
 
 
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] document ids -> [B, T] positions that restart at 0 wherever the id changes."""
+    t = document_ids.shape[1]
+    index = torch.arange(t, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
 def sinusoidal_table(max_len: int, dim: int) -> torch.Tensor:
     """[max_len, dim]: PE(p, 2i) = sin(p / 10000^(2i/dim)), PE(p, 2i+1) = cos(...) (Vaswani et al. 2017)."""
     pos = torch.arange(max_len, dtype=torch.float64)[:, None]
@@ -63,7 +72,8 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, head_dim] by the tables cos/sin [T, head_dim] (already sliced to x's positions).
+    """Rotate x [B, H, T, head_dim] by the tables cos/sin [T, head_dim] (already sliced to x's positions;
+    or [B, 1, T, head_dim], gathered at each sequence's own positions).
 
     Rotate-half layout: x_i' = x_i cos - x_{i+h} sin, x_{i+h}' = x_{i+h} cos + x_i sin
     (cos/sin hold each angle twice, at i and i + h, as rope_tables builds them).

@@ -8,19 +8,23 @@ import torch
 from torch import nn
 
 from . import flops
+from .attention import document_mask
 from .block import Block
 from .cache import KVCache
 from .config import ModelConfig
 from .generate import generate
 from .loss import LMHead
 from .norms import RMSNorm, build_norm
-from .positions import alibi_slopes, rope_tables, sinusoidal_table
+from .positions import alibi_slopes, document_positions, rope_tables, sinusoidal_table
 
 
 class Transformer(nn.Module):
     """Transformer(cfg)(tokens [B, T]) -> logits [B, T, vocab_size];
-    Transformer(cfg)(tokens, targets=next_tokens) -> mean cross-entropy (float32 scalar),
-    computed without materialising the logits (see loomtrain.model.loss).
+    Transformer(cfg)(tokens, targets=next_tokens) -> mean cross-entropy (float32 scalar) over the
+    targets that are not -100, computed without materialising the logits (see loomtrain.model.loss);
+    Transformer(cfg)(tokens, targets=..., document_ids=ids [B, T]) for packed documents: equal ids
+    are one document, attention stays inside it and positions restart where the id changes, so
+    each document gives what it gives alone. Without document_ids the model is as before.
 
     Module names are a contract with the tensor-parallel plan: tok_emb, pos_emb
     (learned positions, else None), drop, blocks, norm, lm_head. Sinusoidal and
@@ -121,14 +125,23 @@ class Transformer(nn.Module):
             )
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        targets: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]. With a cache, tokens are the new ones and their
         positions continue from cache.length; the cache is extended in place. With targets
-        [B, T] (-100 = ignore) -> the mean cross-entropy instead of the logits."""
+        [B, T] (-100 = ignore) -> the mean cross-entropy instead of the logits. With document_ids
+        [B, T] (packed documents, see the class): positions and attention per document."""
         t = tokens.shape[1]
         start = 0 if cache is None else cache.length
         self.check_length(start + t)
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("document_ids: packed documents are for training; generation runs one per row")
+            return self._forward_documents(tokens, targets, document_ids)
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(start, start + t, device=tokens.device))
@@ -140,6 +153,30 @@ class Transformer(nn.Module):
             rope = (self.rope_cos[start : start + t], self.rope_sin[start : start + t])
         for i, block in enumerate(self.blocks):
             x = block(x, rope, None if cache is None else cache[i])
+        if targets is None:
+            return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x), targets)
+
+    def _forward_documents(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None, document_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """forward with packed documents: per-token positions [B, T] that restart at each document
+        (tables gathered at them) and the block-diagonal causal mask, built once for all blocks."""
+        if document_ids.shape != tokens.shape:
+            raise ValueError(f"document_ids {tuple(document_ids.shape)} do not match tokens {tuple(tokens.shape)}")
+        positions = document_positions(document_ids)
+        x = self.tok_emb(tokens)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        elif self.pos_table is not None:
+            x = x + self.pos_table[positions]
+        x = self.drop(x)
+        rope = None
+        if self.rope_cos is not None:
+            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        mask = document_mask(document_ids)
+        for block in self.blocks:
+            x = block(x, rope, None, mask)
         if targets is None:
             return self.lm_head(self.norm(x))
         return self.lm_head(self.norm(x), targets)
