@@ -120,7 +120,7 @@ def configure(spec: str) -> None:
     """Replace the plan; the checkpoint functions are wrapped only while it has checkpoint faults."""
     global _SPEC, _PLAN
     _SPEC, _PLAN = spec, parse(spec)
-    _wrap_checkpoints("checkpoint_write" in _PLAN or "checkpoint_publish" in _PLAN)
+    _wrap_checkpoints("checkpoint_write" in _PLAN, "checkpoint_publish" in _PLAN)
 
 
 def hooks(cfg) -> list[Hooks]:
@@ -247,28 +247,36 @@ class FaultHook(Hooks):
 _wrapped: dict[str, object] = {}  # the checkpoint functions as the product has them
 
 
-def _wrap_checkpoints(on: bool) -> None:
-    """ckpt_slow and ckpt_pause: the writer and the publisher, wrapped where they are looked up."""
-    from loomtrain.launcher.checkpoints import background, hook, store
+def _wrap_checkpoints(write: bool, publish: bool) -> None:
+    """ckpt_slow and ckpt_pause: the writer and the publisher, wrapped where they are looked up
+    while planned (the writer's modules are imported only then: they bring in torch)."""
+    from loomtrain.launcher.checkpoints import store
 
-    if on and not _wrapped:
-        _wrapped.update(write_snapshot=hook.write_snapshot, write_json_durable=store.write_json_durable)
-        write, durable = hook.write_snapshot, store.write_json_durable
-
-        def write_snapshot(snap, *args, **kwargs):
-            _pause("checkpoint_write", snap.step)
-            return write(snap, *args, **kwargs)
+    if publish and "write_json_durable" not in _wrapped:
+        durable = _wrapped["write_json_durable"] = store.write_json_durable
 
         def write_json_durable(path, obj, *args, **kwargs):
             if Path(path).name == store.MANIFEST:  # publish: every file is written and fsynced
                 _pause("checkpoint_publish", obj["step"])
             return durable(path, obj, *args, **kwargs)
 
-        hook.write_snapshot = background.write_snapshot = write_snapshot
         store.write_json_durable = write_json_durable
-    elif not on and _wrapped:
-        hook.write_snapshot = background.write_snapshot = _wrapped.pop("write_snapshot")
+    elif not publish and "write_json_durable" in _wrapped:
         store.write_json_durable = _wrapped.pop("write_json_durable")
+    if write == ("write_snapshot" in _wrapped):
+        return
+    from loomtrain.launcher.checkpoints import background, hook
+
+    if write:
+        original = _wrapped["write_snapshot"] = hook.write_snapshot
+
+        def write_snapshot(snap, *args, **kwargs):
+            _pause("checkpoint_write", snap.step)
+            return original(snap, *args, **kwargs)
+
+        hook.write_snapshot = background.write_snapshot = write_snapshot
+    else:
+        hook.write_snapshot = background.write_snapshot = _wrapped.pop("write_snapshot")
 
 
 def _pause(where: str, step: int) -> None:
