@@ -17,7 +17,7 @@ all-gathers its host (`host_label`: hostname and the address that routes to the 
 since hostnames alone repeat across containers and namespaces), so `DistEnv.hosts` says
 where each rank runs (the TP placement check and the logs use it). A group made here is destroyed
 at exit (an adopted one is left to its launcher). A hung rank is found by the
-loop's watchdog after its phase's allowance (loomtrain.launcher.watchdog); the
+loop's watchdog after its phase's allowance (loomtrain.launcher.timeouts); the
 collective timeout is a margin above the longest one, so the watchdog's report (which rank,
 where) comes first and the library's timeout is only the backstop.
 
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from loomtrain.launcher import rundir
 from loomtrain.launcher.config import RunConfig
-from loomtrain.launcher.watchdog import HANG_REPORT_MARGIN_S, allowances
+from loomtrain.launcher.timeouts import HANG_REPORT_MARGIN_S, allowances
 
 
 @dataclass

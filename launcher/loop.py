@@ -63,7 +63,8 @@ from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard
 from loomtrain.launcher.profiling import StepProfiler
 from loomtrain.launcher.ranklog import RankLog, logs_dir
 from loomtrain.launcher.stopping import StopRequest, signal_name
-from loomtrain.launcher.watchdog import EVALUATION, SAMPLES, Watchdog, allowances, io_phase
+from loomtrain.launcher.timeouts import EVALUATION, SAMPLES, allowances
+from loomtrain.launcher.watchdog import Watchdog, io_phase
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
 from loomtrain.model.loss import IGNORE_INDEX

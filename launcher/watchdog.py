@@ -1,7 +1,7 @@
 """Hang detection: a watchdog thread per rank, heartbeats in RUN_DIR, one line that names the stuck rank.
 
 Each rank runs `Watchdog` (a daemon thread). The loop announces what the rank is doing,
-and each phase has its own allowance (`Allowances`, from the config):
+and each phase has its own allowance (`Allowances`, from the config: loomtrain.launcher.timeouts):
 
     phase           allowance                                              knob
     start-up        the first step of an attempt: 3 x parallel.timeout_s   parallel.startup_timeout_s
@@ -40,7 +40,7 @@ When a rank has made no progress for its phase's allowance, its watchdog
 5. ends its process with exit status HANG_EXIT_CODE.
 
 The process group's own timeout is set HANG_REPORT_MARGIN_S above the longest allowance
-(loomtrain.launcher.distributed), so this report comes before a library traceback, and a
+(loomtrain.launcher.timeouts, loomtrain.launcher.distributed), so this report comes before a library traceback, and a
 rank waiting in a collective for a peer's long phase is not cut off by the library first.
 Heartbeats are files (not the torch.distributed store) because the store lives in
 one process, which may be the stuck one; RUN_DIR is shared by all ranks anyway.
@@ -58,69 +58,16 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from loomtrain.durable import atomic_write
 from loomtrain.launcher.ranklog import logs_dir, rank_log_path
-
-if TYPE_CHECKING:
-    from loomtrain.launcher.config import RunConfig
+from loomtrain.launcher.timeouts import START_UP, STEP, Allowances
 
 HANG_EXIT_CODE = 3
 PROBE_TIMEOUT_S = 3.0  # a host cut off never answers; one on the network answers in milliseconds
-HANG_REPORT_MARGIN_S = 60  # process-group timeout above parallel.timeout_s
-FIRST_STEP_FACTOR = 3  # parallel.startup_timeout_s = 0: the first step gets this x timeout_s
-FORWARD_SHARE = 3  # parallel.forward_timeout_s = 0: one forward pass gets timeout_s / this
-
-# The phases the loop announces (heartbeats and hang lines name them).
-START_UP = "start-up"
-STEP = "training step"
-EVALUATION = "evaluation"
-SAMPLES = "samples"
 
 _current: Watchdog | None = None
-
-
-@dataclass(frozen=True)
-class Allowances:
-    """Seconds without progress each phase may take before it is a hang, and the knob that sets each."""
-
-    step: float
-    start_up: float
-    evaluation: float
-    samples: float
-    io: float
-    compile: float = 0.0  # added the first time a phase runs in this process (0: no compile)
-
-    def limit(self, phase: str) -> tuple[float, str]:
-        """(allowance, knob) of `phase`; a phase not named here is checkpoint-like I/O."""
-        return {
-            START_UP: (self.start_up, "parallel.startup_timeout_s"),
-            STEP: (self.step, "parallel.timeout_s"),
-            EVALUATION: (self.evaluation, "parallel.forward_timeout_s"),
-            SAMPLES: (self.samples, "parallel.forward_timeout_s"),
-        }.get(phase, (self.io, "checkpoint.timeout_s"))
-
-    @property
-    def longest(self) -> float:
-        return max(self.step, self.start_up, self.evaluation, self.samples, self.io) + self.compile
-
-
-def allowances(cfg: RunConfig) -> Allowances:
-    """Each phase's allowance from the config (see the table in this module's docstring)."""
-    p, e = cfg.parallel, cfg.eval
-    step = float(p.timeout_s)
-    forward = p.forward_timeout_s or step / FORWARD_SHARE
-    return Allowances(
-        step=step,
-        start_up=float(p.startup_timeout_s or FIRST_STEP_FACTOR * step),
-        evaluation=step + e.batches * forward,
-        samples=step + e.sample_tokens * forward,
-        io=float(cfg.checkpoint.timeout_s),
-        compile=float(p.compile_timeout_s) if p.compile else 0.0,
-    )
 
 
 def heartbeat_path(run_dir, rank: int) -> Path:

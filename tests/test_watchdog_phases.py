@@ -19,7 +19,8 @@ import pytest
 from launch import QUIET, SMALL, SMALLEST, TINY, child_env, output, records, run_loomtrain
 from loomtrain.launcher import loop, watchdog
 from loomtrain.launcher.config_loader import ConfigError, load_config
-from loomtrain.launcher.watchdog import EVALUATION, SAMPLES, STEP, Allowances, Watchdog, allowances
+from loomtrain.launcher.timeouts import EVALUATION, HANG_REPORT_MARGIN_S, SAMPLES, STEP, Allowances, allowances
+from loomtrain.launcher.watchdog import Watchdog
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,7 +148,7 @@ def test_each_phase_has_its_allowance_and_the_line_names_each_ranks_phase(tmp_pa
     # the process group waits longer than any phase may, so the watchdog reports first
     from loomtrain.launcher.distributed import collective_timeout_s
 
-    assert collective_timeout_s(cfg) == 30 + 3000 + watchdog.HANG_REPORT_MARGIN_S
+    assert collective_timeout_s(cfg) == 30 + 3000 + HANG_REPORT_MARGIN_S
     with pytest.raises(ConfigError, match=r"^parallel\.forward_timeout_s: expected a non-negative number, got -1"):
         load_config(TINY, ["parallel.forward_timeout_s=-1"])
 
