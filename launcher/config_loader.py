@@ -13,7 +13,9 @@
 
 `validate` calls each section's own rules (beside its fields, in
 `loomtrain.launcher.config`) and checks the rules that span sections; call it again
-once the real world size is known (the loop does).
+once the real world size is known (the loop does). It reads no weights: whether
+model.init_from holds a model of model.*'s shapes is `train`'s pre-flight
+(`loomtrain.launcher.checkpoints.weight_source.check_init_from`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from typing import Any
 
 import torch
 from loomtrain.durable import atomic_write
-from loomtrain.launcher.checkpoints.weight_source import open_matching
 from loomtrain.launcher.config import RESUME_MODES, ConfigError, DataSource, RunConfig, check
 from loomtrain.launcher.rundir import run_dir
 from loomtrain.parallel.topology import check_tp
@@ -326,7 +327,7 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
         _check_path_fits("data.cache_dir", cfg.data.cache_dir)
     resume = cfg.checkpoint.resume
     check(  # a PATH only seeds the first start: once the run has checkpoints, the seed may be gone
-        resume in RESUME_MODES or "://" in resume or Path(resume).exists() or _run_has_checkpoints(cfg),
+        resume in RESUME_MODES or "://" in resume or Path(resume).exists() or run_has_checkpoints(cfg),
         "checkpoint.resume",
         "auto, never or the path of an existing checkpoint",
         resume,
@@ -368,8 +369,6 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
             f"divides train.global_batch_size={t.global_batch_size}",
             cfg.ray.least_workers,
         )
-    if m.init_from:  # last: it reads the weights' config (and may name a path only a cluster has)
-        _check_init_from(cfg)
 
 
 def _tokenizer_vocab(data) -> tuple[int, str] | None:
@@ -433,7 +432,7 @@ def _check_path_fits(key: str, value: str) -> None:
         )
 
 
-def _run_has_checkpoints(cfg: RunConfig) -> bool:
+def run_has_checkpoints(cfg: RunConfig) -> bool:
     return (run_dir(cfg) / "checkpoints").is_dir()
 
 
@@ -444,28 +443,6 @@ def _float_leaves(obj: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
             yield from _float_leaves(value, f"{prefix}{f.name}.")
         elif isinstance(value, float):
             yield f"{prefix}{f.name}", value
-
-
-def _check_init_from(cfg: RunConfig) -> None:
-    """model.init_from exists, is not the run's own final/ (which the run's end replaces), and
-    holds a model with the shapes model.* gives."""
-    src = Path(cfg.model.init_from).expanduser()
-    if not src.exists() and _run_has_checkpoints(cfg):
-        return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
-    check(
-        src.is_dir(),
-        "model.init_from",
-        "a run's final/ directory, a run directory or a Hugging Face model directory",
-        cfg.model.init_from,
-    )
-    own = run_dir(cfg).absolute()
-    check(
-        src.absolute() not in (own, own / "final"),
-        "model.init_from",
-        f"weights outside run.dir={cfg.run.dir} (the run's end replaces its final/; give the new run its own run.dir)",
-        cfg.model.init_from,
-    )
-    open_matching(cfg.model)
 
 
 def _cxx_available() -> bool:

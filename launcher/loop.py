@@ -53,6 +53,7 @@ from loomtrain.data_pipeline import TokenStream
 from loomtrain.data_pipeline.tokenizer import Tokenizer
 from loomtrain.launcher import components, host_memory, plugins, rundir, weights
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
+from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import save_config, to_dict, validate
 from loomtrain.launcher.distributed import DistEnv, barrier, init_distributed, master_address
@@ -299,6 +300,7 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     hooks = [*plugins.hooks(cfg), *hooks]  # LOOMTRAIN_PLUGIN's, read once: after the checkpoint hook, before Ray's
     env = init_distributed(cfg)
     validate(cfg, env.world_size)  # batch-size rules against the real world size
+    check_init_from(cfg)
     run_dir = rundir.run_dir(cfg)
     if env.is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hf_fixtures import tiny_llama
 from launch import losses, run_loomtrain
 from loomtrain.launcher import cli
+from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,9 @@ def test_config_disagreeing_with_the_weights_is_refused(imported, tmp_path):
     ):
         for source in (hf, run):
             with pytest.raises(ConfigError) as err:
-                load_config(run / "config.yaml", [f"run.dir={tmp_path}", override, f"model.init_from={source}"])
+                check_init_from(
+                    load_config(run / "config.yaml", [f"run.dir={tmp_path}", override, f"model.init_from={source}"])
+                )
             msg = str(err.value)
             assert msg.startswith(f"{field}: the config has {ours}, ") and msg.endswith(f"have {theirs}"), msg
 
@@ -51,7 +54,7 @@ def test_every_field_disagreeing_with_the_weights_is_in_the_one_line(imported, t
     overrides = [f"run.dir={tmp_path}", "model.n_kv_heads=4", "model.d_model=128", "model.n_layers=3"]
     for source in (hf, run):
         with pytest.raises(ConfigError) as err:
-            load_config(run / "config.yaml", [*overrides, f"model.init_from={source}"])
+            check_init_from(load_config(run / "config.yaml", [*overrides, f"model.init_from={source}"]))
         msg = str(err.value)
         assert "\n" not in msg
         assert msg == (
@@ -64,7 +67,8 @@ def test_every_field_disagreeing_with_the_weights_is_in_the_one_line(imported, t
 def test_imported_config_needs_its_own_run_dir_and_takes_an_hf_tokenizer_dir(imported, tmp_path):
     hf, _, run = imported
     with pytest.raises(ConfigError, match=r"^model\.init_from: expected weights outside run\.dir"):
-        load_config(run / "config.yaml")  # its run.dir is the import itself: the end would replace final/
+        # its run.dir is the import itself: the end would replace final/
+        check_init_from(load_config(run / "config.yaml"))
     cfg = load_config(run / "config.yaml", [f"run.dir={tmp_path}", f"data.tokenizer={hf}"])
     assert cfg.model.init_from == str(run / "final") and cfg.model.n_kv_heads == 2
 

@@ -29,7 +29,9 @@ from loomtrain.launcher.checkpoints.safetensors_source import (
     model_tensor_names,
 )
 from loomtrain.launcher.checkpoints.store import CheckpointStore
-from loomtrain.launcher.config import ConfigError
+from loomtrain.launcher.config import ConfigError, RunConfig, check
+from loomtrain.launcher.config_loader import run_has_checkpoints
+from loomtrain.launcher.rundir import run_dir
 from loomtrain.launcher.weights import MODEL_CONFIG, TOKENIZER_DIR
 from loomtrain.model import ModelConfig
 from loomtrain.parallel.plan import spec_of
@@ -153,8 +155,8 @@ def _config_error(exc: WeightSourceError) -> ConfigError:
 
 def open_matching(cfg) -> WeightSource:
     """The source model.init_from names, checked against model.*: a one-line ConfigError naming
-    the field otherwise (the launcher's validation calls this before any worker starts; it
-    reads the files' headers, not their tensors)."""
+    the field otherwise (`check_init_from` calls this before any worker starts; it reads the
+    files' headers, not their tensors)."""
     try:
         source = open_source(cfg.init_from)
         check_matches(source, cfg)
@@ -162,6 +164,32 @@ def open_matching(cfg) -> WeightSource:
     except WeightSourceError as exc:
         raise _config_error(exc) from None
     return source
+
+
+def check_init_from(cfg: RunConfig) -> None:
+    """`train`'s pre-flight for model.init_from (nothing when it is empty): it exists, is not the
+    run's own final/ (which the run's end replaces), and holds a model with the shapes model.*
+    gives. It reads the disk, so it is not part of the config's validation (config_loader), which
+    a config passes wherever its files are; `train`, `submit` and each rank's start call it."""
+    if not cfg.model.init_from:
+        return
+    src = Path(cfg.model.init_from).expanduser()
+    if not src.exists() and run_has_checkpoints(cfg):
+        return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
+    check(
+        src.is_dir(),
+        "model.init_from",
+        "a run's final/ directory, a run directory or a Hugging Face model directory",
+        cfg.model.init_from,
+    )
+    own = run_dir(cfg).absolute()
+    check(
+        src.absolute() not in (own, own / "final"),
+        "model.init_from",
+        f"weights outside run.dir={cfg.run.dir} (the run's end replaces its final/; give the new run its own run.dir)",
+        cfg.model.init_from,
+    )
+    open_matching(cfg.model)
 
 
 def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str = "auto") -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from loomtrain.data_pipeline import DataError
 from loomtrain.launcher.checkpoints.store import CheckpointWriteError
+from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
 from loomtrain.launcher.nonfinite import NonFiniteError
@@ -78,6 +79,7 @@ def _main(args: argparse.Namespace) -> int:
         cfg = resolve(args.config, args.overrides)
         # With --ray the world size is ray.num_workers; else what the launcher set (or 1).
         validate(cfg, cfg.ray.num_workers if args.ray else env_world_size())
+        check_init_from(cfg)  # reads the weights' headers: last, after the rules that read no file
     except ConfigError as exc:
         print(f"loomtrain: config error: {exc}", file=sys.stderr)
         return 2

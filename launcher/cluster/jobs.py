@@ -40,6 +40,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from loomtrain.launcher.addresses import AddressError, dashboard_url
+from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.cluster.packaging import PackagingError, format_listing, plan_shipment, stage
 from loomtrain.launcher.config_loader import ConfigError, resolve, validate
 from loomtrain.launcher.planning.grace import FALLBACK_S, grace_period_s
@@ -155,6 +156,7 @@ def check_config(config: str, overrides: list[str]):
         raise JobsError(f"config error: {e}") from None
     try:
         validate(cfg, cfg.ray.num_workers)
+        check_init_from(cfg)  # reads the weights' headers: a path only the cluster has is noted below
     except ConfigError as e:
         if not str(e).startswith(CLUSTER_PATH_KEYS):
             raise JobsError(f"config error: {e}") from None
