@@ -12,7 +12,7 @@ flash kernel (--attn flash, the default, insists on it; --attn auto lets torch c
 unchanged); --ac checkpoints each block's activations (parallel.activation_checkpointing).
 
 Prints tokens/s, MFU (model FLOPs per token x tokens/s / the GPU's dense bf16 peak from
-loomtrain.launcher.metrics.GPU_PEAK_FLOPS) and peak memory. Exits 2 with a message when
+loomtrain.launcher.observe.metrics.GPU_PEAK_FLOPS) and peak memory. Exits 2 with a message when
 no CUDA device exists (unless --tiny).
 """
 
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
 
     from loomtrain.launcher import components, loop
-    from loomtrain.launcher.metrics import gpu_peak_flops, measured_cpu_flops, mfu
     from loomtrain.launcher.nonfinite import SkipGuard
+    from loomtrain.launcher.observe.metrics import gpu_peak_flops, measured_cpu_flops, mfu
     from loomtrain.model import Transformer, flops_per_token, param_count
 
     # The model is built straight on the device (initialising 1.3 B parameters on the host

@@ -136,7 +136,7 @@ class ParallelConfig:
     # No progress for this long = a hang: every rank dumps its stacks into its log and
     # the run ends naming the stuck rank (the collective timeout is set a minute above the
     # longest allowance). This is a training step's allowance; the phases that are slow and
-    # healthy get their own (launcher/watchdog.py; a hang line names the phase and its knob):
+    # healthy get their own (launcher/observe/watchdog.py; a hang line names the phase and its knob):
     timeout_s: int = 600
     # The first step of an attempt (communicators, allocator and DeepSpeed warm-up); 0 = 3 x timeout_s.
     startup_timeout_s: int = 0

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from loomtrain.data_pipeline.tokenizer import Tokenizer
     from loomtrain.launcher.config import RunConfig
     from loomtrain.launcher.distributed import DistEnv
-    from loomtrain.launcher.metrics import MetricsLogger
+    from loomtrain.launcher.observe.metrics import MetricsLogger
     from loomtrain.parallel.topology import Topology
     from torch import nn
     from torch.optim.lr_scheduler import LRScheduler

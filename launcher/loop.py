@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from loomtrain.data_pipeline import TokenStream
 from loomtrain.data_pipeline.tokenizer import Tokenizer
-from loomtrain.launcher import components, host_memory, plugins, rundir, weights
+from loomtrain.launcher import components, plugins, rundir, weights
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.config import RunConfig
@@ -59,13 +59,14 @@ from loomtrain.launcher.config_loader import save_config, to_dict, validate
 from loomtrain.launcher.distributed import DistEnv, barrier, init_distributed, master_address
 from loomtrain.launcher.engine import build_engine, grad_norm, records_grad_norm
 from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState
-from loomtrain.launcher.metrics import MetricsLogger, device_peak_flops, gather_rank_stats, memory_bytes, mfu
 from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard
-from loomtrain.launcher.profiling import StepProfiler
-from loomtrain.launcher.ranklog import RankLog, logs_dir
+from loomtrain.launcher.observe import host_memory
+from loomtrain.launcher.observe.metrics import MetricsLogger, device_peak_flops, gather_rank_stats, memory_bytes, mfu
+from loomtrain.launcher.observe.profiling import StepProfiler
+from loomtrain.launcher.observe.ranklog import RankLog, logs_dir
+from loomtrain.launcher.observe.watchdog import Watchdog, io_phase
 from loomtrain.launcher.stopping import StopRequest, signal_name
 from loomtrain.launcher.timeouts import EVALUATION, SAMPLES, allowances
-from loomtrain.launcher.watchdog import Watchdog, io_phase
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
 from loomtrain.model.loss import IGNORE_INDEX
@@ -293,8 +294,8 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     """Train per `cfg` on this rank; every rank of the job calls it.
 
     Everything this rank prints from here on is also appended to RUN_DIR/logs/rank_NNNNN.log
-    (loomtrain.launcher.ranklog); a watchdog ends the run with one line naming the stuck
-    rank when a step makes no progress for parallel.timeout_s (loomtrain.launcher.watchdog);
+    (loomtrain.launcher.observe.ranklog); a watchdog ends the run with one line naming the stuck
+    rank when a step makes no progress for parallel.timeout_s (loomtrain.launcher.observe.watchdog);
     SIGTERM / SIGINT / SIGHUP save a checkpoint and stop (loomtrain.launcher.stopping)."""
     wall_start = time.perf_counter()
     hooks = [*plugins.hooks(cfg), *hooks]  # LOOMTRAIN_PLUGIN's, read once: after the checkpoint hook, before Ray's

@@ -1,6 +1,6 @@
 """How long each phase of a rank may go without progress before it is a hang, from the config.
 
-The watchdog (loomtrain.launcher.watchdog) holds each rank to these allowances; the
+The watchdog (loomtrain.launcher.observe.watchdog) holds each rank to these allowances; the
 process group's timeout (loomtrain.launcher.distributed) is HANG_REPORT_MARGIN_S above the
 longest of them, so the watchdog's report comes before a library's timeout. Both need the same
 numbers, so they live here, below both: plain arithmetic on the config, nothing imported but it.

@@ -123,7 +123,7 @@ def test_tensorboard_on_a_full_disk_is_quiet_and_named(small_disk, capfd):
     """TensorBoard's writer thread fails on the full disk without a traceback; the training thread
     gets the error at its next call, naming the event file; closing does not raise it again while
     that error is on its way out."""
-    from loomtrain.launcher.metrics import MetricsLogger
+    from loomtrain.launcher.observe.metrics import MetricsLogger
 
     log = MetricsLogger(small_disk / "run", max_steps=10, progress="plain")
     log.log(1, {"loss": 1.0})

@@ -22,8 +22,8 @@ from pathlib import Path
 import launch
 import pytest
 from launch import TINY, Run, child_env, losses, run_loomtrain
-from loomtrain.launcher import watchdog
 from loomtrain.launcher.distributed import choose_socket_interface, rendezvous_failure
+from loomtrain.launcher.observe import watchdog
 from loomtrain.parallel.topology import check_tp_placement
 
 MASTER_PORT = 29400  # each host is a fresh namespace: no other process holds it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loomtrain.launcher import metrics
+from loomtrain.launcher.observe import metrics
 from loomtrain.model import ModelConfig, Transformer, flops_per_token, param_count
 
 # The benchmark model (benchmarks/cpu_vs_hf.py): Llama flavour, untied.

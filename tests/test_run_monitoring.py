@@ -97,7 +97,7 @@ def test_each_run_is_one_tensorboard_run_with_grouped_tags(two_runs):
 def test_tensorboard_layout_a_user_reads_at_a_glance(two_runs):
     """The train and eval loss overlaid in one Custom Scalars chart; HPARAMS leads with the model
     size, learning rate, batch and parallel layout; the rank figures only for several ranks."""
-    from loomtrain.launcher import metrics
+    from loomtrain.launcher.observe import metrics
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2, metadata
     from tensorboard.plugins.hparams import plugin_data_pb2

@@ -57,7 +57,7 @@ def test_cli_run_writes_metrics_jsonl(cli_run):
     for r in train:
         assert TRAIN_TAGS <= set(r)
         assert r["loss"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["mem_bytes"] > 0
-        assert 0 < r["mfu"] <= 1  # the CPU peak holds under any load (launcher/metrics.py)
+        assert 0 < r["mfu"] <= 1  # the CPU peak holds under any load (launcher/observe/metrics.py)
     assert evals[-1]["eval/ppl"] == pytest.approx(2.718281828 ** evals[-1]["eval/loss"], rel=1e-6)
     # the run directory and TensorBoard location are printed; the resolved config is saved
     assert f"run directory: {run_dir}" in proc.stdout

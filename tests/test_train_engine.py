@@ -10,7 +10,7 @@ import torch
 from loomtrain.launcher.config import OFFLOAD_ZERO_STAGES, ConfigError
 from loomtrain.launcher.config_loader import load_config, resolve, validate
 from loomtrain.launcher.engine import ds_config, lr_lambda, param_groups
-from loomtrain.launcher.metrics import MetricsLogger, gpu_peak_flops
+from loomtrain.launcher.observe.metrics import MetricsLogger, gpu_peak_flops
 from loomtrain.launcher.planning import memory_model
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

@@ -2,7 +2,7 @@
 
 * A healthy run is not killed for a long evaluation, nor for compiling inside its samples: each
   phase the loop announces (start-up, training step, evaluation, samples, checkpoint I/O) has its
-  own allowance (launcher/watchdog.py), and a real hang's line names the phase it was in.
+  own allowance (launcher/observe/watchdog.py), and a real hang's line names the phase it was in.
 * Under a straggler (torchrun world 2, rank 1 slowed by the `delay` test fault after its share
   of the step), tok/s and MFU are the world's rate, not rank 0's own compute.
 
@@ -17,10 +17,11 @@ import time
 
 import pytest
 from launch import QUIET, SMALL, SMALLEST, TINY, child_env, output, records, run_loomtrain
-from loomtrain.launcher import loop, watchdog
+from loomtrain.launcher import loop
 from loomtrain.launcher.config_loader import ConfigError, load_config
+from loomtrain.launcher.observe import watchdog
+from loomtrain.launcher.observe.watchdog import Watchdog
 from loomtrain.launcher.timeouts import EVALUATION, HANG_REPORT_MARGIN_S, SAMPLES, STEP, Allowances, allowances
-from loomtrain.launcher.watchdog import Watchdog
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -50,8 +50,8 @@ from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError, to_yaml
 from loomtrain.launcher.distributed import barrier, broadcast_str
 from loomtrain.launcher.hooks import Hooks, TrainContext
+from loomtrain.launcher.observe.watchdog import io_phase
 from loomtrain.launcher.rundir import supersede
-from loomtrain.launcher.watchdog import io_phase
 
 
 def _other_model_hint(resume: str, ctx: TrainContext) -> str:

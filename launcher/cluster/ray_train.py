@@ -42,7 +42,7 @@ RUN_DIR/ray_attempts.jsonl: {"attempt", "start_step", "ray_checkpoint_step", "ti
 from the second attempt on "previous_end": why the attempt before it ended (the hang
 watchdog's one line when it ended that attempt, else "a worker process died").
 
-Hangs: every worker runs the loop's watchdog (loomtrain.launcher.watchdog). When a
+Hangs: every worker runs the loop's watchdog (loomtrain.launcher.observe.watchdog). When a
 worker stops making progress, the live workers dump their stacks into
 RUN_DIR/logs/rank_NNNNN.log, the lowest live one SIGKILLs stuck workers on its host
 (a stopped process is killed, not waited for) and they all exit: Ray sees the worker
@@ -278,14 +278,14 @@ END_FILE = "attempt_end.json"
 
 
 def _write_end(run_dir: Path, reason: str) -> None:
-    from loomtrain.launcher.ranklog import logs_dir
+    from loomtrain.launcher.observe.ranklog import logs_dir
 
     atomic_write(logs_dir(run_dir) / END_FILE, json.dumps({"line": reason, "time": time.time()}) + "\n")
 
 
 def _previous_end(attempts: Path) -> str:
     """Why the last attempt ended: its own end record, the hang watchdog's line, else a death."""
-    from loomtrain.launcher.ranklog import logs_dir
+    from loomtrain.launcher.observe.ranklog import logs_dir
 
     try:
         last_start = json.loads(attempts.read_text().splitlines()[-1])["time"]

@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 from loomtrain.durable import atomic_write
-from loomtrain.launcher.ranklog import logs_dir, rank_log_path
+from loomtrain.launcher.observe.ranklog import logs_dir, rank_log_path
 from loomtrain.launcher.timeouts import START_UP, STEP, Allowances
 
 HANG_EXIT_CODE = 3

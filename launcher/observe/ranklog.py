@@ -5,7 +5,7 @@ writes to stdout and stderr into its own file, opened for appending; each start 
 a header line (time, host, pid, attempt), so one file holds a rank's whole history.
 The console sees exactly what it saw before (rank 0's progress; other ranks' warnings),
 and on Kubernetes the files live on the run's PVC, so they outlive the pods.
-The hang watchdog (loomtrain.launcher.watchdog) dumps stacks into the same file.
+The hang watchdog (loomtrain.launcher.observe.watchdog) dumps stacks into the same file.
 """
 
 from __future__ import annotations
