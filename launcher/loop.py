@@ -32,7 +32,7 @@ train.stop_check_every_steps (`_votes_at`). tests/test_step_syncs.py counts them
 
 Plug-in points: `hooks` (see loomtrain.launcher.hooks) for checkpoints and Ray;
 `components.build_model` for TP; `engine.build_engine` for ZeRO / precision;
-`weights.save_final_sharded` for the final weights (each rank writes its share);
+`checkpoints.final.save_final_sharded` for the final weights (each rank writes its share);
 LOOMTRAIN_PLUGIN for hooks from outside the package (loomtrain.launcher.plugins).
 """
 
@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 from loomtrain.data_pipeline import TokenStream
 from loomtrain.data_pipeline.tokenizer import Tokenizer
-from loomtrain.launcher import components, plugins, rundir, weights
+from loomtrain.launcher import components, plugins, rundir
+from loomtrain.launcher.checkpoints.final import save_final_sharded
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.config import RunConfig
@@ -616,9 +617,9 @@ def done_line(result: TrainResult, start_step: int, elapsed: float) -> str:
 
 
 def _save_final(ctx: TrainContext) -> Path:
-    """final/: every rank writes its share of the full weights (see weights.save_final_sharded)."""
+    """final/: every rank writes its share of the full weights (see checkpoints.final.save_final_sharded)."""
     final = ctx.run_dir / "final"
     with io_phase("final weights"):
-        weights.save_final_sharded(ctx.engine, ctx.topology, ctx.cfg.model, ctx.tokenizer, final)
+        save_final_sharded(ctx.engine, ctx.topology, ctx.cfg.model, ctx.tokenizer, final)
     ctx.metrics.message(f"final weights: {final.absolute()}")
     return final

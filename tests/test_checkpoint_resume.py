@@ -235,8 +235,8 @@ def test_tp2_run_final_weights_and_hf_export_are_consolidated(tmp_path, straight
     import torch
 
     transformers = pytest.importorskip("transformers")
+    from loomtrain.launcher.checkpoints.final import load_final
     from loomtrain.launcher.cli import export as export_cli
-    from loomtrain.launcher.weights import load_final
 
     model, _ = load_final(straight4)
     assert model.tok_emb.weight.shape[0] == 259  # vocabulary unpadded

@@ -8,10 +8,10 @@ import torch
 from loomtrain.data_pipeline import ByteTokenizer
 from loomtrain.data_pipeline.preprocess import preprocess_files
 from loomtrain.durable import AtomicFile, atomic_write, atomic_write_json, replace_dir
+from loomtrain.launcher.checkpoints.final import MODEL_CONFIG, write_final
 from loomtrain.launcher.checkpoints.store import LATEST, CheckpointStore
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import save_config
-from loomtrain.launcher.weights import MODEL_CONFIG, write_final
 from loomtrain.model import ModelConfig
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from loomtrain.launcher.checkpoints import export
+from loomtrain.launcher.checkpoints.final import save_final
 from loomtrain.launcher.cli import export as export_cli
 from loomtrain.launcher.cli import generate
-from loomtrain.launcher.weights import save_final
 from loomtrain.model import ModelConfig, Transformer
 from safetensors import safe_open
 

@@ -1,7 +1,7 @@
 """DeepSpeed state access: where DeepSpeed keeps a parameter's fp32 master and Adam moments,
 and how to read and write them at any ZeRO stage and precision.
 
-Used by parts.py (save / load at any layout) and weights.py (final weights). Joining TP shards
+Used by parts.py (save / load at any layout) and final.py (final weights). Joining TP shards
 into the full tensor and cutting them again is the TP layout's job (loomtrain.parallel.plan:
 `spec_of`, `gather_shards`, `shard_tensor`).
 

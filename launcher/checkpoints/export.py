@@ -44,11 +44,7 @@ import torch
 import yaml
 from loomtrain.data_pipeline import load_tokenizer
 from loomtrain.durable import replace_dir, write_durable
-from loomtrain.launcher.checkpoints.hf_source import LLAMA_LINEARS
-from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
-from loomtrain.launcher.checkpoints.state import ConsolidatedReader
-from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
-from loomtrain.launcher.weights import (
+from loomtrain.launcher.checkpoints.final import (
     MODEL_CONFIG,
     TOKENIZER_DIR,
     WEIGHTS,
@@ -57,6 +53,10 @@ from loomtrain.launcher.weights import (
     final_weight_files,
     verify_final,
 )
+from loomtrain.launcher.checkpoints.hf_source import LLAMA_LINEARS
+from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
+from loomtrain.launcher.checkpoints.state import ConsolidatedReader
+from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
 from loomtrain.model import ModelConfig
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -26,11 +26,11 @@ from pathlib import Path
 
 from loomtrain.data_pipeline import DataError, load_tokenizer
 from loomtrain.durable import atomic_write
+from loomtrain.launcher.checkpoints.final import TOKENIZER_DIR, write_final
 from loomtrain.launcher.checkpoints.hf_source import HFImportError, open_hf
 from loomtrain.launcher.checkpoints.safetensors_source import WeightSource, check_complete, model_tensor_names
 from loomtrain.launcher.config import DataConfig, RunConfig, RunSection, TrainConfig
 from loomtrain.launcher.config_loader import to_yaml
-from loomtrain.launcher.weights import TOKENIZER_DIR, write_final
 
 FORMATS = ("hf",)
 

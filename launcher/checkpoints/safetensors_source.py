@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from loomtrain.launcher.weights import WEIGHTS, WEIGHTS_INDEX
+from loomtrain.launcher.checkpoints.final import WEIGHTS, WEIGHTS_INDEX
 from loomtrain.model import Transformer
 from safetensors import SafetensorError, safe_open
 

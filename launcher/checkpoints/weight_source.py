@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import torch
+from loomtrain.launcher.checkpoints.final import MODEL_CONFIG, TOKENIZER_DIR
 from loomtrain.launcher.checkpoints.hf_source import open_hf
 from loomtrain.launcher.checkpoints.safetensors_source import (
     SafetensorsFiles,
@@ -32,7 +33,6 @@ from loomtrain.launcher.checkpoints.store import CheckpointStore
 from loomtrain.launcher.config import ConfigError, RunConfig, check
 from loomtrain.launcher.config_loader import run_has_checkpoints
 from loomtrain.launcher.rundir import run_dir
-from loomtrain.launcher.weights import MODEL_CONFIG, TOKENIZER_DIR
 from loomtrain.model import ModelConfig
 from loomtrain.parallel.plan import spec_of
 

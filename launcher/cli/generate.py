@@ -77,8 +77,8 @@ def load_model(path: str, device: str):
     import torch
     from loomtrain.data_pipeline import load_tokenizer
     from loomtrain.launcher.checkpoints.export import ExportError, open_source
+    from loomtrain.launcher.checkpoints.final import FinalWeightsError, load_final
     from loomtrain.launcher.checkpoints.store import MANIFEST
-    from loomtrain.launcher.weights import FinalWeightsError, load_final
     from loomtrain.model import Transformer
 
     p = Path(path)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # torch loads only now, so that a bad argument is reported at once.
     import torch
-    from loomtrain.launcher.weights import FinalWeightsError
+    from loomtrain.launcher.checkpoints.final import FinalWeightsError
 
     try:
         device = pick_device(args.device)
