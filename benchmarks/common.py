@@ -118,20 +118,20 @@ def profile(fn: Callable[[], object], steps: int, title: str, rows: int = 18) ->
 
 # The real loop path: a RunConfig -> DeepSpeed engine + TrainContext --------------------------
 def engine_context(cfg, model=None, run_dir: str = "/tmp/loomtrain-bench"):
-    """The pieces loomtrain.launcher.loop.run_training builds before its first step (the
+    """The pieces loomtrain.launcher.training.loop.run_training builds before its first step (the
     process group, topology, model, then engine and context via loop.build_context) as a
     TrainContext, so `loop.train_step(ctx, grad_accum, guard)` runs exactly the loop's step.
-    `model`: an already built model to use instead of components.build_model's."""
+    `model`: an already built model to use instead of startup.build_model's."""
     from pathlib import Path
 
-    from loomtrain.launcher import components
     from loomtrain.launcher.distributed import init_distributed
-    from loomtrain.launcher.loop import build_context
+    from loomtrain.launcher.training import startup
+    from loomtrain.launcher.training.loop import build_context
 
     env = init_distributed(cfg)
-    topology = components.build_topology(cfg, env)
+    topology = startup.build_topology(cfg, env)
     if model is None:
-        model = components.build_model(cfg, topology, env.device)
+        model = startup.build_model(cfg, topology, env.device)
     # no data: the caller sets ctx.train_stream (e.g. RepeatBatch)
     ctx = build_context(cfg, env, topology, Path(run_dir), model, None, None, None)
     ctx.engine.train()

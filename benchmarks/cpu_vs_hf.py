@@ -77,11 +77,11 @@ def contenders(shape: dict, bf16: bool):
     x, y = common.batch(shape)
     steps = {}
     for name, model, loss_of in (
-        ("loomtrain", lt, lambda t, y: lt(t, targets=y)),  # as launcher/loop.py: fused output layer + loss
+        ("loomtrain", lt, lambda t, y: lt(t, targets=y)),  # as launcher/training/loop.py: fused output layer + loss
         ("hf", hf, lambda t, y: hf_loss(hf, t, y)),
     ):
         params = list(model.parameters())
-        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)  # as launcher/engine.py
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)  # as launcher/training/engine.py
         steps[name] = lambda f=loss_of, p=params, o=opt: common.train_step(f, p, o, x, y, bf16)
     return steps, flops_per_token(mcfg, shape["seq"]), n_lt, mcfg.ffn_dim
 

@@ -6,8 +6,8 @@
 Both train the cpu_vs_hf model (Llama flavour, d_model 256, 4 layers, 8 heads,
 vocab 8192, seq 256, batch 8) from the same weights on the same batch:
 
-* engine: the real loop path: the RunConfig -> launcher/engine.py's build_engine
-  (DeepSpeed engine, client torch AdamW, LambdaLR) -> launcher/loop.py's
+* engine: the real loop path: the RunConfig -> launcher/training/engine.py's build_engine
+  (DeepSpeed engine, client torch AdamW, LambdaLR) -> launcher/training/loop.py's
   `train_step` (engine forward, loss, engine.backward, grad norm, engine.step),
   exactly what `loomtrain train` runs per step;
 * plain: forward, cross-entropy, backward, torch.nn.utils.clip_grad_norm_, AdamW
@@ -69,7 +69,7 @@ def run_config(shape: dict, precision: str, zero: int):
 
 
 def plain_step_fn(cfg, x, y, bf16: bool):
-    from loomtrain.launcher.engine import build_optimizer, lr_lambda
+    from loomtrain.launcher.training.engine import build_optimizer, lr_lambda
     from loomtrain.model import Transformer
 
     model = Transformer(cfg.model, seed=cfg.train.seed).train()
@@ -91,7 +91,7 @@ def plain_step_fn(cfg, x, y, bf16: bool):
 
 
 def per_gradient_norm(model: torch.nn.Module) -> float:
-    """The grad norm as launcher/engine.py computed it before: each gradient's squares summed and
+    """The grad norm as launcher/training/engine.py computed it before: each gradient's squares summed and
     copied to the CPU, one by one (world 1, so no TP all-reduce)."""
     total = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
@@ -102,9 +102,9 @@ def per_gradient_norm(model: torch.nn.Module) -> float:
 
 def engine_before_step_fn(cfg, x, y):
     """The loop's step before it stopped reading back (grad_accum 1, world 1): what it read every step."""
-    from loomtrain.launcher.engine import records_grad_norm
-    from loomtrain.launcher.nonfinite import SkipGuard
-    from loomtrain.launcher.stopping import StopRequest
+    from loomtrain.launcher.training.engine import records_grad_norm
+    from loomtrain.launcher.training.nonfinite import SkipGuard
+    from loomtrain.launcher.training.stopping import StopRequest
 
     ctx = common.engine_context(cfg)
     engine = ctx.engine
@@ -128,8 +128,8 @@ def engine_before_step_fn(cfg, x, y):
 
 
 def engine_step_fn(cfg, x, y):
-    from loomtrain.launcher import loop
-    from loomtrain.launcher.nonfinite import SkipGuard
+    from loomtrain.launcher.training import loop
+    from loomtrain.launcher.training.nonfinite import SkipGuard
 
     ctx = common.engine_context(cfg)
     ctx.train_stream = common.RepeatBatch(x, y)

@@ -5,7 +5,7 @@
 
 The model is configs/gpt-1b.yaml's (d_model 2048, 24 layers, 16 heads, vocab 32768,
 seq 2048, RMSNorm/SwiGLU/RoPE, untied: 1.34 B parameters) on one device (tp 1), bf16
-under the DeepSpeed engine built by launcher/engine.py, one step = launcher/loop.py's
+under the DeepSpeed engine built by launcher/training/engine.py, one step = launcher/training/loop.py's
 `train_step` on a fixed random batch (data loading is not measured). SDPA runs its
 flash kernel (--attn flash, the default, insists on it; --attn auto lets torch choose).
 --compile compiles each transformer block (parallel.compile: torch.compile, names
@@ -120,16 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    from loomtrain.launcher import components, loop
-    from loomtrain.launcher.nonfinite import SkipGuard
     from loomtrain.launcher.observe.metrics import gpu_peak_flops, measured_cpu_flops, mfu
+    from loomtrain.launcher.training import loop, startup
+    from loomtrain.launcher.training.nonfinite import SkipGuard
     from loomtrain.model import Transformer, flops_per_token, param_count
 
     # The model is built straight on the device (initialising 1.3 B parameters on the host
-    # first would take longer than the benchmark), then as components.build_model does.
+    # first would take longer than the benchmark), then as startup.build_model does.
     with torch.device(device):
         model = Transformer(cfg.model, seed=cfg.train.seed)
-    components.apply_block_options(model, cfg)  # parallel.activation_checkpointing / .compile
+    startup.apply_block_options(model, cfg)  # parallel.activation_checkpointing / .compile
     ctx = common.engine_context(cfg, model=model)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t = cfg.train

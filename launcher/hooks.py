@@ -1,6 +1,6 @@
 """The seams of the training loop: its state, its context, and the hooks that plug in.
 
-The loop (`loomtrain.launcher.loop.run_training`) calls, on every rank:
+The loop (`loomtrain.launcher.training.loop.run_training`) calls, on every rank:
 
     hooks.on_train_start(ctx)          after the engine and the data stream exist and
                                        before the first step: a checkpoint hook resumes
@@ -22,7 +22,7 @@ weights unless `ctx.state.step == cfg.train.max_steps`.
 Checkpointing and Ray reporting are hooks, so the loop's body calls neither: every run gets
 the checkpoint hook (loomtrain.launcher.checkpoints.hook), then the hooks of the plugin
 LOOMTRAIN_PLUGIN names, if any (a .py file or a module whose `hooks(cfg)` returns them, read
-once when the run starts; loomtrain.launcher.plugins), then a launcher's own (Ray's report
+once when the run starts; loomtrain.launcher.training.plugins), then a launcher's own (Ray's report
 hook, loomtrain.launcher.cluster.ray_train).
 """
 
@@ -79,7 +79,7 @@ class TrainContext:
     metrics: MetricsLogger | None = None  # writes on the logging rank; None until the resume is done
     state: TrainState = field(default_factory=TrainState)
     stop_requested: bool = False
-    stop_signal: int = 0  # the signal every rank agreed to stop for (0: none; see stopping.py)
+    stop_signal: int = 0  # the signal every rank agreed to stop for (0: none; see training/stopping.py)
     last_metrics: dict[str, Any] = field(default_factory=dict)  # the last step's, for an end-of-run report
     # Set by the checkpoint hook:
     resumed_from: Path | None = None  # the checkpoint this run resumed from

@@ -20,7 +20,7 @@ and needs no entry); a missing one is reported by name. `model.init_from` fills
 shards in place instead (`allocate_shards`, then its slice reads).
 
 `after_param(name, param)` runs after each parameter is in place: ZeRO-3 partitions it
-there (`loomtrain.launcher.engine.zero3_partitioner`), so at ZeRO-3 no rank ever holds
+there (`loomtrain.launcher.training.engine.zero3_partitioner`), so at ZeRO-3 no rank ever holds
 more than its partitions plus one parameter.
 """
 

@@ -1,4 +1,4 @@
-"""The test suite's fault injection: a LOOMTRAIN_PLUGIN (loomtrain.launcher.plugins), so that
+"""The test suite's fault injection: a LOOMTRAIN_PLUGIN (loomtrain.launcher.training.plugins), so that
 the product itself holds no test seam.
 
     child_env(LOOMTRAIN_TEST_FAULTS="sigstop:1:5")   # a launched run (tests/launch.py)

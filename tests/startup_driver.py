@@ -17,17 +17,17 @@ import threading
 import time
 from pathlib import Path
 
-from loomtrain.launcher import components
-from loomtrain.launcher import engine as engine_mod
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.distributed import init_distributed
+from loomtrain.launcher.training import engine as engine_mod
+from loomtrain.launcher.training import startup
 from loomtrain.model import param_count
 
 
 def _start(cfg):
     env = init_distributed(cfg)
-    topology = components.build_topology(cfg, env)
-    model = components.build_model(cfg, topology, env.device)
+    topology = startup.build_topology(cfg, env)
+    model = startup.build_model(cfg, topology, env.device)
     engine, _, _ = engine_mod.build_engine(cfg, model, topology.dp_size, mpu=topology.mpu)
     return env, model, engine
 

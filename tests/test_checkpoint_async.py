@@ -41,7 +41,7 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path, data_cache):
     from loomtrain.launcher.hooks import Hooks
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     class StepTimes(Hooks):
         def __init__(self):

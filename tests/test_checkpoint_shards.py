@@ -115,7 +115,7 @@ def test_a_damaged_tile_is_found_by_the_rank_reading_it_and_resume_takes_the_pre
     from pathlib import Path
 
     from loomtrain.launcher.config_loader import load_config
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
     over = [

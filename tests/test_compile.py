@@ -26,7 +26,7 @@ def _cfg(run_dir: Path, cache: Path, *extra: str):
 
 def test_compiled_run_matches_eager_and_its_checkpoint_resumes_eagerly(tmp_path):
     from loomtrain.launcher.hooks import Hooks
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
     from safetensors import safe_open
 
     class CountGraphs(Hooks):  # the blocks really ran compiled: dynamo captured their frames

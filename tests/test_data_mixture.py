@@ -181,7 +181,7 @@ def test_data_stats_reports_shares_and_shows_decoded_samples(tmp_path):
 def test_training_on_a_mixture_resumes_exactly(tmp_path):
     """The run reads data.sources (train and val), saves the mixture position, and
     4 steps straight == 2 steps, stop, resume, 2 steps (bitwise, CPU fp32)."""
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     for name, word in (("web", "alpha"), ("code", "def beta():")):
         docs = tmp_path / f"{name}.jsonl"

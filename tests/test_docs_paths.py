@@ -2,7 +2,7 @@
 
 Every path-like name in the docstrings and comments of the project's .py files (and the
 comments of its shell scripts and image recipe)
-(`launcher/engine.py`, `tests/test_zero.py`, `store.py`, `launcher/checkpoints/`,
+(`launcher/training/engine.py`, `tests/test_zero.py`, `store.py`, `launcher/checkpoints/`,
 `loomtrain.launcher.planning.memory_model`) must resolve in this checkout:
 - a path whose first part is a top-level entry of the repository resolves from the root
   (a leading `loomtrain/` is the root itself);
@@ -208,11 +208,11 @@ def test_no_docstring_or_comment_cites_an_issue_number():
 def test_the_checker_sees_real_names_and_catches_stale_ones():
     """The regexes find the names the tree's docs use, and flag names that are gone."""
     found = [m.group(1) for _, _, text in all_doc_texts() for m in PATH_RE.finditer(text)]
-    assert {"launcher/engine.py", "k8s/check.py"} <= set(found), found[:20]
+    assert {"launcher/training/engine.py", "k8s/check.py"} <= set(found), found[:20]
     text = (
         "see `checkpoint_store.py`, tests/test_zero_nonfinite.py and launcher/nowhere/; "
         "loomtrain.launcher.planning.nonexistent and loomtrain.data_pipeline.no_such_name; "
-        "fine: launcher/engine.py, checkpoints/shards.py, launcher/checkpoints/, tests/test_k8s_*.py, "
+        "fine: launcher/training/engine.py, checkpoints/shards.py, launcher/checkpoints/, tests/test_k8s_*.py, "
         "RUN_DIR/final/model.safetensors, ../shared/x/, runs/tiny/config.yaml, loomtrain.launcher.config.RunConfig, "
         "loomtrain.data_pipeline.load_tokenizer, loomtrain.parallel.Topology"
     )

@@ -74,7 +74,7 @@ def test_fused_loss_needs_a_fraction_of_the_memory():
 
 
 def _train(tmp_path: Path, *overrides: str) -> list[dict]:
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     cfg = load_config(
         TINY,

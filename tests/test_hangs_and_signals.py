@@ -53,7 +53,7 @@ def headers(run_dir: Path, rank: int) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_cache) -> dict[int, float]:
     """Losses of steps 1-20 of the uninterrupted schedule (one in-process rank, same global batch)."""
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     run = tmp_path_factory.mktemp("reference") / "run"
     cfg = load_config(TINY, [*SMALL, f"run.dir={run}", f"data.cache_dir={data_cache}", "checkpoint.stop_at_step=20"])
@@ -82,7 +82,7 @@ def test_torchrun_hang_names_the_stopped_rank_and_dumps_stacks(tmp_path, data_ca
     dump = log0[log0.index("loomtrain: watchdog: rank 0 made no progress") :]
     # faulthandler's dump of rank 0 while it waited: its training thread inside the loop
     assert "Thread 0x" in dump and "(most recent call first)" in dump
-    assert 'launcher/loop.py", line' in dump and "in run_training" in dump
+    assert 'launcher/training/loop.py", line' in dump and "in run_training" in dump
 
 
 def test_torchrun_straggler_sigterm_to_every_rank_then_exact_resume(tmp_path, data_cache, reference):

@@ -65,7 +65,7 @@ def test_a_run_dir_path_over_the_filesystem_limit_is_one_line(tmp_path):
 def test_sigterm_during_start_up_is_one_line_and_releases_the_lock(tmp_path, capsys, monkeypatch):
     """The signal lands after the run lock is taken, while the process group is being set up
     (before the loop's own handlers): one line, exit 143, no lock and no new folder left."""
-    from loomtrain.launcher import loop
+    from loomtrain.launcher.training import loop
 
     run_dir = tmp_path / "runs" / "run"
     seen = {}
@@ -94,8 +94,8 @@ def test_sigterm_during_start_up_is_one_line_and_releases_the_lock(tmp_path, cap
 
 
 def test_sigterm_during_start_up_keeps_an_existing_run(tmp_path, capsys, monkeypatch):
-    from loomtrain.launcher import loop
     from loomtrain.launcher.rundir import MARKER
+    from loomtrain.launcher.training import loop
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

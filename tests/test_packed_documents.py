@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from loomtrain.data_pipeline.preprocess import preprocess_files
 from loomtrain.data_pipeline.shards import write_arrays
 from loomtrain.data_pipeline.stream import TokenStream
-from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
+from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.model.loss import linear_cross_entropy
 
@@ -215,7 +215,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
 def test_one_global_batch_split_otherwise_gives_the_same_step(tmp_path, chat_shards):
     """micro 4 x accum 1 == micro 1 x accum 4 == micro 2 x accum 2: losses and weights (<= 1e-6),
     the micro batches holding unequal numbers of targets (a mean of their means would differ)."""
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     with TokenStream(chat_shards, seq_len=96, micro_batch_size=1, shuffle=True, prefetch=0) as s:
         counts = [int((next(s)[1] != -100).sum()) for _ in range(4)]
@@ -239,7 +239,7 @@ def test_other_dp_sizes_and_tensor_parallel_give_the_same_step(tmp_path, chat_sh
     """dp 2 x accum 2 and dp 4 x micro 1 (torchrun, gloo) == one process with micro 4, and so does
     tp 2 with sequence parallelism (the document mask per sequence, broadcast over local heads)."""
     from launch import TINY, records, run_loomtrain
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     ref_losses = run_training(sft_cfg(tmp_path / "one", chat_shards, "train.micro_batch_size=4")).losses
     ref = final_weights(tmp_path / "one")

@@ -1,4 +1,4 @@
-"""LOOMTRAIN_PLUGIN (loomtrain.launcher.plugins), the one way in for hooks from outside the
+"""LOOMTRAIN_PLUGIN (loomtrain.launcher.training.plugins), the one way in for hooks from outside the
 package: a bad value is one line, a Ray driver hands the plugin's variables to its workers, and
 the product holds no test seam of its own (the suite's faults are tests/fault_plugin.py)."""
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 from launch import QUIET, SMALLEST, TINY, one_line
-from loomtrain.launcher import plugins
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.hooks import Hooks
+from loomtrain.launcher.training import plugins
 from source_tree import ROOT, parse, python_files
 
 LIBRARY = ("launcher", "model", "parallel", "data_pipeline")

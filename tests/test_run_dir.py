@@ -168,7 +168,7 @@ def test_worker_processes_never_meet_their_own_runs_lock(tmp_path, data_cache):
     """Ray's workers (and their restarted groups) call run_training while the driver holds
     the lock: the loop itself takes no lock, so a restart is never refused by its own run."""
     from loomtrain.launcher.config_loader import load_config
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     run = tmp_path / "run"
     cfg = load_config(TINY, [*SMALL, f"run.dir={run}", f"data.cache_dir={data_cache}", "train.max_steps=2"])

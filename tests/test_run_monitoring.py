@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     """runs/a (4 steps, then resumed to 5) and runs/b (4 steps, steps 2-3 profiled)."""
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     root = tmp_path_factory.mktemp("monitoring") / "runs"
     cache = root.parent / "cache"
@@ -56,7 +56,7 @@ def two_runs(tmp_path_factory):
 def test_the_summary_after_a_resume_keeps_training_within_total(tmp_path):
     """A resumed run reported the training time summed since step 0 as its training time, next
     to its own wall time ("36 s training, 11 s total"): the summary's pair is this call's own."""
-    from loomtrain.launcher.loop import TrainResult, done_line
+    from loomtrain.launcher.training.loop import TrainResult, done_line
 
     result = TrainResult(tmp_path, losses=[2.5, 2.0], steps=[41, 42], train_s=2.2, wall_s=11.4)
     line = done_line(result, start_step=40, elapsed=36.0)
@@ -147,7 +147,7 @@ def test_an_error_mid_step_closes_the_prefetch_thread_and_tensorboard(two_runs):
     import fault_plugin
     import psutil
     from loomtrain.launcher.hooks import Hooks
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = two_runs.parent / "failed"
@@ -202,7 +202,7 @@ def test_rank_log_is_appended_across_restarts(two_runs):
 
 
 def test_signal_exit_codes_and_stop_file(tmp_path):
-    from loomtrain.launcher import stopping
+    from loomtrain.launcher.training import stopping
 
     assert stopping.exit_code(signal.SIGTERM) == 0
     assert stopping.exit_code(signal.SIGINT) == 130 and stopping.exit_code(signal.SIGHUP) == 129
@@ -222,7 +222,7 @@ def test_signal_exit_codes_and_stop_file(tmp_path):
 def test_second_ctrl_c_exits_at_once_with_130():
     script = textwrap.dedent("""
         import os, signal, time
-        from loomtrain.launcher.stopping import StopRequest
+        from loomtrain.launcher.training.stopping import StopRequest
         stop = StopRequest().install()
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.pending() == signal.SIGINT   # the first one only asks for a checkpoint

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from launch import QUIET, python_cmd, run_child, run_loomtrain
-from loomtrain.launcher.components import build_model
 from loomtrain.launcher.config_loader import resolve
 from loomtrain.launcher.planning.dryrun import OneRankTopology
+from loomtrain.launcher.training.startup import build_model
 from loomtrain.model import ModelConfig, RMSNorm, init_tensors, param_count
 from loomtrain.model.transformer import Transformer
 from loomtrain.parallel.materialize import materialize, sharded_meta_model

@@ -8,7 +8,7 @@ engine's own: the test measures them on a plain DeepSpeed step of the same model
 (`engine(x, targets=y); engine.backward(loss); engine.step()`) and asks the loop's step for no
 more. Calls from loomtrain's own files on a step between log steps must be none, but one: at
 fp32 ZeRO-0 (the default precision) the non-finite guard reads the gradient norm, the one number
-it needs on the host to skip a NaN step before the optimizer applies it (launcher/nonfinite.py).
+it needs on the host to skip a NaN step before the optimizer applies it (launcher/training/nonfinite.py).
 On a log step the loop reads the pending losses and norms (one read back, one all-reduce at DP > 1).
 
 DeepSpeed 0.19.8 on CPU, measured here: its fp32 ZeRO-0 step (gradient clipping on) makes no
@@ -99,7 +99,7 @@ def _config(tmp_path: Path, data_cache: Path, *extra: str):
 def _plain_engine_step_counts(cfg, mpu, monkeypatch) -> Counter[str]:
     """What DeepSpeed's own optimizer step (grad_accum micro steps) reads and sends, with the
     loop's topology: the baseline."""
-    from loomtrain.launcher.engine import build_engine
+    from loomtrain.launcher.training.engine import build_engine
     from loomtrain.model import Transformer
 
     engine, _, _ = build_engine(cfg, Transformer(cfg.model, seed=1), 1, mpu=mpu)
@@ -118,15 +118,15 @@ def _plain_engine_step_counts(cfg, mpu, monkeypatch) -> Counter[str]:
 
 @pytest.mark.parametrize(
     ("zero", "guard_reads"),
-    [(0, Counter({"ours:launcher/nonfinite.py read __float__": 1})), (1, Counter())],
+    [(0, Counter({"ours:launcher/training/nonfinite.py read __float__": 1})), (1, Counter())],
     ids=["fp32-zero0", "fp32-zero1"],
 )
 def test_a_step_between_log_steps_reads_nothing_back_and_sends_nothing(
     tmp_path, data_cache, monkeypatch, zero, guard_reads
 ):
-    from loomtrain.launcher import loop
     from loomtrain.launcher.hooks import Hooks
-    from loomtrain.launcher.stopping import StopRequest
+    from loomtrain.launcher.training import loop
+    from loomtrain.launcher.training.stopping import StopRequest
 
     cfg = _config(tmp_path, data_cache, f"parallel.zero_stage={zero}")
     calls: Counter[str] = Counter()
@@ -176,8 +176,8 @@ def test_a_signal_between_votes_stops_at_the_next_vote_with_every_loss_read(tmp_
     import os
     import signal
 
-    from loomtrain.launcher import loop
     from loomtrain.launcher.hooks import Hooks
+    from loomtrain.launcher.training import loop
 
     class SignalAtStep2(Hooks):
         def on_step_end(self, ctx, metrics):
@@ -198,7 +198,7 @@ def test_two_ranks_read_back_on_log_steps_the_losses_one_process_reads_every_ste
     all-reduces two steps at once) logs the losses and samples hashes of one process that reads
     every step (micro 4 x grad_accum 2 = 2 ranks x micro 4)."""
     from launch import records, run_loomtrain
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     extra = ["train.max_steps=4", "eval.every_steps=0", "log.tensorboard=false", "checkpoint.every_steps=0"]
     one = _config(tmp_path / "one", data_cache, *extra, "log.every_steps=1")

@@ -80,7 +80,7 @@ def test_dry_run_lists_package_and_named_configs_with_sizes_and_no_secret(salted
         "submit", "configs/tiny.yaml", "train.max_steps=5", "--dry-run", cwd=salted, env=env, timeout=120
     )
     names = _shipped_names(proc.stdout)
-    assert "loomtrain/launcher/loop.py" in names and "loomtrain/configs/tiny.yaml" in names, proc.stdout
+    assert "loomtrain/launcher/training/loop.py" in names and "loomtrain/configs/tiny.yaml" in names, proc.stdout
     assert "loomtrain/__main__.py" in names
     for name in names:
         assert name.endswith(".py") or name == "loomtrain/configs/tiny.yaml", name
@@ -93,7 +93,7 @@ def test_dry_run_lists_package_and_named_configs_with_sizes_and_no_secret(salted
         for line in proc.stdout.splitlines()
         if len(line.split()) == 2 and line.split()[0].replace(",", "").isdigit()
     }
-    assert size["loomtrain/launcher/loop.py"] == (salted / "launcher" / "loop.py").stat().st_size
+    assert size["loomtrain/launcher/training/loop.py"] == (salted / "launcher" / "training" / "loop.py").stat().st_size
     assert "total: " in proc.stdout and "symbolic link" in proc.stdout
     assert "--ray" in proc.stderr and "nothing submitted" in proc.stderr
 
@@ -110,7 +110,7 @@ def test_staged_working_dir_holds_no_secret_and_imports(salted, tmp_path):
     entries, _, _ = plan_shipment(salted / "configs" / "tiny.yaml", salted)
     assert rel == {e.dest for e in entries}
     run_child(
-        [sys.executable, "-c", "import loomtrain.launcher.cluster.ray_train, loomtrain.launcher.loop"],
+        [sys.executable, "-c", "import loomtrain.launcher.cluster.ray_train, loomtrain.launcher.training.loop"],
         cwd=stage,
         env=child_env(PYTHONPATH=str(stage)),
         timeout=120,

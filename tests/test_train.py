@@ -128,28 +128,28 @@ def test_samples_continue_a_held_out_document_unless_eval_prompt_is_set(cli_run,
     import ast
 
     from loomtrain.data_pipeline import prepare_sources
-    from loomtrain.launcher import components
     from loomtrain.launcher.planning.dryrun import OneRankTopology
+    from loomtrain.launcher.training import startup
 
     eos = 9
-    assert components.held_out_prompt([1, 2, eos, 5, 6, 7, 8, eos, 3], eos, 16) == [5, 6, 7, 8]
-    assert components.held_out_prompt([1, 2, 3, 4, 5], eos, 3) == [1, 2, 3]  # mid-document: from its start
-    assert components.held_out_prompt([1, 2, eos, 5], eos, 16) == [1, 2]  # too little after the end-of-text
-    assert components.held_out_prompt([eos, eos], eos, 16) == [eos]
+    assert startup.held_out_prompt([1, 2, eos, 5, 6, 7, 8, eos, 3], eos, 16) == [5, 6, 7, 8]
+    assert startup.held_out_prompt([1, 2, 3, 4, 5], eos, 3) == [1, 2, 3]  # mid-document: from its start
+    assert startup.held_out_prompt([1, 2, eos, 5], eos, 16) == [1, 2]  # too little after the end-of-text
+    assert startup.held_out_prompt([eos, eos], eos, 16) == [eos]
 
     run_dir, proc = cli_run
     cfg = load_config(run_dir / "config.yaml", [f"data.cache_dir={data_cache}"])
     assert cfg.eval.prompt == ""
     shard_dir, tok = prepare_sources(cfg.data, data_cache, log=None)
-    ids = components.sample_prompt(cfg, shard_dir, OneRankTopology(1), tok)
-    assert 0 < len(ids) <= components.PROMPT_TOKENS and tok.eos_id not in ids
+    ids = startup.sample_prompt(cfg, shard_dir, OneRankTopology(1), tok)
+    assert 0 < len(ids) <= startup.PROMPT_TOKENS and tok.eos_id not in ids
     prompt = tok.decode(ids)
     shown = [
         ast.literal_eval(line[len("sample: ") :]) for line in proc.stdout.splitlines() if line.startswith("sample: ")
     ]
     assert shown and all(text.startswith(prompt) for text in shown), (prompt, shown)
     cfg.eval.prompt = "class "
-    assert tok.decode(components.sample_prompt(cfg, shard_dir, OneRankTopology(1), tok)) == "class "
+    assert tok.decode(startup.sample_prompt(cfg, shard_dir, OneRankTopology(1), tok)) == "class "
 
 
 def small_cfg(tmp_path: Path, data_cache: Path, *extra: str):
@@ -157,7 +157,7 @@ def small_cfg(tmp_path: Path, data_cache: Path, *extra: str):
 
 
 def test_same_seed_same_losses_and_loss_falls(tmp_path, data_cache):
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     extra = ("train.max_steps=30", "train.lr=3e-3", "train.min_lr=3e-4", "eval.every_steps=0", "log.tensorboard=false")
     a = run_training(small_cfg(tmp_path / "a", data_cache, *extra))
@@ -172,7 +172,7 @@ def test_same_seed_same_losses_and_loss_falls(tmp_path, data_cache):
 
 def test_hooks_see_every_step_and_can_stop_the_run(tmp_path, data_cache):
     from loomtrain.launcher.hooks import Hooks
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     class Recorder(Hooks):
         def __init__(self):
@@ -222,7 +222,7 @@ def test_train_context_is_typed():
 @pytest.mark.slow
 def test_two_data_parallel_ranks_follow_one_process(tmp_path, data_cache):
     """torchrun with dp=2 (micro 4, no accumulation) == one process (micro 4, grad_accum 2)."""
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     extra = ["train.max_steps=4", "eval.every_steps=0", "log.tensorboard=false"]
     single = run_training(small_cfg(tmp_path / "one", data_cache, *extra)).losses

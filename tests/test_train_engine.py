@@ -9,9 +9,9 @@ import pytest
 import torch
 from loomtrain.launcher.config import OFFLOAD_ZERO_STAGES, ConfigError
 from loomtrain.launcher.config_loader import load_config, resolve, validate
-from loomtrain.launcher.engine import ds_config, lr_lambda, param_groups
 from loomtrain.launcher.observe.metrics import MetricsLogger, gpu_peak_flops
 from loomtrain.launcher.planning import memory_model
+from loomtrain.launcher.training.engine import ds_config, lr_lambda, param_groups
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

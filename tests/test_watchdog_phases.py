@@ -17,11 +17,11 @@ import time
 
 import pytest
 from launch import QUIET, SMALL, SMALLEST, TINY, child_env, output, records, run_loomtrain
-from loomtrain.launcher import loop
 from loomtrain.launcher.config_loader import ConfigError, load_config
 from loomtrain.launcher.observe import watchdog
 from loomtrain.launcher.observe.watchdog import Watchdog
 from loomtrain.launcher.timeouts import EVALUATION, HANG_REPORT_MARGIN_S, SAMPLES, STEP, Allowances, allowances
+from loomtrain.launcher.training import loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,8 +7,8 @@ import math
 import fault_plugin
 import pytest
 import torch
-from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
-from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard
+from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
+from loomtrain.launcher.training.nonfinite import NonFiniteError, SkipGuard
 from loomtrain.model import ModelConfig, Transformer
 
 

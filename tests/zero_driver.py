@@ -20,9 +20,9 @@ from pathlib import Path
 import fault_plugin
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.hooks import Hooks
-from loomtrain.launcher.loop import run_training
-from loomtrain.launcher.nonfinite import NonFiniteError
 from loomtrain.launcher.planning.memory_measure import GradPeak, measure
+from loomtrain.launcher.training.loop import run_training
+from loomtrain.launcher.training.nonfinite import NonFiniteError
 
 
 class MeasureMemory(Hooks):

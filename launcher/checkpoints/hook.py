@@ -14,7 +14,7 @@
                              flight, and SIGTERM, stop_at_step and the end wait for it
 
 A stop request (SIGTERM, SIGINT, SIGHUP, `loomtrain stop`; see
-loomtrain.launcher.stopping) reaches this hook as `ctx.stop_requested` with the signal
+loomtrain.launcher.training.stopping) reaches this hook as `ctx.stop_requested` with the signal
 in `ctx.stop_signal`, the same on every rank at the same step: the hook
 saves, and the loop ends cleanly. Killing the process during the save loses nothing
 already published (the save is atomic). Saves run under the watchdog's

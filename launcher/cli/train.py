@@ -1,6 +1,6 @@
 """`loomtrain train CONFIG [key=value ...] [--ray]`: resolve the config, run the loop.
 
-Locally (one process, the loop in launcher/loop.py), under torchrun (`torchrun
+Locally (one process, the loop in launcher/training/loop.py), under torchrun (`torchrun
 --nproc_per_node N -m loomtrain train CONFIG`), or with --ray on a Ray cluster
 (launcher/cluster/ray_train.py).
 A bad config stops here with `loomtrain: config error: <dotted key>: ...` and
@@ -24,10 +24,10 @@ from loomtrain.launcher.checkpoints.store import CheckpointWriteError
 from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
-from loomtrain.launcher.nonfinite import NonFiniteError
 from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
 from loomtrain.launcher.rundir import RunDirError, claim, run_dir
-from loomtrain.launcher.stopping import StoppedDuringStartUp, exit_code, stop_during_start_up
+from loomtrain.launcher.training.nonfinite import NonFiniteError
+from loomtrain.launcher.training.stopping import StoppedDuringStartUp, exit_code, stop_during_start_up
 
 # Disk trouble a user fixes (space, quota, permissions, a read-only mount, a name too long):
 # one line, no traceback; errno -> what to do about it.
@@ -170,7 +170,7 @@ def _run_on_ray(cfg) -> int:
 
 def _run_here(cfg) -> int:
     from loomtrain.launcher.distributed import RendezvousError
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     try:
         result = run_training(cfg)

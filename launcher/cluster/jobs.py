@@ -1,7 +1,7 @@
 """Ray Jobs glue behind `loomtrain submit | status | logs | stop` (launcher/cli/jobs.py).
 
 `stop` has Ray send SIGTERM to the job's driver, which asks every worker to save a
-checkpoint at the end of its step and stop (launcher/stopping.py); `submit` sets
+checkpoint at the end of its step and stop (launcher/training/stopping.py); `submit` sets
 RAY_JOB_STOP_WAIT_TIME_S so that Ray waits that long (launcher/planning/grace.py)
 before it SIGKILLs the job.
 

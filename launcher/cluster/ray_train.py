@@ -51,9 +51,9 @@ group fail and restarts it from the newest checkpoint (ray.max_failures).
 Stopping: SIGTERM, SIGINT or SIGHUP to the driver (`loomtrain stop` of a Ray job sends
 SIGTERM to it) writes RUN_DIR/STOP; rank 0 sees it within a second, every rank saves a
 checkpoint at the next step and the run ends; the driver then exits like a local run
-(SIGTERM 0, SIGINT 130, SIGHUP 129; loomtrain.launcher.stopping).
+(SIGTERM 0, SIGINT 130, SIGHUP 129; loomtrain.launcher.training.stopping).
 
-A plugin (LOOMTRAIN_PLUGIN, loomtrain.launcher.plugins) is the driver's: it hands
+A plugin (LOOMTRAIN_PLUGIN, loomtrain.launcher.training.plugins) is the driver's: it hands
 LOOMTRAIN_PLUGIN and LOOMTRAIN_PLUGIN_* to the workers, whose environment is not its own; a
 plugin's hooks run before `RayReportHook`.
 """
@@ -70,12 +70,12 @@ from pathlib import Path
 from typing import Any
 
 from loomtrain.durable import atomic_write
-from loomtrain.launcher import plugins
 from loomtrain.launcher.cluster.recovery import Recovery, restart_note
 from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.rundir import local_path
-from loomtrain.launcher.stopping import signal_name
+from loomtrain.launcher.training import plugins
+from loomtrain.launcher.training.stopping import signal_name
 
 RAY_RUN_NAME = "ray_train"
 POINTER_FILE = "loomtrain_pointer.json"
@@ -310,7 +310,7 @@ def train_worker(config: dict) -> None:
 
     plugins.adopt_env(config["plugin_env"])  # before run_training reads LOOMTRAIN_PLUGIN
     from loomtrain.launcher.config_loader import config_from_dict
-    from loomtrain.launcher.loop import run_training
+    from loomtrain.launcher.training.loop import run_training
 
     world = ray.train.get_context().get_world_size()
     cfg = config_from_dict(config["cfg"], world_size=world)
@@ -505,7 +505,7 @@ class RayStartError(RayRunError):
 
 def _stop_for_workers(run_dir: str | os.PathLike):
     """Driver: a signal becomes RUN_DIR/STOP, which the workers' rank 0 watches."""
-    from loomtrain.launcher.stopping import StopRequest, request_stop, signal_name
+    from loomtrain.launcher.training.stopping import StopRequest, request_stop, signal_name
 
     def forward(signum: int) -> None:
         request_stop(run_dir, signum)
@@ -521,7 +521,7 @@ def _stop_for_workers(run_dir: str | os.PathLike):
 def train_on_ray(cfg: RunConfig) -> int:
     """The `train --ray` driver: run, say how the run ended, return the exit status of a local run
     stopped the same way (SIGTERM 0, SIGINT 130, SIGHUP 129). Raises RayRunError."""
-    from loomtrain.launcher.stopping import exit_code
+    from loomtrain.launcher.training.stopping import exit_code
     from ray.train import TrainingFailedError
 
     run_dir = Path(absolutize(cfg).run.dir)

@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 from accelerate.utils import find_executable_batch_size
-from loomtrain.launcher.components import apply_block_options
 from loomtrain.launcher.distributed import init_distributed
-from loomtrain.launcher.engine import build_engine
 from loomtrain.launcher.observe.host_memory import peak_rss_bytes
 from loomtrain.launcher.observe.metrics import device_peak_flops
 from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.planning.memory_measure import GradPeak, measure
+from loomtrain.launcher.training.engine import build_engine
+from loomtrain.launcher.training.startup import apply_block_options
 from loomtrain.model import init_tensors
 from loomtrain.parallel import padded_vocab_size
 from loomtrain.parallel.materialize import materialize, sharded_meta_model

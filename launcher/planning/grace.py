@@ -1,7 +1,7 @@
 """How long a pod needs between SIGTERM and SIGKILL: finish the step, save, exit.
 
 On SIGTERM every rank finishes the step it is in, writes its checkpoint shard and
-exits (loomtrain.launcher.stopping). Kubernetes kills the pod after
+exits (loomtrain.launcher.training.stopping). Kubernetes kills the pod after
 `terminationGracePeriodSeconds` (default 30 s), so the pods' value must cover
 
     one optimizer step  +  SAFETY x one synchronous checkpoint save  +  MARGIN_S

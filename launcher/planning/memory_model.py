@@ -48,8 +48,8 @@ from typing import Any
 
 import psutil
 from accelerate import init_empty_weights
-from loomtrain.launcher.engine import ds_config
 from loomtrain.launcher.planning.host_model import host_plan
+from loomtrain.launcher.training.engine import ds_config
 from loomtrain.model import Transformer
 from loomtrain.model.config import ModelConfig
 from loomtrain.model.flops import param_count

@@ -31,9 +31,9 @@ which averages all of them over DP in one all-reduce and reads them in one copy
 train.stop_check_every_steps (`_votes_at`). tests/test_step_syncs.py counts them.
 
 Plug-in points: `hooks` (see loomtrain.launcher.hooks) for checkpoints and Ray;
-`components.build_model` for TP; `engine.build_engine` for ZeRO / precision;
+`startup.build_model` for TP; `engine.build_engine` for ZeRO / precision;
 `checkpoints.final.save_final_sharded` for the final weights (each rank writes its share);
-LOOMTRAIN_PLUGIN for hooks from outside the package (loomtrain.launcher.plugins).
+LOOMTRAIN_PLUGIN for hooks from outside the package (loomtrain.launcher.training.plugins).
 """
 
 from __future__ import annotations
@@ -51,23 +51,24 @@ import torch
 import torch.distributed as dist
 from loomtrain.data_pipeline import TokenStream
 from loomtrain.data_pipeline.tokenizer import Tokenizer
-from loomtrain.launcher import components, plugins, rundir
+from loomtrain.launcher import rundir
 from loomtrain.launcher.checkpoints.final import save_final_sharded
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import save_config, to_dict, validate
 from loomtrain.launcher.distributed import DistEnv, barrier, init_distributed, master_address
-from loomtrain.launcher.engine import build_engine, grad_norm, records_grad_norm
 from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState
-from loomtrain.launcher.nonfinite import NonFiniteError, SkipGuard
 from loomtrain.launcher.observe import host_memory
 from loomtrain.launcher.observe.metrics import MetricsLogger, device_peak_flops, gather_rank_stats, memory_bytes, mfu
 from loomtrain.launcher.observe.profiling import StepProfiler
 from loomtrain.launcher.observe.ranklog import RankLog, logs_dir
 from loomtrain.launcher.observe.watchdog import Watchdog, io_phase
-from loomtrain.launcher.stopping import StopRequest, signal_name
 from loomtrain.launcher.timeouts import EVALUATION, SAMPLES, allowances
+from loomtrain.launcher.training import plugins, startup
+from loomtrain.launcher.training.engine import build_engine, grad_norm, records_grad_norm
+from loomtrain.launcher.training.nonfinite import NonFiniteError, SkipGuard
+from loomtrain.launcher.training.stopping import StopRequest, signal_name
 from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
 from loomtrain.model.loss import IGNORE_INDEX
@@ -204,7 +205,7 @@ def _loss_weights(batches, ctx: TrainContext, grad_accum: int) -> list[torch.Ten
 
 
 def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = None) -> StepOutput:
-    """One optimizer step. A non-finite step is skipped (see loomtrain.launcher.nonfinite);
+    """One optimizer step. A non-finite step is skipped (see loomtrain.launcher.training.nonfinite);
     `guard` covers the one path DeepSpeed does not guard itself (fp32 at ZeRO 0)."""
     engine, device = ctx.engine, ctx.dist.device
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -235,7 +236,7 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
 def evaluate(ctx: TrainContext) -> dict[str, float]:
     """eval/loss and eval/ppl over eval.batches micro batches of the val split per DP rank."""
     engine, device = ctx.engine, ctx.dist.device
-    stream = components.val_stream(ctx.cfg, ctx.shard_dir, ctx.topology, ctx.tokenizer)
+    stream = startup.val_stream(ctx.cfg, ctx.shard_dir, ctx.topology, ctx.tokenizer)
     engine.eval()
     try:
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -251,7 +252,7 @@ def evaluate(ctx: TrainContext) -> dict[str, float]:
 @torch.no_grad()
 def samples(ctx: TrainContext) -> list[str]:
     """A few continuations of eval.prompt, or of a held-out document's start when it is empty
-    (components.sample_prompt); every rank runs it, in step; rank 0 logs them.
+    (startup.sample_prompt); every rank runs it, in step; rank 0 logs them.
 
     Skipped where the model cannot run alone: ZeRO-3 partitions, sequence parallelism.
     """
@@ -260,7 +261,7 @@ def samples(ctx: TrainContext) -> list[str]:
         return []
     if ctx.cfg.parallel.zero_stage == 3 or ctx.cfg.parallel.sequence_parallel:
         return []
-    prompt = components.sample_prompt(ctx.cfg, ctx.shard_dir, ctx.topology, ctx.tokenizer)
+    prompt = startup.sample_prompt(ctx.cfg, ctx.shard_dir, ctx.topology, ctx.tokenizer)
     room = ctx.cfg.model.max_seq_len - len(prompt)
     if room <= 0:
         return []
@@ -297,7 +298,7 @@ def run_training(cfg: RunConfig, hooks: Iterable[Hooks] = ()) -> TrainResult:
     Everything this rank prints from here on is also appended to RUN_DIR/logs/rank_NNNNN.log
     (loomtrain.launcher.observe.ranklog); a watchdog ends the run with one line naming the stuck
     rank when a step makes no progress for parallel.timeout_s (loomtrain.launcher.observe.watchdog);
-    SIGTERM / SIGINT / SIGHUP save a checkpoint and stop (loomtrain.launcher.stopping)."""
+    SIGTERM / SIGINT / SIGHUP save a checkpoint and stop (loomtrain.launcher.training.stopping)."""
     wall_start = time.perf_counter()
     hooks = [*plugins.hooks(cfg), *hooks]  # LOOMTRAIN_PLUGIN's, read once: after the checkpoint hook, before Ray's
     env = init_distributed(cfg)
@@ -362,16 +363,16 @@ def _set_up(
     opened.callback(stop.uninstall)
     if env.is_logging_rank:
         stop.clear_file()  # a request left by an earlier run is not for this one
-    components.seed_everything(cfg.train.seed)
-    topology = components.build_topology(cfg, env)
-    shard_dir, tokenizer, train_stream = components.build_data(cfg, topology, env)  # rank 0 reports
+    startup.seed_everything(cfg.train.seed)
+    topology = startup.build_topology(cfg, env)
+    shard_dir, tokenizer, train_stream = startup.build_data(cfg, topology, env)  # rank 0 reports
     opened.callback(train_stream.close)
     if cfg.eval.every_steps:  # an unusable val split fails now, not at the first eval
-        components.val_stream(cfg, shard_dir, topology, tokenizer).close()
+        startup.val_stream(cfg, shard_dir, topology, tokenizer).close()
     # Every run checkpoints; a launcher adds its own hooks (Ray's report hook).
     hook_list = HookList([CheckpointHook(cfg), *hooks])
     with host_memory.start_up_allocations():  # full-size buffers, once freed, leave the process
-        model = components.build_model(cfg, topology, env.device)
+        model = startup.build_model(cfg, topology, env.device)
         ctx = build_context(cfg, env, topology, run_dir, model, tokenizer, shard_dir, train_stream)
         hook_list.on_train_start(ctx)  # resume happens here
     rank_log.write(f"start-up: peak RSS {host_memory.peak_rss_bytes() / 2**30:.3f} GiB")

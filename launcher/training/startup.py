@@ -17,13 +17,13 @@ import numpy as np
 import torch
 from loomtrain.data_pipeline import DataError, TokenStream, prepare_sources
 from loomtrain.data_pipeline.tokenizer import Tokenizer
-from loomtrain.launcher import engine
-from loomtrain.launcher.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.launcher.checkpoints.weight_source import init_from
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError
 from loomtrain.launcher.distributed import DistEnv, barrier
 from loomtrain.launcher.rundir import data_cache_dir, run_dir
+from loomtrain.launcher.training import engine
+from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.model import init_tensors
 from loomtrain.parallel import Topology
 from loomtrain.parallel.materialize import allocate_shards, materialize, sharded_meta_model
