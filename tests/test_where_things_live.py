@@ -13,6 +13,7 @@ from functools import cache
 from pathlib import Path
 
 from source_tree import ROOT, parse, python_files
+from test_import_cycles import graph
 
 STDLIB = frozenset(sys.stdlib_module_names)
 
@@ -103,3 +104,51 @@ def test_the_library_imports_nothing_from_benchmarks_or_tests():
     library = ("model/", "parallel/", "data_pipeline/", "launcher/", "durable.py", "__init__.py", "__main__.py")
     for name in ("benchmarks", "loomtrain.benchmarks", "tests", "loomtrain.tests"):
         assert not {f for f in importers(name) if f.startswith(library)}, name
+
+
+# The launcher's rooms in README.md's order: each imports only rooms before it (and model/,
+# parallel/, data_pipeline/), never one after it, so a room reads knowing only those before it.
+LAUNCHER_ROOMS = (
+    "launcher",
+    "launcher/observe",
+    "launcher/checkpoints",
+    "launcher/training",
+    "launcher/planning",
+    "launcher/cluster",
+    "launcher/cli",
+)
+
+
+def launcher_room(dotted: str) -> str | None:
+    """The room of an imported name below loomtrain.launcher (the longest room that holds it)."""
+    holding = [
+        r
+        for r in LAUNCHER_ROOMS
+        if dotted == "loomtrain." + r.replace("/", ".") or dotted.startswith("loomtrain." + r.replace("/", ".") + ".")
+    ]
+    return max(holding, key=len, default=None)
+
+
+def test_every_launcher_folder_is_a_room_in_readme_order():
+    folders = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "launcher").rglob("__init__.py")}
+    assert folders == set(LAUNCHER_ROOMS), "a launcher/ folder missing from (or gone from) LAUNCHER_ROOMS"
+    readme = (ROOT / "README.md").read_text()
+    rows = [line.split("`")[1].rstrip("/") for line in readme.splitlines() if line.startswith("| `launcher/")]
+    assert rows == list(LAUNCHER_ROOMS), 'README.md\'s "Where things live" rows, in order'
+
+
+def test_a_launcher_room_imports_only_the_rooms_before_it():
+    """Run-time imports, inside functions too (test_import_cycles' graph); an annotation's import
+    under `if TYPE_CHECKING:` never runs and is left out (hooks.py names observe's MetricsLogger
+    as the type of TrainContext.metrics)."""
+    bad = []
+    for module, edges in graph().items():
+        own = launcher_room(module)
+        if own is None:
+            continue
+        for target, where in sorted(edges.items()):
+            room = launcher_room(target)
+            if room is not None and LAUNCHER_ROOMS.index(room) > LAUNCHER_ROOMS.index(own):
+                bad.append(f"{where}: {target} ({room}/ comes after {own}/)")
+    assert not bad, "imports of a later room:\n" + "\n".join(bad)
+    assert "loomtrain.launcher.observe.metrics" in graph()["loomtrain.launcher.training.loop"], "the scan sees rooms"
