@@ -12,6 +12,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
+import tomllib
 from source_tree import ROOT, parse, python_files
 from test_import_cycles import graph
 
@@ -135,6 +136,9 @@ def test_every_launcher_folder_is_a_room_in_readme_order():
     readme = (ROOT / "README.md").read_text()
     rows = [line.split("`")[1].rstrip("/") for line in readme.splitlines() if line.startswith("| `launcher/")]
     assert rows == list(LAUNCHER_ROOMS), 'README.md\'s "Where things live" rows, in order'
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    missing = {"loomtrain." + r.replace("/", ".") for r in LAUNCHER_ROOMS} - set(packages)
+    assert not missing, f"pyproject.toml's packages lack {sorted(missing)}: a wheel would not hold them"
 
 
 def test_a_launcher_room_imports_only_the_rooms_before_it():
