@@ -236,21 +236,29 @@ def test_one_global_batch_split_otherwise_gives_the_same_step(tmp_path, chat_sha
 
 @pytest.mark.slow
 def test_other_dp_sizes_and_tensor_parallel_give_the_same_step(tmp_path, chat_shards):
-    """dp 2 x accum 2 and dp 4 x micro 1 (torchrun, gloo) == one process with micro 4, and so does
-    tp 2 with sequence parallelism (the document mask per sequence, broadcast over local heads)."""
-    from launch import TINY, records, run_loomtrain
+    """dp 4 x micro 1, and tp 2 x dp 2 x accumulation 2 with sequence parallelism at ZeRO 2 (the
+    document mask per sequence, broadcast over local heads), == one process with micro 4. Both
+    variants run in one torchrun of 4 (tests/zero_driver.py): one start-up for the two."""
+    from launch import ROOT, TINY, python_cmd, records, run_child
     from loomtrain.launcher.training.loop import run_training
 
     ref_losses = run_training(sft_cfg(tmp_path / "one", chat_shards, "train.micro_batch_size=4")).losses
     ref = final_weights(tmp_path / "one")
-    for name, nproc, extra in (
-        ("dp2", 2, ["train.micro_batch_size=1"]),
-        ("dp4", 4, ["train.micro_batch_size=1"]),
-        ("tp2", 2, ["train.micro_batch_size=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-    ):
+    variants = {
+        "dp4": ["train.micro_batch_size=1"],
+        "tp2_dp2": [
+            "train.micro_batch_size=1",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.zero_stage=2",
+        ],
+    }
+    argv = [ROOT / "tests" / "zero_driver.py", tmp_path, TINY, "--common", *SFT, f"data.path={chat_shards}"]
+    for name, extra in variants.items():
+        argv += ["--variant", name, *extra]
+    run_child(python_cmd(*argv, nproc=4), cwd=tmp_path, timeout=600)
+    for name in variants:
         run_dir = tmp_path / name
-        argv = [*SFT, *extra, f"data.path={chat_shards}", f"run.dir={run_dir}"]
-        run_loomtrain("train", TINY, *argv, nproc=nproc, cwd=tmp_path)  # asserts exit 0
         losses = [r["loss"] for r in records(run_dir) if "loss" in r]
         # <= 1e-6 of the loss: each micro batch's mean is rounded to float32 (~5e-7 at a loss of 6)
         assert losses == pytest.approx(ref_losses, rel=1e-6, abs=0), name
