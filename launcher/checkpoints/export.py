@@ -15,6 +15,8 @@ field that does not fit):
   * GPT-2-style  (pre-norm, layernorm, gelu|relu, learned) -> GPT2LMHeadModel
     GPT-2's Conv1D stores weights as [in, out]: every linear is transposed, and
     q/k/v are fused into c_attn; biases the model does not have are written as zeros.
+The tensor names are hf_source's maps (`llama_refs`, `gpt2_refs`), the ones `import` and
+`model.init_from` read by, here read backwards (`hf_recipes`): one map for both directions.
 
 Written: model.safetensors when everything fits in --max-shard-size, else
 model-00001-of-0000N.safetensors ... + model.safetensors.index.json (Hugging Face's names and
@@ -32,6 +34,7 @@ Reading never unpickles: safetensors, JSON and YAML only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -53,7 +56,8 @@ from loomtrain.launcher.checkpoints.final import (
     final_weight_files,
     verify_final,
 )
-from loomtrain.launcher.checkpoints.hf_source import LLAMA_LINEARS
+from loomtrain.launcher.checkpoints.hf_source import gpt2_refs, llama_refs
+from loomtrain.launcher.checkpoints.safetensors_source import TensorRef, model_tensor_names
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
 from loomtrain.launcher.checkpoints.state import ConsolidatedReader
 from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
@@ -222,10 +226,6 @@ def _ref(src: Source, name: str) -> Recipe:
     return Recipe(src.shape(name), lambda: src.get(name))
 
 
-def _bias(src: Source, name: str, n: int) -> Recipe:
-    return _ref(src, name) if name in src else Recipe([n], lambda: torch.zeros(n))
-
-
 def _transposed(r: Recipe) -> Recipe:
     return Recipe(list(reversed(r.shape)), lambda: r.make().t().contiguous())
 
@@ -233,6 +233,27 @@ def _transposed(r: Recipe) -> Recipe:
 def _cat(parts: list[Recipe]) -> Recipe:
     shape = [sum(p.shape[0] for p in parts), *parts[0].shape[1:]]
     return Recipe(shape, lambda: torch.cat([p.make() for p in parts]))
+
+
+def hf_recipes(src: Source, refs: dict[str, TensorRef], cfg) -> dict[str, Recipe]:
+    """Each Hugging Face tensor, in the refs' order, made from the loomtrain tensors whose refs
+    point into it (hf_source's name maps read backwards): q, k and v joined into GPT-2's c_attn,
+    Conv1D's [in, out] transposed; a bias the model lacks (GPT-2 has them all) is zeros."""
+    with_bias = model_tensor_names(dataclasses.replace(cfg, bias=True))
+    parts: dict[str, list[tuple[str, TensorRef]]] = {}
+    for ours, ref in refs.items():
+        parts.setdefault(ref.key, []).append((ours, ref))
+    out = {}
+    for key, pieces in parts.items():
+        made = [
+            _ref(src, ours)
+            if ours in src or not ours.endswith(".bias")
+            else Recipe(list(with_bias[ours]), lambda n=with_bias[ours]: torch.zeros(n))
+            for ours, _ in sorted(pieces, key=lambda p: p[1].offset)
+        ]
+        joined = made[0] if len(made) == 1 else _cat(made)
+        out[key] = _transposed(joined) if pieces[0][1].transpose else joined
+    return out
 
 
 def _common_config(cfg, eos_id: int | None) -> dict:
@@ -250,18 +271,8 @@ def _common_config(cfg, eos_id: int | None) -> dict:
 
 # Llama --------------------------------------------------------------------------------------
 def to_llama(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], dict]:
-    out = {"model.embed_tokens.weight": _ref(src, "tok_emb.weight")}
-    for i in range(cfg.n_layers):
-        s, dst = f"blocks.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = _ref(src, s + "attn_norm.weight")
-        out[dst + "post_attention_layernorm.weight"] = _ref(src, s + "ffn_norm.weight")
-        for ours, theirs in LLAMA_LINEARS.items():
-            out[dst + theirs + ".weight"] = _ref(src, s + ours + ".weight")
-            if cfg.bias:
-                out[dst + theirs + ".bias"] = _ref(src, s + ours + ".bias")
-    out["model.norm.weight"] = _ref(src, "norm.weight")
-    if not cfg.tie_embeddings:  # tied: config.json says so and transformers re-ties on load
-        out["lm_head.weight"] = _ref(src, "lm_head.weight")
+    # tied: no lm_head.weight (config.json says so and transformers re-ties on load)
+    out = hf_recipes(src, llama_refs(cfg), cfg)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -288,28 +299,7 @@ def to_llama(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], d
 # GPT-2 ---------------------------------------------------------------------------------------
 def to_gpt2(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], dict]:
     d = cfg.d_model
-    out = {"transformer.wte.weight": _ref(src, "tok_emb.weight"), "transformer.wpe.weight": _ref(src, "pos_emb.weight")}
-    for i in range(cfg.n_layers):
-        s, t = f"blocks.{i}.", f"transformer.h.{i}."
-        out[t + "ln_1.weight"] = _ref(src, s + "attn_norm.weight")
-        out[t + "ln_1.bias"] = _bias(src, s + "attn_norm.bias", d)
-        # Conv1D: y = x @ W + b with W [in, out]
-        out[t + "attn.c_attn.weight"] = _transposed(
-            _cat([_ref(src, s + f"attn.{p}.weight") for p in ("wq", "wk", "wv")])
-        )
-        out[t + "attn.c_attn.bias"] = _cat([_bias(src, s + f"attn.{p}.bias", d) for p in ("wq", "wk", "wv")])
-        out[t + "attn.c_proj.weight"] = _transposed(_ref(src, s + "attn.wo.weight"))
-        out[t + "attn.c_proj.bias"] = _bias(src, s + "attn.wo.bias", d)
-        out[t + "ln_2.weight"] = _ref(src, s + "ffn_norm.weight")
-        out[t + "ln_2.bias"] = _bias(src, s + "ffn_norm.bias", d)
-        out[t + "mlp.c_fc.weight"] = _transposed(_ref(src, s + "ffn.up.weight"))
-        out[t + "mlp.c_fc.bias"] = _bias(src, s + "ffn.up.bias", cfg.ffn_dim)
-        out[t + "mlp.c_proj.weight"] = _transposed(_ref(src, s + "ffn.down.weight"))
-        out[t + "mlp.c_proj.bias"] = _bias(src, s + "ffn.down.bias", d)
-    out["transformer.ln_f.weight"] = _ref(src, "norm.weight")
-    out["transformer.ln_f.bias"] = _bias(src, "norm.bias", d)
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = _ref(src, "lm_head.weight")
+    out = hf_recipes(src, gpt2_refs(cfg, "transformer."), cfg)
     config = {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -1,7 +1,8 @@
 """A Hugging Face model directory as a WeightSource (safetensors_source.py): its config.json
 translated to a ModelConfig, and where each loomtrain tensor lies in its safetensors files.
-Read by `model.init_from` (weight_source.py) and `loomtrain import` (hf_import.py); the
-inverse of `loomtrain export --format hf` (export.py), tensor for tensor:
+Read by `model.init_from` (weight_source.py) and `loomtrain import` (hf_import.py); its name
+maps (`llama_refs`, `gpt2_refs`) are also what `loomtrain export --format hf` (export.py) writes
+by, so import and export are each other's inverse, tensor for tensor:
 
   * LlamaForCausalLM (MHA, GQA, MQA; rope_theta; tied or untied embeddings; rms_norm_eps;
     attention_bias / mlp_bias) -> pre-norm, rmsnorm, swiglu, rope. HF Llama's RoPE is the
@@ -67,6 +68,15 @@ LLAMA_LINEARS = {
     "ffn.up": "mlp.up_proj",
     "ffn.down": "mlp.down_proj",
 }
+# A GPT-2 block in its own order: (loomtrain, GPT-2, stored transposed); Conv1D keeps [in, out].
+GPT2_LAYER = (
+    ("attn_norm", "ln_1", False),
+    ("attn.qkv", "attn.c_attn", True),
+    ("attn.wo", "attn.c_proj", True),
+    ("ffn_norm", "ln_2", False),
+    ("ffn.up", "mlp.c_fc", True),
+    ("ffn.down", "mlp.c_proj", True),
+)
 
 
 class HFImportError(WeightSourceError):
@@ -256,8 +266,12 @@ def read_hf_config(src: Path) -> tuple[str, dict]:
 
 
 # loomtrain name -> where the tensor lies ------------------------------------------------------
+# The one map between loomtrain's names and Hugging Face's, read both ways: `import` and
+# `model.init_from` read each loomtrain tensor where its TensorRef points; `export` writes each
+# HF tensor from the loomtrain tensors that point into it (export.hf_recipes). The refs are in
+# HF's own order (embeddings, layers, final norm, head), which export's shard plan follows.
 def llama_refs(cfg) -> dict[str, TensorRef]:
-    refs = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    refs = {"tok_emb.weight": "model.embed_tokens.weight"}
     for i in range(cfg.n_layers):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         refs[ours + "attn_norm.weight"] = theirs + "input_layernorm.weight"
@@ -266,31 +280,29 @@ def llama_refs(cfg) -> dict[str, TensorRef]:
             refs[f"{ours}{o}.weight"] = f"{theirs}{t}.weight"
             if cfg.bias:
                 refs[f"{ours}{o}.bias"] = f"{theirs}{t}.bias"
+    refs["norm.weight"] = "model.norm.weight"
     if not cfg.tie_embeddings:
         refs["lm_head.weight"] = "lm_head.weight"
     return {k: TensorRef(v) for k, v in refs.items()}
 
 
 def gpt2_refs(cfg, prefix: str) -> dict[str, TensorRef]:
-    """prefix: "transformer." as GPT2LMHeadModel saves, "" in checkpoints saved from GPT2Model."""
+    """prefix: "transformer." as GPT2LMHeadModel saves, "" in checkpoints saved from GPT2Model.
+    Biases are always mapped (GPT-2 has them; export writes zeros for a model without)."""
     d, t = cfg.d_model, prefix
-    refs = {
-        "tok_emb.weight": TensorRef(t + "wte.weight"),
-        "pos_emb.weight": TensorRef(t + "wpe.weight"),
-        "norm.weight": TensorRef(t + "ln_f.weight"),
-        "norm.bias": TensorRef(t + "ln_f.bias"),
-    }
+    refs = {"tok_emb.weight": TensorRef(t + "wte.weight"), "pos_emb.weight": TensorRef(t + "wpe.weight")}
     for i in range(cfg.n_layers):
         ours, theirs = f"blocks.{i}.", f"{t}h.{i}."
-        for o, n in (("attn_norm", "ln_1"), ("ffn_norm", "ln_2")):
-            refs[f"{ours}{o}.weight"] = TensorRef(f"{theirs}{n}.weight")
-            refs[f"{ours}{o}.bias"] = TensorRef(f"{theirs}{n}.bias")
-        for j, o in enumerate(("wq", "wk", "wv")):  # c_attn holds q, k, v side by side
-            refs[f"{ours}attn.{o}.weight"] = TensorRef(theirs + "attn.c_attn.weight", True, j * d, d)
-            refs[f"{ours}attn.{o}.bias"] = TensorRef(theirs + "attn.c_attn.bias", False, j * d, d)
-        for o, n in (("attn.wo", "attn.c_proj"), ("ffn.up", "mlp.c_fc"), ("ffn.down", "mlp.c_proj")):
-            refs[f"{ours}{o}.weight"] = TensorRef(f"{theirs}{n}.weight", True)
-            refs[f"{ours}{o}.bias"] = TensorRef(f"{theirs}{n}.bias")
+        for o, n, transposed in GPT2_LAYER:
+            if o == "attn.qkv":  # c_attn holds q, k, v side by side
+                for j, p in enumerate(("wq", "wk", "wv")):
+                    refs[f"{ours}attn.{p}.weight"] = TensorRef(theirs + "attn.c_attn.weight", True, j * d, d)
+                    refs[f"{ours}attn.{p}.bias"] = TensorRef(theirs + "attn.c_attn.bias", False, j * d, d)
+            else:
+                refs[f"{ours}{o}.weight"] = TensorRef(f"{theirs}{n}.weight", transposed)
+                refs[f"{ours}{o}.bias"] = TensorRef(f"{theirs}{n}.bias")
+    refs["norm.weight"] = TensorRef(t + "ln_f.weight")
+    refs["norm.bias"] = TensorRef(t + "ln_f.bias")
     if not cfg.tie_embeddings:
         refs["lm_head.weight"] = TensorRef("lm_head.weight")
     return refs
