@@ -205,7 +205,7 @@ CHAT_TEMPLATE = (
 
 
 @pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
-def test_a_chat_models_format_travels_and_its_eval_samples_answer_a_user_turn(tmp_path, capsys, bpe, where):
+def test_a_chat_models_format_travels_and_its_eval_samples_answer_a_user_turn(tmp_path, capsys, bpe, where, data_cache):
     """Import keeps the chat template (from tokenizer_config.json, or chat_template.jinja as newer
     transformers save it); a run from the import starts its evaluation samples from a held-out
     document's start as a user's turn, so each sample is the model's reply; export gives the
@@ -227,7 +227,9 @@ def test_a_chat_models_format_travels_and_its_eval_samples_answer_a_user_turn(tm
 
     ft = tmp_path / "ft"
     args = [*SMALL, *QUIET, "train.max_steps=2", "eval.every_steps=2", "eval.num_samples=1", "eval.sample_tokens=4"]
-    proc = run_loomtrain("train", run / "config.yaml", *args, f"run.dir={ft}", "data.max_files=150", cwd=tmp_path)
+    # the module's data cache: the second case reuses the first's corpus shards (same tokenizer)
+    corpus = ["data.max_files=150", f"data.cache_dir={data_cache}"]
+    proc = run_loomtrain("train", run / "config.yaml", *args, f"run.dir={ft}", *corpus, cwd=tmp_path)
     samples = [line for line in proc.stdout.splitlines() if line.startswith("sample: ")]
     assert len(samples) == 1, proc.stdout[-2000:]
     # <|endoftext|> as BOS, the user's turn holding the held-out document's start, the cue
