@@ -10,6 +10,28 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
+# The modules that take two minutes or more of a 2-core machine, longest first. The suite runs
+# in two processes that each take whole modules (pyproject.toml: --dist loadscope, in
+# collection order): these start first, so that neither process is left alone at the end
+# with one of them (the last order on 2 cores cost ~3 minutes of one idle core).
+LONG_MODULES_FIRST = (
+    "test_hangs_and_signals",
+    "test_multihost_torchrun",
+    "test_checkpoint_resume",
+    "test_checkpoint_engine",
+    "test_multihost_elastic",
+    "test_multihost_ray",
+    "test_ray_train",
+    "test_startup",
+    "test_zero",
+    "test_benchmark_scripts",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each module's own order stays
+
 
 @pytest.fixture(autouse=True)
 def own_working_dir(tmp_path_factory, monkeypatch):
