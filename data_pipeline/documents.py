@@ -108,12 +108,29 @@ def _cut_point(data: bytes) -> int:
     return len(data)
 
 
-def decode_line(raw: bytes) -> tuple[str, int]:
+def _decode(raw: bytes) -> tuple[str, int]:
     try:
         return raw.decode("utf-8"), 0
     except UnicodeDecodeError:
         text = raw.decode("utf-8", errors="replace")
         return text, text.count("\ufffd") - raw.count(_REPLACEMENT)
+
+
+def jsonl_values(payload, where: int, stats: dict):
+    """(line number, value, problem) of each non-blank line of a JSONL unit that starts at line
+    `where`: the parsed value and None, or None and why the line is not JSON. Characters that are
+    not UTF-8 are replaced and counted in stats["replaced_chars"]."""
+    for lineno, raw in enumerate(payload, where):
+        if not raw.strip():
+            continue
+        line, bad = _decode(raw)
+        stats["replaced_chars"] += bad
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield lineno, None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+        else:
+            yield lineno, value, None
 
 
 def _missing_field(obj: dict, text_field: str) -> str:
@@ -132,7 +149,7 @@ def unit_texts(unit, text_field: str, skip_bad_lines: bool):
     kind, path, where, payload, first, last, _ = unit
     stats = {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
     if kind == "text":
-        text, stats["replaced_chars"] = decode_line(payload)
+        text, stats["replaced_chars"] = _decode(payload)
         return [text], stats
     texts = []
     if kind == "texts":
@@ -144,16 +161,8 @@ def unit_texts(unit, text_field: str, skip_bad_lines: bool):
             else:
                 texts.append(t)
         return texts, stats
-    for lineno, raw in enumerate(payload, where):
-        if not raw.strip():
-            continue
-        line, bad = decode_line(raw)
-        stats["replaced_chars"] += bad
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
-        else:
+    for lineno, obj, problem in jsonl_values(payload, where, stats):
+        if problem is None:
             value = obj.get(text_field) if isinstance(obj, dict) else None
             if isinstance(value, str):
                 texts.append(value)

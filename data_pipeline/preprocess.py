@@ -28,7 +28,6 @@ the corpus, and the choice depends only on (fraction, seed, document order).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import multiprocessing as mp
 import os
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 from loomtrain.data_pipeline import documents
-from loomtrain.data_pipeline.documents import decode_line, iter_units, unit_texts
+from loomtrain.data_pipeline.documents import iter_units, jsonl_values, unit_texts
 from loomtrain.data_pipeline.records import TEXT, RecordFormat, check_format, detect_format, record_tokens
 from loomtrain.data_pipeline.shards import (
     FORMAT,
@@ -90,22 +89,17 @@ def _tokenize_records(unit):
     stats = {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
     dtype = token_dtype(tok.vocab_size)
     tokens, masks, lengths = [], [], []
-    for lineno, raw in enumerate(payload, where):
-        if not raw.strip():
-            continue
-        line, bad = decode_line(raw)
-        stats["replaced_chars"] += bad
-        try:
-            ids, mask = record_tokens(json.loads(line), fmt, tok)
-        except json.JSONDecodeError as exc:
-            problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
-        except ValueError as exc:
-            problem = str(exc)
-        else:
-            tokens.append(ids.astype(dtype))
-            masks.append(mask)
-            lengths.append(ids.size)
-            continue
+    for lineno, record, problem in jsonl_values(payload, where, stats):
+        if problem is None:
+            try:
+                ids, mask = record_tokens(record, fmt, tok)
+            except ValueError as exc:
+                problem = str(exc)
+            else:
+                tokens.append(ids.astype(dtype))
+                masks.append(mask)
+                lengths.append(ids.size)
+                continue
         if not _W["skip"]:
             raise DataError(f"{path}:{lineno}: {problem}; --skip-bad-lines skips and counts such records")
         stats["bad_lines"] += 1
