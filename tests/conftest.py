@@ -11,8 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 # The modules that take two minutes or more of a 2-core machine, longest first. The suite runs
-# in two processes that each take whole modules (pyproject.toml: --dist loadscope, in
-# collection order): these start first, so that neither process is left alone at the end
+# in two processes that each take whole modules (README: --dist loadscope --no-loadscope-reorder,
+# in collection order): these start first, so that neither process is left alone at the end
 # with one of them (the last order on 2 cores cost ~3 minutes of one idle core).
 LONG_MODULES_FIRST = (
     "test_hangs_and_signals",
