@@ -146,3 +146,27 @@ def test_unregistered_pointer_dirs_are_removed_and_ours_are_kept(tmp_path):
         "checkpoint_manager_snapshot.json",
     ]
     assert ray_train.clean_orphan_pointers(cfg, None) and not any(p.is_dir() for p in root.iterdir())
+
+
+def test_the_report_hook_adds_no_collective_between_log_checkpoint_and_stop_steps(tmp_path, monkeypatch):
+    """No cluster needed: a step that logs nothing, saves nothing and stops nothing does not
+    broadcast (rank 0's look at the store); the others do, on every rank alike."""
+    from types import SimpleNamespace
+
+    from loomtrain.launcher import distributed
+    from loomtrain.launcher.cluster import ray_train
+    from loomtrain.launcher.config_loader import resolve
+
+    looked = []
+    monkeypatch.setattr(distributed, "broadcast_str", lambda found: looked.append(found))
+    cfg = resolve(CONFIG, [f"run.dir={tmp_path}", "log.every_steps=5", "checkpoint.every_steps=4"])
+    hook = ray_train.RayReportHook(cfg)
+    for step, metrics, stop in (
+        (3, {"lr": 1.0}, False),  # nothing happens at step 3: no broadcast
+        (4, {"lr": 1.0}, False),  # a checkpoint step
+        (5, {"lr": 1.0, "loss": 2.0}, False),  # a log step
+        (6, {"lr": 1.0}, True),  # a stop
+    ):
+        ctx = SimpleNamespace(state=SimpleNamespace(step=step), stop_requested=stop, dist=SimpleNamespace(rank=1))
+        hook.on_step_end(ctx, metrics)
+        assert len(looked) == step - 3, (step, looked)

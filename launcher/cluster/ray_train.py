@@ -254,9 +254,20 @@ class RayReportHook(Hooks):
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
         if self.recovery is not None:
             self.recovery.on_step_end(ctx)
+        if not self._looks_this_step(ctx, metrics):
+            return
         path = self._published_now(ctx)
         if path is not None:
             self._report(ctx, metrics, path)
+
+    def _looks_this_step(self, ctx: TrainContext, metrics: dict[str, Any]) -> bool:
+        """Whether to look for a newly published checkpoint (rank 0 scans the store and
+        broadcasts what it found): on a log step (its metrics hold the loss), a checkpoint step
+        or a stop, the same on every rank. Between them a step adds no collective; an async save
+        published meanwhile is reported at the next of them (a restart resumes from what
+        loomtrain's own scan finds, not from what Ray was told)."""
+        every = self.cfg.checkpoint.every_steps
+        return "loss" in metrics or ctx.stop_requested or (every > 0 and ctx.state.step % every == 0)
 
     def on_train_end(self, ctx: TrainContext) -> None:
         if ctx.dist.rank == 0:  # why this attempt ended, for the next one's record
