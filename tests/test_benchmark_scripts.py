@@ -16,15 +16,39 @@ def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run([*args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+# Each script run is a training launch of its own (10-30 s on 2 cores), output_layer.py's aside:
+# slow, out of the quick loop.
 @pytest.mark.parametrize(
     "script, args, expected",
     [
-        ("cpu_vs_hf.py", ["--rounds", "1", "--threads", "1"], ["ratio loomtrain/HF", "of matmul FLOP/s"]),
-        ("engine_overhead.py", ["--rounds", "1", "--threads", "1"], ["ratio engine/plain"]),
+        pytest.param(
+            "cpu_vs_hf.py",
+            ["--rounds", "1", "--threads", "1"],
+            ["ratio loomtrain/HF", "of matmul FLOP/s"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "engine_overhead.py", ["--rounds", "1", "--threads", "1"], ["ratio engine/plain"], marks=pytest.mark.slow
+        ),
         ("output_layer.py", ["--threads", "1"], ["same results", "speed vs plain"]),
-        ("gpu_bench.py", ["--steps", "2", "--warmup", "1"], ["tokens/s", "MFU", "process RSS"]),
-        ("checkpoint_scale.py", ["--layouts", "1x1,1x2"], ["read at resume", "async blocked", "ratio to world 1"]),
-        ("checkpoint_speed.py", ["--layouts", "1x2", "--rounds", "1"], ["save/disk", "x floor", "async s"]),
+        pytest.param(
+            "gpu_bench.py",
+            ["--steps", "2", "--warmup", "1"],
+            ["tokens/s", "MFU", "process RSS"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "checkpoint_scale.py",
+            ["--layouts", "1x1,1x2"],
+            ["read at resume", "async blocked", "ratio to world 1"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "checkpoint_speed.py",
+            ["--layouts", "1x2", "--rounds", "1"],
+            ["save/disk", "x floor", "async s"],
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_script_runs_tiny_and_prints_its_figures(script, args, expected):

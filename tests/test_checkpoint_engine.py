@@ -168,6 +168,7 @@ def ckpt(tmp_path, step):
 # The CLI tests (test_checkpoint_resume.py) cover fp32 at ZeRO 0 and 2 with TP; these cover the
 # other places DeepSpeed keeps fp32 masters and Adam moments: ZeRO-3 partitions, bf16 at
 # ZeRO 0 (per-parameter fp32 copies) and bf16 at ZeRO 1 (flat fp32 partitions).
+@pytest.mark.slow  # three launches of ~10 s each: out of the quick loop
 @pytest.mark.parametrize("zero,precision", [(3, "fp32"), (0, "bf16"), (1, "bf16")])
 def test_save_exit_load_is_bitwise(tmp_path, zero, precision):
     args = ("--zero", zero, "--precision", precision, "--steps", 6)

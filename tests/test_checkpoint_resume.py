@@ -82,6 +82,7 @@ def test_single_process_20_straight_equals_10_exit_resume_10(tmp_path, data_cach
     assert (c / "rng" / "rank_00000.safetensors").is_file()
 
 
+@pytest.mark.slow  # two runs and a kill, ~13 s
 def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path, data_cache, straight1):
     run = tmp_path / "killed"
     env = child_env(LOOMTRAIN_TEST_FAULTS="ckpt_pause:10:120")  # rank 0 sleeps just before publishing step 10

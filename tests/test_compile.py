@@ -24,6 +24,7 @@ def _cfg(run_dir: Path, cache: Path, *extra: str):
     return load_config(TINY, [*SMALL, f"run.dir={run_dir}", f"data.cache_dir={cache}", *extra])
 
 
+@pytest.mark.slow  # compiles the step, ~11 s
 def test_compiled_run_matches_eager_and_its_checkpoint_resumes_eagerly(tmp_path):
     from loomtrain.launcher.hooks import Hooks
     from loomtrain.launcher.training.loop import run_training

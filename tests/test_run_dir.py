@@ -338,6 +338,7 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_latest(tmp_path, data_cache
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
+@pytest.mark.slow  # three launches, ~16 s
 def test_a_run_that_fails_before_its_first_step_leaves_no_new_folder(tmp_path):
     """A missing data path (found once DeepSpeed and the process group are up) used to leave
     runs/NAME/ behind (marker, lock, a rank log): the folders this start made go, the parents
