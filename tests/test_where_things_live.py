@@ -102,7 +102,16 @@ def test_only_the_entry_points_and_tests_import_the_cli():
 
 
 def test_the_library_imports_nothing_from_benchmarks_or_tests():
-    library = ("model/", "parallel/", "data_pipeline/", "launcher/", "durable.py", "__init__.py", "__main__.py")
+    library = (
+        "model/",
+        "parallel/",
+        "data_pipeline/",
+        "launcher/",
+        "durable.py",
+        "storage.py",
+        "__init__.py",
+        "__main__.py",
+    )
     for name in ("benchmarks", "loomtrain.benchmarks", "tests", "loomtrain.tests"):
         assert not {f for f in importers(name) if f.startswith(library)}, name
 
