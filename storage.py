@@ -3,6 +3,7 @@ whatever else fsspec knows: `gs://`, `az://`, `file://`).
 
     is_uri(location)            does it name a scheme (`s3://...`)? Such a string is never a path:
                                 treating `s3://b/x` as one writes a local folder `./s3:/b/x`
+    known_scheme(location)      a URI whose scheme fsspec knows (no library imported)
     object_store(uri, what)     (fsspec filesystem, path inside it) for a URI, or one line naming
                                 `what` (the config key or option) and the value when its scheme
                                 is unknown or its library is missing
@@ -30,6 +31,14 @@ def is_uri(location: str | os.PathLike) -> bool:
 def scheme(location: str | os.PathLike) -> str:
     m = _SCHEME.match(location) if isinstance(location, str) else None
     return m.group(1).lower() if m else ""
+
+
+def known_scheme(location: str | os.PathLike) -> bool:
+    """A URI whose scheme fsspec knows (without importing its library: config checks stay pure)."""
+    from fsspec.registry import known_implementations, registry
+
+    proto = scheme(location)
+    return bool(proto) and (proto in known_implementations or proto in registry)
 
 
 def object_store(uri: str, what: str = "location"):

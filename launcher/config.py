@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 from loomtrain.launcher.addresses import check_ray_address
 from loomtrain.model.config import ModelConfig
+from loomtrain.storage import is_uri, known_scheme
 
 
 class ConfigError(ValueError):
@@ -42,11 +43,28 @@ def check_positive(key: str, value: Any, allow_zero: bool = False) -> None:
 @dataclass
 class RunSection:
     name: str = "run"
-    # Where checkpoints, metrics.jsonl, tb/ and the resolved config go.
+    # Where checkpoints, metrics.jsonl, tb/ and the resolved config go: a local folder on
+    # each host (logs, metrics and TensorBoard stay here even when run.storage is set).
     dir: str = "runs/${run.name}"
+    # Where checkpoints and final weights go instead of run.dir: empty = run.dir, or an
+    # object-store URI (s3://bucket/prefix, gs://, az://, file://) that every host reaches.
+    # Credentials come from the storage library's standard chain, never from the config.
+    storage: str = ""
 
     def validate(self, prefix: str) -> None:
         check(bool(self.dir), f"{prefix}.dir", "a directory path", self.dir)
+        check(
+            not is_uri(self.dir),
+            f"{prefix}.dir",
+            f"a local directory path (checkpoints and final weights go to object storage with {prefix}.storage)",
+            self.dir,
+        )
+        check(
+            not self.storage or known_scheme(self.storage),
+            f"{prefix}.storage",
+            "empty (checkpoints under run.dir) or an object-store URI such as s3://bucket/prefix",
+            self.storage,
+        )
 
 
 @dataclass
