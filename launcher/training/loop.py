@@ -234,25 +234,65 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
 
 @torch.no_grad()
 def evaluate(ctx: TrainContext) -> dict[str, float]:
-    """eval/loss and eval/ppl over eval.batches micro batches of the val split per DP rank."""
+    """eval/loss and eval/ppl over eval.batches micro batches of the val split per DP rank.
+
+    The loss is the mean over the target tokens of all those batches on every DP rank, as the
+    train loss is over a global batch (`_loss_weights`): for instruction or chat data only the
+    answers count, and a batch holding few of them counts little. Plain text in full windows,
+    where every batch has as many targets, takes the mean of the batches' means, as before."""
     engine, device = ctx.engine, ctx.dist.device
     stream = startup.val_stream(ctx.cfg, ctx.shard_dir, ctx.topology, ctx.tokenizer)
+    weighted = getattr(stream, "document_masking", False) or getattr(stream, "loss_masked", False)
     engine.eval()
     try:
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=torch.float64 if weighted else torch.float32, device=device)
+        targets = 0
         for _ in range(ctx.cfg.eval.batches):
-            total += _forward(engine, _to(next(stream), device)).float()
+            batch = next(stream)
+            loss = _forward(engine, _to(batch, device))
+            if weighted:  # this batch's mean x its targets (counted on the host: the stream's tensors)
+                n = int((batch[1] != IGNORE_INDEX).sum())
+                total += loss.double() * n
+                targets += n
+            else:
+                total += loss.float()
     finally:
         stream.close()
         engine.train()
-    loss = dp_reduce([StepOutput(total / ctx.cfg.eval.batches, None, 0.0)], ctx)[0].loss
+    if weighted:
+        loss = _target_mean(total, targets, ctx)
+    else:
+        loss = dp_reduce([StepOutput(total / ctx.cfg.eval.batches, None, 0.0)], ctx)[0].loss
     return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
 
 
+def _target_mean(loss_sum: torch.Tensor, targets: int, ctx: TrainContext) -> float:
+    """The sum of per-target losses over the DP group divided by its count of targets (one all-reduce)."""
+    both = torch.stack([loss_sum.double().reshape(()), torch.tensor(float(targets), dtype=torch.float64).to(loss_sum)])
+    if ctx.topology.dp_size > 1:
+        dist.all_reduce(both, group=ctx.topology.dp_group)
+    loss_sum_all, targets_all = both.tolist()
+    return loss_sum_all / max(targets_all, 1.0)
+
+
+class Sample(NamedTuple):
+    """One evaluation sample: the prompt, the generated text, and both as one decoded row."""
+
+    prompt: str
+    answer: str
+    text: str
+    answers_a_record: bool  # the prompt is a held-out instruction or chat record's question
+
+
 @torch.no_grad()
-def samples(ctx: TrainContext) -> list[str]:
-    """A few continuations of eval.prompt, or of a held-out document's start when it is empty
-    (startup.sample_prompt); every rank runs it, in step; rank 0 logs them.
+def samples(ctx: TrainContext) -> list[Sample]:
+    """Evaluation samples; every rank runs them, in step (the same prompts and seed); rank 0 logs them.
+
+    Instruction or chat data (shards with a loss mask) and no eval.prompt: the questions of the
+    first eval.num_samples records of the validation split (startup.held_out_questions), each
+    answered on its own until its end-of-text or eval.sample_tokens, so a sample is the model's
+    answer to a question it never trained on. Otherwise eval.num_samples continuations of
+    eval.prompt, or of a held-out document's start when it is empty (startup.sample_prompt).
 
     Skipped where the model cannot run alone: ZeRO-3 partitions, sequence parallelism.
     """
@@ -261,21 +301,40 @@ def samples(ctx: TrainContext) -> list[str]:
         return []
     if ctx.cfg.parallel.zero_stage == 3 or ctx.cfg.parallel.sequence_parallel:
         return []
-    prompt = startup.sample_prompt(ctx.cfg, ctx.shard_dir, ctx.topology, ctx.tokenizer)
-    room = ctx.cfg.model.max_seq_len - len(prompt)
+    tok, device = ctx.tokenizer, ctx.dist.device
+    gen = torch.Generator(device=device).manual_seed(ctx.cfg.train.seed + ctx.state.step)
+    questions = [] if e.prompt else startup.held_out_questions(ctx.cfg, ctx.shard_dir, ctx.topology, tok, e.num_samples)
+    if questions:
+        rows = [_generate(ctx, [q], gen, eos_id=tok.eos_id) for q in questions]
+    else:
+        prompt = startup.sample_prompt(ctx.cfg, ctx.shard_dir, ctx.topology, tok)
+        rows = [_generate(ctx, [prompt] * e.num_samples, gen)]
+    out = []
+    for prompt, new in filter(None, rows):
+        for row in new:
+            answer = row[: row.index(tok.eos_id)] if questions and tok.eos_id in row else row
+            out.append(Sample(tok.decode(prompt), tok.decode(answer), tok.decode(prompt + row), bool(questions)))
+    return out
+
+
+def _generate(ctx: TrainContext, prompts: list[list[int]], gen: torch.Generator, eos_id: int | None = None):
+    """(prompt, [new token ids per row]) for a batch of one prompt repeated, or None where the
+    prompt fills the model's context."""
+    e = ctx.cfg.eval
+    room = ctx.cfg.model.max_seq_len - len(prompts[0])
     if room <= 0:
-        return []
-    tokens = torch.tensor([prompt] * e.num_samples, dtype=torch.long, device=ctx.dist.device)
-    gen = torch.Generator(device=ctx.dist.device).manual_seed(ctx.cfg.train.seed + ctx.state.step)
+        return None
+    tokens = torch.tensor(prompts, dtype=torch.long, device=ctx.dist.device)
     with gathered_logits(ctx.model) as model:
         out = model.generate(
             tokens,
             min(e.sample_tokens, room),
             temperature=e.temperature,
             top_k=e.top_k or None,
+            eos_id=eos_id,
             generator=gen,
         )
-    return [ctx.tokenizer.decode(row.tolist()) for row in out]
+    return prompts[0], [row[len(prompts[0]) :] for row in out.tolist()]
 
 
 def _is_final(step: int, cfg: RunConfig) -> bool:
@@ -570,13 +629,26 @@ def _evaluate_and_sample(run: _Run, step: int) -> None:
     log.log(step, ev)
     log.message(f"eval step {step}: loss {ev['eval/loss']:.4f} | ppl {ev['eval/ppl']:.2f}")
     with run.dog.phase(SAMPLES):
-        texts = samples(ctx)
-    for i, text in enumerate(texts):
-        log.text(f"samples/{i}", text, step)
-        if i == 0:
-            log.message(f"sample: {text[:200]!r}")
+        shown = samples(ctx)
+    for i, sample in enumerate(shown):
+        _log_sample(log, i, sample, step)
     run.hooks.on_eval_end(ctx, ev)
     log.flush()
+
+
+def _log_sample(log: MetricsLogger, i: int, sample: Sample, step: int) -> None:
+    """TensorBoard's samples/i; on the console the first continuation, or every answer to a
+    held-out question with its prompt."""
+    if not sample.answers_a_record:
+        log.text(f"samples/{i}", sample.text, step)
+        if i == 0:
+            log.message(f"sample: {sample.text[:200]!r}")
+        return
+    fence = "```"
+    shown = f"prompt:\n{fence}\n{sample.prompt}\n{fence}\n\nanswer:\n{fence}\n{sample.answer}\n{fence}"
+    log.text(f"samples/{i}", shown, step, raw=True)
+    log.message(f"sample {i}: prompt {sample.prompt[-200:]!r}")
+    log.message(f"sample {i}: answer {sample.answer[:200]!r}")
 
 
 def _finish(run: _Run, wall_start: float) -> TrainResult:

@@ -169,6 +169,33 @@ def sample_prompt(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer)
     return tok.encode(turn) if turn else prompt
 
 
+def held_out_questions(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer, n: int) -> list[list[int]]:
+    """The questions of the validation split's first `n` instruction or chat records: each record's
+    tokens before its first target (the prompt, through the assistant's cue), for the evaluation
+    samples to answer. [] for plain text (no loss mask), with no usable validation split, or where
+    no record's question is shorter than model.max_seq_len; a record trained on whole
+    (--train-on-prompt: no question to tell apart) is passed over."""
+    try:
+        stream = val_stream(cfg, shard_dir, topology, tok)
+    except (DataError, ValueError, OSError):
+        return []
+    questions: list[list[int]] = []
+    try:
+        for shards in stream.sources:
+            if shards.mask is None:
+                continue
+            starts = shards.doc_starts
+            for a, b in zip(starts.tolist(), [*starts[1:].tolist(), shards.num_tokens]):
+                first_target = int(np.argmax(shards.read_mask(a, b - a)))  # every record has one
+                if 0 < first_target < cfg.model.max_seq_len:
+                    questions.append(shards.read(a, first_target).tolist())
+                if len(questions) == n:
+                    return questions
+    finally:
+        stream.close()
+    return questions
+
+
 def _stream(cfg: RunConfig, shard_dir, split: str, topology: Topology, tok: Tokenizer, prefetch: int) -> TokenStream:
     """This DP rank's stream of `split`, in train.micro_batch_size x train.seq_len batches."""
     t = cfg.train
