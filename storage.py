@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
@@ -65,3 +66,214 @@ def join(base: str | os.PathLike, *parts: str) -> str:
             out += "/" + str(p).strip("/")
         return out
     return os.path.join(os.fspath(base), *parts)
+
+
+# Whole objects: listing, reading, writing, uploading and verified downloads ------------------
+# A missing or damaged object, or a store that cannot be reached, is a StorageError of one line
+# naming the object; readers above turn it into their own error type.
+
+
+class StorageError(ValueError):
+    """An object that is missing, damaged or cannot be read or written (one line naming it)."""
+
+
+TRANSFERS_IN_FLIGHT = 8  # objects moved at once by upload_files / download_verified
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _failed(uri: str, action: str, exc: BaseException) -> StorageError:
+    return StorageError(f"{uri}: cannot {action} ({_first_line(exc)})")
+
+
+def list_objects(uri: str) -> dict[str, dict]:
+    """Every object under the prefix `uri`: {path relative to it: {"size", "version"}}, where
+    "version" changes whenever the object does (its ETag, else its modification time). An
+    absent prefix is an empty dict."""
+    fs, root = object_store(uri)
+    root = root.rstrip("/")
+    try:
+        found = fs.find(root, detail=True)
+    except FileNotFoundError:
+        return {}
+    except Exception as exc:  # no credentials, no bucket, connection refused: the library's own types
+        raise _failed(uri, "list it", exc) from None
+    out = {}
+    for path, info in found.items():
+        if info.get("type", "file") != "file" or not path.startswith(root + "/"):
+            continue
+        version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
+        out[path[len(root) + 1 :]] = {"size": int(info.get("size") or 0), "version": str(version).strip('"')}
+    return out
+
+
+def read_object(uri: str) -> bytes | None:
+    """The object's bytes, or None when there is none."""
+    fs, path = object_store(uri)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        raise _failed(uri, "read it", exc) from None
+
+
+def _parent_folder(fs, path: str) -> None:
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(fs, LocalFileSystem):  # file:// has folders; object stores do not
+        fs.makedirs(fs._parent(path), exist_ok=True)
+
+
+def write_object(uri: str, data: bytes) -> None:
+    """One object, whole (an object store has no partial object: a PUT appears complete or not)."""
+    fs, path = object_store(uri)
+    try:
+        _parent_folder(fs, path)
+        fs.pipe_file(path, data)
+    except Exception as exc:
+        raise _failed(uri, "write it", exc) from None
+
+
+def delete_objects(uri: str, relpaths: list[str] | None = None) -> None:
+    """The named objects under `uri` (absent ones are fine), or with relpaths None every
+    object under the prefix."""
+    if relpaths is None:
+        relpaths = sorted(list_objects(uri))
+    fs, root = object_store(uri)
+    paths = [f"{root.rstrip('/')}/{rel}" for rel in relpaths]
+    if not paths:
+        return
+    try:
+        fs.rm(paths)
+    except FileNotFoundError:
+        pass
+    except Exception as exc:
+        raise _failed(uri, f"delete {relpaths[0]} and {len(paths) - 1} more objects under it", exc) from None
+
+
+def upload_files(local_dir: str | os.PathLike, relpaths: list[str], uri: str) -> None:
+    """local_dir/REL -> uri/REL for each REL, several in flight (a large file goes up in
+    parts, as the store's library does it). The caller writes its commit object after this."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fs, root = object_store(uri)
+
+    def put(rel: str) -> None:
+        target = f"{root.rstrip('/')}/{rel}"
+        try:
+            _parent_folder(fs, target)
+            fs.put_file(os.path.join(local_dir, rel), target)
+        except Exception as exc:
+            raise _failed(join(uri, rel), f"upload {os.path.join(local_dir, rel)} to it", exc) from None
+
+    with ThreadPoolExecutor(max_workers=TRANSFERS_IN_FLIGHT) as pool:
+        for _ in pool.map(put, relpaths):
+            pass
+
+
+FETCHED = ".fetched.json"  # download_verified's record of what the local folder holds
+_FETCH_LOCK = ".fetch.lock"
+_CHUNK = 8 << 20
+
+
+def download_verified(
+    uri: str, local_dir: str | os.PathLike, files: dict[str, dict | None], written: dict[str, bytes] | None = None
+) -> Path:
+    """Make local_dir hold exactly `files` as they are under `uri` (nothing else), several in
+    flight; returns local_dir. `files` maps a relative path to {"size", "sha256"} (a manifest's
+    entry: the object is checked against both, the sha256 while it streams in) or None (taken as
+    it is). A file already there from an earlier call is kept when neither its manifest entry nor
+    the object's version (ETag) changed and it is as that call left it (size, mtime); anything
+    else is fetched again. `written`: small files put there from memory as well (such as the
+    manifest the entries came from). Processes on one host share the folder under a file lock.
+
+    A missing object, one of another size than its manifest entry or failing its sha256 is a
+    StorageError naming it, checked before anything is kept."""
+    import fcntl
+    import hashlib
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loomtrain.durable import atomic_write, atomic_write_json, temp_name
+
+    local = Path(local_dir)
+    written = written or {}
+    for rel in [*files, *written]:  # a name from a manifest must not lead out of the folder
+        if not rel or rel.startswith("/") or ".." in rel.split("/") or rel in (FETCHED, _FETCH_LOCK):
+            raise StorageError(f"{join(uri, rel)}: not a file name inside {uri}")
+    local.mkdir(parents=True, exist_ok=True)
+    listed = list_objects(uri)
+    for rel, want in sorted(files.items()):
+        got = listed.get(rel)
+        if got is None:
+            raise StorageError(f"{join(uri, rel)}: missing (expected {rel} under {uri})")
+        if want is not None and got["size"] != want["size"]:
+            raise StorageError(
+                f"{join(uri, rel)}: {got['size']} bytes, the manifest says {want['size']} "
+                "(a damaged or replaced object)"
+            )
+    fs, root = object_store(uri)
+
+    def key(rel: str) -> str:
+        want = files[rel]
+        return f"{want['sha256'] if want else ''}:{listed[rel]['version']}:{listed[rel]['size']}"
+
+    def fetch(rel: str) -> dict:
+        dest = local / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_name(dest)
+        digest = hashlib.sha256()
+        try:
+            with fs.open(f"{root.rstrip('/')}/{rel}", "rb", block_size=_CHUNK) as src, open(tmp, "wb") as out:
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+        except FileNotFoundError:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(f"{join(uri, rel)}: missing (it went while being read)") from None
+        except Exception as exc:
+            tmp.unlink(missing_ok=True)
+            raise _failed(join(uri, rel), "download it", exc) from None
+        want = files[rel]
+        if want is not None and digest.hexdigest() != want["sha256"]:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(
+                f"{join(uri, rel)}: fails its sha256 checksum (the manifest says {want['sha256'][:12]}..., "
+                f"the object hashes to {digest.hexdigest()[:12]}...): a damaged object"
+            )
+        os.replace(tmp, dest)
+        st = dest.stat()
+        return {"key": key(rel), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    with open(local / _FETCH_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            record = json.loads((local / FETCHED).read_text())
+        except (OSError, ValueError):
+            record = {}
+        keep = {}
+        for rel in files:
+            had, p = record.get(rel), local / rel
+            if had and had.get("key") == key(rel) and p.is_file():
+                st = p.stat()
+                if (st.st_size, st.st_mtime_ns) == (had.get("size"), had.get("mtime_ns")):
+                    keep[rel] = had
+        for p in sorted(local.rglob("*"), reverse=True):  # what the files do not name goes
+            rel = p.relative_to(local).as_posix()
+            if p.is_file() and rel not in files and rel not in written and rel not in (FETCHED, _FETCH_LOCK):
+                p.unlink()
+            elif p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+        todo = sorted(rel for rel in files if rel not in keep)
+        atomic_write_json(local / FETCHED, keep, fsync=False)  # what is being replaced is not trusted meanwhile
+        with ThreadPoolExecutor(max_workers=TRANSFERS_IN_FLIGHT) as pool:
+            fetched = dict(zip(todo, pool.map(fetch, todo)))
+        for rel, data in written.items():
+            if not (local / rel).is_file() or (local / rel).read_bytes() != data:
+                atomic_write(local / rel, data, fsync=False)
+        atomic_write_json(local / FETCHED, {**keep, **fetched}, fsync=False)
+    return local

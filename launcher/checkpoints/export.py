@@ -30,6 +30,12 @@ streamed into its shard file, so the peak is a few tensors, not the model. Every
 written into DIR.tmp-export and renamed into place at the end; an earlier export in DIR is
 replaced whole (no stale shard survives), anything else in DIR is refused.
 Reading never unpickles: safetensors, JSON and YAML only.
+
+Object storage: RUN_DIR may be a URI (a run's storage or its final/): its final/ is fetched
+into this host's cache, checked against its manifest (final.fetch_final; checkpoints are read
+from local folders only). DIR may be a URI: the export is written into a local staging folder
+and uploaded, config.json last (an export there is complete once config.json is); an earlier
+export at DIR is removed first (config.json first), anything else there is refused, as on disk.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +60,11 @@ from loomtrain.launcher.checkpoints.final import (
     WEIGHTS,
     WEIGHTS_INDEX,
     FinalWeightsError,
+    fetch_final,
     final_weight_files,
+    naming_objects,
+    objects_named,
+    staging_folder,
     verify_final,
 )
 from loomtrain.launcher.checkpoints.hf_source import gpt2_refs, llama_refs
@@ -62,6 +73,7 @@ from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, Safetensors
 from loomtrain.launcher.checkpoints.state import ConsolidatedReader
 from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
 from loomtrain.model import ModelConfig
+from loomtrain.storage import StorageError, delete_objects, is_uri, list_objects, upload_files
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -123,7 +135,15 @@ class Source:
 
 
 def open_source(src: str | Path) -> Source:
-    """The newest complete checkpoint of a run (or a checkpoint dir), else its final/."""
+    """The newest complete checkpoint of a run (or a checkpoint dir), else its final/; a URI: its final/."""
+    if is_uri(src):
+        try:
+            local = fetch_final(str(src))
+        except FinalWeightsError as exc:
+            raise ExportError(str(exc)) from None
+        source = open_source(local)
+        source.what = objects_named(source.what)
+        return source
     src = Path(src)
     if not src.exists():
         raise ExportError(f"{src}: no such run or checkpoint directory")
@@ -432,14 +452,56 @@ def _check_output(out: Path) -> None:
         )
 
 
+def _export_names(name: str) -> bool:
+    """A file an export writes (what an earlier export at a URI may hold, a cut-short one too)."""
+    small = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", WEIGHTS_INDEX)
+    return name in small or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _check_output_uri(uri: str) -> None:
+    listed = list_objects(uri)
+    others = sorted(rel for rel in listed if not _export_names(rel))
+    if others:
+        more = f" and {len(listed) - 1} more objects" if len(listed) > 1 else ""
+        raise ExportError(
+            f"--output {uri}: holds {others[0]}{more}, not an earlier export; "
+            f"choose a new or empty prefix (nothing in it was touched)"
+        )
+
+
+def publish_export(local: Path, uri: str) -> None:
+    """A finished local export onto object storage: an earlier one there goes (its config.json
+    first, so a reader never takes a half-replaced export for a whole one), then the files,
+    config.json last."""
+    names = sorted(p.name for p in local.iterdir() if p.is_file())
+    delete_objects(uri, ["config.json"])
+    delete_objects(uri)
+    upload_files(local, [n for n in names if n != "config.json"], uri)
+    upload_files(local, ["config.json"], uri)
+
+
 def export_hf(
     src: str | Path, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = DEFAULT_MAX_SHARD
-) -> Path:
+) -> Path | str:
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
-    torch_dtype = DTYPES[dtype]
     max_bytes = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
-    out = Path(output)
+    try:
+        with naming_objects():
+            if not is_uri(output):
+                return _export(src, Path(output), dtype, max_bytes, shown=str(output))
+            _check_output_uri(str(output))
+            with tempfile.TemporaryDirectory(prefix="export-", dir=staging_folder()) as tmp:
+                _export(src, Path(tmp) / "export", dtype, max_bytes, shown=str(output))
+                publish_export(Path(tmp) / "export", str(output))
+            return str(output)
+    except StorageError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _export(src: str | Path, out: Path, dtype: str, max_bytes: int, shown: str) -> Path:
+    """The export into the local folder `out` (`shown`: what the user named it)."""
+    torch_dtype = DTYPES[dtype]
     _check_output(out)
     source = open_source(src)
     cfg = source.cfg
@@ -470,7 +532,7 @@ def export_hf(
             k *= v
         n_params += k
     print(
-        f"export: {source.what} -> {out} ({config['architectures'][0]}, {n_params:,} parameters, {dtype}, "
+        f"export: {source.what} -> {shown} ({config['architectures'][0]}, {n_params:,} parameters, {dtype}, "
         f"{len(names)} file{'s' if len(names) > 1 else ''})"
     )
     return out

@@ -14,14 +14,28 @@ own state). `write_final` writes the same layout from full tensors in memory (`l
 import`, tests). Both write into a temp directory renamed into place. Readers check the
 manifest's sha256 (`verify_final`) before trusting a byte, and never unpickle anything.
 
+On object storage (`run.storage=s3://bucket/prefix`: final/ is {run.storage}/final/, same
+layout) there is no rename: manifest.json is the commit point, so final/ exists iff its
+manifest does. A writer first deletes an earlier manifest (the earlier final/ is gone from
+then on) and the rest of the prefix, uploads the files (each rank its own, from a local
+staging folder under run.dir), and writes the manifest last (`retract_final`, `publish_final`).
+A reader of a URI (`fetch_final`) downloads the manifest's files into a local cache folder per
+URI and host (`weights_cache`), each checked against its size and sha256 as it streams in and
+kept for the next reader while neither its manifest entry nor its object changed, and hands
+that folder to the same readers as a local final/; a missing or damaged object is one line
+naming it. Messages about the cached copy name the object instead (`naming_objects`).
+
 Public for other writers/readers of final/: WEIGHTS, WEIGHTS_INDEX, MODEL_CONFIG,
-TOKENIZER_DIR, FINAL_MANIFEST, write_final, save_final_sharded, verify_final,
-final_weight_files, read_final_state, load_final.
+TOKENIZER_DIR, FINAL_MANIFEST, final_location, write_final, save_final_sharded, publish_final,
+retract_final, verify_final, final_weight_files, read_final_state, load_final, find_final_uri,
+fetch_final, weights_cache, staging_folder, naming_objects, objects_named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -29,13 +43,23 @@ from pathlib import Path
 
 import torch
 from loomtrain.data_pipeline import load_tokenizer
-from loomtrain.durable import replace_dir, write_durable, write_json_durable
+from loomtrain.durable import json_bytes, replace_dir, write_durable, write_json_durable
 from loomtrain.launcher.checkpoints.ds_state import full_shape, named_params, read_local
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter, write_safetensors
 from loomtrain.launcher.checkpoints.store import sha256_file
 from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.parallel.plan import gather_shards, spec_of
+from loomtrain.storage import (
+    StorageError,
+    delete_objects,
+    download_verified,
+    is_uri,
+    join,
+    read_object,
+    upload_files,
+    write_object,
+)
 from safetensors import SafetensorError, safe_open
 
 WEIGHTS = "model.safetensors"
@@ -44,6 +68,13 @@ MODEL_CONFIG = "model_config.json"
 TOKENIZER_DIR = "tokenizer"
 FINAL_MANIFEST = "manifest.json"
 _PARTS = ".parts"
+# Each rank's local staging folder for an upload of final/ to object storage, under run.dir.
+UPLOAD_STAGING = ".tmp-final-upload"
+
+
+def final_location(storage: str, run_dir: str | os.PathLike) -> Path | str:
+    """Where a run's final weights go: {run.storage}/final when run.storage is set, else RUN_DIR/final."""
+    return join(storage, "final") if storage else Path(run_dir) / "final"
 
 
 def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
@@ -73,6 +104,15 @@ def _begin(out_dir: Path) -> Path:
 
 def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_map: dict | None) -> Path:
     """Rank 0: the small files, the manifest last, then the rename (an older final/ goes)."""
+    _small_files(tmp, files, model_cfg, tokenizer, weight_map)
+    shutil.rmtree(tmp / _PARTS, ignore_errors=True)
+    write_json_durable(tmp / FINAL_MANIFEST, {"files": files})
+    return replace_dir(tmp, out_dir)
+
+
+def _small_files(tmp: Path, files: dict, model_cfg, tokenizer, weight_map: dict | None) -> None:
+    """The index (several weight files), model_config.json and tokenizer/ into `tmp`; their
+    manifest entries added to `files` (which holds the weight files' already)."""
     if weight_map is not None:
         sizes = {f: files[f]["size"] for f in set(weight_map.values())}
         write_json_durable(
@@ -84,42 +124,139 @@ def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_
         rel = str(p.relative_to(tmp))
         if p.is_file() and rel not in files and _PARTS not in p.relative_to(tmp).parts:
             files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}  # small files
-    shutil.rmtree(tmp / _PARTS, ignore_errors=True)
-    write_json_durable(tmp / FINAL_MANIFEST, {"files": files})
-    return replace_dir(tmp, out_dir)
 
 
-def save_final_sharded(engine, topology, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
+def save_final_sharded(
+    engine, topology, model_cfg, tokenizer, out_dir: str | os.PathLike, staging: str | os.PathLike | None = None
+) -> Path | str:
     """Every rank calls this at the end of a run; each writes the parameters it owns (i % world),
     joined from TP shards and ZeRO partitions one at a time and streamed into its file, in the
     training dtype (fp32 runs: the fp32 masters, bitwise). Rank 0 adds the index, config,
-    tokenizer and manifest and renames the directory into place."""
+    tokenizer and manifest and renames the directory into place.
+
+    `out_dir` a URI ({run.storage}/final): each rank writes its file into its own folder under
+    `staging` (a local folder: run.dir) and uploads it; no folder is shared (`_save_final_to_uri`)."""
+    if is_uri(out_dir):
+        if staging is None:
+            raise ValueError(f"final weights to {out_dir}: a local staging folder is needed")
+        return _save_final_to_uri(engine, topology, model_cfg, tokenizer, str(out_dir), Path(staging))
     out_dir = Path(out_dir)
     rank, world = current_rank(), current_world_size()
     tmp = _begin(out_dir) if rank == 0 else out_dir.with_name(out_dir.name + ".tmp")
     barrier()
+    part = _write_share(engine, topology, tmp)
+    write_json_durable(tmp / _PARTS / f"rank_{rank:05d}.json", part)
+    barrier()
+    if rank == 0:
+        parts = [json.loads((tmp / _PARTS / f"rank_{r:05d}.json").read_text()) for r in range(world)]
+        files, weight_map = _merged(parts)
+        _finish(tmp, out_dir, files, model_cfg, tokenizer, weight_map)
+    barrier()
+    return out_dir
+
+
+def _write_share(engine, topology, folder: Path) -> dict:
+    """This rank's parameters (i % world) into its file in `folder` (a collective: every rank
+    joins each parameter's gather); -> {"files": {name: manifest entry}, "weight_map", "owners"}."""
+    rank, world = current_rank(), current_world_size()
     params = named_params(engine)
     owners = min(world, len(params))
     name = WEIGHTS if owners == 1 else f"model-{rank + 1:05d}-of-{owners:05d}.safetensors"
     mine = [(n, p) for i, (n, p) in enumerate(params) if i % world == rank]
-    writer = SafetensorsWriter(tmp / name, [(n, p.dtype, full_shape(p)) for n, p in mine]) if mine else None
+    writer = SafetensorsWriter(folder / name, [(n, p.dtype, full_shape(p)) for n, p in mine]) if mine else None
     for i, (n, p) in enumerate(params):
         full = gather_shards(read_local(engine, p, None), spec_of(p), topology)  # collective
         if writer is not None and i % world == rank:
             writer.write(n, full.to(p.dtype).reshape(full_shape(p)))
         del full
-    part = {"files": {name: writer.close()} if writer else {}, "weight_map": {n: name for n, _ in mine}}
-    write_json_durable(tmp / _PARTS / f"rank_{rank:05d}.json", part)
-    barrier()
+    return {
+        "files": {name: writer.close()} if writer else {},
+        "weight_map": {n: name for n, _ in mine},
+        "owners": owners,
+    }
+
+
+def _merged(parts: list[dict]) -> tuple[dict, dict | None]:
+    """(manifest entries of every rank's weight file, the index's weight_map or None for one file)."""
+    files, weight_map = {}, {}
+    for got in parts:
+        files.update(got["files"])
+        weight_map.update(got["weight_map"])
+    return files, (None if parts[0]["owners"] == 1 else weight_map)
+
+
+def _all_gather(obj) -> list:
+    if current_world_size() == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * current_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _save_final_to_uri(engine, topology, model_cfg, tokenizer, uri: str, staging: Path) -> str:
+    """final/ on object storage: rank 0 retracts an earlier one (its manifest first); each rank
+    writes its file into staging/UPLOAD_STAGING/rank_N and uploads it; rank 0 adds the small
+    files and writes the manifest last, once every rank's file is up. An upload that fails on
+    any rank fails every rank with that rank's one line (no rank waits on a collective for it)."""
+    rank = current_rank()
+    mine = staging / UPLOAD_STAGING / f"rank_{rank:05d}"
+    shutil.rmtree(mine, ignore_errors=True)
+    mine.mkdir(parents=True)
+    error = None
     if rank == 0:
-        files, weight_map = {}, {}
-        for r in range(world):
-            got = json.loads((tmp / _PARTS / f"rank_{r:05d}.json").read_text())
-            files.update(got["files"])
-            weight_map.update(got["weight_map"])
-        _finish(tmp, out_dir, files, model_cfg, tokenizer, weight_map=None if owners == 1 else weight_map)
-    barrier()
-    return out_dir
+        try:
+            retract_final(uri)
+        except StorageError as exc:
+            error = str(exc)
+    retracted = _all_gather(error)[0]  # also the barrier: nothing is uploaded before the retraction
+    if retracted is not None:
+        shutil.rmtree(mine, ignore_errors=True)
+        raise FinalWeightsError(retracted)
+    part = _write_share(engine, topology, mine)
+    try:
+        upload_files(mine, sorted(part["files"]), uri)
+    except StorageError as exc:
+        part["error"] = str(exc)
+    parts = _all_gather(part)
+    failed = [p["error"] for p in parts if p.get("error")]
+    if failed:
+        shutil.rmtree(mine, ignore_errors=True)
+        raise FinalWeightsError(failed[0])
+    error = None
+    if rank == 0:
+        files, weight_map = _merged(parts)
+        own = set(files)
+        try:
+            _small_files(mine, files, model_cfg, tokenizer, weight_map)
+            upload_files(mine, sorted(set(files) - own), uri)
+            write_object(join(uri, FINAL_MANIFEST), json_bytes({"files": files}))  # the commit point, last
+        except StorageError as exc:
+            error = str(exc)
+    errors = _all_gather(error)
+    shutil.rmtree(mine, ignore_errors=True)
+    if errors[0] is not None:
+        raise FinalWeightsError(errors[0])
+    return uri
+
+
+def retract_final(uri: str) -> None:
+    """Make a final/ at `uri` invisible (its manifest goes first: a reader then finds none),
+    then remove what else is under the prefix, so no stale shard outlives it."""
+    delete_objects(uri, [FINAL_MANIFEST])
+    delete_objects(uri)
+
+
+def publish_final(local_final: str | os.PathLike, uri: str) -> str:
+    """A finished local final/ (with its manifest) onto object storage at `uri`: an earlier
+    one retracted, the files uploaded several at a time, the manifest last."""
+    local_final = Path(local_final)
+    files = json.loads((local_final / FINAL_MANIFEST).read_text())["files"]
+    retract_final(uri)
+    upload_files(local_final, sorted(files), uri)
+    write_object(join(uri, FINAL_MANIFEST), (local_final / FINAL_MANIFEST).read_bytes())
+    return uri
 
 
 class FinalWeightsError(ValueError):
@@ -192,11 +329,15 @@ def read_final_state(final_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device = "cpu"):
-    """-> (Transformer, tokenizer) from RUN_DIR (or RUN_DIR/final).
+    """-> (Transformer, tokenizer) from RUN_DIR (or RUN_DIR/final), or from a URI: a run's
+    storage or its final/ (`fetch_final`).
 
     A missing or corrupt file raises FinalWeightsError naming it (a run killed while
     an older loomtrain wrote final/, a copy cut short, a disk error), never a
     safetensors / JSON traceback."""
+    if is_uri(run_or_final_dir):
+        with naming_objects():
+            return load_final(fetch_final(str(run_or_final_dir)), device)
     path = _final_dir(run_or_final_dir)
     weights_name = WEIGHTS_INDEX if (path / WEIGHTS_INDEX).exists() else WEIGHTS
     for name in (weights_name, MODEL_CONFIG, TOKENIZER_DIR):
@@ -234,3 +375,96 @@ def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device =
             path, TOKENIZER_DIR, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
         ) from None
     return model.to(device).eval(), tokenizer
+
+
+# Final weights at a URI, read through a local cache ---------------------------------------------
+_CACHED: dict[str, str] = {}  # cache folder -> the URI it holds (for naming_objects)
+
+
+def _cache_base() -> Path:
+    """This host's loomtrain cache: $XDG_CACHE_HOME/loomtrain (~/.cache/loomtrain when unset)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")) / "loomtrain"
+
+
+def weights_cache(uri: str) -> Path:
+    """This host's copy of the objects under `uri`: CACHE/objects/HASH, one folder per URI,
+    shared by the processes of the host."""
+    uri = uri.rstrip("/")
+    folder = _cache_base() / "objects" / hashlib.sha256(uri.encode()).hexdigest()[:24]
+    _CACHED[str(folder)] = uri
+    return folder
+
+
+def staging_folder() -> Path:
+    """Where `export` and `import` write what they then upload to a URI (CACHE/staging)."""
+    folder = _cache_base() / "staging"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def objects_named(text: str) -> str:
+    """`text` with every cache folder of this process replaced by the URI it holds."""
+    for folder, uri in _CACHED.items():
+        text = text.replace(folder, uri)
+    return text
+
+
+@contextlib.contextmanager
+def naming_objects():
+    """An error raised inside whose message names a cached copy names the object instead (the
+    same exception type), so that a reader's one line points at what the user gave."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        text = str(exc)
+        named = objects_named(text)
+        if named == text:
+            raise
+        try:
+            renamed = type(exc)(named)
+        except Exception:  # an exception type that takes other arguments
+            renamed = ValueError(named)
+        raise renamed from None
+
+
+def find_final_uri(uri: str) -> tuple[str, bytes] | None:
+    """(the final/ URI, its manifest's bytes) for `uri` naming a final/ or a run's storage
+    holding one; None when neither has a manifest (no final weights: none committed)."""
+    uri = uri.rstrip("/")
+    for candidate in (uri, join(uri, "final")):
+        raw = read_object(join(candidate, FINAL_MANIFEST))
+        if raw is not None:
+            return candidate, raw
+    return None
+
+
+def no_final_at(uri: str) -> FinalWeightsError:
+    return FinalWeightsError(
+        f"{uri}: no {FINAL_MANIFEST} there or under {uri.rstrip('/')}/final/ (final weights on object "
+        f"storage exist once their manifest is written: did the run finish, or was its upload cut short?)"
+    )
+
+
+def fetch_final(uri: str) -> Path:
+    """The final/ weights at `uri` (a final/ or a run's storage) as a local folder of this host's
+    cache, every file checked against the manifest; FinalWeightsError naming a missing or
+    damaged object."""
+    found = find_final_uri(uri)
+    if found is None:
+        raise no_final_at(uri)
+    final_uri, raw = found
+    try:
+        files = json.loads(raw)["files"]
+        if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        ):
+            raise ValueError("expected {relpath: {size, sha256}} under 'files'")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FinalWeightsError(
+            f"{join(final_uri, FINAL_MANIFEST)}: unreadable ({str(exc).splitlines()[0] if str(exc) else exc!r})"
+        ) from None
+    try:
+        return download_verified(final_uri, weights_cache(final_uri), files, written={FINAL_MANIFEST: raw})
+    except StorageError as exc:
+        raise FinalWeightsError(f"{exc}; the final weights at {final_uri} are incomplete or damaged") from None

@@ -16,21 +16,36 @@ RUN_DIR must be absent, an empty directory, or a previous import of the same sou
 first line names it; the import replaces it); never a file, the source itself or a folder holding
 anything else. Everything is checked and read (headers, dtypes, shapes, every value finite)
 before anything is written, and a failure while writing leaves nothing behind.
+
+Object storage: RUN_DIR may be a URI (s3://bucket/prefix): the same refusals apply to what is
+under it; the import is written into a local staging folder and uploaded, final/ as a run's
+final/ goes (its manifest last) and config.yaml after it (run.storage the URI, model.init_from
+URI/final, data.tokenizer URI/final/tokenizer/tokenizer.json). SRC_DIR may be a URI of a Hugging
+Face folder: its files are fetched into this host's cache first (weight_source.fetch_weights).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
+import tempfile
 from pathlib import Path
 
 from loomtrain.data_pipeline import DataError, load_tokenizer
 from loomtrain.durable import atomic_write
-from loomtrain.launcher.checkpoints.final import TOKENIZER_DIR, write_final
+from loomtrain.launcher.checkpoints.final import (
+    TOKENIZER_DIR,
+    naming_objects,
+    objects_named,
+    publish_final,
+    staging_folder,
+    write_final,
+)
 from loomtrain.launcher.checkpoints.hf_source import HFImportError, open_hf
 from loomtrain.launcher.checkpoints.safetensors_source import WeightSource, check_complete, model_tensor_names
 from loomtrain.launcher.config import DataConfig, RunConfig, RunSection, TrainConfig
 from loomtrain.launcher.config_loader import to_yaml
+from loomtrain.storage import StorageError, delete_objects, is_uri, join, list_objects, read_object, upload_files
 
 FORMATS = ("hf",)
 
@@ -63,15 +78,18 @@ IMPORTED_FROM = "# made by `loomtrain import --format hf {}`\n"
 IMPORT_ENTRIES = {"final", "config.yaml"}
 
 
-def write_run_config(out: Path, model_cfg, tokenizer_file: Path, src: Path) -> Path:
-    """RUN_DIR/config.yaml: a run that starts from these weights with this tokenizer."""
+def write_run_config(out: Path, model_cfg, src_name: str, uri: str | None = None) -> Path:
+    """RUN_DIR/config.yaml: a run that starts from these weights with their tokenizer. `uri`:
+    where RUN_DIR will be uploaded (the config names the objects, run.storage that URI)."""
+    where = uri or str(out)
+    section = RunSection(name=where.rstrip("/").rsplit("/", 1)[-1], storage=uri) if uri else RunSection(out.name, where)
     run = RunConfig(
-        run=RunSection(name=out.name, dir=str(out)),
-        model=dataclasses.replace(model_cfg, init_from=str(out / "final")),
-        data=DataConfig(tokenizer=str(tokenizer_file)),
+        run=section,
+        model=dataclasses.replace(model_cfg, init_from=join(where, "final")),
+        data=DataConfig(tokenizer=join(where, "final", TOKENIZER_DIR, "tokenizer.json")),
         train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)),
     )
-    atomic_write(out / "config.yaml", IMPORTED_FROM.format(src.resolve()) + to_yaml(run))
+    atomic_write(out / "config.yaml", IMPORTED_FROM.format(src_name) + to_yaml(run))
     return out / "config.yaml"
 
 
@@ -82,6 +100,11 @@ def _imported_from(out: Path) -> str | None:
             first = f.readline()
     except OSError:
         return None
+    return _source_in(first)
+
+
+def _source_in(first: str) -> str | None:
+    """The source config.yaml's first line names, or None when it is not an import's."""
     head, tail = IMPORTED_FROM.split("{}")
     return first[len(head) : -len(tail)] if first.startswith(head) and first.endswith(tail) else None
 
@@ -110,6 +133,23 @@ def check_output(out: Path, src: Path) -> None:
     raise HFImportError(f"--output {out}: holds {others[0]}{more}, not a previous import of {src}; {untouched}")
 
 
+def check_output_uri(uri: str, src_name: str) -> None:
+    """check_output for an --output URI: what is under it decides, as a folder's entries do."""
+    untouched = "choose a new or empty prefix (nothing in it was touched)"
+    entries = sorted({rel.split("/")[0] for rel in list_objects(uri)})
+    if not entries:
+        return
+    raw = read_object(join(uri, "config.yaml"))
+    previous = _source_in(raw.decode("utf-8", "replace").split("\n")[0] + "\n") if raw else None
+    if set(entries) <= IMPORT_ENTRIES and previous == src_name:
+        return
+    if set(entries) <= IMPORT_ENTRIES and previous is not None:
+        raise HFImportError(f"--output {uri}: holds an import of {previous}, not of {src_name}; {untouched}")
+    others = [e for e in entries if e not in IMPORT_ENTRIES] or entries
+    more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
+    raise HFImportError(f"--output {uri}: holds {others[0]}{more}, not a previous import of {src_name}; {untouched}")
+
+
 def _first_missing(path: Path) -> Path | None:
     """The outermost folder of `path` that does not exist yet (what an import creates), or None."""
     missing = None
@@ -120,13 +160,13 @@ def _first_missing(path: Path) -> Path | None:
     return missing
 
 
-def write_import(out: Path, state: dict, source: WeightSource, tok, src: Path) -> None:
+def write_import(out: Path, state: dict, source: WeightSource, tok, src_name: str, uri: str | None = None) -> None:
     """OUTPUT/final and OUTPUT/config.yaml; on any failure nothing is left behind (no final.tmp,
     no folder the import created) and an OS error is one line naming the path."""
     made = _first_missing(out)
     try:
         write_final(state, source.model_cfg, tok, out / "final")
-        write_run_config(out, source.model_cfg, out / "final" / TOKENIZER_DIR / "tokenizer.json", src)
+        write_run_config(out, source.model_cfg, src_name, uri)
     except BaseException as exc:
         shutil.rmtree(made if made is not None else out / "final.tmp", ignore_errors=True)
         if isinstance(exc, OSError):
@@ -136,12 +176,41 @@ def write_import(out: Path, state: dict, source: WeightSource, tok, src: Path) -
         raise
 
 
-def import_hf(src: str | Path, output: str | Path) -> Path:
-    src, out = Path(src).expanduser(), Path(output).expanduser().absolute()
+def publish_import(local: Path, uri: str) -> None:
+    """A finished local import onto object storage: config.yaml of an earlier one goes first,
+    then final/ (retracted and uploaded, its manifest last), then config.yaml."""
+    delete_objects(uri, ["config.yaml"])
+    publish_final(local / "final", join(uri, "final"))
+    upload_files(local, ["config.yaml"], uri)
+
+
+def import_hf(src: str | Path, output: str | Path) -> Path | str:
     try:
-        check_output(out, src)
-    except OSError as exc:  # a folder on the way that cannot be read
-        raise HFImportError(f"--output {out}: cannot look into {exc.filename or out}: {exc.strerror or exc}") from None
+        with naming_objects():
+            return _import_hf(src, output)
+    except StorageError as exc:
+        raise HFImportError(str(exc)) from None
+
+
+def _import_hf(src: str | Path, output: str | Path) -> Path | str:
+    src_uri = str(src) if is_uri(src) else None
+    if src_uri:
+        from loomtrain.launcher.checkpoints.weight_source import fetch_weights
+
+        src = fetch_weights(src_uri)
+    src = Path(src).expanduser()
+    src_name = src_uri or str(src.resolve())
+    if is_uri(output):
+        out, uri = None, str(output)
+        check_output_uri(uri, src_name)
+    else:
+        out, uri = Path(output).expanduser().absolute(), None
+        try:
+            check_output(out, src)
+        except OSError as exc:  # a folder on the way that cannot be read
+            raise HFImportError(
+                f"--output {out}: cannot look into {exc.filename or out}: {exc.strerror or exc}"
+            ) from None
     if not (src / "config.json").is_file():
         raise HFImportError(f"{src}: no config.json (expected a Hugging Face model directory)")
     source = open_hf(src)
@@ -149,7 +218,13 @@ def import_hf(src: str | Path, output: str | Path) -> Path:
     tok = _load_tokenizer(source, src)
     # all read (each tensor checked to be finite) before anything is written
     state = {name: source.read(name) for name in model_tensor_names(source.model_cfg)}
-    write_import(out, state, source, tok, src)
+    if uri is None:
+        write_import(out, state, source, tok, src_name)
+    else:
+        with tempfile.TemporaryDirectory(prefix="import-", dir=staging_folder()) as tmp:
+            write_import(Path(tmp) / "run", state, source, tok, src_name, uri)
+            publish_import(Path(tmp) / "run", uri)
     n = sum(t.numel() for t in state.values())
-    print(f"import: {source.description} -> {out} ({n:,} parameters, tokenizer {tok.vocab_size} tokens)")
-    return out
+    description = objects_named(source.description)
+    print(f"import: {description} -> {uri or out} ({n:,} parameters, tokenizer {tok.vocab_size} tokens)")
+    return uri or out

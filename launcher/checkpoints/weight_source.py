@@ -7,7 +7,10 @@ of directory are sources (`open_source`):
   * a run's final/ (model_config.json + model.safetensors, or shards named by
     model.safetensors.index.json), or the run directory holding it; `loomtrain import`
     writes this too;
-  * a Hugging Face model directory (config.json + safetensors), mapped by hf_source.
+  * a Hugging Face model directory (config.json + safetensors), mapped by hf_source;
+  * either at a URI (s3://bucket/prefix: a run's storage, its final/, or a Hugging Face folder):
+    its objects are fetched into this host's cache (`fetch_weights`; a final/ checked against its
+    manifest) and read from there as a local folder; messages name the objects.
 
 What a source is and how it is read: safetensors_source.py. A tensor-parallel rank reads only
 its own rows or columns of each tensor (`load_into`).
@@ -19,9 +22,20 @@ import json
 from pathlib import Path
 
 import torch
-from loomtrain.launcher.checkpoints.final import MODEL_CONFIG, TOKENIZER_DIR
+from loomtrain.launcher.checkpoints.final import (
+    FINAL_MANIFEST,
+    MODEL_CONFIG,
+    TOKENIZER_DIR,
+    FinalWeightsError,
+    fetch_final,
+    find_final_uri,
+    naming_objects,
+    objects_named,
+    weights_cache,
+)
 from loomtrain.launcher.checkpoints.hf_source import open_hf
 from loomtrain.launcher.checkpoints.safetensors_source import (
+    PICKLED_SUFFIXES,
     SafetensorsFiles,
     TensorRef,
     WeightSource,
@@ -35,6 +49,10 @@ from loomtrain.launcher.config_loader import run_has_checkpoints
 from loomtrain.launcher.rundir import run_dir
 from loomtrain.model import ModelConfig
 from loomtrain.parallel.plan import spec_of
+from loomtrain.storage import StorageError, download_verified, is_uri, join, list_objects, read_object
+
+# What a Hugging Face folder at a URI holds that is read: config, index, weights, tokenizer files.
+HF_SUFFIXES = (".json", ".safetensors", ".model", ".txt")
 
 
 def _final_dir(path: Path) -> Path | None:
@@ -44,8 +62,43 @@ def _final_dir(path: Path) -> Path | None:
     return None
 
 
+def weights_at(uri: str) -> bool:
+    """Does `uri` hold weights open_source reads (a committed final/, or a config.json)?"""
+    return find_final_uri(uri) is not None or read_object(join(uri, "config.json")) is not None
+
+
+def fetch_weights(uri: str) -> Path:
+    """The weights at `uri` as a local folder of this host's cache: a run's final/ (or the storage
+    holding one: every file checked against its manifest), else a Hugging Face folder (its
+    config, index, safetensors and tokenizer files). WeightSourceError naming the object otherwise."""
+    try:
+        if find_final_uri(uri) is not None:
+            return fetch_final(uri)
+        if read_object(join(uri, "config.json")) is None:
+            raise WeightSourceError(
+                f"{uri}: neither a run's final/ ({FINAL_MANIFEST}), a run storage with one, nor a Hugging Face "
+                f"model folder (config.json); a final/ whose upload was cut short has no {FINAL_MANIFEST}"
+            )
+        listed = {rel: info for rel, info in list_objects(uri).items() if "/" not in rel}
+        wanted = {rel: None for rel in listed if rel.endswith(HF_SUFFIXES)}
+        pickled = sorted(rel for rel in listed if rel.endswith(PICKLED_SUFFIXES))
+        if pickled and not any(rel.endswith(".safetensors") for rel in wanted):
+            raise WeightSourceError(
+                f"{join(uri, pickled[0])}: pickled weights are not read (loading them can run arbitrary code); "
+                f"convert them to safetensors first"
+            )
+        return download_verified(uri, weights_cache(uri), wanted)
+    except (FinalWeightsError, StorageError) as exc:
+        raise WeightSourceError(str(exc)) from None
+
+
 def open_source(path: str | Path) -> WeightSource:
-    """A run's final/ (or its run directory) or a Hugging Face model directory."""
+    """A run's final/ (or its run directory) or a Hugging Face model directory, local or at a URI."""
+    if is_uri(path):
+        with naming_objects():
+            source = open_source(fetch_weights(str(path)))
+        source.description = objects_named(source.description)
+        return source
     path = Path(path).expanduser()
     if not path.is_dir():
         raise WeightSourceError(
@@ -149,7 +202,7 @@ def load_into(model: torch.nn.Module, source: WeightSource) -> None:
 
 
 def _config_error(exc: WeightSourceError) -> ConfigError:
-    msg = str(exc)
+    msg = objects_named(str(exc))  # a cached copy of a URI's object: named as the object
     return ConfigError(msg if msg.startswith("model.") else f"model.init_from: {msg}")
 
 
@@ -173,6 +226,9 @@ def check_init_from(cfg: RunConfig) -> None:
     a config passes wherever its files are; `train`, `submit` and each rank's start call it."""
     if not cfg.model.init_from:
         return
+    if is_uri(cfg.model.init_from):
+        _check_init_from_uri(cfg)
+        return
     src = Path(cfg.model.init_from).expanduser()
     if not src.exists() and run_has_checkpoints(cfg):
         return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
@@ -192,20 +248,48 @@ def check_init_from(cfg: RunConfig) -> None:
     open_matching(cfg.model)
 
 
+def _check_init_from_uri(cfg: RunConfig) -> None:
+    uri, own = cfg.model.init_from.rstrip("/"), cfg.run.storage.rstrip("/")
+    check(
+        not own or uri not in (own, join(own, "final")),
+        "model.init_from",
+        f"weights outside run.storage={cfg.run.storage} (the run's end replaces its final/; give the new run "
+        f"its own run.storage)",
+        cfg.model.init_from,
+    )
+    try:
+        there = weights_at(uri)
+    except StorageError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from None
+    if not there and run_has_checkpoints(cfg):
+        return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
+    open_matching(cfg.model)
+
+
+def _weights_gone(init_from: str) -> bool:
+    if is_uri(init_from):
+        try:
+            return not weights_at(init_from)
+        except StorageError:
+            return False  # open_matching names what is wrong
+    return not Path(init_from).expanduser().exists()
+
+
 def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str = "auto") -> None:
     """Load model.init_from into a freshly built (possibly tensor-parallel) model, in place.
 
     The weights only seed a run's first start: when they are gone but the run (`run_dir`,
     `checkpoint.resume` not "never") has a complete checkpoint, which the resume then loads
     over the model anyway, nothing is read."""
-    if run_dir is not None and resume != "never" and not Path(cfg.init_from).expanduser().exists():
+    if run_dir is not None and resume != "never" and _weights_gone(cfg.init_from):
         found = CheckpointStore(run_dir, log=log).find_resumable(checksums=False)
         if found is not None:
             log(f"model.init_from: {cfg.init_from} is gone; the run resumes from {found}")
             return
     source = open_matching(cfg)
     try:
-        load_into(model, source)  # every tensor is checked to be finite as it is read
+        with naming_objects():
+            load_into(model, source)  # every tensor is checked to be finite as it is read
     except WeightSourceError as exc:  # a NaN or inf: refused before step 1, naming the tensor
         raise _config_error(exc) from None
     log(f"model.init_from: starting from {source.description}")

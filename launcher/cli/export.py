@@ -19,10 +19,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     ap.add_argument(
-        "run_dir", help="a run directory (newest complete checkpoint, else final/) or a checkpoint directory"
+        "run_dir",
+        help="a run directory (newest complete checkpoint, else final/), a checkpoint directory, "
+        "or a URI of a run's storage or its final/ (s3://bucket/run: its final/)",
     )
     ap.add_argument("--format", default="hf", choices=FORMATS, help="the export's format")
-    ap.add_argument("--output", required=True, help="output directory (created; an earlier export there is replaced)")
+    ap.add_argument(
+        "--output",
+        required=True,
+        help="output directory or URI (created; an earlier export there is replaced)",
+    )
     ap.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weights' dtype in the export (default fp32)")
     ap.add_argument(
         "--max-shard-size",

@@ -3,7 +3,9 @@
 Loads RUN_DIR/final (safetensors + JSON + tokenizer; nothing unpickled), or where a run has
 no final/ (stopped early, e.g. by checkpoint.stop_at_step) its newest complete checkpoint, or
 a checkpoint directory given directly (read as `export` reads it), and prints the prompt
-followed by its continuation. Temperature 0 is greedy.
+followed by its continuation. Temperature 0 is greedy. RUN_DIR may be a URI (a run's
+run.storage or its final/, e.g. s3://bucket/run): its final/ is fetched into this host's cache,
+each file checked against the manifest (checkpoints are read from local folders only).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "run_dir",
-        help="a run directory (its final/, else its newest complete checkpoint), its final/, or a checkpoint directory",
+        help="a run directory (its final/, else its newest complete checkpoint), its final/, a checkpoint directory, "
+        "or a URI of a run's storage or its final/ (s3://bucket/run)",
     )
     p.add_argument("--prompt", default="", help="text to continue (default: start from end-of-text)")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
@@ -80,7 +83,11 @@ def load_model(path: str, device: str):
     from loomtrain.launcher.checkpoints.final import FinalWeightsError, load_final
     from loomtrain.launcher.checkpoints.store import MANIFEST
     from loomtrain.model import Transformer
+    from loomtrain.storage import is_uri
 
+    if is_uri(path):  # never a path: s3://b/x would read a folder ./s3:/b/x
+        model, tok = load_final(path, device=device)
+        return model, tok, "final weights"
     p = Path(path)
     is_checkpoint = (p / MANIFEST).is_file() and (p / "trainer.json").is_file()
     if not is_checkpoint and (p.is_file() or not (p / "checkpoints").is_dir() or (p / "final").is_dir()):

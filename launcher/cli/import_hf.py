@@ -19,12 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Turn a Hugging Face model directory into a loomtrain run directory.",
         formatter_class=HelpFormatter,
     )
-    ap.add_argument("src", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    ap.add_argument("src", help="a Hugging Face model directory or URI (config.json, safetensors, tokenizer.json)")
     ap.add_argument("--format", default="hf", choices=FORMATS, help="the source's format")
     ap.add_argument(
         "--output",
         required=True,
-        help="the run directory to create (final/ and config.yaml): absent, empty, or a previous import of SRC",
+        help="the run directory or URI to create (final/ and config.yaml): absent, empty, or a previous import of SRC",
     )
     return ap
 

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from loomtrain.data_pipeline import TokenStream
 from loomtrain.data_pipeline.tokenizer import Tokenizer
 from loomtrain.launcher import rundir
-from loomtrain.launcher.checkpoints.final import save_final_sharded
+from loomtrain.launcher.checkpoints.final import final_location, save_final_sharded
 from loomtrain.launcher.checkpoints.hook import CheckpointHook
 from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.config import RunConfig
@@ -86,7 +86,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # steps run by this call, in order
     steps: list[int] = field(default_factory=list)  # their step numbers (1-based)
     evals: dict[int, float] = field(default_factory=dict)  # step -> eval/loss
-    final_dir: Path | None = None
+    final_dir: Path | str | None = None  # a URI with run.storage
     state: TrainState | None = None
     wall_s: float = 0.0  # this call, set-up and final weights included
     train_s: float = 0.0  # this call's training loop (at most wall_s; state.elapsed sums all calls)
@@ -689,10 +689,11 @@ def done_line(result: TrainResult, start_step: int, elapsed: float) -> str:
     return line
 
 
-def _save_final(ctx: TrainContext) -> Path:
-    """final/: every rank writes its share of the full weights (see checkpoints.final.save_final_sharded)."""
-    final = ctx.run_dir / "final"
+def _save_final(ctx: TrainContext) -> Path | str:
+    """final/ (RUN_DIR/final, or {run.storage}/final staged under RUN_DIR): every rank writes its
+    share of the full weights (see checkpoints.final.save_final_sharded)."""
+    final = final_location(ctx.cfg.run.storage, ctx.run_dir)
     with io_phase("final weights"):
-        save_final_sharded(ctx.engine, ctx.topology, ctx.cfg.model, ctx.tokenizer, final)
-    ctx.metrics.message(f"final weights: {final.absolute()}")
+        save_final_sharded(ctx.engine, ctx.topology, ctx.cfg.model, ctx.tokenizer, final, staging=ctx.run_dir)
+    ctx.metrics.message(f"final weights: {final if isinstance(final, str) else final.absolute()}")
     return final
