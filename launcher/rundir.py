@@ -75,6 +75,14 @@ def run_dir(cfg: RunConfig) -> Path:
     return local_path(cfg.run.dir)
 
 
+def checkpoint_location(cfg: RunConfig, folder: Path | None = None) -> Path | str:
+    """Where a run's checkpoints live (checkpoints/ below it): run.storage when it is set (an
+    object-store URI that every host reaches), else RUN_DIR (`folder` when given)."""
+    if cfg.run.storage:
+        return cfg.run.storage.rstrip("/")
+    return folder if folder is not None else run_dir(cfg)
+
+
 def data_cache_dir(cfg: RunConfig) -> Path:
     """Where the embedded corpus' shards are cached: data.cache_dir, else .data_cache beside
     RUN_DIR (shared by the runs in the same folder, so each tokenizes the corpus once)."""

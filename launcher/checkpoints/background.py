@@ -19,16 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from loomtrain.launcher.checkpoints.state import (
-    Snapshot,
-    mark_failed,
-    parts_done,
-    publish_snapshot,
-    write_snapshot,
-)
+from loomtrain.launcher.checkpoints.state import Snapshot, publish_snapshot, write_snapshot
 from loomtrain.launcher.checkpoints.store import CheckpointStore
-
-POLL_S = 0.05
 
 
 class BackgroundSave:
@@ -36,14 +28,15 @@ class BackgroundSave:
         self,
         snap: Snapshot,
         store: CheckpointStore,
-        tmp: Path,
+        tmp: Path | str,
         on_published: Callable[[BackgroundSave], None] | None = None,
     ):
-        self.snap, self.store, self.tmp = snap, store, Path(tmp)
+        # tmp: a temp folder, or (run.storage) the step's prefix in the object store
+        self.snap, self.store, self.tmp = snap, store, tmp if isinstance(tmp, str) else Path(tmp)
         self.on_published = on_published
         self.step = snap.step
         self.error: BaseException | None = None
-        self.path: Path | None = None
+        self.path: Path | str | None = None
         self.write_start = self.write_end = self.published_at = None
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-step-{snap.step}", daemon=True)
 
@@ -57,7 +50,7 @@ class BackgroundSave:
             write_snapshot(self.snap, self.store, self.tmp)
         except BaseException as exc:  # noqa: BLE001  (reported by wait(); the others see the marker)
             self.error = exc
-            mark_failed(self.tmp, self.snap.rank, exc)
+            self.store.mark_failed(self.tmp, self.snap.rank, exc)
             return
         finally:
             self.write_end = time.time()
@@ -65,8 +58,8 @@ class BackgroundSave:
         if self.snap.rank != 0:
             return
         try:
-            while not parts_done(self.tmp, self.snap.world):
-                time.sleep(POLL_S)
+            while not self.store.parts_done(self.tmp, self.snap.world):
+                time.sleep(self.store.poll_s)
             self.path = publish_snapshot(self.store, self.tmp, self.step, self.snap.world)
             self.published_at = time.time()
         except BaseException as exc:  # noqa: BLE001

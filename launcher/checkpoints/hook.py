@@ -3,11 +3,12 @@
     checkpoint.every_steps   save after every N-th step (0: only at the end / on SIGTERM)
     checkpoint.keep_last     keep the newest N published checkpoints (0: all)
     checkpoint.keep_every    also keep every M-th step's checkpoint (0: none)
-    checkpoint.resume        auto (newest complete one in RUN_DIR/checkpoints, if any; when
+    checkpoint.resume        auto (newest complete one in RUN_DIR/checkpoints, or in
+                             {run.storage}/checkpoints when run.storage is a URI; when
                              there are checkpoints but none verifies, the run stops) |
                              never (earlier checkpoints, metrics.jsonl, final/ and tb/ in
                              RUN_DIR are moved aside to checkpoints/superseded-TIME/) |
-                             PATH (a checkpoint directory, or a run directory): seeds the
+                             PATH or URI (a checkpoint, or a run directory / storage): seeds the
                              first start only; once RUN_DIR has checkpoints, those win
     checkpoint.stop_at_step  save and exit cleanly after this step (0: never)
     checkpoint.async_save    write in the background (background.py); at most one save in
@@ -42,7 +43,7 @@ from loomtrain.launcher.checkpoints.state import (
 from loomtrain.launcher.checkpoints.store import (
     CheckpointStore,
     is_write_error,
-    verify,
+    open_store,
     wait_for_deletions,
     write_error,
 )
@@ -51,7 +52,8 @@ from loomtrain.launcher.config_loader import ConfigError, to_yaml
 from loomtrain.launcher.distributed import barrier, broadcast_str
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.observe.watchdog import io_phase
-from loomtrain.launcher.rundir import supersede
+from loomtrain.launcher.rundir import checkpoint_location, supersede
+from loomtrain.storage import is_uri
 
 
 def _other_model_hint(resume: str, ctx: TrainContext) -> str:
@@ -79,12 +81,15 @@ class CheckpointHook(Hooks):
         c = self.cfg.checkpoint
         say = ctx.metrics.message if ctx.metrics is not None else (lambda m: print(m, file=sys.stderr, flush=True))
         log = say if ctx.dist.rank == 0 else (lambda m: None)
-        self.store = CheckpointStore(ctx.run_dir, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
+        # RUN_DIR/checkpoints, or {run.storage}/checkpoints in an object store
+        where = checkpoint_location(self.cfg, ctx.run_dir)
+        self.store = open_store(where, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
         ctx.checkpoint_saves = self.saves
         found, error = None, None
         if ctx.dist.rank == 0:
             if c.resume == "never":  # earlier checkpoints and outputs go aside, nothing is deleted
-                supersede(Path(ctx.run_dir), self.store.set_aside(), log=log)
+                aside = self.store.set_aside()  # a folder beside them, or a prefix in the object store
+                supersede(Path(ctx.run_dir), aside if isinstance(aside, Path) else None, log=log)
             try:
                 # Sizes only here: each rank verifies the checksums of what it reads (load_checkpoint).
                 path = self.store.resolve_resume(c.resume, checksums=False)
@@ -104,7 +109,7 @@ class CheckpointHook(Hooks):
         self._tidy(ctx, fresh=False, log=log)
         self.last_saved = ctx.state.step
         found = trainer["path"]
-        ctx.resumed_from = Path(found)
+        ctx.resumed_from = found if is_uri(found) else Path(found)
         lay = trainer["layout"]
         log(
             f"resumed from {found} (step {ctx.state.step}, saved at tp {lay['tp']} x dp {lay['dp']} "
@@ -145,9 +150,9 @@ class CheckpointHook(Hooks):
             log(f"checkpoint: skipping {found}: {bad}; trying the previous one")
             older = None
             if ctx.dist.rank == 0:
-                step = int(Path(found).name.split("_")[-1])
+                step = int(str(found).rstrip("/").rsplit("_", 1)[-1])
                 for s, path in reversed(self.store.published()):
-                    if s < step and verify(path, checksums=False).ok:
+                    if s < step and self.store.verify(path, checksums=False).ok:
                         older = str(path)
                         break
             older = broadcast_str(older)
@@ -199,7 +204,7 @@ class CheckpointHook(Hooks):
                 ctx, f"checkpoint: step {bg.step} was not saved (rank {ctx.dist.rank}): {bg.error}", every_rank=True
             )
 
-    def save(self, ctx: TrainContext, reason: str = "") -> Path:
+    def save(self, ctx: TrainContext, reason: str = "") -> Path | str:
         """Save this step: synchronously, or (checkpoint.async_save) hand it to a writer thread
         after waiting for the one in flight. Returns the directory it is (or will be) published as."""
         self.wait(ctx)
@@ -210,7 +215,7 @@ class CheckpointHook(Hooks):
                 raise write_error(exc, self.store, ctx.state.step) from None
             raise
 
-    def _save(self, ctx: TrainContext, reason: str) -> Path:
+    def _save(self, ctx: TrainContext, reason: str) -> Path | str:
         with io_phase("checkpoint save"):
             t0 = time.perf_counter()
             step, rank = ctx.state.step, ctx.dist.rank

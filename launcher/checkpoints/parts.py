@@ -37,8 +37,7 @@ from loomtrain.launcher.checkpoints.ds_state import (
     write_local,
     written_range,
 )
-from loomtrain.launcher.checkpoints.shards import Region
-from safetensors import safe_open
+from loomtrain.launcher.checkpoints.shards import Region, safetensors_metadata
 from safetensors.torch import load as load_safetensors
 
 KEYS = (None, *MOMENTS)  # a parameter's tensors in a checkpoint: the fp32 master, then the moments
@@ -204,11 +203,11 @@ class Rng:
 
     def put(self, training: Training, ckpt) -> None:
         rel = f"rng/rank_{ckpt.rank:05d}.safetensors"
-        if ckpt.trainer["layout"]["world_size"] != ckpt.world or not (ckpt.path / rel).exists():
+        if ckpt.trainer["layout"]["world_size"] != ckpt.world or not ckpt.has(rel):
             return
-        tensors = load_safetensors(ckpt.verified(rel))
-        with safe_open(str(ckpt.path / rel), framework="pt") as f:
-            meta = f.metadata()
+        data = ckpt.verified(rel)
+        tensors = load_safetensors(data)
+        meta = safetensors_metadata(data)
         v, state, gauss = json.loads(meta["python"])
         random.setstate((v, tuple(state), gauss))
         name, keys, pos, has_gauss, cached = json.loads(meta["numpy"])
@@ -234,8 +233,8 @@ class DataStream:
             return
         dp_rank, dp_size = training.dp
         own = f"data/dp_{dp_rank:05d}.json"
-        src = own if ckpt.trainer["layout"]["dp"] == dp_size and (ckpt.path / own).exists() else "data/dp_00000.json"
-        if (ckpt.path / src).exists():
+        src = own if ckpt.trainer["layout"]["dp"] == dp_size and ckpt.has(own) else "data/dp_00000.json"
+        if ckpt.has(src):
             training.stream.load_state_dict(json.loads(ckpt.verified(src)))
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from loomtrain.storage import is_uri, object_store
 
 GRID_ROWS, GRID_COLS = 32, 8
 
@@ -252,6 +253,7 @@ class SafetensorsWriter:
         specs: list[tuple[str, torch.dtype, list[int]]],
         metadata: dict[str, str] | None = None,
         whole_file_hash: bool = True,
+        sink=None,
     ):
         header: dict = {}
         pos = 0
@@ -263,14 +265,17 @@ class SafetensorsWriter:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path if sink is not None else Path(path)
         self._specs = list(specs)
         self._next = 0
         self._size = 8 + len(raw) + pos
         self._hash = hashlib.sha256() if whole_file_hash else None
         self._unsynced = 0
-        self._f = open(self.path, "wb")
+        # `sink`: an object-store upload (objects.Upload: write, close, abort) instead of a file
+        self._sink = sink
+        if sink is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "wb") if sink is None else sink
         for chunk in (struct.pack("<Q", len(raw)), raw):
             self._write(memoryview(chunk))
 
@@ -279,7 +284,7 @@ class SafetensorsWriter:
         if self._hash is not None:
             self._hash.update(data)
         self._unsynced += len(data)
-        if self._unsynced >= FLUSH_EVERY:
+        if self._unsynced >= FLUSH_EVERY and self._sink is None:
             # Write-behind: the disk starts on what is written while the caller produces the
             # rest (hashing, the next tensor); left to close(), the whole file would be flushed
             # only after everything else is done.
@@ -298,9 +303,12 @@ class SafetensorsWriter:
     def close(self) -> dict:
         if self._next != len(self._specs):
             raise ValueError(f"{self.path}: {len(self._specs) - self._next} tensors were not written")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        if self._sink is not None:
+            self._sink.close()
+        else:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
         if self._hash is None:
             return {"size": self._size}
         return {"size": self._size, "sha256": self._hash.hexdigest()}
@@ -311,14 +319,34 @@ def write_safetensors(
     tensors: dict[str, torch.Tensor],
     metadata: dict[str, str] | None = None,
     whole_file_hash: bool = True,
+    sink=None,
 ) -> dict:
     """Write a safetensors file, hashing as it goes; fsynced. Returns {"size", "sha256"}
-    (see SafetensorsWriter for whole_file_hash)."""
+    (see SafetensorsWriter for whole_file_hash). With `sink` (an object-store upload) the
+    bytes go there instead, `path` naming it; a failure aborts the upload."""
     specs = [(k, t.dtype, list(t.shape)) for k, t in tensors.items()]
-    w = SafetensorsWriter(path, specs, metadata, whole_file_hash)
-    for k, t in tensors.items():
-        w.write(k, t)
-    return w.close()
+    if sink is None:
+        w = SafetensorsWriter(path, specs, metadata, whole_file_hash)
+        for k, t in tensors.items():
+            w.write(k, t)
+        return w.close()
+    try:
+        w = SafetensorsWriter(path, specs, metadata, whole_file_hash, sink=sink)
+        for k, t in tensors.items():
+            w.write(k, t)
+        return w.close()
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file held in memory (already checksummed)."""
+    try:
+        (n,) = struct.unpack("<Q", data[:8])
+        return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    except (struct.error, ValueError, UnicodeDecodeError, AttributeError):
+        raise CorruptCheckpoint("not a readable safetensors file (damaged header)") from None
 
 
 # Reading ----------------------------------------------------------------------------
@@ -370,6 +398,87 @@ class _MappedFile:
         return np.frombuffer(self._map, dtype=_NUMPY[dtype], count=count, offset=self._base + lo), dtype
 
 
+# Ranged reads closer than this are fetched as one GET (a request costs about as much as this many bytes).
+MERGE_GAP_BYTES = 1 << 20
+HEADER_GUESS = 64 << 10  # the first GET of an object: its header, usually whole
+
+
+class _RangedFile:
+    """A safetensors object in an object store, read with ranged GETs: the header once, then of
+    each tensor only the element ranges asked for (`spans`), fetched concurrently. The tensor is
+    handed back as an array of its full length whose other values are never read (zeros, not
+    even allocated: the pages of a large np.zeros are mapped only when written)."""
+
+    def __init__(self, fs, key: str, name: str):
+        self.fs, self.key, self.path = fs, key, name
+        self.bytes_fetched = 0
+        try:
+            size = int(fs.info(key)["size"])
+            head = fs.cat_file(key, start=0, end=min(size, HEADER_GUESS)) if size else b""
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{name}: missing (named by the checkpoint index)") from None
+        header = None
+        try:
+            (n,) = struct.unpack("<Q", head[:8])
+            if 8 + n <= size:
+                raw = head[8 : 8 + n] if 8 + n <= len(head) else fs.cat_file(key, start=8, end=8 + n)
+                header = json.loads(raw)
+        except (struct.error, ValueError, UnicodeDecodeError):
+            header = None
+        if not isinstance(header, dict):
+            raise CorruptCheckpoint(f"{name}: not a readable safetensors file (damaged header)")
+        header.pop("__metadata__", None)
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+        if 8 + n + end > size:
+            raise CorruptCheckpoint(f"{name}: {size} bytes, its header says {8 + n + end} (truncated?)")
+        self._header, self._base = header, 8 + n
+
+    def tensor(self, name: str, spans: list[tuple[int, int]] | None = None) -> tuple[np.ndarray, str]:
+        try:
+            info = self._header[name]
+            dtype = info["dtype"]
+            lo, hi = (int(v) for v in info["data_offsets"])
+            item = np.dtype(_NUMPY[dtype]).itemsize
+            count = (hi - lo) // item
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpoint(f"{self.path}: no tensor {name!r} (named by the checkpoint index)") from None
+        out = np.zeros(count, dtype=_NUMPY[dtype])
+        ranges = _merge_spans(spans if spans is not None else [(0, count)], MERGE_GAP_BYTES // item)
+        if not ranges:
+            return out, dtype
+        starts = [self._base + lo + a * item for a, _ in ranges]
+        ends = [self._base + lo + b * item for _, b in ranges]
+        got = self.fs.cat_ranges([self.key] * len(ranges), starts, ends, on_error="return")
+        for (a, b), data in zip(ranges, got):
+            if isinstance(data, FileNotFoundError):
+                raise CorruptCheckpoint(f"{self.path}: missing (named by the checkpoint index)")
+            if isinstance(data, BaseException):
+                raise data
+            if len(data) != (b - a) * item:
+                raise CorruptCheckpoint(f"{self.path}: {name} is shorter than its header says (truncated?)")
+            out[a:b] = np.frombuffer(data, dtype=out.dtype)
+            self.bytes_fetched += len(data)
+        return out, dtype
+
+
+def _merge_spans(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Sorted element ranges, those closer than `gap` joined."""
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _tile_spans(reg: Region, rects_per_tile: list[list[Rect]]) -> list[tuple[int, int]]:
+    """The element ranges of a stored piece that hold the given tiles (each rectangle: from
+    its first value to its last, in the piece's row-major order)."""
+    w, a = reg.box[3] - reg.box[2], reg.flat[0]
+    return [(i0 * w + j0 - a, (i1 - 1) * w + j1 - a) for rects in rects_per_tile for i0, i1, j0, j1 in rects]
+
+
 def _as_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         return torch.from_numpy(np.ascontiguousarray(values)).view(torch.bfloat16).float().numpy()
@@ -403,7 +512,10 @@ class ShardedReader:
     into the result, rectangle by rectangle, and each touched tile is hashed where it lies."""
 
     def __init__(self, root: str | os.PathLike, index: dict, files: dict, keys: list):
-        self.root = Path(root)
+        # A URI (run.storage): the objects are read with ranged GETs of the tiles wanted only.
+        self.remote = is_uri(root)
+        self.root = str(root).rstrip("/") if self.remote else Path(root)
+        self._store = object_store(self.root, "checkpoint") if self.remote else None
         self.params = index["params"]
         self.files = files
         self.keys = keys
@@ -423,8 +535,20 @@ class ShardedReader:
     def close(self) -> None:
         self._open.clear()  # the maps close once no array refers to them
 
-    def _file(self, rel: str) -> _MappedFile:
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes taken from an object store (ranged GETs; 0 for local files)."""
+        return sum(getattr(f, "bytes_fetched", 0) for f in self._open.values())
+
+    def _where(self, rel: str):
+        return f"{self.root}/{rel}" if self.remote else self.root / rel
+
+    def _file(self, rel: str) -> _MappedFile | _RangedFile:
         if rel not in self._open:
+            if self.remote:
+                fs, base = self._store
+                self._open[rel] = _RangedFile(fs, f"{base.rstrip('/')}/{rel}", self._where(rel))
+                return self._open[rel]
             path = self.root / rel
             if not path.is_file():
                 raise CorruptCheckpoint(f"{path}: missing (named by the checkpoint index)")
@@ -458,11 +582,6 @@ class ShardedReader:
             if not overlaps:
                 continue
             rel, tname = f"{sub}/{piece['file']}", pattern.format(name=name)
-            data, dtype = self._file(rel).tensor(tname)
-            if len(data) != reg.numel:
-                raise CorruptCheckpoint(
-                    f"{self.root / rel}: {tname} has {len(data)} values, the index says {reg.numel}"
-                )
             tiles = _tile_rects(reg, rows, cols)
             hashes = {(int(t[0]), int(t[1])): t[col] for t in piece["tiles"]}
             touched = {
@@ -472,10 +591,18 @@ class ShardedReader:
                 for tg in range(c0 // cs, (c1 - 1) // cs + 1)
             }
             touched = sorted(touched)
+            if self.remote:  # only the touched tiles travel
+                data, dtype = self._file(rel).tensor(tname, _tile_spans(reg, [tiles[t] for t in touched]))
+            else:
+                data, dtype = self._file(rel).tensor(tname)
+            if len(data) != reg.numel:
+                raise CorruptCheckpoint(
+                    f"{self._where(rel)}: {tname} has {len(data)} values, the index says {reg.numel}"
+                )
             for tile, digest in zip(touched, _hash_tiles(data, reg, [tiles[t] for t in touched])):
                 if hashes.get(tile) != digest:
                     raise CorruptCheckpoint(
-                        f"{self.root / rel}: {tname} (tile {tile[0]},{tile[1]}) fails its sha256 checksum"
+                        f"{self._where(rel)}: {tname} (tile {tile[0]},{tile[1]}) fails its sha256 checksum"
                     )
                 self.bytes_read += data.itemsize * sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1 in tiles[tile])
             for m in overlaps:

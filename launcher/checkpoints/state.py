@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from loomtrain.durable import json_bytes, write_durable
+from loomtrain.durable import json_bytes
 from loomtrain.launcher.checkpoints.ds_state import MOMENTS
 from loomtrain.launcher.checkpoints.parts import PARTS, Training
 from loomtrain.launcher.checkpoints.shards import (
@@ -69,10 +69,12 @@ from loomtrain.launcher.checkpoints.shards import (
 from loomtrain.launcher.checkpoints.store import (
     PARTS_DIR,
     CheckpointStore,
-    describe_files,
+    checkpoint_has,
+    read_checkpoint_file,
     read_manifest,
 )
 from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
+from loomtrain.storage import is_uri
 
 FORMAT = "loomtrain-sharded-v2"
 
@@ -119,25 +121,21 @@ def take_snapshot(
     return snap
 
 
-def _write(tmp: Path, rel: str, data: bytes) -> dict:
-    """Write `data` durably at tmp/rel -> its file-list entry (size, sha256)."""
-    write_durable(tmp / rel, data)
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
 def _compact_json(obj) -> bytes:
     """For the tile index (tens of thousands of hashes): one line, and json's C encoder."""
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def _write_json(tmp: Path, rel: str, obj) -> dict:
-    return _write(tmp, rel, json_bytes(obj))
+def _write_tensors(store: CheckpointStore, tmp, rel: str, tensors: dict, *how) -> dict:
+    """A safetensors file streamed to the store (a local file, or an upload with parts in flight)."""
+    path, sink = store.tensor_sink(tmp, rel)
+    return write_safetensors(path, tensors, *how, sink=sink)
 
 
-def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
-    """Write this rank's files into the temp directory, hashing as it writes, then its index
-    part and file list (the list last: its presence says this rank is done)."""
-    tmp = Path(tmp)
+def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp) -> None:
+    """Write this rank's files into the temp directory (on an object store: straight into the
+    step's prefix), hashing as it writes, then its index part and file list (the list last:
+    its presence says this rank is done)."""
     rank = snap.rank
     files: dict[str, dict] = {}
     index_part: dict = {}
@@ -148,8 +146,8 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
         # The two files are written (and hashed whole) on their own threads while this one hashes
         # the tiles: the disk, not the hashing, sets the pace.
         with ThreadPoolExecutor(2, thread_name_prefix="checkpoint-write") as writers:
-            model_file = writers.submit(write_safetensors, tmp / model_rel, weights, {"format": FORMAT}, False)
-            optim_file = writers.submit(write_safetensors, tmp / optim_rel, moments, {"format": FORMAT}, False)
+            model_file = writers.submit(_write_tensors, store, tmp, model_rel, weights, {"format": FORMAT}, False)
+            optim_file = writers.submit(_write_tensors, store, tmp, optim_rel, moments, {"format": FORMAT}, False)
             for name, (region, values) in snap.pieces.items():
                 index_part[name] = {
                     "file": f"rank_{rank:05d}.safetensors",
@@ -159,49 +157,27 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp: Path) -> None:
             for rel, written in ((model_rel, model_file), (optim_rel, optim_file)):
                 files[rel] = {**written.result(), "tile_sha256": "model/index.json"}
     rng_rel = f"rng/rank_{rank:05d}.safetensors"
-    files[rng_rel] = write_safetensors(tmp / rng_rel, *snap.rng)
+    files[rng_rel] = _write_tensors(store, tmp, rng_rel, *snap.rng)
     if snap.data is not None:
-        files[snap.data[0]] = _write_json(tmp, snap.data[0], snap.data[1])
+        files[snap.data[0]] = store.write_file(tmp, snap.data[0], json_bytes(snap.data[1]))
     if snap.trainer is not None:
-        files["trainer.json"] = _write_json(tmp, "trainer.json", snap.trainer)
+        files["trainer.json"] = store.write_file(tmp, "trainer.json", json_bytes(snap.trainer))
         if snap.config_yaml is not None:
-            files["config.yaml"] = _write(tmp, "config.yaml", snap.config_yaml.encode())
+            files["config.yaml"] = store.write_file(tmp, "config.yaml", snap.config_yaml.encode())
         if snap.tokenizer is not None and hasattr(snap.tokenizer, "save"):
-            (tmp / "tokenizer").mkdir(exist_ok=True)
-            snap.tokenizer.save(str(tmp / "tokenizer"))  # small files the tokenizer writes itself
-            files.update(
-                describe_files(
-                    tmp, [str(p.relative_to(tmp)) for p in sorted((tmp / "tokenizer").rglob("*")) if p.is_file()]
-                )
-            )
+            # small files the tokenizer writes itself
+            files.update(store.write_folder(tmp, "tokenizer", snap.tokenizer.save))
     part = {"pieces": index_part}
     if rank == 0:
         part["shapes"] = snap.shapes
         part["meta"] = snap.meta
-    write_durable(tmp / PARTS_DIR / f"index_rank_{rank:05d}.json", _compact_json(part))
+    store.write_raw(tmp, f"{PARTS_DIR}/index_rank_{rank:05d}.json", _compact_json(part))
     store.add_part(tmp, rank, files)
 
 
-def parts_done(tmp: Path, world: int) -> bool:
-    """Has every rank finished writing (its file list exists)? A rank that failed says so."""
-    parts = Path(tmp) / PARTS_DIR
-    failed = sorted(parts.glob("rank_*.failed"))
-    if failed:
-        raise RuntimeError(f"{failed[0]}: {failed[0].read_text().strip()}")
-    return all((parts / f"rank_{r:05d}.json").is_file() for r in range(world))
-
-
-def mark_failed(tmp: Path, rank: int, error: BaseException) -> None:
-    try:
-        write_durable(Path(tmp) / PARTS_DIR / f"rank_{rank:05d}.failed", f"{error}\n".encode())
-    except OSError:
-        pass
-
-
-def publish_snapshot(store: CheckpointStore, tmp: Path, step: int, world: int) -> Path:
+def publish_snapshot(store: CheckpointStore, tmp, step: int, world: int) -> Path | str:
     """Rank 0, once every rank's part is there: merge the index parts, then the store's publish."""
-    tmp = Path(tmp)
-    parts = [json.loads((tmp / PARTS_DIR / f"index_rank_{r:05d}.json").read_text()) for r in range(world)]
+    parts = [json.loads(store.read_file(tmp, f"{PARTS_DIR}/index_rank_{r:05d}.json")) for r in range(world)]
     shapes, meta = parts[0]["shapes"], parts[0]["meta"]
     params = {name: {"shape": shape, "pieces": []} for name, shape in shapes.items()}
     for part in parts:
@@ -213,11 +189,11 @@ def publish_snapshot(store: CheckpointStore, tmp: Path, step: int, world: int) -
         if covered != rows * cols:
             raise RuntimeError(f"checkpoint step {step}: {name}: the ranks wrote {covered} of {rows * cols} values")
     index = {"format": FORMAT, "grid": [GRID_ROWS, GRID_COLS], "params": params}
-    _write(tmp, "model/index.json", _compact_json(index))
+    store.write_raw(tmp, "model/index.json", _compact_json(index))
     return store.publish(tmp, step, meta)
 
 
-def save_checkpoint(store: CheckpointStore, step: int, training: Training, **what) -> Path:
+def save_checkpoint(store: CheckpointStore, step: int, training: Training, **what) -> Path | str:
     """Synchronous save: every rank calls this at the same step boundary; returns the published
     directory. Each rank writes only what it holds (no gather). `what`: take_snapshot's
     keywords (config_yaml, tokenizer)."""
@@ -241,23 +217,38 @@ FILES = {
 TILE_KEYS = ["exp_avg", "exp_avg_sq", None]  # the order of the tile hashes (sorted key names)
 
 
-def verified_bytes(path: Path, rel: str, manifest: dict) -> bytes:
+def _location(path: str | os.PathLike) -> Path | str:
+    """A checkpoint folder (Path) or a checkpoint URI (str, never a Path: `s3://` is no path)."""
+    return str(path).rstrip("/") if is_uri(path) else Path(path)
+
+
+def _file_of(path, rel: str):
+    return f"{path}/{rel}" if isinstance(path, str) else Path(path) / rel
+
+
+def verified_bytes(path: Path | str, rel: str, manifest: dict) -> bytes:
     """A small file of a checkpoint, checked against the manifest's sha256."""
-    data = (Path(path) / rel).read_bytes()
+    path = _location(path)
+    try:
+        data = read_checkpoint_file(path, rel)
+    except FileNotFoundError:
+        if not isinstance(path, str):
+            raise
+        raise CorruptCheckpoint(f"{_file_of(path, rel)}: missing (named by the manifest)") from None
     want = manifest["files"].get(rel, {}).get("sha256")
     if want != hashlib.sha256(data).hexdigest():
-        raise CorruptCheckpoint(f"{Path(path) / rel}: fails its sha256 checksum")
+        raise CorruptCheckpoint(f"{_file_of(path, rel)}: fails its sha256 checksum")
     return data
 
 
 def open_reader(path: str | os.PathLike, manifest: dict | None = None) -> ShardedReader:
     """A reader of a checkpoint's weights and moments (verifies the index, then every tile read)."""
-    path = Path(path)
+    path = _location(path)
     manifest = manifest if manifest is not None else read_manifest(path)
     index = json.loads(verified_bytes(path, "model/index.json", manifest))
     if index.get("format") != FORMAT:
         raise CorruptCheckpoint(
-            f"{path / 'model' / 'index.json'}: format {index.get('format')!r}, expected "
+            f"{_file_of(path, 'model/index.json')}: format {index.get('format')!r}, expected "
             f"{FORMAT!r} (checkpoints of older loomtrain versions do not load)"
         )
     return ShardedReader(path, index, FILES, TILE_KEYS)
@@ -284,7 +275,7 @@ class ConsolidatedReader:
 class OpenCheckpoint:
     """A published checkpoint as the parts read it: its manifest, trainer.json, its tiles."""
 
-    path: Path
+    path: Path | str  # a folder, or a URI (run.storage)
     manifest: dict
     trainer: dict
     tensors: ShardedReader
@@ -293,6 +284,9 @@ class OpenCheckpoint:
 
     def verified(self, rel: str) -> bytes:
         return verified_bytes(self.path, rel, self.manifest)
+
+    def has(self, rel: str) -> bool:
+        return checkpoint_has(self.path, rel, self.manifest)
 
 
 def load_checkpoint(path: str | os.PathLike, training: Training) -> dict:
@@ -304,8 +298,13 @@ def load_checkpoint(path: str | os.PathLike, training: Training) -> dict:
     the sha256 of every tile it reads. Returns trainer.json (step, counters, ...) plus
     "bytes_read" (tensor bytes this rank read) and "files_read" (the tensor files it opened).
     A damaged file raises CorruptCheckpoint; another model's checkpoint ValueError."""
-    path = Path(path)
-    manifest = read_manifest(path)
+    path = _location(path)
+    try:
+        manifest = read_manifest(path)
+    except FileNotFoundError:
+        if not isinstance(path, str):
+            raise
+        raise CorruptCheckpoint(f"{path}/manifest.json: missing") from None
     trainer = json.loads(verified_bytes(path, "trainer.json", manifest))
     ckpt = OpenCheckpoint(path, manifest, trainer, open_reader(path, manifest), current_rank(), current_world_size())
     try:

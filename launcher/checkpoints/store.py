@@ -42,7 +42,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from loomtrain.durable import TMP_PREFIX, atomic_write, fsync_path, replace_dir, write_json_durable
+from loomtrain.durable import (
+    TMP_PREFIX,
+    atomic_write,
+    fsync_path,
+    json_bytes,
+    replace_dir,
+    write_durable,
+    write_json_durable,
+)
+from loomtrain.launcher.checkpoints.objects import Objects
+from loomtrain.storage import is_uri
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -124,6 +134,53 @@ class CheckpointStore:
         self.keep_last = int(keep_last)
         self.keep_every = int(keep_every)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    # What every backend offers (store.py: a local folder; ObjectCheckpointStore: run.storage) --
+    poll_s = 0.05  # how often an async save's rank 0 looks for the other ranks' parts
+
+    def verify(self, path, checksums: bool = True) -> Verdict:
+        return verify(path, checksums=checksums)
+
+    def where(self, path, rel: str = ""):
+        """A checkpoint's file (or the checkpoint itself) as messages name it."""
+        return Path(path) / rel if rel else Path(path)
+
+    def write_file(self, tmp, rel: str, data: bytes) -> dict:
+        """Write `data` durably at tmp/rel -> its file-list entry (size, sha256)."""
+        write_durable(Path(tmp) / rel, data)
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def write_raw(self, tmp, rel: str, data: bytes) -> None:
+        write_durable(Path(tmp) / rel, data)
+
+    def read_file(self, tmp, rel: str) -> bytes:
+        return (Path(tmp) / rel).read_bytes()
+
+    def tensor_sink(self, tmp, rel: str):
+        """(what a streaming safetensors writer writes to, its sink): here a path and no sink."""
+        return Path(tmp) / rel, None
+
+    def write_folder(self, tmp, rel: str, fill: Callable[[str], None]) -> dict[str, dict]:
+        """Files a library writes into a folder of its own (a tokenizer's save): fill(folder),
+        then their file-list entries."""
+        folder = Path(tmp) / rel
+        folder.mkdir(exist_ok=True)
+        fill(str(folder))
+        return describe_files(tmp, [str(p.relative_to(tmp)) for p in sorted(folder.rglob("*")) if p.is_file()])
+
+    def parts_done(self, tmp, world: int) -> bool:
+        """Has every rank finished writing (its file list exists)? A rank that failed says so."""
+        parts = Path(tmp) / PARTS_DIR
+        failed = sorted(parts.glob("rank_*.failed"))
+        if failed:
+            raise RuntimeError(f"{failed[0]}: {failed[0].read_text().strip()}")
+        return all((parts / f"rank_{r:05d}.json").is_file() for r in range(world))
+
+    def mark_failed(self, tmp, rank: int, error: BaseException) -> None:
+        try:
+            write_durable(Path(tmp) / PARTS_DIR / f"rank_{rank:05d}.failed", f"{error}\n".encode())
+        except OSError:
+            pass
 
     # Paths -----------------------------------------------------------------
     def final_dir(self, step: int) -> Path:
@@ -261,7 +318,7 @@ class CheckpointStore:
         """(newest verified checkpoint or None, [(newer broken one, why)])."""
         broken: list[tuple[Path, str]] = []
         for _, path in reversed(self.published()):
-            v = verify(path, checksums=checksums)
+            v = self.verify(path, checksums=checksums)
             if v.ok:
                 return path, broken
             broken.append((path, v.reason))
@@ -284,11 +341,22 @@ class CheckpointStore:
 
     def owns(self, path: str | os.PathLike) -> bool:
         """Is `path` this run's directory or one of its own checkpoints?"""
+        if is_uri(path):
+            return False
         p, root = Path(path).resolve(), self.root.resolve()
         return p == root.parent or p == root or root in p.parents
 
-    def resolve_resume(self, resume: str, checksums: bool = True) -> Path | None:
-        """checkpoint.resume: "auto" (newest complete, or None), "never", or a PATH.
+    @property
+    def base(self):
+        """Where the run keeps its checkpoints: RUN_DIR (checkpoints/ below it)."""
+        return self.root.parent
+
+    def is_base(self, location: str | os.PathLike) -> bool:
+        return not is_uri(location) and Path(location).resolve() == self.root.parent.resolve()
+
+    def resolve_resume(self, resume: str, checksums: bool = True) -> Path | str | None:
+        """checkpoint.resume: "auto" (newest complete, or None), "never", or a PATH or URI (a
+        checkpoint, or a run directory / run.storage whose newest complete one is taken).
 
         A PATH outside this run only seeds its first start: once the run has
         checkpoints of its own, a restart (the same command again, or a Ray worker
@@ -297,26 +365,25 @@ class CheckpointStore:
             return None
         if resume in ("auto", ""):
             return self.resume_point(checksums=checksums)
-        path = Path(resume)
-        if self.published() and not self.owns(path):
+        if self.published() and not self.owns(resume):
             found = self.resume_point(checksums=checksums)
             self.log(
                 f"checkpoint: checkpoint.resume={resume} only seeds a run's first start; "
-                f"{self.root.parent} has its own checkpoints: resuming from {found}"
+                f"{self.base} has its own checkpoints: resuming from {found}"
             )
             return found
-        if path.resolve() == self.root.parent.resolve():
+        if self.is_base(resume):
             return self.resume_point(checksums=checksums)
-        if path.is_dir() and not (path / MANIFEST).exists() and (path / "checkpoints").is_dir():
-            # A run directory was given: its newest complete checkpoint.
-            found = CheckpointStore(path, log=self.log).find_resumable(checksums=checksums)
+        other = run_store_at(resume, log=self.log)
+        if other is not None:  # a run directory (or run.storage) was given: its newest complete checkpoint
+            found = other.find_resumable(checksums=checksums)
             if found is None:
-                raise ValueError(f"checkpoint.resume={resume!r}: no complete checkpoint under {path}/checkpoints")
+                raise ValueError(f"checkpoint.resume={resume!r}: no complete checkpoint under {other.root}")
             return found
-        v = verify(path, checksums=checksums)
+        v = verify_at(resume, checksums=checksums)
         if not v.ok:
             raise ValueError(f"checkpoint.resume={resume!r}: not a usable checkpoint: {v.reason}")
-        return path
+        return resume.rstrip("/") if is_uri(resume) else Path(resume)
 
 
 _deletions: list[threading.Thread] = []
@@ -327,13 +394,18 @@ def _delete_in_background(paths: list[Path]) -> None:
     disk a good part of a second that no step needs to wait for. Deletions run one after
     another; the run waits for them when it stops (`wait_for_deletions`), the process at exit
     (a kill leaves `.tmp-del-*`, which the next start removes)."""
+    _in_background([lambda p=p: shutil.rmtree(p, ignore_errors=True) for p in paths])
+
+
+def _in_background(jobs: list[Callable[[], None]]) -> None:
+    """Deletions, one after another, off the saving thread (see _delete_in_background)."""
     before = _deletions[-1] if _deletions else None
 
     def run() -> None:
         if before is not None:
             before.join()
-        for p in paths:
-            shutil.rmtree(p, ignore_errors=True)
+        for job in jobs:
+            job()
 
     _deletions[:] = [t for t in _deletions if t.is_alive()]
     thread = threading.Thread(target=run, name="checkpoint-retention", daemon=True)
@@ -371,9 +443,289 @@ def write_error(exc: BaseException, store: CheckpointStore, step: int) -> Checkp
         what = (m.group(1) or m.group(2)) if m else str(exc).splitlines()[0]
         where = store.temp_dir(step)
     kept = store.latest_pointer()
-    kept = f"{store.root / kept} stays the newest checkpoint" if kept else "no earlier checkpoint exists"
+    kept = f"{store.where(store.root, kept)} stays the newest checkpoint" if kept else "no earlier checkpoint exists"
     return CheckpointWriteError(f"checkpoint: cannot save step {step}: {what}: {where}; {kept}")
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
+    if is_uri(path):
+        return json.loads(Objects(str(path), "checkpoint").read(MANIFEST))
     return json.loads((Path(path) / MANIFEST).read_text())
+
+
+def read_checkpoint_file(path: str | os.PathLike, rel: str) -> bytes:
+    """One file of a checkpoint (a folder or a URI), whole; a missing one is named in one line."""
+    if not is_uri(path):
+        return (Path(path) / rel).read_bytes()
+    try:
+        return Objects(str(path), "checkpoint").read(rel)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{str(path).rstrip('/')}/{rel}: missing") from None
+
+
+def checkpoint_has(path: str | os.PathLike, rel: str, manifest: dict) -> bool:
+    """Does the checkpoint hold `rel`? (an object store: its published manifest says so)"""
+    if is_uri(path):
+        return rel in manifest.get("files", {})
+    return (Path(path) / rel).exists()
+
+
+# Object storage (run.storage=URI) -----------------------------------------------------------
+class ObjectCheckpointStore(CheckpointStore):
+    """The same protocol in an object store, under {run.storage}/checkpoints/:
+
+        step_00000100/...              every rank uploads its own files straight here, then its
+                                       part (.parts/rank_R.json: sizes and sha256 computed while
+                                       writing); rank 0 merges the parts, deletes .parts/ and
+                                       writes manifest.json last
+        latest                         an object naming the newest step, written after the manifest
+
+    An object store has no rename: a checkpoint exists iff its manifest does. A step prefix
+    without one is an interrupted write: the scan ignores it and rank 0 removes it at the next
+    start (clean_temp), as it removes `.tmp-*` folders on disk. Retention deletes the manifest
+    first (the checkpoint is gone at once, never half there), then the rest in the background."""
+
+    poll_s = 0.25  # listing `.parts/` is a request to the store
+
+    def __init__(
+        self,
+        storage: str,
+        keep_last: int = 3,
+        keep_every: int = 0,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.storage = str(storage).rstrip("/")
+        self.objects = Objects(self.storage, "run.storage").child("checkpoints")
+        self.root = self.objects.uri
+        self.keep_last = int(keep_last)
+        self.keep_every = int(keep_every)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    @property
+    def base(self) -> str:
+        return self.storage
+
+    def is_base(self, location) -> bool:
+        return is_uri(location) and str(location).rstrip("/") == self.storage
+
+    def owns(self, path) -> bool:
+        p = str(path).rstrip("/")
+        return is_uri(path) and (p == self.storage or p == self.root or p.startswith(self.root + "/"))
+
+    def where(self, path, rel: str = "") -> str:
+        return f"{str(path).rstrip('/')}/{rel}" if rel else str(path).rstrip("/")
+
+    def _at(self, tmp) -> Objects:
+        """The objects of one step's prefix (tmp: its URI)."""
+        return self.objects.child(str(tmp).rstrip("/").rsplit("/", 1)[-1])
+
+    # Paths ------------------------------------------------------------------------------
+    def final_dir(self, step: int) -> str:
+        return self.objects.name(step_dirname(step))
+
+    def temp_dir(self, step: int) -> str:  # no rename: a checkpoint is written where it stays
+        return self.final_dir(step)
+
+    def _steps(self) -> list[tuple[int, str]]:
+        out = []
+        for name, kind in self.objects.entries().items():
+            m = _STEP_RE.match(name)
+            if m and kind == "directory":
+                out.append((int(m.group(1)), name))
+        return sorted(out)
+
+    def published(self) -> list[tuple[int, str]]:
+        """(step, URI) of every checkpoint with a manifest, oldest first (not verified)."""
+        return [(step, self.objects.name(n)) for step, n in self._steps() if self.objects.exists(f"{n}/{MANIFEST}")]
+
+    # Writing ----------------------------------------------------------------------------
+    def begin(self, step: int) -> str:
+        """Rank 0, before the others write: an earlier attempt at this step goes, manifest first."""
+        name = step_dirname(step)
+        self.objects.delete(f"{name}/{MANIFEST}")
+        self.objects.delete_tree(name)
+        return self.final_dir(step)
+
+    def write_file(self, tmp, rel: str, data: bytes) -> dict:
+        self._at(tmp).write(rel, data)
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def write_raw(self, tmp, rel: str, data: bytes) -> None:
+        self._at(tmp).write(rel, data)
+
+    def read_file(self, tmp, rel: str) -> bytes:
+        return self._at(tmp).read(rel)
+
+    def tensor_sink(self, tmp, rel: str):
+        return self.where(tmp, rel), self._at(tmp).upload(rel)
+
+    def write_folder(self, tmp, rel: str, fill: Callable[[str], None]) -> dict[str, dict]:
+        import tempfile
+
+        out = {}
+        with tempfile.TemporaryDirectory(prefix="loomtrain-upload-") as folder:
+            fill(folder)
+            for p in sorted(Path(folder).rglob("*")):
+                if p.is_file():
+                    out[f"{rel}/{p.relative_to(folder)}"] = self.write_file(
+                        tmp, f"{rel}/{p.relative_to(folder)}", p.read_bytes()
+                    )
+        return out
+
+    def add_part(self, tmp, rank: int, relpaths: Iterable[str] | dict[str, dict]) -> None:
+        at = self._at(tmp)
+        if isinstance(relpaths, dict):
+            files = dict(relpaths)
+        else:
+            files = {}
+            for rel in relpaths:
+                data = at.read(rel)
+                files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        at.write(f"{PARTS_DIR}/rank_{rank:05d}.json", json_bytes(files))
+
+    def parts_done(self, tmp, world: int) -> bool:
+        at = self._at(tmp)
+        names = set(at.entries(PARTS_DIR))
+        failed = sorted(n for n in names if n.endswith(".failed"))
+        if failed:
+            text = at.read(f"{PARTS_DIR}/{failed[0]}").decode(errors="replace").strip()
+            raise RuntimeError(f"{self.where(tmp, PARTS_DIR + '/' + failed[0])}: {text}")
+        return all(f"rank_{r:05d}.json" in names for r in range(world))
+
+    def mark_failed(self, tmp, rank: int, error: BaseException) -> None:
+        try:
+            self._at(tmp).write(f"{PARTS_DIR}/rank_{rank:05d}.failed", f"{error}\n".encode())
+        except Exception:  # noqa: BLE001  (the store itself may be what failed)
+            pass
+
+    def publish(self, tmp, step: int, meta: dict) -> str:
+        """Rank 0, after every rank's part: the manifest (the commit point), then `latest`."""
+        at = self._at(tmp)
+        files: dict[str, dict] = {}
+        for name in sorted(n for n in at.entries(PARTS_DIR) if n.startswith("rank_") and n.endswith(".json")):
+            files.update(json.loads(at.read(f"{PARTS_DIR}/{name}")))
+        sizes = at.sizes()
+        for rel, info in sorted(files.items()):  # every upload completed, at its size
+            if sizes.get(rel) != info["size"]:
+                raise RuntimeError(f"{at.name(rel)}: {sizes.get(rel, 'no')} bytes stored, {info['size']} written")
+        for rel in sorted(sizes):  # anything written without a part entry (e.g. the merged index)
+            if rel not in files and rel != MANIFEST and not rel.startswith(PARTS_DIR + "/"):
+                data = at.read(rel)
+                files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        at.delete_tree(PARTS_DIR)
+        manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), **meta, "files": files}
+        at.write(MANIFEST, json_bytes(manifest))
+        self.objects.write(LATEST, (step_dirname(step) + "\n").encode())
+        self.apply_retention()
+        return self.final_dir(step)
+
+    def latest_pointer(self) -> str | None:
+        try:
+            return self.objects.read(LATEST).decode().strip() or None
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+
+    # Housekeeping -----------------------------------------------------------------------
+    def clean_temp(self) -> list[str]:
+        """Remove step prefixes without a manifest (interrupted writes; rank 0, at start)."""
+        removed = []
+        for _, name in self._steps():
+            if not self.objects.exists(f"{name}/{MANIFEST}"):
+                self.objects.delete_tree(name)
+                removed.append(self.objects.name(name))
+                self.log(f"checkpoint: removed leftover {removed[-1]} (interrupted write)")
+        return removed
+
+    def set_aside(self) -> str | None:
+        """checkpoint.resume=never: every checkpoint (and `latest`) is moved (copied, then
+        deleted manifest first) to checkpoints/superseded-TIME/. Nothing is lost."""
+        pub = self._steps()
+        pub = [(s, n) for s, n in pub if self.objects.exists(f"{n}/{MANIFEST}")]
+        if not pub:
+            return None
+        dest = time.strftime("superseded-%Y%m%d-%H%M%S")
+        for _, name in pub:
+            self.objects.copy_tree(name, f"{dest}/{name}")
+            self.objects.delete(f"{name}/{MANIFEST}")
+            self.objects.delete_tree(name)
+        pointer = self.latest_pointer()
+        if pointer is not None:
+            self.objects.write(f"{dest}/{LATEST}", (pointer + "\n").encode())
+            self.objects.delete(LATEST)
+        self.log(
+            f"checkpoint: checkpoint.resume=never: moved {len(pub)} earlier checkpoint(s) to {self.objects.name(dest)}"
+        )
+        return self.objects.name(dest)
+
+    def apply_retention(self) -> list[str]:
+        """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step; a pruned
+        checkpoint loses its manifest first (gone at once), then its objects in the background."""
+        pub = self.published()
+        if self.keep_last <= 0:
+            return []
+        keep = {step for step, _ in pub[-self.keep_last :]}
+        if self.keep_every > 0:
+            keep |= {step for step, _ in pub if step % self.keep_every == 0}
+        pointer = self.latest_pointer()
+        removed, names = [], []
+        for step, uri in pub:
+            name = step_dirname(step)
+            if step in keep or name == pointer:
+                continue
+            self.objects.delete(f"{name}/{MANIFEST}")
+            removed.append(uri)
+            names.append(name)
+        if names:
+            _in_background([lambda n=n: self.objects.delete_tree(n) for n in names])
+        return removed
+
+    def verify(self, path, checksums: bool = True) -> Verdict:
+        return verify_object(str(path), checksums=checksums)
+
+
+def verify_object(uri: str, checksums: bool = True) -> Verdict:
+    """Is this checkpoint in an object store complete and intact? (one listing for the sizes)"""
+    objs = Objects(uri, "checkpoint")
+    try:
+        manifest = json.loads(objs.read(MANIFEST))
+        files = manifest["files"]
+    except FileNotFoundError:
+        return Verdict(False, "no manifest.json (partial write)")
+    except (ValueError, KeyError, TypeError) as e:
+        return Verdict(False, f"unreadable manifest.json ({e})")
+    sizes = objs.sizes()
+    for rel, info in sorted(files.items()):
+        if rel not in sizes:
+            return Verdict(False, f"missing object {rel}")
+        if sizes[rel] != info["size"]:
+            return Verdict(False, f"{rel} has {sizes[rel]} bytes, manifest says {info['size']} (truncated?)")
+        if checksums and "sha256" in info and hashlib.sha256(objs.read(rel)).hexdigest() != info["sha256"]:
+            return Verdict(False, f"{rel} fails its sha256 checksum")
+    return Verdict(True, manifest=manifest)
+
+
+def verify_at(location: str | os.PathLike, checksums: bool = True) -> Verdict:
+    """verify() for a checkpoint folder or a checkpoint URI."""
+    return verify_object(str(location), checksums) if is_uri(location) else verify(location, checksums)
+
+
+def open_store(
+    location: str | os.PathLike, keep_last: int = 3, keep_every: int = 0, log: Callable[[str], None] | None = None
+) -> CheckpointStore:
+    """The checkpoints of a run: under RUN_DIR (a folder) or run.storage (a URI)."""
+    cls = ObjectCheckpointStore if is_uri(location) else CheckpointStore
+    return cls(location, keep_last=keep_last, keep_every=keep_every, log=log)
+
+
+def run_store_at(location: str | os.PathLike, log=None) -> CheckpointStore | None:
+    """The store of a run directory or run.storage given as checkpoint.resume (None when
+    `location` is a checkpoint itself, or nothing)."""
+    if is_uri(location):
+        objs = Objects(str(location), "checkpoint.resume")
+        if not objs.exists(MANIFEST) and objs.entries("checkpoints"):
+            return ObjectCheckpointStore(str(location), log=log)
+        return None
+    path = Path(location)
+    if path.is_dir() and not (path / MANIFEST).exists() and (path / "checkpoints").is_dir():
+        return CheckpointStore(path, log=log)
+    return None

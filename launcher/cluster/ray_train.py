@@ -113,26 +113,31 @@ def storage_path(cfg: RunConfig) -> str:
 
 
 def _store(cfg: RunConfig):
-    from loomtrain.launcher.checkpoints.store import CheckpointStore
+    """The run's checkpoints: RUN_DIR/checkpoints, or {run.storage}/checkpoints (a URI)."""
+    from loomtrain.launcher.checkpoints.store import open_store
+    from loomtrain.launcher.rundir import checkpoint_location
 
-    return CheckpointStore(cfg.run.dir, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every)
+    location = checkpoint_location(cfg, Path(cfg.run.dir))
+    return open_store(location, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every)
 
 
-def _manifest_time(path: Path) -> float:
+def _manifest_time(path: Path | str) -> float:
+    from loomtrain.launcher.checkpoints.store import read_manifest
+
     try:
-        return float(json.loads((path / "manifest.json").read_text()).get("time", 0.0))
+        return float(read_manifest(path).get("time", 0.0))
     except (OSError, ValueError):
         return 0.0
 
 
-def newest_complete(cfg: RunConfig, since: float | None = None) -> Path | None:
-    """Newest published checkpoint with intact manifest and sizes (written at/after `since`)."""
-    from loomtrain.launcher.checkpoints.store import verify
-
-    for _, path in reversed(_store(cfg).published()):
+def newest_complete(cfg: RunConfig, since: float | None = None) -> Path | str | None:
+    """Newest published checkpoint with intact manifest and sizes (written at/after `since`);
+    a folder, or a URI when run.storage is one."""
+    store = _store(cfg)
+    for _, path in reversed(store.published()):
         if since is not None and _manifest_time(path) < since:
             continue
-        if verify(path, checksums=False).ok:
+        if store.verify(path, checksums=False).ok:
             return path
     return None
 
@@ -347,7 +352,7 @@ def train_worker(config: dict) -> None:
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(mine)))
     if ray.train.get_context().get_world_rank() == 0 and pointer is not None:
         found = newest_complete(cfg)
-        found_step = int(found.name.split("_")[-1]) if found else None
+        found_step = int(str(found).rsplit("_", 1)[-1]) if found else None
         note = "" if found_step == ray_step else " (newer than Ray's: written but not yet reported)"
         print(
             f"loomtrain: Ray handed back step {ray_step}; newest complete checkpoint in "
