@@ -104,15 +104,35 @@ def record_messages(obj, fmt: str) -> list[dict]:
 EOS = object()  # a segment that is the EOS token itself (the byte tokenizer has no text for it)
 
 
+ASSISTANT_CUE = "<|assistant|>\n"  # the built-in template's start of the assistant's turn
+
+
 def _builtin_segments(messages: list[dict]) -> list[tuple[object, bool]]:
     """(text or EOS, is_target) pieces of the built-in template."""
     out = []
     for m in messages:
         if m["role"] == "assistant":
-            out += [("<|assistant|>\n", False), (m["content"], True), (EOS, True)]
+            out += [(ASSISTANT_CUE, False), (m["content"], True), (EOS, True)]
         else:
             out.append((f"<|{m['role']}|>\n{m['content']}\n", False))
     return out
+
+
+def question_tokens(tokenizer, text: str) -> list[int]:
+    """What a model fine-tuned on chat records answers: `text` as a user's message followed by the
+    assistant's cue, rendered and tokenized as preprocess renders a record's prompt (the tokenizer's
+    own chat template when it has one, else the built-in template). ValueError: a template that
+    refuses the message."""
+    messages = [{"role": "user", "content": text}]
+    if getattr(tokenizer, "chat", None):
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.encode(_render(tokenizer.chat, messages, True, tokenizer.eos_token))
+        except TemplateError as exc:
+            raise ValueError(f"the tokenizer's chat template refused the message: {exc}") from None
+    segments = [*_builtin_segments(messages), (ASSISTANT_CUE, False)]
+    return [t for piece, _ in segments for t in tokenizer.encode(piece)]
 
 
 def _render(chat: dict, messages: list[dict], cue: bool, eos_token: str) -> str:

@@ -50,6 +50,8 @@ def _written_by_preprocess(out: Path) -> set[str] | None:
     for split, info in (index.get("splits") or {}).items():
         if isinstance(info, dict):
             names.add(str(info.get("doc_offsets") or f"{split}.docs.bin"))
+            if info.get("loss_mask"):  # instruction and chat data (index version 2)
+                names.add(str(info["loss_mask"]))
             names.update(str(s.get("file")) for s in info.get("shards") or [] if isinstance(s, dict))
     return names
 

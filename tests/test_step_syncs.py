@@ -6,10 +6,10 @@ torch.distributed collective, each put down to the file that made the call, step
 (between two on_step_end calls). Calls from DeepSpeed (and torch, which DeepSpeed calls) are the
 engine's own: the test measures them on a plain DeepSpeed step of the same model
 (`engine(x, targets=y); engine.backward(loss); engine.step()`) and asks the loop's step for no
-more. Calls from loomtrain's own files on a step between log steps must be none, but one: at
-fp32 ZeRO-0 (the default precision) the non-finite guard reads the gradient norm, the one number
-it needs on the host to skip a NaN step before the optimizer applies it (launcher/training/nonfinite.py).
-On a log step the loop reads the pending losses and norms (one read back, one all-reduce at DP > 1).
+more. Calls from loomtrain's own files on a step between log steps must be none, at fp32 ZeRO-0
+(the default precision) too, where the non-finite guard skips a NaN step on the device (the fused
+AdamW's found_inf) and counts it there (launcher/training/nonfinite.py). On a log step the loop
+reads the pending losses and norms (one read back, one all-reduce at DP > 1) and the guard's counts.
 
 DeepSpeed 0.19.8 on CPU, measured here: its fp32 ZeRO-0 step (gradient clipping on) makes no
 read back; ZeRO 1 reads its overflow check and grad norm on the host (counted as its own).
@@ -116,14 +116,8 @@ def _plain_engine_step_counts(cfg, mpu, monkeypatch) -> Counter[str]:
     return per_step[-1]
 
 
-@pytest.mark.parametrize(
-    ("zero", "guard_reads"),
-    [(0, Counter({"ours:launcher/training/nonfinite.py read __float__": 1})), (1, Counter())],
-    ids=["fp32-zero0", "fp32-zero1"],
-)
-def test_a_step_between_log_steps_reads_nothing_back_and_sends_nothing(
-    tmp_path, data_cache, monkeypatch, zero, guard_reads
-):
+@pytest.mark.parametrize("zero", [0, 1], ids=["fp32-zero0", "fp32-zero1"])
+def test_a_step_between_log_steps_reads_nothing_back_and_sends_nothing(tmp_path, data_cache, monkeypatch, zero):
     from loomtrain.launcher.hooks import Hooks
     from loomtrain.launcher.training import loop
     from loomtrain.launcher.training.stopping import StopRequest
@@ -162,7 +156,7 @@ def test_a_step_between_log_steps_reads_nothing_back_and_sends_nothing(
 
     baseline = _plain_engine_step_counts(cfg, count.mpu, monkeypatch)
     for step in (2, 3, 5):  # between log steps (step 1 is the first: DeepSpeed's one-off set-up reads)
-        assert _ours(per_step[step]) == guard_reads, (step, per_step[step])
+        assert _ours(per_step[step]) == Counter(), (step, per_step[step])
         assert _engine(per_step[step]) == baseline, (step, per_step[step], baseline)
         assert per_step_calls[step] == Counter(), (step, per_step_calls[step])
     # A log step reads the four steps' losses and norms back: one dp_reduce, one vote.

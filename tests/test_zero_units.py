@@ -90,3 +90,50 @@ def test_skip_guard_fp16_scaler_skips_do_not_stop_and_own_path_skips():
     with guard.step(1.0):
         eng.optimizer.step()
     assert p.item() == pytest.approx(-0.1)
+
+
+class _FusedEngine:
+    def __init__(self):
+        self.skipped_steps = 0
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+        self.optimizer = torch.optim.AdamW([self.weight], lr=0.1, weight_decay=0.0, fused=True)
+
+
+def test_skip_guard_on_the_device_with_a_fused_optimizer(monkeypatch):
+    """fp32 ZeRO 0 with the fused AdamW: a non-finite norm skips the update inside the kernel
+    (weights, moments and Adam's step count unchanged) with nothing read back; the skips reach
+    the engine's count and a run of max_consecutive stops the run at the next read."""
+    eng = _FusedEngine()
+    guard = SkipGuard(eng, max_consecutive=2, precision="fp32")
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    def counted(t):
+        reads.append(t)
+        return real_tolist(t)
+
+    def take(step: int, norm: float) -> None:
+        eng.weight.grad = torch.ones(2)
+        with guard.step(torch.tensor(norm, dtype=torch.float64), step):
+            eng.optimizer.step()
+        assert not hasattr(eng.optimizer, "found_inf")
+
+    take(1, 1.0)
+    after_good = eng.weight.detach().clone()
+    assert not torch.equal(after_good, torch.zeros(2))
+    take(2, float("nan"))
+    assert torch.equal(eng.weight.detach(), after_good)  # skipped in the kernel
+    assert eng.optimizer.state[eng.weight]["step"].item() == 1
+    take(3, 1.0)  # a good step ends the run of skips
+    take(4, float("inf"))
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    assert guard.after_step(4, 1.0) is False and reads == []  # between reads: nothing read back
+    guard.read()
+    assert len(reads) == 1 and guard.skipped_steps == 2
+    assert guard.after_step(4, 1.0) is False
+    take(5, float("nan"))  # steps 4-5: two in a row
+    take(6, 1.0)
+    guard.read()
+    assert guard.skipped_steps == 3
+    with pytest.raises(NonFiniteError, match=r"max_consecutive_skips=2: optimizer steps 4-5"):
+        guard.after_step(6, 2.0)

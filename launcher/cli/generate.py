@@ -1,9 +1,10 @@
-"""`loomtrain generate RUN_DIR --prompt "..." [--max-new-tokens N] [--temperature T] [--top-k K]`.
+"""`loomtrain generate RUN_DIR --prompt "..." | --chat "..." [--max-new-tokens N] [--temperature T] [--top-k K]`.
 
 Loads RUN_DIR/final (safetensors + JSON + tokenizer; nothing unpickled), or where a run has
 no final/ (stopped early, e.g. by checkpoint.stop_at_step) its newest complete checkpoint, or
 a checkpoint directory given directly (read as `export` reads it), and prints the prompt
-followed by its continuation. Temperature 0 is greedy. RUN_DIR may be a URI (a run's
+followed by its continuation; with --chat, a user's message in the model's chat template and the
+assistant's reply alone. Temperature 0 is greedy. RUN_DIR may be a URI (a run's
 run.storage or its final/, e.g. s3://bucket/run): its final/ is fetched into this host's cache,
 each file checked against the manifest (checkpoints are read from local folders only).
 """
@@ -32,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
         "or a URI of a run's storage or its final/ (s3://bucket/run)",
     )
     p.add_argument("--prompt", default="", help="text to continue (default: start from end-of-text)")
+    p.add_argument(
+        "--chat",
+        default=None,
+        metavar="MESSAGE",
+        help="a user's message, in the chat template the model was fine-tuned with (the tokenizer's own, "
+        "else loomtrain's built-in one); prints the assistant's reply",
+    )
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens only (default: all)")
@@ -53,6 +61,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--top-k: expected at least 1, got {args.top_k}"
     if args.max_new_tokens < 0:
         return f"--max-new-tokens: expected at least 0, got {args.max_new_tokens}"
+    if args.chat is not None and args.prompt:
+        return "--chat and --prompt: give one (--chat is a user's message, --prompt raw text to continue)"
     if args.device not in DEVICES and not re.fullmatch(r"cuda:\d+", args.device):
         return f"--device: expected one of {', '.join(DEVICES)} (or cuda:N), got {args.device!r}"
     return None
@@ -127,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, FinalWeightsError, ValueError) as exc:
         print(f"loomtrain generate: {exc}", file=sys.stderr)
         return 2
-    ids = tok.encode(args.prompt) or [tok.eos_id]
+    try:
+        ids = prompt_tokens(tok, args)
+    except ValueError as exc:  # a chat template that refuses the message
+        print(f"loomtrain generate: --chat: {exc}", file=sys.stderr)
+        return 2
     room = model.cfg.max_seq_len - len(ids)
     if room <= 0:
         print(
@@ -159,5 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     if what != "final weights":
         print(f"loomtrain generate: no final/ weights: using {what}", file=sys.stderr)
     new = [t for t in out[0, len(ids) :].tolist() if t != tok.eos_id]
-    print(args.prompt + tok.decode(new))
+    print(tok.decode(new) if args.chat is not None else args.prompt + tok.decode(new))
     return 0
+
+
+def prompt_tokens(tok, args: argparse.Namespace) -> list[int]:
+    """The ids generation starts from: --chat as a user's turn and the assistant's cue, or --prompt."""
+    if args.chat is not None:
+        from loomtrain.data_pipeline.records import question_tokens
+
+        return question_tokens(tok, args.chat)
+    return tok.encode(args.prompt) or [tok.eos_id]

@@ -221,8 +221,8 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
         engine.backward(loss)
         own_norm = None
         if micro == grad_accum - 1 and not records_grad_norm(engine):
-            norm = own_norm = grad_norm(ctx.model, engine.mpu)  # on the device (the guard reads it)
-        with guard.step(own_norm) if guard is not None else contextlib.nullcontext():
+            norm = own_norm = grad_norm(ctx.model, engine.mpu)  # on the device (the guard's skip flag)
+        with guard.step(own_norm, ctx.state.step + 1) if guard is not None else contextlib.nullcontext():
             engine.step()
         total += loss.detach().float()
     recorded = engine.get_global_grad_norm()
@@ -540,6 +540,7 @@ def _report_pending(run: _Run, metrics: dict[str, Any]) -> None:
     the result, and the last one's loss, grad norm and samples hash into `metrics`."""
     if not run.pending:
         return
+    run.guard.read()  # skips decided on the device (fp32 ZeRO 0), read with the losses
     figures = dp_reduce([out for _, out in run.pending], run.ctx)
     for (step, _), fig in zip(run.pending, figures):
         run.result.losses.append(fig.loss)
