@@ -39,6 +39,7 @@ import psutil
 import torch
 import torch.distributed as dist
 from loomtrain.durable import atomic_write, naming
+from loomtrain.launcher.observe.mirror import Mirror, restore_metrics, tb_uri
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
@@ -307,6 +308,7 @@ class MetricsLogger:
         tensorboard: bool = True,
         progress: str = "auto",
         start_step: int = 0,
+        storage: str = "",
     ) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -314,9 +316,12 @@ class MetricsLogger:
         self.writer = None
         self.bar = None
         self._jsonl = None
+        self.mirror = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if storage and start_step:  # run.storage: this RUN_DIR may be a fresh host's (mirror.py)
+            restore_metrics(self.run_dir, tb_uri(storage))
         # A fresh start (start_step 0) replaces an earlier run's metrics; a resume keeps
         # the records up to start_step and drops those of the steps it will redo.
         path = self.jsonl_path = self.run_dir / "metrics.jsonl"
@@ -328,6 +333,8 @@ class MetricsLogger:
             # purge_step: TensorBoard hides older events from step start_step + 1 on.
             with self._tensorboard():
                 self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=start_step + 1)
+        if storage:  # TensorBoard follows the run from {run.storage}/tb/
+            self.mirror = Mirror(self.run_dir, tb_uri(storage)).start()
         use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
         if use_bar:
             self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -434,6 +441,9 @@ class MetricsLogger:
             except OSError as exc:
                 failed = failed or exc
             self._jsonl = None
+        if self.mirror is not None:  # the last pass, after the writers flushed and closed
+            self.mirror.stop()
+            self.mirror = None
         if failed is not None and sys.exc_info()[1] is None:
             raise failed
 

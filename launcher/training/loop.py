@@ -448,6 +448,7 @@ def _set_up(
         tensorboard=cfg.log.tensorboard,
         progress=cfg.log.progress,
         start_step=start_step,
+        storage=cfg.run.storage,  # with a URI, TensorBoard follows a mirror there
     )
     opened.callback(log.close)
     log.message(
