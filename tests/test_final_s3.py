@@ -24,17 +24,23 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = "def add(a"
 
 
+@pytest.fixture(scope="module")
+def hf_and_disk(tmp_path_factory, bpe):
+    """A tiny Llama saved by transformers, and the same imported to disk (one per module)."""
+    base = tmp_path_factory.mktemp("final_s3")
+    tiny_llama(base / "hf", bpe)
+    assert cli.main(["import", "--format", "hf", str(base / "hf"), "--output", str(base / "disk")]) == 0
+    return base / "hf", base / "disk"
+
+
 @pytest.fixture
-def env(s3_bucket, tmp_path, monkeypatch, bpe):
-    """(bucket, HF folder, the same imported to disk): this host's object cache in tmp_path, the
+def env(s3_bucket, hf_and_disk, tmp_path, monkeypatch):
+    """(bucket, HF folder, its import on disk): this host's object cache in tmp_path, the
     working directory tmp_path/cwd (where a URI taken for a path would leave `s3:`)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    hf = tmp_path / "hf"
-    tiny_llama(hf, bpe)
-    assert cli.main(["import", "--format", "hf", str(hf), "--output", str(tmp_path / "disk")]) == 0
-    yield s3_bucket, hf, tmp_path / "disk"
+    yield s3_bucket, *hf_and_disk
     assert not any(p.name.startswith("s3:") for p in (tmp_path / "cwd").iterdir())
 
 

@@ -212,7 +212,7 @@ def _save_final_to_uri(engine, topology, model_cfg, tokenizer, uri: str, staging
             error = str(exc)
     retracted = _all_gather(error)[0]  # also the barrier: nothing is uploaded before the retraction
     if retracted is not None:
-        shutil.rmtree(mine, ignore_errors=True)
+        _remove_staging(mine)
         raise FinalWeightsError(retracted)
     part = _write_share(engine, topology, mine)
     try:
@@ -222,7 +222,7 @@ def _save_final_to_uri(engine, topology, model_cfg, tokenizer, uri: str, staging
     parts = _all_gather(part)
     failed = [p["error"] for p in parts if p.get("error")]
     if failed:
-        shutil.rmtree(mine, ignore_errors=True)
+        _remove_staging(mine)
         raise FinalWeightsError(failed[0])
     error = None
     if rank == 0:
@@ -235,10 +235,17 @@ def _save_final_to_uri(engine, topology, model_cfg, tokenizer, uri: str, staging
         except StorageError as exc:
             error = str(exc)
     errors = _all_gather(error)
-    shutil.rmtree(mine, ignore_errors=True)
+    _remove_staging(mine)
     if errors[0] is not None:
         raise FinalWeightsError(errors[0])
     return uri
+
+
+def _remove_staging(mine: Path) -> None:
+    """This rank's staging folder, and their parent once the last rank of the host left it."""
+    shutil.rmtree(mine, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        mine.parent.rmdir()
 
 
 def retract_final(uri: str) -> None:
