@@ -15,10 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from loomtrain.data_pipeline.preprocess import preprocess_files
-from loomtrain.data_pipeline.shards import SPLITS, VERSION, DataError, ShardSet, check_tokenizer_hash, read_index
+from loomtrain.data_pipeline.remote import load_remote_tokenizer, open_shard_set, read_shard_index
+from loomtrain.data_pipeline.shards import SPLITS, VERSION, DataError, check_tokenizer_hash
 from loomtrain.data_pipeline.staging import partial_dir
 from loomtrain.data_pipeline.tokenizer import Tokenizer, load_tokenizer
 from loomtrain.durable import replace_dir
+from loomtrain.storage import is_uri
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -61,15 +63,24 @@ def _corpus_key(files: list[Path], data_cfg, tokenizer_id: str) -> str:
 
 
 def verify_shards(shard_dir, expected_tokenizer_hash: str | None) -> dict:
-    """Index present, tokenizer matches, every shard file of every split complete."""
-    index = read_index(shard_dir)
+    """Index present, tokenizer matches, every shard file of every split complete. In object
+    storage: every shard object of the size the index says (one listing); token ids are then
+    checked as they are read, as scanning them all would download the dataset."""
+    index = read_shard_index(shard_dir)
     check_tokenizer_hash(index, shard_dir, expected_tokenizer_hash)
     for split in SPLITS:
         if split in index["splits"]:
-            shards = ShardSet(shard_dir, split)
+            shards = open_shard_set(shard_dir, split, None, None)
             shards.check_ids()
             shards.close()
     return index
+
+
+def _load_tokenizer(spec, shard_dir):
+    """data.tokenizer for shards in `shard_dir`: "bpe" means the directory's own tokenizer.json."""
+    if spec != "bpe":
+        return load_tokenizer(spec)
+    return load_remote_tokenizer(shard_dir) if is_uri(shard_dir) else load_tokenizer(shard_dir)
 
 
 def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer]:
@@ -85,9 +96,10 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
     written to a temporary directory and renamed into place).
     """
     if data_cfg.path:
-        shard_dir = Path(data_cfg.path)
-        read_index(shard_dir)  # a clear error before the tokenizer is looked at
-        tok = load_tokenizer(shard_dir) if data_cfg.tokenizer == "bpe" else load_tokenizer(data_cfg.tokenizer)
+        # A URI stays a string (object storage, read in place): never a Path, which would be ./s3:/...
+        shard_dir = data_cfg.path.rstrip("/") if is_uri(data_cfg.path) else Path(data_cfg.path)
+        read_shard_index(shard_dir)  # a clear error before the tokenizer is looked at
+        tok = _load_tokenizer(data_cfg.tokenizer, shard_dir)
         verify_shards(shard_dir, tok.hash)
         return shard_dir, tok
 
@@ -142,17 +154,15 @@ def prepare_sources(data_cfg, cache_dir=None, *, log=None) -> tuple[Path | list[
     list [(shard_dir, weight), ...], every directory checked and all made by one tokenizer."""
     if not data_cfg.sources:
         return prepare_data(data_cfg, cache_dir, log=log)
-    dirs = [Path(src.path) for src in data_cfg.sources]
+    dirs = [src.path.rstrip("/") if is_uri(src.path) else Path(src.path) for src in data_cfg.sources]
     indexes = []
     for i, d in enumerate(dirs):
         try:
-            indexes.append(read_index(d))
+            indexes.append(read_shard_index(d))
         except DataError as exc:
             raise DataError(f"data.sources[{i}].path: {exc}") from None
-    if data_cfg.tokenizer == "bpe":
-        tok, whose = load_tokenizer(dirs[0]), f"data.sources[0] ({dirs[0]})"
-    else:
-        tok, whose = load_tokenizer(data_cfg.tokenizer), f"data.tokenizer={data_cfg.tokenizer}"
+    tok = _load_tokenizer(data_cfg.tokenizer, dirs[0])
+    whose = f"data.sources[0] ({dirs[0]})" if data_cfg.tokenizer == "bpe" else f"data.tokenizer={data_cfg.tokenizer}"
     for i, (d, index) in enumerate(zip(dirs, indexes)):
         found = index["tokenizer"]["hash"]
         if found != tok.hash:

@@ -31,16 +31,19 @@ import dataclasses
 import math
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 from loomtrain.data_pipeline import documents
 from loomtrain.data_pipeline.documents import iter_units, jsonl_values, unit_texts
 from loomtrain.data_pipeline.records import TEXT, RecordFormat, check_format, detect_format, record_tokens
+from loomtrain.data_pipeline.remote_output import RemoteOutput
 from loomtrain.data_pipeline.shards import (
     FORMAT,
     INDEX,
@@ -60,6 +63,7 @@ from loomtrain.data_pipeline.staging import (
 )
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from loomtrain.durable import atomic_write_json
+from loomtrain.storage import is_uri
 from tqdm import tqdm
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
@@ -313,11 +317,14 @@ def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines,
         raise
 
 
-def _assemble(work: Path, parts: Parts, files, tokenizer, splitter: ValSplit, shard_tokens: int) -> tuple[dict, dict]:
-    """Parts -> shards, in input order; documents numbered across files for the val split."""
+def _assemble(
+    work: Path, parts: Parts, files, tokenizer, splitter: ValSplit, shard_tokens: int, on_file=None
+) -> tuple[dict, dict]:
+    """Parts -> shards, in input order; documents numbered across files for the val split.
+    on_file(name): each shard set file as it is complete in `work`."""
     clear_assembly(work)
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {s: SplitWriter(work, s, dtype, shard_tokens, masked=parts.masked) for s in SPLITS}
+    writers = {s: SplitWriter(work, s, dtype, shard_tokens, masked=parts.masked, on_file=on_file) for s in SPLITS}
     stats, doc = _zero_stats(), 0
     try:
         for i in range(len(files)):
@@ -374,7 +381,11 @@ def preprocess_files(
     is named in the summary line. It is passed in, not imported: this package knows no cluster;
     for instruction or chat records it is also given records=RecordFormat.
 
-    records: how JSONL lines are read (records.py); None: detected from the first record."""
+    records: how JSONL lines are read (records.py); None: detected from the first record.
+
+    `output` may be an object-store URI (s3://bucket/ds, ...): the work folder is then local
+    (remote_output.staging_dir), each shard set file goes up as it is complete, index.json last
+    (remote_output.py); a URI is never taken for a local path."""
     if not files:
         raise DataError("no input files")
     if not isinstance(shard_tokens, int) or shard_tokens <= 0:
@@ -385,10 +396,14 @@ def preprocess_files(
     if records is None:
         records = RecordFormat(detect_format(files, text_field))
     check_format(records, files)
-    out = Path(output)
-    at = Progress(out, files)
+    remote = RemoteOutput(str(output), overwrite) if is_uri(output) else None
+    out = remote.staging if remote else Path(output)
+    at = Progress(out, files, shown=str(output))
     try:
-        check_output(out, overwrite)
+        if remote:
+            remote.check()  # before anything is written, as check_output for a folder
+        else:
+            check_output(out, overwrite)
         t0 = time.perf_counter()
         sizes = [p.stat() for p in files]
         total_bytes = sum(st.st_size for st in sizes)
@@ -451,7 +466,10 @@ def preprocess_files(
             finally:
                 bar.close()
         at.assembling = True
-        splits, stats = _assemble(work, parts, files, tokenizer, splitter, shard_tokens)
+        if remote:
+            remote.begin()
+        uploaded = partial(remote.upload, work) if remote else None  # each shard goes up as it is complete
+        splits, stats = _assemble(work, parts, files, tokenizer, splitter, shard_tokens, on_file=uploaded)
         if splits["train"]["num_tokens"] == 0 and splits["val"]["num_tokens"] == 0:
             raise DataError(f"inputs hold no text: {', '.join(sources or [str(p) for p in files[:3]])}")
         dtype = token_dtype(tokenizer.vocab_size)
@@ -474,11 +492,18 @@ def preprocess_files(
             "sources": sources or [str(p) for p in files],
         }
         atomic_write_json(work / INDEX, index)
-        publish(work, out)
+        if remote:
+            remote.commit(work)
+            shutil.rmtree(work, ignore_errors=True)  # a local copy of what is now in the store
+        else:
+            publish(work, out)
     except KeyboardInterrupt:  # Ctrl-C: what was kept is in OUTPUT.partial, and a rerun resumes from it
         raise at.interrupted() from None
     except OSError as exc:  # an input that cannot be read, a full or read-only output: named with the path
         raise at.os_error(exc) from None
+    finally:
+        if remote:
+            remote.close()
     run = {
         "seconds": round(time.perf_counter() - t0, 3),
         "workers": workers,
@@ -492,7 +517,7 @@ def preprocess_files(
         log(
             f"preprocess: {len(files)} files, {doc} documents, {n_tok:,} tokens "
             f"(train {splits['train']['num_tokens']:,} / val {splits['val']['num_tokens']:,}) in {secs:.2f}s "
-            f"({n_tok / max(secs, 1e-9):,.0f} tokens/s, {workers} worker(s){where}) -> {out}"
+            f"({n_tok / max(secs, 1e-9):,.0f} tokens/s, {workers} worker(s){where}) -> {output if remote else out}"
             + (f"; skipped {stats['bad_lines']} bad lines" if stats["bad_lines"] else "")
             + (f"; replaced {stats['replaced_chars']} invalid UTF-8 sequences" if stats["replaced_chars"] else "")
         )

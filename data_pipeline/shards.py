@@ -53,8 +53,12 @@ class SplitWriter:
     """Appends token pieces to one split's shard files; each file is an AtomicFile
     (temp name, fsynced, renamed into place when full or at close)."""
 
-    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, masked: bool = False):
+    def __init__(
+        self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, masked: bool = False, on_file=None
+    ):
         self.dir, self.split, self.dtype, self.shard_tokens = out_dir, split, np.dtype(dtype), int(shard_tokens)
+        # on_file(name): called as each file is complete in out_dir (preprocess uploads it meanwhile)
+        self.on_file = on_file or (lambda name: None)
         self.shards: list[dict] = []
         self.num_tokens = 0
         self.num_docs = 0
@@ -76,6 +80,7 @@ class SplitWriter:
         self._file.commit()
         self.shards.append({"file": self._name, "num_tokens": self._file_tokens})
         self._file = None
+        self.on_file(self._name)
 
     def start_doc(self) -> None:
         self._docs.write(np.uint64(self.num_tokens).tobytes())
@@ -113,6 +118,7 @@ class SplitWriter:
     def close(self) -> dict:
         self._finish_file()
         self._docs.commit()
+        self.on_file(self._docs_name)
         info = {
             "num_tokens": self.num_tokens,
             "num_docs": self.num_docs,
@@ -121,6 +127,7 @@ class SplitWriter:
         }
         if self._mask is not None:
             self._mask.commit()
+            self.on_file(self._mask_name)
             info["loss_mask"] = self._mask_name
         return info
 
@@ -139,8 +146,14 @@ def read_index(shard_dir: str | os.PathLike) -> dict:
         raise DataError(
             f"{shard_dir} has no {INDEX}: not a complete shard directory (make one with `loomtrain preprocess`)"
         )
+    return parse_index(path.read_bytes(), path)
+
+
+def parse_index(data: bytes, path) -> dict:
+    """index.json's bytes -> the index, checked (format, version, every key the readers use);
+    `path` (a file or an object's URI) names it in the errors."""
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        index = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -157,7 +170,7 @@ def read_index(shard_dir: str | os.PathLike) -> dict:
     return index
 
 
-def _check_index_keys(index: dict, path: Path) -> None:
+def _check_index_keys(index: dict, path) -> None:
     """Every key the readers use is present, so a damaged index is one line naming the key, not a KeyError."""
 
     def need(obj, key: str, dotted: str, kind):

@@ -242,8 +242,9 @@ class OutputError(OSError):
 class Progress:
     """How far a run got: what the one line that ends it early (Ctrl-C, an OS error) says was kept."""
 
-    def __init__(self, out: Path, files: list[Path]):
+    def __init__(self, out: Path, files: list[Path], shown: str | None = None):
         self.out, self.files = out, files
+        self.shown = shown or str(out)  # --output as given (a URI's work folder is local: `out`)
         self.work: Path | None = None  # OUTPUT.partial, once opened
         self.parts: Parts | None = None  # once the tokenizer is saved there
         self.assembling = False
@@ -289,4 +290,4 @@ class Progress:
             fix = "check that location, or choose another --output"
         kept = self.kept()
         resume = f"; {kept}, where a rerun of the same command resumes" if kept else ""
-        return OutputError(exc, str(path), f"--output {self.out}: {path}: {cause}; {fix}{resume}")
+        return OutputError(exc, str(path), f"--output {self.shown}: {path}: {cause}; {fix}{resume}")

@@ -41,11 +41,17 @@ import weakref
 
 import numpy as np
 import torch
+from loomtrain.data_pipeline.remote import WindowCache, open_shard_set
 from loomtrain.data_pipeline.shards import DataError, ShardSet
+from loomtrain.storage import is_uri
 
 STATE_VERSION = 1
 IGNORE_INDEX = -100  # a target not trained on (model/loss.py's, the Hugging Face convention)
 SAMPLE_DIGEST_SHIFT = 24  # a sample's digest is the top 40 bits of its mixed id
+# Shards in object storage: the windows of up to this many batches ahead are fetched (remote.py);
+# the read-ahead starts at prefetch + 1 batches and doubles per batch up to it, within half of
+# cache_bytes, so a stream read for a few batches (an evaluation) fetches little it does not use.
+READ_AHEAD_BATCHES = 64
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -185,7 +191,9 @@ class TokenStream:
 
     Infinite: epochs follow one another (see `epoch`). Tensor-parallel ranks of
     one DP group pass the same dp_rank and get identical batches.
-    `shard_dir` is one shard directory, or a mixture: [(dir, weight), ...].
+    `shard_dir` is one shard directory, or a mixture: [(dir, weight), ...]; a directory may be
+    an object-store URI (remote.py: read window by window, with read-ahead and a cache of at most
+    `cache_bytes`, 0 = the read-ahead only), which yields exactly what the same shards on disk do.
     """
 
     def __init__(
@@ -202,6 +210,7 @@ class TokenStream:
         expected_tokenizer_hash: str | None = None,
         shuffle: bool = True,
         document_masking: bool | None = None,
+        cache_bytes: int = 0,
     ):
         for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("dp_size", dp_size)):
             if not isinstance(value, int) or value <= 0:
@@ -210,13 +219,17 @@ class TokenStream:
             raise ValueError(f"TokenStream: dp_rank {dp_rank} not in [0, {dp_size})")
         if prefetch < 0:
             raise ValueError(f"TokenStream: prefetch must be >= 0, got {prefetch}")
+        if cache_bytes < 0:
+            raise ValueError(f"TokenStream: cache_bytes must be >= 0, got {cache_bytes}")
         sources = _source_list(shard_dir)
         self.source_weights = [w for _, w in sources]  # as data.sources gives them (the blend normalises)
         self.blend = Blend(self.source_weights)
+        # One cache for all sources in object storage; None when every source is on disk.
+        self.cache = WindowCache(cache_bytes) if any(is_uri(path) for path, _ in sources) else None
         self.sources: list[ShardSet] = []
         try:
             for path, _ in sources:
-                self.sources.append(ShardSet(path, split, expected_tokenizer_hash))
+                self.sources.append(open_shard_set(path, split, expected_tokenizer_hash, self.cache))
             hashes = {s.tokenizer_hash for s in self.sources}
             if len(hashes) > 1:
                 first = self.sources[0]
@@ -228,6 +241,8 @@ class TokenStream:
         except BaseException:
             for s in self.sources:
                 s.close()
+            if self.cache is not None:
+                self.cache.close()
             raise
         self.shards = self.sources[0]
         self.split, self.seq_len, self.micro_batch_size = split, seq_len, micro_batch_size
@@ -270,6 +285,13 @@ class TokenStream:
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
+        if self.cache is not None:
+            itemsize = max(s.dtype.itemsize for s in self.sources) + (1 if self.loss_masked else 0)
+            batch_bytes = micro_batch_size * (seq_len + 1) * itemsize
+            self._ahead_max = min(READ_AHEAD_BATCHES, max(1, cache_bytes // 2 // batch_bytes))
+            if not cache_bytes:
+                self._ahead_max = prefetch + 1
+            self._reset_read_ahead()
 
     # Positions ----------------------------------------------------------
     @property
@@ -376,8 +398,37 @@ class TokenStream:
         u = np.uint64
         return (sources.astype(u) << u(56)) | (epochs.astype(u) << u(36)) | index.astype(u)
 
+    # Read-ahead (shards in object storage) ----------------------------------
+    def _reset_read_ahead(self) -> None:
+        self._ahead_to = None  # the first round whose windows are not asked for yet
+        self._ahead_batches = min(self._ahead_max, self.prefetch + 1)
+
+    def _read_ahead(self, round_start: int) -> None:
+        """Ask for the windows of this rank's rounds [round_start, + read-ahead) not asked for yet:
+        the same token and mask ranges _batch reads, so its reads find them."""
+        end = round_start + self._ahead_batches * self.round_size
+        start = round_start if self._ahead_to is None or self._ahead_to < round_start else self._ahead_to
+        for r in range(start, end, self.round_size):
+            sources, idx = self.locate(self.rank_positions(r))
+            for k, i in zip(sources.tolist(), idx.tolist()):
+                src = self.sources[k]
+                if not hasattr(src, "prefetch"):  # a source on disk in a mixture: memory-mapped
+                    continue
+                if self.document_masking:
+                    a, b = (int(w[i]) for w in self.windows[k])
+                    src.prefetch(a, b - a)
+                    src.prefetch_mask(a, b - a)
+                else:
+                    src.prefetch(i * self.seq_len, self.seq_len + 1)
+                    if self.loss_masked:
+                        src.prefetch_mask(i * self.seq_len + 1, self.seq_len)
+        self._ahead_to = max(end, start)
+        self._ahead_batches = min(self._ahead_max, 2 * self._ahead_batches)
+
     def _batch(self, round_start: int):
         """(inputs, targets[, document_ids]) of this rank's micro batch, and the digest of its sample ids."""
+        if self.cache is not None:
+            self._read_ahead(round_start)
         positions = self.rank_positions(round_start)
         digest = int((_mix64(self.sample_ids(positions)) >> np.uint64(SAMPLE_DIGEST_SHIFT)).sum(dtype=np.uint64))
         if self.document_masking:
@@ -461,11 +512,16 @@ class TokenStream:
             self._stop.set()
             if thread is not threading.current_thread():
                 thread.join()
+        if self.cache is not None:
+            self.cache.drop_ahead()
+            self._reset_read_ahead()
 
     def close(self) -> None:
         self._halt()
         for s in self.sources:
             s.close()
+        if self.cache is not None:
+            self.cache.close()
 
     def __enter__(self):
         return self

@@ -69,7 +69,8 @@ class RunSection:
 
 @dataclass
 class DataSource:
-    # A directory of token shards made by `loomtrain preprocess`.
+    # A directory of token shards made by `loomtrain preprocess`: a path, or a URI
+    # (s3://bucket/ds: read in place, window by window).
     path: str = ""
     # Relative share of the samples (normalised over all sources).
     weight: float = 1.0
@@ -82,6 +83,7 @@ class DataSource:
 
     def validate(self, prefix: str) -> None:
         check(bool(self.path), f"{prefix}.path", self.EXPECTED["path"], self.path)
+        check_shard_location(f"{prefix}.path", self.path)
         # A list item: the loader's finite-number rule covers section fields only.
         ok = math.isfinite(self.weight) and self.weight > 0
         check(ok, f"{prefix}.weight", self.EXPECTED["weight"], self.weight)
@@ -90,9 +92,20 @@ class DataSource:
 BUILTIN_TOKENIZERS = ("byte", "bpe")
 
 
+def check_shard_location(key: str, value: str) -> None:
+    """A shard directory given as a URI must name a scheme fsspec knows (no store is reached here)."""
+    check(
+        not is_uri(value) or known_scheme(value),
+        key,
+        "a shard directory path, or a URI of a storage scheme fsspec knows (s3://, gs://, az://, file://)",
+        value,
+    )
+
+
 @dataclass
 class DataConfig:
-    # A directory of token shards made by `loomtrain preprocess`; empty means
+    # A directory of token shards made by `loomtrain preprocess`, or a URI of one in object
+    # storage (s3://bucket/ds: read in place, window by window); empty means
     # the embedded corpus: the Python standard library's own .py sources.
     path: str = ""
     # A weighted mixture of shard directories (all made by one tokenizer), instead of `path`.
@@ -108,6 +121,10 @@ class DataConfig:
     cache_dir: str = ""
     # Micro-batches made ahead of time by a background thread (0 = none).
     prefetch: int = 2
+    # Shards in object storage: bytes of token windows each rank holds in memory, those fetched
+    # ahead (up to half of it) and those already read, kept for reuse (a small split's later
+    # epochs, a window read twice); 0 = only the windows of the next prefetch + 1 batches.
+    cache_bytes: int = 1 << 30
     # Packed documents never see each other: attention stays inside each document, positions
     # restart at each, and a window holds whole documents (data_pipeline/stream.py). null = on
     # for instruction and chat data (`preprocess --format prompt-response|chat`), off for text.
@@ -130,9 +147,11 @@ class DataConfig:
             f"empty when {prefix}.path is set ({prefix}.path is the one-source form of {prefix}.sources)",
             "a list",
         )
+        check_shard_location(f"{prefix}.path", self.path)
         for i, src in enumerate(self.sources):
             src.validate(f"{prefix}.sources[{i}]")
         check_positive(f"{prefix}.prefetch", self.prefetch, allow_zero=True)
+        check_positive(f"{prefix}.cache_bytes", self.cache_bytes, allow_zero=True)
 
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -1,4 +1,4 @@
-"""`loomtrain preprocess --input GLOB... --output DIR [--tokenizer byte|bpe|PATH] [--ray] ...`.
+"""`loomtrain preprocess --input GLOB... --output DIR|URI [--tokenizer byte|bpe|PATH] [--ray] ...`.
 
 What is read, how it is tokenized and split, and how the output is published:
 data_pipeline/preprocess.py.
@@ -31,7 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--input", nargs="+", required=True, metavar="GLOB", help=".txt/.jsonl/.parquet files (globs; ** allowed)"
     )
-    p.add_argument("--output", required=True, metavar="DIR", help="shard directory to write")
+    p.add_argument(
+        "--output",
+        required=True,
+        metavar="DIR|URI",
+        help="shard directory to write: a path, or a URI (s3://bucket/ds: made in a local work folder under "
+        "the temp directory, each file uploaded as it is complete, index.json last)",
+    )
     p.add_argument("--tokenizer", default=d.tokenizer, help="byte | bpe (trained on the inputs) | PATH/tokenizer.json")
     p.add_argument(
         "--bpe-vocab-size",

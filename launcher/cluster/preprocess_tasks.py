@@ -4,8 +4,10 @@ Each task reads one input file where it runs (so the inputs must be on storage
 every node sees: a shared filesystem, or one machine) and returns its unit
 results; the driver writes each file's part as it arrives and assembles the
 shards in input order (data_pipeline/staging.py), so the output is the same
-bytes as a local run. Tasks are retried on a lost node: a file's result does not
-depend on where or how often it is computed.
+bytes as a local run; an --output URI is uploaded from the driver as for a local
+run (data_pipeline/remote_output.py), so the tasks need no access to the store.
+Tasks are retried on a lost node: a file's result does not depend on where or
+how often it is computed.
 """
 
 from __future__ import annotations

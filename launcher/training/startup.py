@@ -210,4 +210,5 @@ def _stream(cfg: RunConfig, shard_dir, split: str, topology: Topology, tok: Toke
         prefetch=prefetch,
         expected_tokenizer_hash=tok.hash,
         document_masking=cfg.data.document_masking,
+        cache_bytes=cfg.data.cache_bytes,
     )

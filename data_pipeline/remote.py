@@ -1,0 +1,416 @@
+"""Token shards in object storage (data.path / data.sources[].path given as a URI such as
+s3://bucket/ds): read in place with ranged reads of just the windows a rank needs.
+
+A rank never downloads a split. It reads its own samples' windows (tokens [i*T, i*T + T + 1), or
+a packed window), one ranged GET each (two where a window crosses shard files), and only the
+small files whole: index.json, tokenizer.json and, when documents are packed, {split}.docs.bin.
+
+    RemoteShardSet(uri, split, hash, cache)   ShardSet's interface (read, read_mask, doc_starts, ...)
+                                              over a shard directory in object storage
+    WindowCache(capacity_bytes)               the windows fetched ahead (a pool of threads) and,
+                                              after use, kept up to capacity_bytes (LRU)
+
+Read-ahead: the stream asks for the windows of its next batches (TokenStream._read_ahead) before
+it builds one, so in the steady state a batch finds its windows fetched. The cache holds those
+and, within data.cache_bytes, windows already read (a later epoch over a small split costs no GET).
+
+Verification: when a split is opened, one listing of the directory gives every object's size,
+checked against the index (a shard: num_tokens x itemsize; a loss mask: one byte per token), and
+its ETag; every ranged read of a shard is conditional on that ETag where the store can do it
+(S3: If-Match), so a shard deleted or rewritten during the run is one DataError line naming it,
+never a batch of mixed bytes. Elsewhere a short read is caught the same way.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+
+import numpy as np
+from loomtrain.data_pipeline.shards import INDEX, DataError, check_tokenizer_hash, parse_index, read_index
+from loomtrain.storage import is_uri, join, object_store
+
+FETCH_THREADS = 16  # ranged GETs in flight per stream: a GET's latency, not bandwidth, bounds a window's read
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def open_store(uri: str, what: str = "data.path"):
+    """(fsspec filesystem, path inside it) for a shard directory's URI; DataError naming it."""
+    try:
+        fs, path = object_store(str(uri), what)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    return fs, path.rstrip("/")
+
+
+def list_directory(fs, path: str, uri: str) -> dict[str, dict]:
+    """{object name: fsspec info (size, ETag, ...)} of the objects directly under `path`, listed
+    afresh (fsspec caches listings; a new reader must see the store as it is now)."""
+    fs.invalidate_cache(path)
+    try:
+        found = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    except Exception as exc:  # no credentials, no bucket, no connection: the library's own types
+        raise DataError(f"{uri}: cannot list the shard directory ({first_line(exc)})") from None
+    return {info["name"].rstrip("/").rsplit("/", 1)[-1]: info for info in found if info.get("type") == "file"}
+
+
+def read_object(fs, path: str, uri: str, missing: str) -> bytes:
+    """A small object, whole; `missing`: what a missing object means, for its error line."""
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        raise DataError(f"{uri}: {missing}") from None
+    except Exception as exc:
+        raise DataError(f"{uri}: cannot read it ({first_line(exc)})") from None
+
+
+def read_remote_index(uri: str) -> dict:
+    fs, path = open_store(uri)
+    data = read_object(
+        fs,
+        f"{path}/{INDEX}",
+        join(uri, INDEX),
+        "not found: not a complete shard directory (make one with `loomtrain preprocess --output URI`)",
+    )
+    return parse_index(data, join(uri, INDEX))
+
+
+def read_shard_index(location) -> dict:
+    """A shard directory's index, checked: a path (shards.read_index) or a URI."""
+    return read_remote_index(str(location)) if is_uri(location) else read_index(location)
+
+
+def load_remote_tokenizer(uri: str):
+    """The tokenizer a shard directory in object storage holds (its tokenizer.json, and
+    tokenizer_config.json when there is one: a chat template), read into a temp folder."""
+    from loomtrain.data_pipeline.tokenizer import CHAT_CONFIG, load_tokenizer
+
+    fs, path = open_store(uri)
+    names = list_directory(fs, path, uri)
+    with tempfile.TemporaryDirectory(prefix="loomtrain-tokenizer-") as tmp:
+        for name in ("tokenizer.json", CHAT_CONFIG):
+            if name in names or name == "tokenizer.json":
+                data = read_object(fs, f"{path}/{name}", join(uri, name), "not found (the shard directory's tokenizer)")
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+        return load_tokenizer(tmp)
+
+
+class WindowCache:
+    """Byte windows of objects, by (object URI, start, end): fetched ahead on a pool of threads
+    (`ahead`), read once (`get`: waits for a window in flight, fetches one not asked for), then
+    kept for reuse, least recently used first out, while everything held (fetched ahead and kept)
+    stays within capacity_bytes; 0 keeps nothing beyond the windows fetched ahead."""
+
+    def __init__(self, capacity_bytes: int, threads: int = FETCH_THREADS):
+        self.capacity = int(capacity_bytes)
+        self._lock = threading.Lock()
+        self._ahead: dict[tuple, Future] = {}  # fetched ahead (or in flight), not yet read
+        self._ahead_bytes = 0
+        self._kept: OrderedDict[tuple, bytes] = OrderedDict()  # read, kept for reuse
+        self._kept_bytes = 0
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="loomtrain-fetch")
+        # What tests and benchmarks read: bytes and GETs fetched, the most bytes held at once,
+        # reads served from the cache, reads that had to wait for their window.
+        self.fetched_bytes = self.fetches = self.peak_bytes = self.hits = self.waits = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._ahead_bytes + self._kept_bytes
+
+    @property
+    def in_flight(self) -> int:
+        """Windows asked for ahead and not fetched yet."""
+        with self._lock:
+            return sum(not f.done() for f in self._ahead.values())
+
+    def _count(self, data: bytes) -> bytes:
+        with self._lock:
+            self.fetched_bytes += len(data)
+            self.fetches += 1
+        return data
+
+    def ahead(self, key: tuple, fetch) -> None:
+        """Start fetching window `key` (fetch() -> its bytes) unless it is held already."""
+        with self._lock:
+            if key in self._ahead or key in self._kept:
+                return
+            self._ahead[key] = self._pool.submit(lambda: self._count(fetch()))
+            self._ahead_bytes += key[2] - key[1]
+            self._trim()
+
+    def get(self, key: tuple, fetch) -> bytes:
+        """Window `key`'s bytes: fetched ahead, kept, or fetched now."""
+        with self._lock:
+            future = self._ahead.get(key)
+            if future is None and key in self._kept:
+                self._kept.move_to_end(key)
+                self.hits += 1
+                return self._kept[key]
+        if future is None:
+            data = self._count(fetch())
+        else:
+            if not future.done():
+                with self._lock:
+                    self.waits += 1
+            data = future.result()  # a DataError raised by fetch() comes out here
+        with self._lock:
+            if self._ahead.pop(key, None) is not None:
+                self._ahead_bytes -= key[2] - key[1]
+            if self.capacity > 0 and key not in self._kept:
+                self._kept[key] = data
+                self._kept_bytes += len(data)
+            self._trim()
+        return data
+
+    def _trim(self) -> None:
+        while self._kept and self.held_bytes > self.capacity:
+            _, data = self._kept.popitem(last=False)
+            self._kept_bytes -= len(data)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def drop_ahead(self) -> None:
+        """Forget the windows fetched ahead (the stream moved elsewhere: a loaded state)."""
+        with self._lock:
+            for future in self._ahead.values():
+                future.cancel()
+            self._ahead.clear()
+            self._ahead_bytes = 0
+
+    def close(self) -> None:
+        self.drop_ahead()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Object:
+    """One object of a shard directory, pinned to the size and ETag the listing gave."""
+
+    def __init__(self, fs, path: str, uri: str, info: dict, what: str):
+        self.fs, self.path, self.uri, self.what = fs, path, uri, what
+        self.size = int(info.get("size") or 0)
+        self.etag = info.get("ETag") or info.get("etag")
+        self._reader = None
+        self._lock = threading.Lock()
+
+    def _range_reader(self):
+        """(start, end) -> bytes, opened on the first read. The object must still be the one
+        listed (its ETag, else its size); with s3fs the open file's ranged fetches then carry
+        If-Match: that ETag, so a later change fails a read instead of giving the new bytes."""
+        with self._lock:
+            if self._reader is None:
+                f = self.fs.open(self.path, "rb", cache_type="none")
+                details = getattr(f, "details", None) or self.fs.info(self.path)
+                etag = details.get("ETag") or details.get("etag")
+                if (etag or self.etag) != self.etag or int(details.get("size") or 0) != self.size:
+                    f.close()
+                    raise DataError(
+                        f"{self.what} {self.uri} changed during the run (listed as {self.size} bytes, ETag "
+                        f"{self.etag}; now {details.get('size')} bytes, ETag {etag}); {self.fix}"
+                    )
+                fetch = getattr(f, "_fetch_range", None)
+                if fetch is not None and getattr(f, "read_kw", {}).get("IfMatch") == self.etag:
+                    self._reader = fetch
+                else:
+                    f.close()
+                    self._reader = lambda a, b: self.fs.cat_file(self.path, start=a, end=b)
+            return self._reader
+
+    fix = "restore it, or re-run `loomtrain preprocess` and start the run again"
+
+    def fetch(self, start: int, end: int) -> bytes:
+        fix = self.fix
+        try:
+            data = self._range_reader()(start, end)
+        except FileNotFoundError:
+            raise DataError(
+                f"{self.what} {self.uri} disappeared during the run (it was listed with {self.size} bytes); {fix}"
+            ) from None
+        except OSError as exc:
+            if exc.errno == errno.EBUSY or type(exc).__name__ == "FileExpired":  # If-Match failed
+                raise DataError(
+                    f"{self.what} {self.uri} changed during the run (its ETag is no longer {self.etag}); {fix}"
+                ) from None
+            raise DataError(f"{self.what} {self.uri}: cannot read bytes [{start}, {end}) ({first_line(exc)})") from None
+        except Exception as exc:
+            raise DataError(f"{self.what} {self.uri}: cannot read bytes [{start}, {end}) ({first_line(exc)})") from None
+        if len(data) != end - start:
+            raise DataError(
+                f"{self.what} {self.uri} changed during the run: bytes [{start}, {end}) came back as "
+                f"{len(data)} bytes (the listing gave {self.size}); {fix}"
+            )
+        return data
+
+
+class RemoteShardSet:
+    """One split of a shard directory in object storage, read window by window (see the module
+    docstring); the interface of shards.ShardSet. `cache` is the stream's WindowCache (shared by
+    its sources); without one, reads are fetched as they come."""
+
+    def __init__(
+        self,
+        uri: str,
+        split: str = "train",
+        expected_tokenizer_hash: str | None = None,
+        cache: WindowCache | None = None,
+    ):
+        self.dir = str(uri).rstrip("/")
+        self.fs, self._path = open_store(self.dir)
+        self.index = read_remote_index(self.dir)
+        check_tokenizer_hash(self.index, self.dir, expected_tokenizer_hash)
+        if split not in self.index["splits"]:
+            raise DataError(f"{self.dir}: no split {split!r} (has {', '.join(self.index['splits'])})")
+        self.split = split
+        self.dtype = np.dtype(self.index["dtype"])
+        self._le = "<" + self.dtype.str[1:]
+        self.tokenizer_hash = self.index["tokenizer"]["hash"]
+        self.eos_id = self.index["tokenizer"]["eos_id"]
+        self.vocab_size = self.index["tokenizer"]["vocab_size"]
+        self._check_ids = np.iinfo(self.dtype).max >= self.vocab_size
+        self.cache = cache if cache is not None else WindowCache(0)
+        self._own_cache = cache is None
+        info = self.index["splits"][split]
+        listed = list_directory(self.fs, self._path, self.dir)
+        self.objects: list[_Object] = []
+        self.files: list[str] = []
+        sizes = []
+        for shard in info["shards"]:
+            obj = self._object(listed, shard["file"], shard["num_tokens"] * self.dtype.itemsize, "shard", shard)
+            if shard["num_tokens"]:
+                self.objects.append(obj)
+                self.files.append(obj.uri)
+                sizes.append(shard["num_tokens"])
+        self.starts = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(np.int64)
+        self.num_tokens = int(self.starts[-1])
+        if self.num_tokens != info["num_tokens"]:
+            raise DataError(
+                f"{self.dir}: split {split!r} shards hold {self.num_tokens} tokens, index says {info['num_tokens']}"
+            )
+        self.records = self.index.get("records", "text")
+        # Not None: the split has a loss mask (1 = target), read window by window with read_mask.
+        self.mask: _Object | None = None
+        if "loss_mask" in info:
+            self.mask = self._object(listed, info["loss_mask"], self.num_tokens, "loss mask", None)
+        self._doc_starts: np.ndarray | None = None
+
+    def _object(self, listed: dict, name: str, expected: int, what: str, shard: dict | None) -> _Object:
+        uri = join(self.dir, name)
+        found = listed.get(name)
+        actual = int(found.get("size") or 0) if found is not None else None
+        if actual != expected:
+            says = f"{shard['num_tokens']} tokens = {expected} bytes" if shard else f"{expected} bytes"
+            raise DataError(
+                f"{what} {uri} is {'missing' if found is None else 'truncated or corrupt'}: index says {says}, "
+                f"the object has {actual if actual is not None else 0} bytes"
+            )
+        return _Object(self.fs, f"{self._path}/{name}", uri, found, what)
+
+    @property
+    def doc_starts(self) -> np.ndarray:
+        """int64 start offset of every document of the split ({split}.docs.bin, read whole once)."""
+        if self._doc_starts is None:
+            info = self.index["splits"][self.split]
+            name = info.get("doc_offsets")
+            uri = join(self.dir, name) if name else None
+            data = read_object(self.fs, f"{self._path}/{name}", uri, "missing") if name else b""
+            if uri is None or len(data) != 8 * info.get("num_docs", -1):
+                raise DataError(
+                    f"{self.dir}: split {self.split!r} has no complete document offsets "
+                    f"({uri or 'no doc_offsets in the index'}); re-run `loomtrain preprocess`"
+                )
+            starts = np.frombuffer(data, dtype="<u8").astype(np.int64)
+            self._doc_starts = starts if starts.size and starts[0] == 0 else np.concatenate([[0], starts])
+        return self._doc_starts
+
+    # Windows ------------------------------------------------------------------
+    def _pieces(self, start: int, length: int) -> list[tuple[int, int, int]]:
+        """Tokens [start, start + length) as (object number, first byte, end byte) per shard crossed."""
+        if start < 0 or start + length > self.num_tokens:
+            raise IndexError(f"token range [{start}, {start + length}) outside split of {self.num_tokens}")
+        size = self.dtype.itemsize
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        offset, need, out = start - int(self.starts[i]), length, []
+        while need:
+            take = min(need, int(self.starts[i + 1] - self.starts[i]) - offset)
+            out.append((i, offset * size, (offset + take) * size))
+            need -= take
+            i, offset = i + 1, 0
+        return out
+
+    def _window(self, obj: _Object, a: int, b: int) -> bytes:
+        return self.cache.get((obj.uri, a, b), partial(obj.fetch, a, b))
+
+    def _window_ahead(self, obj: _Object, a: int, b: int) -> None:
+        self.cache.ahead((obj.uri, a, b), partial(obj.fetch, a, b))
+
+    def prefetch(self, start: int, length: int) -> None:
+        """Fetch tokens [start, start + length) ahead (read() then finds them)."""
+        for i, a, b in self._pieces(start, length):
+            self._window_ahead(self.objects[i], a, b)
+
+    def prefetch_mask(self, start: int, length: int) -> None:
+        if self.mask is not None and length:
+            self._window_ahead(self.mask, start, start + length)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the split, crossing shard files as needed."""
+        parts = []
+        for i, a, b in self._pieces(start, length):
+            obj = self.objects[i]
+            part = np.frombuffer(self._window(obj, a, b), dtype=self._le)
+            if self._check_ids and part.size and int(part.max()) >= self.vocab_size:
+                bad = int(np.flatnonzero(part >= self.vocab_size)[0])
+                offset = a // self.dtype.itemsize + bad
+                raise DataError(
+                    f"{obj.uri}: token id {int(part[bad])} at token offset {offset} "
+                    f"(byte {offset * self.dtype.itemsize}) is >= the vocabulary size {self.vocab_size}; "
+                    "the shard is corrupt or was made by another tokenizer"
+                )
+            parts.append(part.astype(self.dtype, copy=False))
+        if not parts:
+            return np.zeros(0, self.dtype)
+        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+
+    def read_mask(self, start: int, length: int) -> np.ndarray:
+        """uint8 [length]: 1 where token start + i is a target (all ones without a loss mask)."""
+        if self.mask is None:
+            return np.ones(length, dtype=np.uint8)
+        if not length:
+            return np.zeros(0, np.uint8)
+        return np.frombuffer(self._window(self.mask, start, start + length), np.uint8).copy()
+
+    def check_ids(self, chunk_tokens: int = 0) -> None:
+        """Ids are checked on every read (a whole-split scan would download the split)."""
+
+    def close(self) -> None:
+        if self._own_cache:
+            self.cache.close()
+
+
+def open_shard_set(location, split: str, expected_tokenizer_hash: str | None, cache: WindowCache | None):
+    """A split of a shard directory: memory-mapped (a path, as ever) or read window by window (a URI)."""
+    from loomtrain.data_pipeline.shards import ShardSet
+
+    if is_uri(location):
+        return RemoteShardSet(str(location), split, expected_tokenizer_hash, cache)
+    return ShardSet(location, split, expected_tokenizer_hash)
+
+
+__all__ = [
+    "RemoteShardSet",
+    "WindowCache",
+    "load_remote_tokenizer",
+    "open_shard_set",
+    "read_remote_index",
+    "read_shard_index",
+]

@@ -1,0 +1,176 @@
+"""`loomtrain preprocess --output s3://bucket/ds` (any URI fsspec knows): the shard set is made
+in a local work folder as for a path, and each file goes up as soon as it is complete.
+
+    RemoteOutput(uri, overwrite)    .staging: the local folder preprocess works in (its
+                                    .partial sibling holds the parts, so a rerun of the same
+                                    command on this machine resumes); .check(): before anything
+                                    is written; .begin(), .upload(work, name) as each shard is
+                                    complete (several in flight), .commit(work): index.json last
+
+An object store has no rename: the shard set at URI exists iff URI/index.json does, and it is
+uploaded last, after every shard, docs and mask file and the tokenizer are in place. Meanwhile
+a marker object (URI/.loomtrain-preprocess) says the prefix is a preprocess output in the
+making, so a rerun after a kill replaces it without --overwrite; it goes after the commit.
+Replacing an earlier output at URI (made by preprocess, or anything with --overwrite) takes its
+index.json away first (readers see no data set rather than a mix), and its objects the new one
+does not name after the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from loomtrain.data_pipeline.remote import first_line, open_store
+from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError
+from loomtrain.data_pipeline.tokenizer import CHAT_CONFIG
+
+UPLOADS_IN_FLIGHT = 8  # files going up at once (each a multipart upload of the library's own when large)
+MARKER = ".loomtrain-preprocess"
+# The names a preprocess output holds: shard, docs and mask files, the tokenizer, the index.
+_OURS = re.compile(
+    r"^(\w+_\d{5}\.bin|\w+\.docs\.bin|\w+\.mask\.bin|tokenizer\.json|tokenizer_config\.json|index\.json)$"
+)
+
+
+def staging_dir(uri: str) -> Path:
+    """The local folder a preprocess to `uri` works in: one per URI (under the temp folder, so
+    TMPDIR moves it), the same on a rerun, so the rerun resumes."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", uri.rstrip("/").rsplit("/", 1)[-1]) or "root"
+    key = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "loomtrain-preprocess" / f"{name}-{key}"
+
+
+class RemoteOutput:
+    def __init__(self, uri: str, overwrite: bool):
+        self.uri = str(uri).rstrip("/")
+        self.fs, self.path = open_store(self.uri, "--output")
+        self.overwrite = overwrite
+        self.staging = staging_dir(self.uri)
+        self._old: set[str] = set()  # objects there before this run (what the commit may remove)
+        self._pool: ThreadPoolExecutor | None = None
+        self._uploads: list[Future] = []
+        self._lock = threading.Lock()
+
+    def _obj(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def _fail(self, action: str, exc: BaseException) -> DataError:
+        return DataError(f"--output {self.uri}: cannot {action} ({first_line(exc)})")
+
+    def _listing(self) -> set[str]:
+        """Names of every object under the prefix (relative to it)."""
+        self.fs.invalidate_cache(self.path)
+        try:
+            found = self.fs.find(self.path, detail=False)
+        except FileNotFoundError:
+            return set()
+        except Exception as exc:  # no credentials, no connection: the library's own types
+            raise self._fail("list it", exc) from None
+        if found == [self.path] or (self.path in found and len(found) == 1):
+            raise DataError(f"--output {self.uri} is an object; expected a prefix to write a shard directory under")
+        return {p[len(self.path) + 1 :] for p in found if p.startswith(self.path + "/")}
+
+    def check(self) -> None:
+        """Before anything is written: the bucket is there, and the prefix is empty, an earlier
+        preprocess output (done, or cut short: the marker), or --overwrite is given."""
+        bucket = self.path.split("/", 1)[0]
+        try:
+            bucket_there = not bucket or self.fs.exists(bucket)
+        except Exception as exc:
+            raise self._fail("reach the store", exc) from None
+        if not bucket_there:
+            raise DataError(f"--output {self.uri}: the bucket {bucket} does not exist (or cannot be seen); create it")
+        present = self._listing()
+        self._old = present
+        if not present or self.overwrite:
+            return
+        foreign = sorted(n for n in present if n != MARKER and not _OURS.match(n))
+        if MARKER not in present and not self._our_index():
+            raise DataError(
+                f"--output {self.uri} holds objects and is not a loomtrain preprocess output (no valid {INDEX}); "
+                "refusing to replace it: choose another prefix, or pass --overwrite to replace everything under it"
+            )
+        if foreign:
+            raise DataError(
+                f"--output {self.uri} holds {foreign[0]!r}, which preprocess did not write; refusing to replace it: "
+                "move it away, or pass --overwrite to replace everything under the prefix"
+            )
+
+    def _our_index(self) -> bool:
+        try:
+            index = json.loads(self.fs.cat_file(self._obj(INDEX)).decode("utf-8"))
+        except Exception:
+            return False
+        return isinstance(index, dict) and index.get("format") == FORMAT
+
+    def begin(self) -> None:
+        """Before the first upload: the marker, and an earlier output's index (its commit point) removed."""
+        try:
+            self.fs.pipe_file(self._obj(MARKER), json.dumps({"format": "loomtrain-preprocess-upload"}).encode())
+            if INDEX in self._old:
+                self.fs.rm_file(self._obj(INDEX))
+        except Exception as exc:
+            raise self._fail("start writing under it", exc) from None
+        self._pool = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="loomtrain-upload")
+
+    def _put(self, local: Path, name: str, remove: bool) -> None:
+        try:
+            self.fs.put_file(str(local), self._obj(name))
+        except Exception as exc:
+            raise DataError(f"--output {self.uri}: cannot upload {name} ({first_line(exc)})") from None
+        if remove:  # a shard is assembled again from the parts on a rerun: its local copy can go
+            local.unlink(missing_ok=True)
+
+    def upload(self, work: Path, name: str) -> None:
+        """Start uploading work/name (a shard, docs or mask file just completed); its local copy
+        goes once it is up."""
+        with self._lock:
+            self._uploads.append(self._pool.submit(self._put, work / name, name, True))
+
+    def _wait(self) -> None:
+        with self._lock:
+            uploads, self._uploads = self._uploads, []
+        for future in uploads:
+            future.result()  # the first failed upload's DataError
+
+    def commit(self, work: Path) -> None:
+        """Wait for the uploads, then the tokenizer, then index.json (the commit point); then
+        the marker and what an earlier output held that this one does not name go."""
+        for name in ("tokenizer.json", CHAT_CONFIG):
+            if (work / name).is_file():
+                self.upload_kept(work, name)
+        self._wait()
+        self._put(work / INDEX, INDEX, False)
+        index = json.loads((work / INDEX).read_text(encoding="utf-8"))
+        names = {INDEX, "tokenizer.json", CHAT_CONFIG}
+        for info in index["splits"].values():
+            names.update(s["file"] for s in info["shards"])
+            names.update(info[k] for k in ("doc_offsets", "loss_mask") if k in info)
+        stale = sorted(self._obj(n) for n in (self._old | {MARKER}) - names)
+        try:
+            if stale:
+                self.fs.rm(stale)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise self._fail(f"remove {stale[0]} of the earlier output (the new one is complete)", exc) from None
+
+    def upload_kept(self, work: Path, name: str) -> None:
+        """Start uploading work/name, keeping the local file."""
+        with self._lock:
+            self._uploads.append(self._pool.submit(self._put, work / name, name, False))
+
+    def close(self) -> None:
+        """Stop: uploads not started are cancelled (a rerun does them again)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+__all__ = ["RemoteOutput", "staging_dir"]
