@@ -168,9 +168,19 @@ def test_streaming_from_s3_equals_disk_across_a_resume_at_another_dp_size(tmp_pa
     straight, _ = run_ranks(tmp_path / "local", m, 1, 4 * 2 + 12, seq_len=seq)
     flat = [row for batch in disk_first + disk_rest for row in zip(*batch)]
     assert flat == [row for batch in straight for row in zip(*batch)][: len(flat)]
-    # And the run's own entry point: data.path as a URI gives the same directory and tokenizer.
+    # And the run's own entry points: data.path as a URI gives the same directory and tokenizer,
+    # and the run's streams read it within data.cache_bytes.
     got, tok = prepare_sources(DataConfig(path=uri + "/"), tmp_path / "cache")
     assert got == uri and tok.hash == prepare_sources(DataConfig(path=str(tmp_path / "local")))[1].hash
+    if kind == "text":
+        from loomtrain.launcher.config import RunConfig
+        from loomtrain.launcher.training.startup import val_stream
+        from loomtrain.parallel import Topology
+
+        cfg = RunConfig()
+        cfg.data.path, cfg.data.cache_bytes, cfg.train.seq_len = uri, 12345, seq
+        with val_stream(cfg, got, Topology(world_size=1, rank=0), tok) as stream:
+            assert stream.cache.capacity == 12345 and stream.shards.dir == uri
 
 
 def test_a_rank_reads_only_its_windows_within_cache_bytes_and_waits_for_none_in_the_steady_state(tmp_path, s3_bucket):
