@@ -110,11 +110,12 @@ def list_objects(uri: str) -> dict[str, dict]:
     return out
 
 
-def read_object(uri: str) -> bytes | None:
-    """The object's bytes, or None when there is none."""
+def read_object(uri: str, start: int | None = None, end: int | None = None) -> bytes | None:
+    """The object's bytes (only [start, end) with either given: a ranged read), or None when
+    there is none."""
     fs, path = object_store(uri)
     try:
-        return fs.cat_file(path)
+        return fs.cat_file(path, start=start, end=end)
     except FileNotFoundError:
         return None
     except Exception as exc:

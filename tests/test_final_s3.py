@@ -11,12 +11,14 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 import yaml
 from hf_fixtures import tiny_llama
 from launch import QUIET, run_loomtrain
 from loomtrain import storage
 from loomtrain.launcher import cli
-from loomtrain.launcher.checkpoints.weight_source import check_init_from
+from loomtrain.launcher.checkpoints.safetensors_source import WeightSourceError
+from loomtrain.launcher.checkpoints.weight_source import check_init_from, open_source
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,7 +63,7 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-def test_import_to_s3_generates_and_exports_s3_to_s3_as_from_disk(env, tmp_path, capsys):
+def test_import_to_s3_generates_and_exports_s3_to_s3_as_from_disk(env, tmp_path, capsys, monkeypatch):
     bucket, hf, disk = env
     imp = f"{bucket}/imported"
     assert cli.main(["import", "--format", "hf", str(hf), "--output", imp]) == 0
@@ -113,10 +115,21 @@ def test_import_to_s3_generates_and_exports_s3_to_s3_as_from_disk(env, tmp_path,
     # init_from naming the run's own storage is refused, as its own run.dir is
     with pytest.raises(ConfigError, match=r"^model\.init_from: expected weights outside run\.storage="):
         check_init_from(load_config(disk / "config.yaml", [f"run.storage={imp}", f"model.init_from={imp}/final"]))
-    # a config that disagrees with the weights on S3 is refused naming the field and the URI
+    # an HF folder on S3 (sharded: an index and several files) reads as from disk
+    hf_uri = f"{bucket}/hf"
+    storage.upload_files(hf, sorted(p.name for p in hf.iterdir()), hf_uri)
+    remote, here = open_source(hf_uri), open_source(hf)
+    assert remote.description == f"Hugging Face llama model {hf_uri}"
+    assert all(torch.equal(remote.read(name), here.read(name)) for name in here.refs)
+
+    # the pre-flight reads the safetensors headers with ranged reads, no tensor: a fresh cache
+    # keeps nothing; a config that disagrees with the weights is refused naming the field
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
+    check_init_from(load_config(disk / "config.yaml", [f"run.dir={tmp_path / 'ft'}", f"model.init_from={imp}"]))
+    assert [p for p in (tmp_path / "fresh").rglob("*") if p.is_file()] == []
     with pytest.raises(ConfigError) as err:
-        check_init_from(load_config(disk / "config.yaml", ["model.d_model=128", f"model.init_from={imp}"]))
-    assert str(err.value) == f"model.d_model: the config has 128, but the weights in model.init_from={imp} have 64"
+        check_init_from(load_config(disk / "config.yaml", ["model.d_model=128", f"model.init_from={hf_uri}"]))
+    assert str(err.value) == f"model.d_model: the config has 128, but the weights in model.init_from={hf_uri} have 64"
 
 
 def test_a_damaged_or_missing_object_of_final_is_named_in_one_line(env, capsys):
@@ -135,8 +148,8 @@ def test_a_damaged_or_missing_object_of_final_is_named_in_one_line(env, capsys):
     assert cli.main(["export", imp, "--output", f"{bucket}/exp"]) == 2
     assert one_line(capsys.readouterr().err).startswith(f"loomtrain export: {damaged}")
     assert storage.list_objects(f"{bucket}/exp") == {}  # nothing uploaded
-    with pytest.raises(ConfigError, match=f"^model.init_from: {damaged}"):
-        check_init_from(load_config(env[2] / "config.yaml", [f"model.init_from={imp}"]))
+    with pytest.raises(WeightSourceError, match=f"^{damaged}"):
+        open_source(imp)  # what each rank of a run with model.init_from={imp} reads first
 
     storage.delete_objects(f"{imp}/final", ["tokenizer/tokenizer.json"])
     rc, _, err = generated(capsys, f"{imp}/final")

@@ -28,7 +28,7 @@ naming it. Messages about the cached copy name the object instead (`naming_objec
 Public for other writers/readers of final/: WEIGHTS, WEIGHTS_INDEX, MODEL_CONFIG,
 TOKENIZER_DIR, FINAL_MANIFEST, final_location, write_final, save_final_sharded, publish_final,
 retract_final, verify_final, final_weight_files, read_final_state, load_final, find_final_uri,
-fetch_final, weights_cache, staging_folder, naming_objects, objects_named.
+fetch_final, manifest_files, weights_cache, staging_folder, remember_copy, naming_objects, objects_named.
 """
 
 from __future__ import annotations
@@ -409,6 +409,11 @@ def staging_folder() -> Path:
     return folder
 
 
+def remember_copy(folder: str | os.PathLike, uri: str) -> None:
+    """Name `folder` (a local copy of objects) as `uri` in messages (objects_named)."""
+    _CACHED[str(folder)] = uri.rstrip("/")
+
+
 def objects_named(text: str) -> str:
     """`text` with every cache folder of this process replaced by the URI it holds."""
     for folder, uri in _CACHED.items():
@@ -460,6 +465,15 @@ def fetch_final(uri: str) -> Path:
     if found is None:
         raise no_final_at(uri)
     final_uri, raw = found
+    files = manifest_files(final_uri, raw)
+    try:
+        return download_verified(final_uri, weights_cache(final_uri), files, written={FINAL_MANIFEST: raw})
+    except StorageError as exc:
+        raise FinalWeightsError(f"{exc}; the final weights at {final_uri} are incomplete or damaged") from None
+
+
+def manifest_files(final_uri: str, raw: bytes) -> dict[str, dict]:
+    """manifest.json's {relpath: {"size", "sha256"}}, or FinalWeightsError naming it."""
     try:
         files = json.loads(raw)["files"]
         if not isinstance(files, dict) or not all(
@@ -471,7 +485,4 @@ def fetch_final(uri: str) -> Path:
         raise FinalWeightsError(
             f"{join(final_uri, FINAL_MANIFEST)}: unreadable ({str(exc).splitlines()[0] if str(exc) else exc!r})"
         ) from None
-    try:
-        return download_verified(final_uri, weights_cache(final_uri), files, written={FINAL_MANIFEST: raw})
-    except StorageError as exc:
-        raise FinalWeightsError(f"{exc}; the final weights at {final_uri} are incomplete or damaged") from None
+    return files

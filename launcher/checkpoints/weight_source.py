@@ -19,6 +19,7 @@ its own rows or columns of each tensor (`load_into`).
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -29,8 +30,11 @@ from loomtrain.launcher.checkpoints.final import (
     FinalWeightsError,
     fetch_final,
     find_final_uri,
+    manifest_files,
     naming_objects,
     objects_named,
+    remember_copy,
+    staging_folder,
     weights_cache,
 )
 from loomtrain.launcher.checkpoints.hf_source import open_hf
@@ -67,6 +71,61 @@ def weights_at(uri: str) -> bool:
     return find_final_uri(uri) is not None or read_object(join(uri, "config.json")) is not None
 
 
+def _not_weights(uri: str) -> WeightSourceError:
+    return WeightSourceError(
+        f"{uri}: neither a run's final/ ({FINAL_MANIFEST}), a run storage with one, nor a Hugging Face "
+        f"model folder (config.json); a final/ whose upload was cut short has no {FINAL_MANIFEST}"
+    )
+
+
+def _hf_objects(uri: str) -> dict[str, int]:
+    """The files of a Hugging Face folder at `uri` that are read, with their sizes."""
+    listed = {rel: info for rel, info in list_objects(uri).items() if "/" not in rel}
+    wanted = {rel: info["size"] for rel, info in listed.items() if rel.endswith(HF_SUFFIXES)}
+    pickled = sorted(rel for rel in listed if rel.endswith(PICKLED_SUFFIXES))
+    if pickled and not any(rel.endswith(".safetensors") for rel in wanted):
+        raise WeightSourceError(
+            f"{join(uri, pickled[0])}: pickled weights are not read (loading them can run arbitrary code); "
+            f"convert them to safetensors first"
+        )
+    return wanted
+
+
+def fetch_headers(uri: str, folder: Path) -> Path:
+    """The weights at `uri` laid out in `folder` for a check of their shapes only (the pre-flight):
+    the small files whole, each safetensors file as its header read with two ranged reads and the
+    rest a hole of the object's size (no tensor is downloaded). Only for open_source's checks:
+    its tensors read as zeros."""
+    try:
+        found = find_final_uri(uri)
+        if found is not None:
+            base = found[0]
+            sizes = {rel: info["size"] for rel, info in manifest_files(*found).items()}
+        elif read_object(join(uri, "config.json")) is not None:
+            base, sizes = uri, _hf_objects(uri)
+        else:
+            raise _not_weights(uri)
+        for rel, size in sorted(sizes.items()):
+            dest = folder / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if rel.endswith(".safetensors"):
+                head = read_object(join(base, rel), 0, min(8, size))
+                n = int.from_bytes(head, "little") if head is not None and len(head) == 8 else 0
+                header = read_object(join(base, rel), 8, 8 + n) if 0 < n <= size - 8 else b""
+                data = (head or b"") + (header or b"")
+            else:
+                data = read_object(join(base, rel))
+            if data is None:
+                raise WeightSourceError(f"{join(base, rel)}: missing")
+            with open(dest, "wb") as f:
+                f.write(data)
+                f.truncate(size)
+        remember_copy(folder, base)
+        return folder
+    except (FinalWeightsError, StorageError) as exc:
+        raise WeightSourceError(str(exc)) from None
+
+
 def fetch_weights(uri: str) -> Path:
     """The weights at `uri` as a local folder of this host's cache: a run's final/ (or the storage
     holding one: every file checked against its manifest), else a Hugging Face folder (its
@@ -75,18 +134,8 @@ def fetch_weights(uri: str) -> Path:
         if find_final_uri(uri) is not None:
             return fetch_final(uri)
         if read_object(join(uri, "config.json")) is None:
-            raise WeightSourceError(
-                f"{uri}: neither a run's final/ ({FINAL_MANIFEST}), a run storage with one, nor a Hugging Face "
-                f"model folder (config.json); a final/ whose upload was cut short has no {FINAL_MANIFEST}"
-            )
-        listed = {rel: info for rel, info in list_objects(uri).items() if "/" not in rel}
-        wanted = {rel: None for rel in listed if rel.endswith(HF_SUFFIXES)}
-        pickled = sorted(rel for rel in listed if rel.endswith(PICKLED_SUFFIXES))
-        if pickled and not any(rel.endswith(".safetensors") for rel in wanted):
-            raise WeightSourceError(
-                f"{join(uri, pickled[0])}: pickled weights are not read (loading them can run arbitrary code); "
-                f"convert them to safetensors first"
-            )
+            raise _not_weights(uri)
+        wanted = {rel: None for rel in _hf_objects(uri)}
         return download_verified(uri, weights_cache(uri), wanted)
     except (FinalWeightsError, StorageError) as exc:
         raise WeightSourceError(str(exc)) from None
@@ -206,12 +255,12 @@ def _config_error(exc: WeightSourceError) -> ConfigError:
     return ConfigError(msg if msg.startswith("model.") else f"model.init_from: {msg}")
 
 
-def open_matching(cfg) -> WeightSource:
-    """The source model.init_from names, checked against model.*: a one-line ConfigError naming
-    the field otherwise (`check_init_from` calls this before any worker starts; it reads the
-    files' headers, not their tensors)."""
+def open_matching(cfg, where: str | Path | None = None) -> WeightSource:
+    """The source model.init_from names (read from `where` when given: a local copy), checked
+    against model.*: a one-line ConfigError naming the field otherwise (`check_init_from` calls
+    this before any worker starts; it reads the files' headers, not their tensors)."""
     try:
-        source = open_source(cfg.init_from)
+        source = open_source(cfg.init_from if where is None else where)
         check_matches(source, cfg)
         check_complete(source)
     except WeightSourceError as exc:
@@ -263,7 +312,14 @@ def _check_init_from_uri(cfg: RunConfig) -> None:
         raise ConfigError(f"model.init_from: {exc}") from None
     if not there and run_has_checkpoints(cfg):
         return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
-    open_matching(cfg.model)
+    # Headers only: the machine that checks (a laptop submitting a job) need not hold the weights;
+    # each rank fetches and verifies them whole when it starts (init_from).
+    with tempfile.TemporaryDirectory(prefix="init-from-", dir=staging_folder()) as tmp:
+        try:
+            local = fetch_headers(uri, Path(tmp))
+        except WeightSourceError as exc:
+            raise _config_error(exc) from None
+        open_matching(cfg.model, where=local)
 
 
 def _weights_gone(init_from: str) -> bool:
