@@ -41,6 +41,9 @@ SECURITY_RULES = {
     "no-service-account-token": "automountServiceAccountToken: false (nothing here calls the Kubernetes API)",
     "ray-token-auth": "every Ray cluster requires Ray's auth token (authOptions.mode: token): "
     "its dashboard runs any code it is sent",
+    "no-inline-credentials": "no credential value in the manifests: no literal env value, entrypoint or "
+    "runtime-env variable named like a key, secret, token or password, and no Secret with data; pods read "
+    "them from a Secret created outside the manifests (envFrom / secretKeyRef)",
 }
 
 # --- security policy: what is skipped, and why ---------------------------------
@@ -432,7 +435,11 @@ def _rayjob(job: dict, by_kind: dict, repo: Path) -> list[tuple[str, str]]:
     if isinstance(cfg, str):
         return out + [(where, f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {cfg}")]
     out += _world_size(where, name, cfg, cspec)
-    out += _run_dir(where, cfg.run.dir, cspec, by_kind)
+    if _is_uri(cfg.run.storage):  # run.dir is each pod's own; what must last is in the store
+        out += _tensorboard_follows_storage(where, cfg.run.storage, by_kind)
+    else:
+        out += _run_dir(where, cfg.run.dir, cspec, by_kind)
+    out += _storage_credentials(where, cfg, cspec, by_kind)
     out += _grace_period(where, name, cfg, cspec)
     return out
 
@@ -640,12 +647,103 @@ def _run_dir(where: str, run_dir: str, cspec: dict, by_kind: dict) -> list[tuple
     return out
 
 
+def _is_uri(location: str) -> bool:
+    return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", str(location or "")))
+
+
+def _tensorboard_args(container: dict) -> tuple[bool, str | None]:
+    """(is it TensorBoard, its --logdir) for a container."""
+    argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+    if not any(Path(a).name == "tensorboard" for a in argv):
+        return False, None
+    logdir = next((a.split("=", 1)[1] for a in argv if a.startswith("--logdir=")), None)
+    if logdir is None and "--logdir" in argv[:-1]:
+        logdir = argv[argv.index("--logdir") + 1]
+    return True, logdir
+
+
+def _tensorboard_follows_storage(where: str, storage: str, by_kind: dict) -> list[tuple[str, str]]:
+    """run.storage is a URI: the logging rank mirrors TensorBoard's files to {run.storage}/tb/
+    (launcher/observe/mirror.py), so a TensorBoard of the manifests must read a prefix of it."""
+    out = []
+    for name, dep in by_kind.get("Deployment", {}).items():
+        for _, _, tpl in pod_templates(dep):
+            for c in (tpl.get("spec") or {}).get("containers") or []:
+                is_tb, logdir = _tensorboard_args(c)
+                if is_tb and not (logdir and f"{storage.rstrip('/')}/".startswith(f"{logdir.rstrip('/')}/")):
+                    out.append(
+                        (
+                            f"Deployment/{name}",
+                            f"[tensorboard-reads-runs] --logdir={logdir} does not cover run.storage={storage}, where "
+                            f"{where} mirrors its TensorBoard files ({storage.rstrip('/')}/tb/)",
+                        )
+                    )
+    return out
+
+
+IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
+
+
+def _reads_s3_credentials(pod: dict, container: dict, by_kind: dict) -> bool:
+    """The container gets S3 credentials from a Secret (envFrom, or AWS_ACCESS_KEY_ID and
+    AWS_SECRET_ACCESS_KEY from secretKeyRef), or the pod's ServiceAccount carries an IAM role."""
+    if any((src.get("secretRef") or {}).get("name") for src in container.get("envFrom") or []):
+        return True
+    from_secrets = {e.get("name") for e in container.get("env") or [] if (e.get("valueFrom") or {}).get("secretKeyRef")}
+    if {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= from_secrets:
+        return True
+    account = by_kind.get("ServiceAccount", {}).get(pod.get("serviceAccountName")) or {}
+    return IRSA_ANNOTATION in ((account.get("metadata") or {}).get("annotations") or {})
+
+
+def _storage_credentials(where: str, cfg: Any, cspec: dict, by_kind: dict) -> list[tuple[str, str]]:
+    """Every pod that reads or writes the run's s3:// locations gets credentials: the Ray head
+    (the driver) and workers (the ranks), and a TensorBoard reading an s3:// logdir."""
+    locations = [("run.storage", cfg.run.storage), ("ray.storage", cfg.ray.storage), ("data.path", cfg.data.path)]
+    locations += [(f"data.sources[{i}].path", src.path) for i, src in enumerate(cfg.data.sources)]
+    s3 = [(key, value) for key, value in locations if str(value or "").startswith("s3://")]
+    pods = [("head", (cspec.get("headGroupSpec") or {}).get("template") or {})]
+    pods += [
+        (f"worker group {g.get('groupName')!r}", g.get("template") or {}) for g in cspec.get("workerGroupSpecs") or []
+    ]
+    out = []
+    how = (
+        "give it envFrom: [{secretRef: {name: loomtrain-s3}}] (`kubectl create secret generic loomtrain-s3 "
+        "--from-literal=AWS_ACCESS_KEY_ID=... --from-literal=AWS_SECRET_ACCESS_KEY=...`), or a ServiceAccount "
+        f"with {IRSA_ANNOTATION}"
+    )
+    if s3:
+        key, value = s3[0]
+        for label, tpl in pods:
+            pod = tpl.get("spec") or {}
+            ray = (pod.get("containers") or [{}])[0]
+            if not _reads_s3_credentials(pod, ray, by_kind):
+                out.append(
+                    (where, f"[storage-credentials] {key}={value}: the {label} pod gets no S3 credentials; {how}")
+                )
+    for name, dep in by_kind.get("Deployment", {}).items():
+        for _, _, tpl in pod_templates(dep):
+            pod = tpl.get("spec") or {}
+            for c in pod.get("containers") or []:
+                is_tb, logdir = _tensorboard_args(c)
+                if is_tb and str(logdir or "").startswith("s3://") and not _reads_s3_credentials(pod, c, by_kind):
+                    out.append(
+                        (
+                            f"Deployment/{name}",
+                            f"[storage-credentials] --logdir={logdir}: container {c.get('name')!r} gets no S3 "
+                            f"credentials; {how}",
+                        )
+                    )
+    return out
+
+
 # --- security policy --------------------------------------------------------------
 def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
     out = []
     for obj in docs:
         for where, _, tpl in pod_templates(obj):
             out += _pod_security(where, tpl.get("spec") or {})
+        out += _inline_credentials(obj)
         if obj.get("kind") == "Service":
             kind = (obj.get("spec") or {}).get("type", "ClusterIP")
             if kind != "ClusterIP":
@@ -682,6 +780,55 @@ def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
                         "can run code on the cluster",
                     )
                 )
+    return out
+
+
+# An environment variable that holds a credential, by its name (AWS_SECRET_ACCESS_KEY, HF_TOKEN, ...).
+CREDENTIAL_NAME = re.compile(
+    r"(^|_)(SECRET|PASSWORD|PASSWD|TOKEN|ACCESS_KEY|ACCOUNT_KEY|API_KEY|CONNECTION_STRING|CREDENTIALS?)(_|$)",
+    re.IGNORECASE,
+)
+# A URI that carries its user and password (s3://KEY:SECRET@bucket, https://user:pw@host).
+URI_WITH_PASSWORD = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:[^/\s@]+@")
+
+
+def _inline_credentials(obj: dict) -> list[tuple[str, str]]:
+    """A credential written into the manifests: a container env value, a Secret's data, a RayJob's
+    entrypoint or runtime environment. Anyone who reads the repository, or the objects in the
+    cluster, would read it; pods take credentials from a Secret made outside the manifests."""
+    rule = "[no-inline-credentials]"
+    fix = "put it in a Secret made outside the manifests (kubectl create secret) and read it with envFrom/secretKeyRef"
+    out = []
+    where = name_of(obj)
+    if obj.get("kind") == "Secret" and (obj.get("data") or obj.get("stringData")):
+        keys = sorted({*(obj.get("data") or {}), *(obj.get("stringData") or {})})
+        out.append((where, f"{rule} a Secret with values ({', '.join(keys)}) in the manifests: create it with kubectl"))
+    for pwhere, _, tpl in pod_templates(obj):
+        for c in containers(tpl.get("spec") or {}):
+            for e in c.get("env") or []:
+                if CREDENTIAL_NAME.search(str(e.get("name") or "")) and str(e.get("value") or ""):
+                    out.append((pwhere, f"{rule} container {c.get('name')!r} sets {e.get('name')} to a literal; {fix}"))
+    spec = obj.get("spec") or {}
+    if obj.get("kind") == "RayJob":
+        entrypoint = str(spec.get("entrypoint") or "")
+        try:
+            words = shlex.split(entrypoint)
+        except ValueError:
+            words = entrypoint.split()
+        for word in words:
+            name, eq, value = word.partition("=")
+            if eq and value and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and CREDENTIAL_NAME.search(name):
+                out.append((where, f"{rule} the entrypoint sets {name}; {fix}"))
+        if URI_WITH_PASSWORD.search(entrypoint):
+            out.append((where, f"{rule} the entrypoint holds a URI with a password; {fix}"))
+        try:
+            runtime_env = yaml.safe_load(str(spec.get("runtimeEnvYAML") or "")) or {}
+        except yaml.YAMLError:
+            runtime_env = {}  # the schema check is not this rule's
+        env_vars = runtime_env.get("env_vars") if isinstance(runtime_env, dict) else None
+        for name, value in (env_vars or {}).items() if isinstance(env_vars, dict) else []:
+            if CREDENTIAL_NAME.search(str(name)) and str(value or ""):
+                out.append((where, f"{rule} runtimeEnvYAML's env_vars set {name}; {fix}"))
     return out
 
 

@@ -20,7 +20,12 @@ import pytest
 import yaml
 from k8s_support import K8S, REPO, check
 
-TARGETS = {"base": K8S / "base", "cpu-small": K8S / "overlays" / "cpu-small", "gpu": K8S / "overlays" / "gpu"}
+TARGETS = {
+    "base": K8S / "base",
+    "cpu-small": K8S / "overlays" / "cpu-small",
+    "gpu": K8S / "overlays" / "gpu",
+    "s3": K8S / "overlays" / "s3",
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +64,7 @@ def one(docs, kind):
 
 
 def test_overlays_exist_as_the_issue_lists():
-    assert sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir()) == ["cpu-small", "gpu"]
+    assert sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir()) == ["cpu-small", "gpu", "s3"]
 
 
 @pytest.mark.parametrize("name", TARGETS)
@@ -170,7 +175,7 @@ def test_cpu_small_runs_tiny_on_two_cpu_workers(rendered, tmp_path):
     assert cfg.run.dir.startswith("/mnt/loomtrain/")
 
 
-@pytest.mark.parametrize("name,world", [("cpu-small", 2), ("gpu", 8)])
+@pytest.mark.parametrize("name,world", [("cpu-small", 2), ("gpu", 8), ("s3", 2)])
 def test_ray_pods_are_given_the_time_a_sigterm_save_takes(rendered, tmp_path, name, world):
     """On SIGTERM every rank finishes its step and saves: the pods' grace period covers that."""
     from loomtrain.launcher.planning.grace import grace_period_s, save_seconds
@@ -185,6 +190,95 @@ def test_ray_pods_are_given_the_time_a_sigterm_save_takes(rendered, tmp_path, na
         assert tpl["spec"]["terminationGracePeriodSeconds"] >= need
     cluster = one(docs, "RayCluster")["spec"]
     assert cluster["workerGroupSpecs"][0]["template"]["spec"]["terminationGracePeriodSeconds"] >= need
+
+
+def ray_pods(docs):
+    """(where, pod spec) of every Ray pod: the job's cluster and the interactive one."""
+    specs = [("RayJob", one(docs, "RayJob")["spec"]["rayClusterSpec"]), ("RayCluster", one(docs, "RayCluster")["spec"])]
+    for kind, spec in specs:
+        yield f"{kind} head", spec["headGroupSpec"]["template"]["spec"]
+        for group in spec["workerGroupSpecs"]:
+            yield f"{kind} {group['groupName']}", group["template"]["spec"]
+
+
+def test_s3_overlay_keeps_checkpoints_and_data_in_the_bucket_with_no_shared_volume(rendered, tmp_path):
+    docs = rendered["s3"]
+    text = yaml.safe_dump_all(docs)
+    # no shared volume: no claim at all, nothing ReadWriteMany, no pod mounts one
+    assert not by_kind(docs, "PersistentVolumeClaim") and "ReadWriteMany" not in text
+    assert "persistentVolumeClaim" not in text
+    # the run: checkpoints, Ray's pointers and the token shards in the bucket; run.dir on the pod's own disk
+    job = one(docs, "RayJob")
+    _, cfg = _config_of(job, tmp_path, docs, world_size=2)
+    assert cfg.run.storage == "s3://YOUR_BUCKET/runs/tiny"
+    assert cfg.ray.storage == "s3://YOUR_BUCKET/runs/tiny/ray"
+    assert cfg.data.path == "s3://YOUR_BUCKET/data/tiny"
+    assert cfg.run.dir.startswith("/mnt/loomtrain/")
+    for where, pod in ray_pods(docs):
+        ray = pod["containers"][0]
+        (mount,) = [m for m in ray["volumeMounts"] if cfg.run.dir.startswith(m["mountPath"] + "/")]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert set(volume) == {"name", "emptyDir"}, where
+        # credentials: from the Secret the user creates, in every pod that reaches the bucket
+        assert ray["envFrom"] == [{"secretRef": {"name": "loomtrain-s3"}}], where
+    # TensorBoard follows every run's mirror ({run.storage}/tb/) in the bucket, with the same Secret
+    tb = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (container,) = tb["containers"]
+    assert container["command"][:3] == ["tensorboard", "--logdir=s3://YOUR_BUCKET/runs", "--load_fast=false"]
+    assert f"{cfg.run.storage}/tb".startswith("s3://YOUR_BUCKET/runs/")
+    assert container["envFrom"] == [{"secretRef": {"name": "loomtrain-s3"}}]
+    assert "volumes" not in tb and "volumeMounts" not in container
+    # no credential in the manifests: no Secret object, no key names, no literal values
+    assert not by_kind(docs, "Secret")
+    assert "AWS_SECRET_ACCESS_KEY" not in text and "AWS_ACCESS_KEY_ID" not in text
+    assert all(
+        "env" not in c for d in docs for _, _, t in check.policy.pod_templates(d) for c in t["spec"]["containers"]
+    )
+
+
+def test_the_bucket_is_named_in_one_file_and_the_overlay_takes_yours(kubectl, crds, tmp_path):
+    """The overlay's one place for the bucket (storage.yaml); the header's sed command makes a
+    consistent overlay that passes every check and names only the new bucket."""
+    overlay = K8S / "overlays" / "s3"
+    naming = [p.name for p in overlay.iterdir() if "YOUR_BUCKET" in _without_comments(p.read_text())]
+    assert naming == ["storage.yaml"]
+    header = (overlay / "kustomization.yaml").read_text()
+    assert "sed -i 's/YOUR_BUCKET/my-bucket/g' k8s/overlays/s3/storage.yaml" in header
+    copy = tmp_path / "s3"
+    copy.mkdir()
+    for p in overlay.iterdir():
+        text = p.read_text().replace("YOUR_BUCKET", "my-bucket")
+        (copy / p.name).write_text(
+            text.replace("  - ../cpu-small\n", f"  - {os.path.relpath(overlay.parent / 'cpu-small', copy)}\n")
+        )
+    problems = check.check(copy, kubectl, crds)
+    assert problems == [], "\n".join(map(str, problems))
+    text = yaml.safe_dump_all(check.render(copy, kubectl))
+    assert "YOUR_BUCKET" not in text and text.count("s3://my-bucket/") == 4
+
+
+def _without_comments(text: str) -> str:
+    return "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+
+
+def test_credentials_written_into_a_rayjob_are_refused():
+    """no-inline-credentials beyond container env (tested by the broken manifests): the entrypoint,
+    a URI with a password, the runtime environment."""
+    job = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {"name": "j"},
+        "spec": {
+            "entrypoint": "AWS_SECRET_ACCESS_KEY=abc loomtrain train /c/t.yaml run.storage=s3://k:pw@b/r --ray",
+            "runtimeEnvYAML": "env_vars:\n  HF_TOKEN: hf_abc\n  AWS_ENDPOINT_URL: http://minio:9000\n",
+        },
+    }
+    found = [m for _, m in check.policy.security_rules([job]) if m.startswith("[no-inline-credentials]")]
+    assert len(found) == 3
+    assert "entrypoint sets AWS_SECRET_ACCESS_KEY" in found[0] and "URI with a password" in found[1]
+    assert "env_vars set HF_TOKEN" in found[2]  # the endpoint is no secret
+    job["spec"] = {"entrypoint": "loomtrain train /c/t.yaml run.storage=s3://b/r train.lr=1e-3 --ray"}
+    assert not [m for _, m in check.policy.security_rules([job]) if "no-inline-credentials" in m]
 
 
 def readme_gpt_7b_recipe() -> str:
