@@ -1,6 +1,7 @@
 """Fine-tuning runs end to end: the validation loss counts the answers' tokens only, evaluation
 samples answer held-out questions (the prompt shown, the answer generated, on the console and in
-TensorBoard), and a run with document masking resumed mid-epoch continues exactly."""
+TensorBoard), a run with document masking resumed mid-epoch continues exactly, and ZeRO-3 gives
+the ZeRO-0 run's losses."""
 
 from __future__ import annotations
 
@@ -136,3 +137,15 @@ def test_masked_run_resumed_mid_epoch_continues_exactly(tmp_path, chat_shards):
     assert second.evals == straight.evals and len(straight.evals) == 1
     state = json.loads((split / "checkpoints" / "step_00000004" / "data" / "dp_00000.json").read_text())
     assert state["global_position"] == 16 and state["document_masking"] is True
+
+
+def test_a_masked_run_at_zero_3_follows_the_zero_0_run(tmp_path, chat_shards):
+    """Document masking and answer-only losses through ZeRO-3's partitioned parameters: the same
+    step losses and eval loss as the ZeRO-0 run."""
+    from loomtrain.launcher.training.loop import run_training
+
+    common = ["train.max_steps=3", "eval.every_steps=3", "eval.batches=2", "eval.num_samples=0"]
+    ref = run_training(sft_cfg(tmp_path / "ref", chat_shards, *common))
+    got = run_training(sft_cfg(tmp_path / "zero3", chat_shards, *common, "parallel.zero_stage=3"))
+    assert got.losses == pytest.approx(ref.losses, rel=1e-5, abs=0)
+    assert got.evals[3] == pytest.approx(ref.evals[3], rel=1e-5, abs=0)
