@@ -102,6 +102,10 @@ def test_object_store_protocol_scan_retention_and_resume_targets(s3_bucket):
         other.resolve_resume(f"{ckpts}/step_00000008")
     with pytest.raises(ValueError, match=r"unknown storage scheme nosuch://"):
         other.resolve_resume("nosuch://x/y")
+    # a bucket that is not there stops the start in one line (not the first save, N steps later)
+    store.check_reachable()
+    with pytest.raises(ValueError, match=r"^run.storage=s3://loomtrain-no-such-bucket/x: bucket 'loomtrain-no-such"):
+        open_store("s3://loomtrain-no-such-bucket/x").check_reachable()
     # never the newest good one: keep_last=1 with the newest (8) broken keeps `latest`'s
     pruned = open_store(storage, keep_last=1).apply_retention()
     assert f"{ckpts}/step_00000008" not in pruned

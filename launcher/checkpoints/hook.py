@@ -44,6 +44,7 @@ from loomtrain.launcher.checkpoints.store import (
     CheckpointStore,
     is_write_error,
     open_store,
+    store_error,
     wait_for_deletions,
     write_error,
 )
@@ -87,15 +88,20 @@ class CheckpointHook(Hooks):
         ctx.checkpoint_saves = self.saves
         found, error = None, None
         if ctx.dist.rank == 0:
-            if c.resume == "never":  # earlier checkpoints and outputs go aside, nothing is deleted
-                aside = self.store.set_aside()  # a folder beside them, or a prefix in the object store
-                supersede(Path(ctx.run_dir), aside if isinstance(aside, Path) else None, log=log)
             try:
+                self.store.check_reachable()  # run.storage: a missing bucket stops the start, not step N's save
+                if c.resume == "never":  # earlier checkpoints and outputs go aside, nothing is deleted
+                    aside = self.store.set_aside()  # a folder beside them, or a prefix in the object store
+                    supersede(Path(ctx.run_dir), aside if isinstance(aside, Path) else None, log=log)
                 # Sizes only here: each rank verifies the checksums of what it reads (load_checkpoint).
                 path = self.store.resolve_resume(c.resume, checksums=False)
                 found = None if path is None else str(path)
             except ValueError as exc:
                 error = str(exc)
+            except Exception as exc:  # the object store's own errors: one line on every rank, no hang
+                if not is_uri(where):
+                    raise
+                error = store_error(where, exc)
         error = broadcast_str(error)
         if error:
             raise ConfigError(error)

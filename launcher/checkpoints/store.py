@@ -141,6 +141,9 @@ class CheckpointStore:
     def verify(self, path, checksums: bool = True) -> Verdict:
         return verify(path, checksums=checksums)
 
+    def check_reachable(self) -> None:
+        """ValueError in one line when the store cannot be used (a local folder always can)."""
+
     def where(self, path, rel: str = ""):
         """A checkpoint's file (or the checkpoint itself) as messages name it."""
         return Path(path) / rel if rel else Path(path)
@@ -681,6 +684,24 @@ class ObjectCheckpointStore(CheckpointStore):
 
     def verify(self, path, checksums: bool = True) -> Verdict:
         return verify_object(str(path), checksums=checksums)
+
+    def check_reachable(self) -> None:
+        bucket = self.objects.path.split("/", 1)[0]
+        try:
+            found = self.objects.fs.exists(bucket)
+        except Exception as exc:  # noqa: BLE001  (credentials, endpoint, network: said in one line)
+            raise ValueError(store_error(self.storage, exc)) from None
+        if not found:
+            raise ValueError(
+                f"run.storage={self.storage}: bucket {bucket!r} does not exist (or these credentials cannot see "
+                "it); create it or point run.storage at another"
+            )
+
+
+def store_error(storage: str, exc: BaseException) -> str:
+    """One line for an object store's own error (no credentials, endpoint down, access denied)."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"run.storage={storage}: {type(exc).__name__}: {text or 'no detail'}"
 
 
 def verify_object(uri: str, checksums: bool = True) -> Verdict:
