@@ -163,7 +163,8 @@ def test_a_damaged_or_missing_object_of_final_is_named_in_one_line(env, capsys):
 @pytest.mark.slow
 def test_a_run_from_s3_weights_writes_its_final_to_s3_and_generate_reads_it(env, tmp_path, capsys, data_cache):
     """Two ranks start from model.init_from=s3://... (a run's storage: its final/), and each
-    uploads its share of the final weights to {run.storage}/final; nothing lands in run.dir."""
+    uploads its share of the final weights to {run.storage}/final; nothing lands in run.dir.
+    generate reads them; export from the run's storage reads its checkpoint there."""
     bucket, hf, disk = env
     imp, run = f"{bucket}/imported", f"{bucket}/ft"
     assert cli.main(["import", "--format", "hf", str(hf), "--output", imp]) == 0
@@ -197,3 +198,18 @@ def test_a_run_from_s3_weights_writes_its_final_to_s3_and_generate_reads_it(env,
     assert not (tmp_path / "ft" / "final").exists() and not (tmp_path / "ft" / ".tmp-final-upload").exists()
     rc, out, err = generated(capsys, run)
     assert rc == 0 and out.startswith(PROMPT) and len(out) > len(PROMPT) + 4, err
+
+    # export from the run's storage takes its newest checkpoint (as from disk), whose fp32 masters
+    # are the final weights: the same export as from final/
+    assert cli.main(["export", run, "--output", str(tmp_path / "from_ckpt")]) == 0
+    assert f"checkpoint {run}/checkpoints/step_00000002 -> " in capsys.readouterr().out
+    assert cli.main(["export", f"{run}/final", "--output", str(tmp_path / "from_final")]) == 0
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (tmp_path / "from_ckpt" / name).read_bytes() == (tmp_path / "from_final" / name).read_bytes(), name
+    # without final/ (its manifest gone), generate takes the checkpoint, as from disk, and says so
+    storage.delete_objects(f"{run}/final", ["manifest.json"])
+    assert generated(capsys, run) == (
+        0,
+        out,
+        f"loomtrain generate: no final/ weights: using checkpoint {run}/checkpoints/step_00000002\n",
+    )

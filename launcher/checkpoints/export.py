@@ -31,11 +31,12 @@ written into DIR.tmp-export and renamed into place at the end; an earlier export
 replaced whole (no stale shard survives), anything else in DIR is refused.
 Reading never unpickles: safetensors, JSON and YAML only.
 
-Object storage: RUN_DIR may be a URI (a run's storage or its final/): its final/ is fetched
-into this host's cache, checked against its manifest (final.fetch_final; checkpoints are read
-from local folders only). DIR may be a URI: the export is written into a local staging folder
-and uploaded, config.json last (an export there is complete once config.json is); an earlier
-export at DIR is removed first (config.json first), anything else there is refused, as on disk.
+Object storage: RUN_DIR may be a URI: a run's storage (its newest complete checkpoint, read
+with ranged GETs of its tiles, each checked against its sha256; else its final/), a checkpoint,
+or a final/ (fetched into this host's cache, checked against its manifest: final.fetch_final).
+DIR may be a URI: the export is written into a local staging folder and uploaded, config.json
+last (an export there is complete once config.json is); an earlier export at DIR is removed
+first (config.json first), anything else there is refused, as on disk.
 """
 
 from __future__ import annotations
@@ -66,14 +67,31 @@ from loomtrain.launcher.checkpoints.final import (
     objects_named,
     staging_folder,
     verify_final,
+    weights_cache,
 )
 from loomtrain.launcher.checkpoints.hf_source import gpt2_refs, llama_refs
 from loomtrain.launcher.checkpoints.safetensors_source import TensorRef, model_tensor_names
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
 from loomtrain.launcher.checkpoints.state import ConsolidatedReader
-from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, verify
+from loomtrain.launcher.checkpoints.store import (
+    MANIFEST,
+    CheckpointStore,
+    read_checkpoint_file,
+    run_store_at,
+    verify,
+    verify_at,
+)
 from loomtrain.model import ModelConfig
-from loomtrain.storage import StorageError, delete_objects, is_uri, list_objects, upload_files
+from loomtrain.storage import (
+    StorageError,
+    delete_objects,
+    download_verified,
+    is_uri,
+    join,
+    list_objects,
+    read_object,
+    upload_files,
+)
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -137,13 +155,7 @@ class Source:
 def open_source(src: str | Path) -> Source:
     """The newest complete checkpoint of a run (or a checkpoint dir), else its final/; a URI: its final/."""
     if is_uri(src):
-        try:
-            local = fetch_final(str(src))
-        except FinalWeightsError as exc:
-            raise ExportError(str(exc)) from None
-        source = open_source(local)
-        source.what = objects_named(source.what)
-        return source
+        return _open_uri(str(src))
     src = Path(src)
     if not src.exists():
         raise ExportError(f"{src}: no such run or checkpoint directory")
@@ -188,6 +200,40 @@ def open_source(src: str | Path) -> Source:
         tok = final / TOKENIZER_DIR
         return Source(shapes, get, cfg, tok if tok.is_dir() else None, f"final weights {final}")
     raise ExportError(f"{src}: no complete checkpoint in {src}/checkpoints and no {src}/final/{WEIGHTS}")
+
+
+def _open_uri(uri: str) -> Source:
+    """open_source for a URI: a checkpoint there, else a run storage's newest complete checkpoint
+    (its tiles read with ranged GETs, each checked against its sha256), else its final/ (fetched
+    into this host's cache, checked against its manifest). Its tokenizer/ is fetched, verified."""
+    try:
+        ckpt = None
+        if read_object(join(uri, MANIFEST)) is not None and read_object(join(uri, "trainer.json")) is not None:
+            v = verify_at(uri, checksums=False)
+            if not v.ok:
+                raise ExportError(f"{uri}: not a usable checkpoint: {v.reason}")
+            ckpt = uri
+        else:
+            store = run_store_at(uri)
+            if store is not None:
+                ckpt = store.find_resumable(checksums=False)
+        if ckpt is None:
+            try:
+                source = open_source(fetch_final(uri))
+            except FinalWeightsError as exc:
+                raise ExportError(str(exc)) from None
+            source.what = objects_named(source.what)
+            return source
+        ckpt = str(ckpt)
+        reader = ConsolidatedReader(ckpt)
+        manifest = json.loads(read_checkpoint_file(ckpt, MANIFEST))
+        cfg = ModelConfig(**yaml.safe_load(read_checkpoint_file(ckpt, "config.yaml"))["model"])
+        tok = {rel: info for rel, info in manifest["files"].items() if rel.startswith(f"{TOKENIZER_DIR}/")}
+        tok_dir = download_verified(ckpt, weights_cache(ckpt), tok) / TOKENIZER_DIR if tok else None
+        shapes = {n: reader.reader.shape(n) for n in reader.names()}
+        return Source(shapes, reader.get, cfg, tok_dir, f"checkpoint {ckpt}")
+    except (CorruptCheckpoint, StorageError) as exc:
+        raise ExportError(str(exc)) from None
 
 
 # Variant checks ---------------------------------------------------------------------------

@@ -5,8 +5,8 @@ no final/ (stopped early, e.g. by checkpoint.stop_at_step) its newest complete c
 a checkpoint directory given directly (read as `export` reads it), and prints the prompt
 followed by its continuation; with --chat, a user's message in the model's chat template and the
 assistant's reply alone. Temperature 0 is greedy. RUN_DIR may be a URI (a run's
-run.storage or its final/, e.g. s3://bucket/run): its final/ is fetched into this host's cache,
-each file checked against the manifest (checkpoints are read from local folders only).
+run.storage, its final/ or a checkpoint, e.g. s3://bucket/run): its final/ is fetched into this
+host's cache, each file checked against the manifest; without one, its newest checkpoint is read.
 """
 
 from __future__ import annotations
@@ -90,21 +90,25 @@ def load_model(path: str, device: str):
     import torch
     from loomtrain.data_pipeline import load_tokenizer
     from loomtrain.launcher.checkpoints.export import ExportError, open_source
-    from loomtrain.launcher.checkpoints.final import FinalWeightsError, load_final
+    from loomtrain.launcher.checkpoints.final import FinalWeightsError, find_final_uri, load_final
     from loomtrain.launcher.checkpoints.store import MANIFEST
     from loomtrain.model import Transformer
     from loomtrain.storage import is_uri
 
     if is_uri(path):  # never a path: s3://b/x would read a folder ./s3:/b/x
-        model, tok = load_final(path, device=device)
-        return model, tok, "final weights"
-    p = Path(path)
-    is_checkpoint = (p / MANIFEST).is_file() and (p / "trainer.json").is_file()
-    if not is_checkpoint and (p.is_file() or not (p / "checkpoints").is_dir() or (p / "final").is_dir()):
-        model, tok = load_final(path, device=device)
-        return model, tok, "final weights"
+        if find_final_uri(path) is not None:
+            model, tok = load_final(path, device=device)
+            return model, tok, "final weights"
+        src = path  # a checkpoint, or a run storage's newest one (else export's line: no final/)
+    else:
+        p = Path(path)
+        is_checkpoint = (p / MANIFEST).is_file() and (p / "trainer.json").is_file()
+        if not is_checkpoint and (p.is_file() or not (p / "checkpoints").is_dir() or (p / "final").is_dir()):
+            model, tok = load_final(path, device=device)
+            return model, tok, "final weights"
+        src = p
     try:
-        source = open_source(p)
+        source = open_source(src)
     except ExportError as exc:
         raise FinalWeightsError(str(exc)) from None
     if source.tok_dir is None:
