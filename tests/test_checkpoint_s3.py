@@ -112,6 +112,27 @@ def test_object_store_protocol_scan_retention_and_resume_targets(s3_bucket):
     wait_for_deletions()
 
 
+def test_ray_finds_the_newest_checkpoint_in_run_storage(tmp_path, s3_bucket):
+    """Ray's worker function resumes from (and reports pointers to) what newest_complete finds:
+    with run.storage a URI, a URI (the pointer {"path", "step"} carries it as it is)."""
+    import time
+
+    from loomtrain.launcher.cluster.ray_train import newest_complete
+    from loomtrain.launcher.config_loader import load_config
+
+    storage = f"{s3_bucket}/ray"
+    cfg = load_config(TINY, [f"run.dir={tmp_path / 'run'}", f"run.storage={storage}"])
+    store = open_store(storage, keep_last=0)
+    assert newest_complete(cfg) is None
+    _publish(store, 2, {"trainer.json": b"{}"})
+    started = time.time()
+    _publish(store, 4, {"trainer.json": b"{}"})
+    tmp = store.begin(6)  # an upload in flight: not a checkpoint yet
+    store.write_file(tmp, "trainer.json", b"{}")
+    assert newest_complete(cfg) == f"{storage}/checkpoints/step_00000004"
+    assert newest_complete(cfg, since=started + 3600) is None  # written by an earlier attempt only
+
+
 def test_large_upload_goes_in_parts_and_arrives_whole(s3_bucket):
     fs, path = object_store(f"{s3_bucket}/big")
     data = os.urandom(11 << 20)
