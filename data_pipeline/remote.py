@@ -218,8 +218,9 @@ class _Object:
                         f"{self.what} {self.uri} changed during the run (listed as {self.size} bytes, ETag "
                         f"{self.etag}; now {details.get('size')} bytes, ETag {etag}); {self.fix}"
                     )
+                # Only s3fs' fetch is stateless (safe from the fetch threads at once) and pinned.
                 fetch = getattr(f, "_fetch_range", None)
-                if fetch is not None and getattr(f, "read_kw", {}).get("IfMatch") == self.etag:
+                if fetch is not None and self.etag and getattr(f, "read_kw", {}).get("IfMatch") == self.etag:
                     self._reader = fetch
                 else:
                     f.close()

@@ -79,13 +79,16 @@ class RemoteOutput:
     def check(self) -> None:
         """Before anything is written: the bucket is there, and the prefix is empty, an earlier
         preprocess output (done, or cut short: the marker), or --overwrite is given."""
-        bucket = self.path.split("/", 1)[0]
+        bucket = self.path.split("/", 1)[0]  # "" for file:///...
         try:
-            bucket_there = not bucket or self.fs.exists(bucket)
-        except Exception as exc:
+            if bucket:
+                self.fs.info(bucket)
+        except FileNotFoundError:
+            raise DataError(
+                f"--output {self.uri}: the bucket {bucket} does not exist (or cannot be seen); create it"
+            ) from None
+        except Exception as exc:  # no credentials, no connection: the library's own types
             raise self._fail("reach the store", exc) from None
-        if not bucket_there:
-            raise DataError(f"--output {self.uri}: the bucket {bucket} does not exist (or cannot be seen); create it")
         present = self._listing()
         self._old = present
         if not present or self.overwrite:
@@ -112,6 +115,8 @@ class RemoteOutput:
     def begin(self) -> None:
         """Before the first upload: the marker, and an earlier output's index (its commit point) removed."""
         try:
+            if "file" in self.fs.protocol:  # file:// has folders; object stores do not
+                self.fs.makedirs(self.path, exist_ok=True)
             self.fs.pipe_file(self._obj(MARKER), json.dumps({"format": "loomtrain-preprocess-upload"}).encode())
             if INDEX in self._old:
                 self.fs.rm_file(self._obj(INDEX))

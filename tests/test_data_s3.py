@@ -183,6 +183,18 @@ def test_streaming_from_s3_equals_disk_across_a_resume_at_another_dp_size(tmp_pa
             assert stream.cache.capacity == 12345 and stream.shards.dir == uri
 
 
+def test_a_file_uri_is_written_and_streamed_as_the_path_is(tmp_path):
+    """file:// goes through the same code as s3:// (fsspec's local filesystem): the same shards,
+    the same batches over many rounds with the read-ahead threads at work."""
+    inputs = text_inputs(tmp_path / "in", files=2, docs=30)
+    assert preprocess(inputs, str(tmp_path / "local"), "900") == 0
+    assert preprocess(inputs, f"file://{tmp_path}/uri/ds", "900") == 0
+    assert files(tmp_path / "uri" / "ds") == files(tmp_path / "local")
+    by_uri, _ = run_ranks(f"file://{tmp_path}/uri/ds", 4, 2, 60, cache_bytes=1 << 12, prefetch=2)
+    by_path, _ = run_ranks(tmp_path / "local", 4, 2, 60)
+    assert by_uri == by_path
+
+
 def test_a_rank_reads_only_its_windows_within_cache_bytes_and_waits_for_none_in_the_steady_state(tmp_path, s3_bucket):
     inputs = text_inputs(tmp_path / "in", files=2, docs=60)
     uri = f"{s3_bucket}/ds"
