@@ -11,6 +11,9 @@ it unconditionally.
   (`loss/train`, `loss/val`, `perf/tokens_per_s`, `memory/mem_gib`, ...; see `tb_tag`), the
   hyperparameters (HParams plugin), generated text samples and the profiler's
   top-ops table;
+* with `run.storage` a URI (RUN_DIR then is this host's alone), the event files and
+  metrics.jsonl mirrored to `{run.storage}/tb/`, where TensorBoard follows the run
+  (`mirror.py`);
 * console: a tqdm bar (step, loss, tok/s, ETA) on a terminal, plain lines
   otherwise (`log.progress: auto | bar | plain`); a line names the slowest rank
   when its step took more than 1.2 x the median over ranks.
