@@ -247,26 +247,35 @@ def test_a_rank_reads_only_its_windows_within_cache_bytes_and_waits_for_none_in_
     s.close()
 
 
-@pytest.mark.parametrize("change", ["deleted", "overwritten"])
+@pytest.mark.parametrize("change", ["deleted", "overwritten", "overwritten-while-open"])
 def test_a_shard_deleted_or_overwritten_mid_run_is_one_line_naming_it(tmp_path, s3_bucket, change):
+    """Deleted, or rewritten with other bytes of the same size (only the ETag tells): before the
+    run first reads the shard (checked against the listing when it is opened), or after
+    (every ranged read carries If-Match: the listed ETag)."""
     inputs = text_inputs(tmp_path / "in", files=1, docs=30)
     uri = f"{s3_bucket}/ds"
-    assert preprocess(inputs, uri, "500") == 0
+    one_shard = change == "overwritten-while-open"
+    assert preprocess(inputs, uri, "100000" if one_shard else "500") == 0
     s = TokenStream(uri, seq_len=T, micro_batch_size=2, seed=0, prefetch=0, cache_bytes=0)
     next(s)
-    # The shard the next batch's first sample starts in.
+    # The shard the next batch's first sample starts in (with one shard: the one just read).
     sample = int(s.locate(s.rank_positions(s.position))[1][0])
     shard = s.shards.files[int(np.searchsorted(s.shards.starts, sample * T, side="right")) - 1]
     fs, path = storage.object_store(shard)
     if change == "deleted":
         fs.rm_file(path)
-    else:  # same size, other bytes: only the ETag tells
+    else:
         fs.pipe_file(path, bytes(len(fs.cat_file(path))))
     with pytest.raises(DataError) as err:
         next(s)
     line = str(err.value)
     assert "\n" not in line and shard in line
-    assert ("disappeared during the run" if change == "deleted" else "changed during the run") in line
+    expected = {
+        "deleted": "disappeared during the run",
+        "overwritten": "changed during the run (listed as",
+        "overwritten-while-open": "changed during the run (its ETag is no longer",
+    }
+    assert expected[change] in line
     s.close()
     if change == "deleted":  # and a new run says so before it starts
         with pytest.raises(DataError, match=rf"shard {shard} is missing: index says \d+ tokens"):
