@@ -206,6 +206,13 @@ def test_a_run_from_s3_weights_writes_its_final_to_s3_and_generate_reads_it(env,
     assert cli.main(["export", f"{run}/final", "--output", str(tmp_path / "from_final")]) == 0
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (tmp_path / "from_ckpt" / name).read_bytes() == (tmp_path / "from_final" / name).read_bytes(), name
+    # model.init_from gone: a run whose storage has a checkpoint resumes from it (nothing to check),
+    # a fresh one is refused naming the URI
+    gone = [f"run.dir={tmp_path / 'ft'}", f"model.init_from={bucket}/gone"]
+    check_init_from(load_config(disk / "config.yaml", [*gone, f"run.storage={run}"]))
+    with pytest.raises(ConfigError, match=f"^model.init_from: {bucket}/gone: neither a run's final/"):
+        check_init_from(load_config(disk / "config.yaml", [*gone, f"run.storage={bucket}/fresh"]))
+
     # without final/ (its manifest gone), generate takes the checkpoint, as from disk, and says so
     storage.delete_objects(f"{run}/final", ["manifest.json"])
     assert generated(capsys, run) == (

@@ -47,7 +47,7 @@ from loomtrain.launcher.checkpoints.safetensors_source import (
     check_complete,
     model_tensor_names,
 )
-from loomtrain.launcher.checkpoints.store import CheckpointStore
+from loomtrain.launcher.checkpoints.store import open_store
 from loomtrain.launcher.config import ConfigError, RunConfig, check
 from loomtrain.launcher.config_loader import run_has_checkpoints
 from loomtrain.launcher.rundir import run_dir
@@ -279,7 +279,7 @@ def check_init_from(cfg: RunConfig) -> None:
         _check_init_from_uri(cfg)
         return
     src = Path(cfg.model.init_from).expanduser()
-    if not src.exists() and run_has_checkpoints(cfg):
+    if not src.exists() and _has_checkpoints(cfg):
         return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
     check(
         src.is_dir(),
@@ -310,7 +310,7 @@ def _check_init_from_uri(cfg: RunConfig) -> None:
         there = weights_at(uri)
     except StorageError as exc:
         raise ConfigError(f"model.init_from: {exc}") from None
-    if not there and run_has_checkpoints(cfg):
+    if not there and _has_checkpoints(cfg):
         return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
     # Headers only: the machine that checks (a laptop submitting a job) need not hold the weights;
     # each rank fetches and verifies them whole when it starts (init_from).
@@ -320,6 +320,16 @@ def _check_init_from_uri(cfg: RunConfig) -> None:
         except WeightSourceError as exc:
             raise _config_error(exc) from None
         open_matching(cfg.model, where=local)
+
+
+def _has_checkpoints(cfg: RunConfig) -> bool:
+    """Has the run checkpoints of its own (in run.storage when set, else under run.dir)?"""
+    if not cfg.run.storage:
+        return run_has_checkpoints(cfg)
+    try:
+        return open_store(cfg.run.storage).find_resumable(checksums=False) is not None
+    except (StorageError, OSError, ValueError):
+        return False  # a store that cannot be read: the weights are needed, and their check says why
 
 
 def _weights_gone(init_from: str) -> bool:
@@ -334,11 +344,11 @@ def _weights_gone(init_from: str) -> bool:
 def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str = "auto") -> None:
     """Load model.init_from into a freshly built (possibly tensor-parallel) model, in place.
 
-    The weights only seed a run's first start: when they are gone but the run (`run_dir`,
-    `checkpoint.resume` not "never") has a complete checkpoint, which the resume then loads
-    over the model anyway, nothing is read."""
+    The weights only seed a run's first start: when they are gone but the run (`run_dir`: its
+    folder, or the run.storage URI holding its checkpoints; `checkpoint.resume` not "never")
+    has a complete checkpoint, which the resume then loads over the model anyway, nothing is read."""
     if run_dir is not None and resume != "never" and _weights_gone(cfg.init_from):
-        found = CheckpointStore(run_dir, log=log).find_resumable(checksums=False)
+        found = open_store(run_dir, log=log).find_resumable(checksums=False)  # a folder or run.storage's URI
         if found is not None:
             log(f"model.init_from: {cfg.init_from} is gone; the run resumes from {found}")
             return
