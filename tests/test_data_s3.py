@@ -124,6 +124,31 @@ def test_preprocess_to_s3_uploads_the_shard_set_and_writes_no_local_s3_folder(tm
     assert objects(f"{s3_bucket}/cut") == local
 
 
+def test_a_failed_upload_is_one_line_and_a_rerun_resumes_from_the_kept_parts(tmp_path, s3_bucket, monkeypatch, capsys):
+    inputs = text_inputs(tmp_path / "in")
+    uri = f"{s3_bucket}/ds"
+    fs = storage.object_store(uri)[0]  # fsspec's cached instance: the one preprocess gets
+    put_file = fs.put_file
+
+    def refused(local, remote, **kw):  # the store refuses one shard (a policy, a quota)
+        if remote.endswith("train_00002.bin"):
+            raise PermissionError("Access Denied\nmore detail")
+        return put_file(local, remote, **kw)
+
+    monkeypatch.setattr(fs, "put_file", refused)
+    assert preprocess(inputs, uri, "700") == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"loomtrain preprocess: error: --output {uri}: cannot upload train_00002.bin (PermissionError: Access Denied)"
+    )
+    assert "index.json" not in objects(uri)  # no data set there until it is whole
+    monkeypatch.setattr(fs, "put_file", put_file)
+    assert preprocess(inputs, uri, "700") == 0
+    assert "3 of 3 input files already done" in capsys.readouterr().out  # tokenized once, kept locally
+    assert preprocess(inputs, str(tmp_path / "local"), "700") == 0
+    assert objects(uri) == files(tmp_path / "local")
+
+
 def test_preprocess_with_an_executor_uploads_from_the_driver(tmp_path, s3_bucket):
     """`preprocess --ray` hands the files to tasks and writes on the driver: the same path to the store."""
 
