@@ -21,7 +21,7 @@ from loomtrain.launcher.checkpoints.weight_source import init_from
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError
 from loomtrain.launcher.distributed import DistEnv, barrier
-from loomtrain.launcher.rundir import data_cache_dir, run_dir
+from loomtrain.launcher.rundir import checkpoint_location, data_cache_dir
 from loomtrain.launcher.training import engine
 from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.model import init_tensors
@@ -74,7 +74,7 @@ def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensor
             model,
             cfg.model,
             log=print if topology.rank == 0 else _quiet,
-            run_dir=run_dir(cfg),
+            run_dir=checkpoint_location(cfg),  # where a restart finds the run's checkpoints
             resume=cfg.checkpoint.resume,
         )
         for name, param in model.named_parameters():
