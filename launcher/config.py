@@ -360,8 +360,9 @@ class RayConfig:
     elastic_resize_interval_s: float = 60.0
     # A request the cluster can never satisfy fails after this long.
     start_timeout_s: int = 120
-    # Ray Train's storage (its run state and our checkpoint pointers):
-    # "" = RUN_DIR/ray; else a shared path or a URI (s3://, gs://).
+    # Ray Train's storage (its run state and our checkpoint pointers): "" = {run.storage}/ray
+    # when run.storage is set (every host reaches it), else RUN_DIR/ray; or a shared path or a
+    # URI (s3://, gs://).
     storage: str = ""
 
     @property

@@ -6,7 +6,7 @@ sized to the request. Then it runs a `TorchTrainer` with
 
 * `ScalingConfig(num_workers=ray.num_workers, use_gpu=ray.use_gpu,
   resources_per_worker={"CPU": ray.cpus_per_worker[, "GPU": 1]})`;
-* `RunConfig(storage_path=ray.storage or RUN_DIR/ray, name="ray_train",
+* `RunConfig(storage_path=ray.storage or {run.storage}/ray or RUN_DIR/ray, name="ray_train",
   failure_config=FailureConfig(max_failures=ray.max_failures, controller_failure_limit=0))`;
 * `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=ray.start_timeout_s`: a request the
   cluster can never satisfy ends the run after that long with one clear message
@@ -76,6 +76,7 @@ from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.rundir import local_path
 from loomtrain.launcher.training import plugins
 from loomtrain.launcher.training.stopping import signal_name
+from loomtrain.storage import join
 
 RAY_RUN_NAME = "ray_train"
 POINTER_FILE = "loomtrain_pointer.json"
@@ -109,7 +110,10 @@ def absolutize(cfg: RunConfig) -> RunConfig:
 
 
 def storage_path(cfg: RunConfig) -> str:
-    return cfg.ray.storage or str(Path(cfg.run.dir) / "ray")
+    """ray.storage, else beside the checkpoints: {run.storage}/ray, or RUN_DIR/ray."""
+    if cfg.ray.storage:
+        return cfg.ray.storage
+    return join(cfg.run.storage, "ray") if cfg.run.storage else str(Path(cfg.run.dir) / "ray")
 
 
 def _store(cfg: RunConfig):

@@ -61,6 +61,7 @@ from loomtrain.launcher.distributed import DistEnv, barrier, init_distributed, m
 from loomtrain.launcher.hooks import HookList, Hooks, TrainContext, TrainState
 from loomtrain.launcher.observe import host_memory
 from loomtrain.launcher.observe.metrics import MetricsLogger, device_peak_flops, gather_rank_stats, memory_bytes, mfu
+from loomtrain.launcher.observe.mirror import tb_uri
 from loomtrain.launcher.observe.profiling import StepProfiler
 from loomtrain.launcher.observe.ranklog import RankLog, logs_dir
 from loomtrain.launcher.observe.watchdog import Watchdog, io_phase
@@ -675,6 +676,9 @@ def _finish(run: _Run, wall_start: float) -> TrainResult:
     log.message(f"run directory: {run_dir}")
     if ctx.cfg.log.tensorboard:
         log.message(f"TensorBoard logs: {log.tb_dir.absolute()}  (tensorboard --logdir {run_dir.parent})")
+        if ctx.cfg.run.storage:
+            where = tb_uri(ctx.cfg.run.storage)
+            log.message(f"TensorBoard mirror: {where}  (tensorboard --logdir {where} --load_fast=false)")
     log.message(f"rank logs: {logs_dir(run_dir)}/")
     return result
 
