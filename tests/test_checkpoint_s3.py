@@ -196,7 +196,6 @@ def test_ranged_reads_fetch_only_the_wanted_tiles_and_check_them(s3_bucket):
 RUN = [
     *launch.SMALL,
     *launch.QUIET,
-    "parallel.zero_stage=1",
     "train.max_steps=6",
     "checkpoint.every_steps=2",
     "checkpoint.keep_last=2",
