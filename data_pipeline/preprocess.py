@@ -398,7 +398,7 @@ def preprocess_files(
     check_format(records, files)
     remote = RemoteOutput(str(output), overwrite) if is_uri(output) else None
     out = remote.staging if remote else Path(output)
-    at = Progress(out, files, shown=str(output))
+    at = Progress(out, files, shown=str(output) if remote else None)
     try:
         if remote:
             remote.check()  # before anything is written, as check_output for a folder
