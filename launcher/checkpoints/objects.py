@@ -150,12 +150,16 @@ class Upload:
         if self._file is not None:
             self._file.write(data)
             return
-        self._buffer += data
-        while len(self._buffer) >= self.part_bytes:
-            self._send(bytes(self._buffer[: self.part_bytes]))
-            del self._buffer[: self.part_bytes]
+        view = memoryview(data).cast("B")
+        while len(view):  # each byte is copied once, into the part it travels in
+            room = self.part_bytes - len(self._buffer)
+            self._buffer += view[:room]
+            view = view[room:]
+            if len(self._buffer) == self.part_bytes:
+                part, self._buffer = self._buffer, bytearray()
+                self._send(part)
 
-    def _send(self, part: bytes) -> None:
+    def _send(self, part: bytes | bytearray) -> None:
         bucket, key, _ = self.fs.split_path(self.key)
         if self._upload_id is None:
             self._upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
@@ -183,8 +187,8 @@ class Upload:
             self._buffer = bytearray()
             return self.size
         if self._buffer:
-            self._send(bytes(self._buffer))
-            self._buffer = bytearray()
+            part, self._buffer = self._buffer, bytearray()
+            self._send(part)
         try:
             parts = [p.result() for p in self._parts]
         except BaseException:
