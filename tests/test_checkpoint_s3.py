@@ -131,6 +131,10 @@ def test_ray_finds_the_newest_checkpoint_in_run_storage(tmp_path, s3_bucket):
     store.write_file(tmp, "trainer.json", b"{}")
     assert newest_complete(cfg) == f"{storage}/checkpoints/step_00000004"
     assert newest_complete(cfg, since=started + 3600) is None  # written by an earlier attempt only
+    # checkpoint.resume=never: the checkpoints are moved aside (copied, then deleted manifest first)
+    aside = store.set_aside()
+    assert aside.startswith(f"{storage}/checkpoints/superseded-") and newest_complete(cfg) is None
+    assert {"latest", "step_00000002/manifest.json", "step_00000004/manifest.json"} <= set(Objects(aside).sizes())
 
 
 def test_large_upload_goes_in_parts_and_arrives_whole(s3_bucket):
