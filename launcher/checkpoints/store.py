@@ -22,6 +22,13 @@ is reported in one line naming it, and the next older one is tried. The
 `latest` pointer is for people and tools: the scan does not trust it, so a
 checkpoint published just before a crash (pointer not yet updated) is not lost.
 
+With run.storage a URI (s3://bucket/prefix, ...) the same protocol runs in an object store
+(`ObjectCheckpointStore`, below; `open_store` picks the backend by location): no rename there,
+so every rank writes straight into `step_N/`, the manifest written last is the commit point and
+`latest` is an object written after it (see the class). The writers and readers (state.py,
+shards.py) ask the store, not the filesystem: `write_file`, `tensor_sink`, `write_folder`,
+`parts_done`, `read_manifest`, `read_checkpoint_file`.
+
 This module knows nothing of torch, DeepSpeed or ranks; what goes into a checkpoint
 is state.py's.
 """
