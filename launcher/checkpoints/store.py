@@ -626,7 +626,10 @@ class ObjectCheckpointStore(CheckpointStore):
         manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), **meta, "files": files}
         at.write(MANIFEST, json_bytes(manifest))
         self.objects.write(LATEST, (step_dirname(step) + "\n").encode())
-        self.apply_retention()
+        try:
+            self.apply_retention()
+        except Exception as exc:  # noqa: BLE001  (published all the same; the next save prunes again)
+            self.log(f"checkpoint: step {step} saved, but pruning older ones failed: {store_error(self.storage, exc)}")
         return self.final_dir(step)
 
     def latest_pointer(self) -> str | None:
@@ -686,8 +689,16 @@ class ObjectCheckpointStore(CheckpointStore):
             removed.append(uri)
             names.append(name)
         if names:
-            _in_background([lambda n=n: self.objects.delete_tree(n) for n in names])
+            _in_background([lambda n=n: self._delete_quietly(n) for n in names])
         return removed
+
+    def _delete_quietly(self, name: str) -> None:
+        """A pruned checkpoint's objects (its manifest is gone already: a failure here leaves
+        a prefix without one, which the next start removes)."""
+        try:
+            self.objects.delete_tree(name)
+        except Exception as exc:  # noqa: BLE001
+            self.log(f"checkpoint: could not delete all of {self.objects.name(name)}: {store_error(self.storage, exc)}")
 
     def verify(self, path, checksums: bool = True) -> Verdict:
         return verify_object(str(path), checksums=checksums)
