@@ -162,3 +162,21 @@ def test_disk_error_line_names_the_file_the_cause_and_latest(tmp_path):
         f"loomtrain: write error: {failed}: free space within your quota (or pick another run.dir), "
         f"then run the same command to resume from step_00000008"
     )
+
+
+def test_a_failed_save_to_run_storage_names_the_store_and_its_latest(tmp_path, s3_bucket):
+    from loomtrain import storage
+    from loomtrain.launcher.checkpoints.store import CheckpointWriteError
+    from loomtrain.launcher.cli.train import disk_error_line
+
+    run_storage = f"{s3_bucket}/runs/x"
+    fs, root = storage.object_store(run_storage, "run.storage")
+    fs.pipe_file(f"{root}/checkpoints/latest", b"step_00000008\n")
+    failed = CheckpointWriteError(
+        f"checkpoint: cannot save step 10: Access Denied: {run_storage}/checkpoints/step_00000010; "
+        f"{run_storage}/checkpoints/step_00000008 stays the newest checkpoint"
+    )
+    assert disk_error_line(failed, tmp_path, run_storage) == (
+        f"loomtrain: write error: {failed}: check that run.storage={run_storage} is reachable and writable "
+        "(endpoint, credentials, bucket), then run the same command to resume from step_00000008"
+    )

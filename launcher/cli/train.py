@@ -111,7 +111,7 @@ def _main(args: argparse.Namespace) -> int:
     except OSError as exc:  # a full or read-only disk, wherever it struck (the lock, a log, a checkpoint)
         if not isinstance(exc, CheckpointWriteError) and exc.errno not in DISK_ERRNOS:
             raise
-        print(disk_error_line(exc, run_dir(cfg)), file=sys.stderr, flush=True)
+        print(disk_error_line(exc, run_dir(cfg), cfg.run.storage), file=sys.stderr, flush=True)
         rc = 1
         return rc
     except StoppedDuringStartUp:
@@ -189,28 +189,36 @@ def _run_here(cfg) -> int:
     return exit_code(result.stopped_by)  # SIGTERM: 0; Ctrl-C: 130; SIGHUP: 129
 
 
-def disk_error_line(exc: OSError, run_dir: Path) -> str:
-    """A run ended by its disk, in one line: the file, the cause, the checkpoint that stays
-    `latest` (the newest one saved before the failure), and what to do."""
-    latest = _latest(run_dir)
+def disk_error_line(exc: OSError, run_dir: Path, storage: str = "") -> str:
+    """A run ended by its disk (or, with `storage` = run.storage, a save to its object store),
+    in one line: the file, the cause, the checkpoint that stays `latest` (the newest one saved
+    before the failure), and what to do."""
+    latest = _latest(storage or run_dir)
     if isinstance(exc, CheckpointWriteError):  # names the checkpoint it was writing and `latest`
         what = str(exc)
     else:
-        kept = f"{latest} stays latest" if latest else "no checkpoint was saved yet"
+        kept = f"{latest[0]} stays latest" if latest else "no checkpoint was saved yet"
         what = f"{os.fsdecode(exc.filename or run_dir)}: {exc.strerror or exc}; {kept}"  # TensorBoard's are bytes
     # a CheckpointWriteError carries its cause as text ("No space left on device"), not an errno
     code = exc.errno or next((e for e in DISK_FIXES if os.strerror(e) in str(exc)), None)
-    fix = DISK_FIXES.get(code, "check that disk")
-    then = f"run the same command to resume from {latest.name}" if latest else "run the same command to start"
+    if code in DISK_FIXES:
+        fix = DISK_FIXES[code]
+    elif storage and isinstance(exc, CheckpointWriteError):
+        fix = f"check that run.storage={storage} is reachable and writable (endpoint, credentials, bucket)"
+    else:
+        fix = "check that disk"
+    then = f"run the same command to resume from {latest[1]}" if latest else "run the same command to start"
     return f"loomtrain: write error: {what}: {fix}, then {then}"
 
 
-def _latest(run_dir: Path) -> Path | None:
-    """The checkpoint RUN_DIR/checkpoints/latest names, if any."""
-    from loomtrain.launcher.checkpoints.store import LATEST
+def _latest(location: Path | str) -> tuple[str, str] | None:
+    """(where, name) of the checkpoint the `latest` pointer of a run's checkpoints names
+    (RUN_DIR/checkpoints/latest, or the one in run.storage), if any."""
+    from loomtrain.launcher.checkpoints.store import open_store
 
     try:
-        name = (run_dir / "checkpoints" / LATEST).read_text().strip()
-    except OSError:
+        store = open_store(location)
+        name = store.latest_pointer()
+    except (OSError, ValueError):  # the store itself is what failed
         return None
-    return run_dir / "checkpoints" / name if name else None
+    return (str(store.where(store.root, name)), name) if name else None
