@@ -433,7 +433,9 @@ def _check_path_fits(key: str, value: str) -> None:
 
 
 def run_has_checkpoints(cfg: RunConfig) -> bool:
-    return (run_dir(cfg) / "checkpoints").is_dir()
+    """Whether the run may have checkpoints of its own. With run.storage (a URI) the answer is
+    the store's, which a config check does not contact: the start-up's resume resolution asks it."""
+    return bool(cfg.run.storage) or (run_dir(cfg) / "checkpoints").is_dir()
 
 
 def _float_leaves(obj: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
