@@ -48,6 +48,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loomtrain.durable import (
     TMP_PREFIX,
@@ -125,6 +126,18 @@ def verify(path: str | os.PathLike, checksums: bool = True) -> Verdict:
         if checksums and "sha256" in info and sha256_file(p) != info["sha256"]:
             return Verdict(False, f"{rel} fails its sha256 checksum")
     return Verdict(True, manifest=manifest)
+
+
+def pruned(published: list[tuple[int, Any]], keep_last: int, keep_every: int, pointer: str | None) -> list:
+    """The (step, location) of `published` (oldest first) that retention removes: all but the
+    newest `keep_last` (<= 0: none removed), every `keep_every`-th step and the one `latest`
+    names."""
+    if keep_last <= 0:
+        return []
+    keep = {step for step, _ in published[-keep_last:]}
+    if keep_every > 0:
+        keep |= {step for step, _ in published if step % keep_every == 0}
+    return [(step, where) for step, where in published if step not in keep and step_dirname(step) != pointer]
 
 
 class CheckpointStore:
@@ -296,17 +309,8 @@ class CheckpointStore:
 
     def apply_retention(self) -> list[Path]:
         """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step."""
-        pub = self.published()
-        if self.keep_last <= 0:
-            return []
-        keep = {step for step, _ in pub[-self.keep_last :]}
-        if self.keep_every > 0:
-            keep |= {step for step, _ in pub if step % self.keep_every == 0}
-        pointer = self.latest_pointer()
         removed, doomed = [], []
-        for step, path in pub:
-            if step in keep or path.name == pointer:
-                continue
+        for _, path in pruned(self.published(), self.keep_last, self.keep_every, self.latest_pointer()):
             # Rename first so a crash mid-delete never leaves a half-deleted "published" dir
             # (the next start removes a `.tmp-*` leftover).
             doomed.append(self.root / f"{TMP_PREFIX}del-{path.name}.{uuid.uuid4().hex[:8]}")
@@ -673,18 +677,9 @@ class ObjectCheckpointStore(CheckpointStore):
     def apply_retention(self) -> list[str]:
         """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step; a pruned
         checkpoint loses its manifest first (gone at once), then its objects in the background."""
-        pub = self.published()
-        if self.keep_last <= 0:
-            return []
-        keep = {step for step, _ in pub[-self.keep_last :]}
-        if self.keep_every > 0:
-            keep |= {step for step, _ in pub if step % self.keep_every == 0}
-        pointer = self.latest_pointer()
         removed, names = [], []
-        for step, uri in pub:
+        for step, uri in pruned(self.published(), self.keep_last, self.keep_every, self.latest_pointer()):
             name = step_dirname(step)
-            if step in keep or name == pointer:
-                continue
             self.objects.delete(f"{name}/{MANIFEST}")
             removed.append(uri)
             names.append(name)
