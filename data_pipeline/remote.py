@@ -32,7 +32,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
-from loomtrain.data_pipeline.shards import INDEX, DataError, check_tokenizer_hash, parse_index, read_index
+from loomtrain.data_pipeline.shards import (
+    INDEX,
+    DataError,
+    check_tokenizer_hash,
+    doc_starts_from,
+    parse_index,
+    read_index,
+)
 from loomtrain.storage import is_uri, join, object_store
 
 FETCH_THREADS = 16  # ranged GETs in flight per stream: a GET's latency, not bandwidth, bounds a window's read
@@ -323,14 +330,8 @@ class RemoteShardSet:
             info = self.index["splits"][self.split]
             name = info.get("doc_offsets")
             uri = join(self.dir, name) if name else None
-            data = read_object(self.fs, f"{self._path}/{name}", uri, "missing") if name else b""
-            if uri is None or len(data) != 8 * info.get("num_docs", -1):
-                raise DataError(
-                    f"{self.dir}: split {self.split!r} has no complete document offsets "
-                    f"({uri or 'no doc_offsets in the index'}); re-run `loomtrain preprocess`"
-                )
-            starts = np.frombuffer(data, dtype="<u8").astype(np.int64)
-            self._doc_starts = starts if starts.size and starts[0] == 0 else np.concatenate([[0], starts])
+            data = read_object(self.fs, f"{self._path}/{name}", uri, "missing") if name else None
+            self._doc_starts = doc_starts_from(data, info, self.dir, self.split, uri)
         return self._doc_starts
 
     # Windows ------------------------------------------------------------------
