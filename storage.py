@@ -74,19 +74,43 @@ def join(base: str | os.PathLike, *parts: str) -> str:
 
 
 class StorageError(ValueError):
-    """An object that is missing, damaged or cannot be read or written (one line naming it)."""
+    """An object that is missing, damaged or cannot be read or written (one line naming it).
+    `detail`: the store's own error in one line, for a caller that words its own message."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
 
 
 TRANSFERS_IN_FLIGHT = 8  # objects moved at once by upload_files / download_verified
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """A storage library's error in one line: its type and the first line of its text."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def _failed(uri: str, action: str, exc: BaseException) -> StorageError:
-    return StorageError(f"{uri}: cannot {action} ({_first_line(exc)})")
+def failed(uri: str, action: str, exc: BaseException) -> StorageError:
+    return StorageError(f"{uri}: cannot {action} ({first_line(exc)})", first_line(exc))
+
+
+def listing(fs, path: str, recursive: bool = True) -> dict[str, dict]:
+    """{name relative to the prefix `path`: the library's info (size, type, ETag, ...)} of every
+    object below it (recursive) or of the objects and folders directly under it, listed afresh:
+    fsspec caches listings per process, and another process' writes must be seen. An absent
+    prefix is an empty dict; the library's own errors (no credentials, no bucket) pass through."""
+    path = path.rstrip("/")
+    fs.invalidate_cache()
+    try:
+        if recursive:
+            found = fs.find(path, detail=True)
+        else:
+            found = {info["name"]: info for info in fs.ls(path, detail=True, refresh=True)}
+    except FileNotFoundError:
+        return {}
+    base = path + "/"
+    return {name.rstrip("/")[len(base) :]: info for name, info in found.items() if name.startswith(base)}
 
 
 def list_objects(uri: str) -> dict[str, dict]:
@@ -94,19 +118,16 @@ def list_objects(uri: str) -> dict[str, dict]:
     "version" changes whenever the object does (its ETag, else its modification time). An
     absent prefix is an empty dict."""
     fs, root = object_store(uri)
-    root = root.rstrip("/")
     try:
-        found = fs.find(root, detail=True)
-    except FileNotFoundError:
-        return {}
+        found = listing(fs, root)
     except Exception as exc:  # no credentials, no bucket, connection refused: the library's own types
-        raise _failed(uri, "list it", exc) from None
+        raise failed(uri, "list it", exc) from None
     out = {}
-    for path, info in found.items():
-        if info.get("type", "file") != "file" or not path.startswith(root + "/"):
+    for rel, info in found.items():
+        if info.get("type", "file") != "file":
             continue
         version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
-        out[path[len(root) + 1 :]] = {"size": int(info.get("size") or 0), "version": str(version).strip('"')}
+        out[rel] = {"size": int(info.get("size") or 0), "version": str(version).strip('"')}
     return out
 
 
@@ -119,7 +140,7 @@ def read_object(uri: str, start: int | None = None, end: int | None = None) -> b
     except FileNotFoundError:
         return None
     except Exception as exc:
-        raise _failed(uri, "read it", exc) from None
+        raise failed(uri, "read it", exc) from None
 
 
 def _parent_folder(fs, path: str) -> None:
@@ -136,7 +157,7 @@ def write_object(uri: str, data: bytes) -> None:
         _parent_folder(fs, path)
         fs.pipe_file(path, data)
     except Exception as exc:
-        raise _failed(uri, "write it", exc) from None
+        raise failed(uri, "write it", exc) from None
 
 
 def delete_objects(uri: str, relpaths: list[str] | None = None) -> None:
@@ -153,7 +174,7 @@ def delete_objects(uri: str, relpaths: list[str] | None = None) -> None:
     except FileNotFoundError:
         pass
     except Exception as exc:
-        raise _failed(uri, f"delete {relpaths[0]} and {len(paths) - 1} more objects under it", exc) from None
+        raise failed(uri, f"delete {relpaths[0]} and {len(paths) - 1} more objects under it", exc) from None
 
 
 def upload_files(local_dir: str | os.PathLike, relpaths: list[str], uri: str) -> None:
@@ -169,7 +190,7 @@ def upload_files(local_dir: str | os.PathLike, relpaths: list[str], uri: str) ->
             _parent_folder(fs, target)
             fs.put_file(os.path.join(local_dir, rel), target)
         except Exception as exc:
-            raise _failed(join(uri, rel), f"upload {os.path.join(local_dir, rel)} to it", exc) from None
+            raise failed(join(uri, rel), f"upload {os.path.join(local_dir, rel)} to it", exc) from None
 
     with ThreadPoolExecutor(max_workers=TRANSFERS_IN_FLIGHT) as pool:
         for _ in pool.map(put, relpaths):
@@ -238,7 +259,7 @@ def download_verified(
             raise StorageError(f"{join(uri, rel)}: missing (it went while being read)") from None
         except Exception as exc:
             tmp.unlink(missing_ok=True)
-            raise _failed(join(uri, rel), "download it", exc) from None
+            raise failed(join(uri, rel), "download it", exc) from None
         want = files[rel]
         if want is not None and digest.hexdigest() != want["sha256"]:
             tmp.unlink(missing_ok=True)

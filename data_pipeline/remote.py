@@ -40,14 +40,9 @@ from loomtrain.data_pipeline.shards import (
     parse_index,
     read_index,
 )
-from loomtrain.storage import is_uri, join, object_store
+from loomtrain.storage import StorageError, first_line, is_uri, join, listing, object_store, read_object
 
 FETCH_THREADS = 16  # ranged GETs in flight per stream: a GET's latency, not bandwidth, bounds a window's read
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def open_store(uri: str, what: str = "data.path"):
@@ -60,33 +55,28 @@ def open_store(uri: str, what: str = "data.path"):
 
 
 def list_directory(fs, path: str, uri: str) -> dict[str, dict]:
-    """{object name: fsspec info (size, ETag, ...)} of the objects directly under `path`, listed
-    afresh (fsspec caches listings; a new reader must see the store as it is now)."""
-    fs.invalidate_cache(path)
+    """{object name: fsspec info (size, ETag, ...)} of the objects directly under `path`, listed afresh."""
     try:
-        found = fs.ls(path, detail=True)
-    except FileNotFoundError:
-        return {}
+        found = listing(fs, path, recursive=False)
     except Exception as exc:  # no credentials, no bucket, no connection: the library's own types
         raise DataError(f"{uri}: cannot list the shard directory ({first_line(exc)})") from None
-    return {info["name"].rstrip("/").rsplit("/", 1)[-1]: info for info in found if info.get("type") == "file"}
+    return {name: info for name, info in found.items() if info.get("type") == "file"}
 
 
-def read_object(fs, path: str, uri: str, missing: str) -> bytes:
+def read_whole(uri: str, missing: str) -> bytes:
     """A small object, whole; `missing`: what a missing object means, for its error line."""
     try:
-        return fs.cat_file(path)
-    except FileNotFoundError:
-        raise DataError(f"{uri}: {missing}") from None
-    except Exception as exc:
-        raise DataError(f"{uri}: cannot read it ({first_line(exc)})") from None
+        data = read_object(uri)
+    except StorageError as exc:
+        raise DataError(str(exc)) from None
+    if data is None:
+        raise DataError(f"{uri}: {missing}")
+    return data
 
 
 def read_remote_index(uri: str) -> dict:
-    fs, path = open_store(uri)
-    data = read_object(
-        fs,
-        f"{path}/{INDEX}",
+    open_store(uri)  # an unknown scheme or missing library: a DataError naming data.path
+    data = read_whole(
         join(uri, INDEX),
         "not found: not a complete shard directory (make one with `loomtrain preprocess --output URI`)",
     )
@@ -108,7 +98,7 @@ def load_remote_tokenizer(uri: str):
     with tempfile.TemporaryDirectory(prefix="loomtrain-tokenizer-") as tmp:
         for name in ("tokenizer.json", CHAT_CONFIG):
             if name in names or name == "tokenizer.json":
-                data = read_object(fs, f"{path}/{name}", join(uri, name), "not found (the shard directory's tokenizer)")
+                data = read_whole(join(uri, name), "not found (the shard directory's tokenizer)")
                 with open(os.path.join(tmp, name), "wb") as f:
                     f.write(data)
         return load_tokenizer(tmp)
@@ -330,7 +320,7 @@ class RemoteShardSet:
             info = self.index["splits"][self.split]
             name = info.get("doc_offsets")
             uri = join(self.dir, name) if name else None
-            data = read_object(self.fs, f"{self._path}/{name}", uri, "missing") if name else None
+            data = read_whole(uri, "missing") if name else None
             self._doc_starts = doc_starts_from(data, info, self.dir, self.split, uri)
         return self._doc_starts
 

@@ -26,9 +26,10 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from loomtrain.data_pipeline.remote import first_line, open_store
+from loomtrain.data_pipeline.remote import open_store
 from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError
 from loomtrain.data_pipeline.tokenizer import CHAT_CONFIG
+from loomtrain.storage import first_line, listing
 
 UPLOADS_IN_FLIGHT = 8  # files going up at once (each a multipart upload of the library's own when large)
 MARKER = ".loomtrain-preprocess"
@@ -65,16 +66,13 @@ class RemoteOutput:
 
     def _listing(self) -> set[str]:
         """Names of every object under the prefix (relative to it)."""
-        self.fs.invalidate_cache(self.path)
         try:
-            found = self.fs.find(self.path, detail=False)
-        except FileNotFoundError:
-            return set()
+            found = listing(self.fs, self.path)
         except Exception as exc:  # no credentials, no connection: the library's own types
             raise self._fail("list it", exc) from None
-        if found == [self.path] or (self.path in found and len(found) == 1):
+        if not found and self.fs.isfile(self.path):
             raise DataError(f"--output {self.uri} is an object; expected a prefix to write a shard directory under")
-        return {p[len(self.path) + 1 :] for p in found if p.startswith(self.path + "/")}
+        return set(found)
 
     def check(self) -> None:
         """Before anything is written: the bucket is there, and the prefix is empty, an earlier
