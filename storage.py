@@ -9,6 +9,15 @@ whatever else fsspec knows: `gs://`, `az://`, `file://`).
                                 is unknown or its library is missing
     join(base, *parts)          a child location of a path or a URI (`/` for URIs)
 
+Objects, one primitive each (a failure is one line naming the object: StorageError / failed):
+    listing(fs, path)           a prefix listed afresh (sizes, ETags); list_objects(uri) by URI
+    read_object / write_object  a whole object or a byte range of it; one whole small object
+    delete_objects              named objects, or everything under a prefix
+    upload_files                local files up, several in flight; download_verified: down,
+                                checked against a manifest, kept in a local cache folder
+    Objects(uri)                a prefix (the checkpoint store's view: errors pass through)
+    Upload                      a streaming multipart upload, parts in flight on transfer_pool()
+
 Credentials and the endpoint come from the storage library's standard chain (for S3:
 AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_ENDPOINT_URL, profiles, instance roles); nothing
 here takes, logs or writes them.
@@ -20,6 +29,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -180,8 +191,6 @@ def delete_objects(uri: str, relpaths: list[str] | None = None) -> None:
 def upload_files(local_dir: str | os.PathLike, relpaths: list[str], uri: str) -> None:
     """local_dir/REL -> uri/REL for each REL, several in flight (a large file goes up in
     parts, as the store's library does it). The caller writes its commit object after this."""
-    from concurrent.futures import ThreadPoolExecutor
-
     fs, root = object_store(uri)
 
     def put(rel: str) -> None:
@@ -218,7 +227,6 @@ def download_verified(
     import fcntl
     import hashlib
     import json
-    from concurrent.futures import ThreadPoolExecutor
 
     from loomtrain.durable import atomic_write, atomic_write_json, temp_name
 
@@ -299,3 +307,193 @@ def download_verified(
                 atomic_write(local / rel, data, fsync=False)
         atomic_write_json(local / FETCHED, {**keep, **fetched}, fsync=False)
     return local
+
+
+# A prefix, and streaming multipart uploads ----------------------------------------------------
+
+# A multipart upload sends parts of this size (S3 wants >= 5 MiB but the last), several at once.
+PART_BYTES = 16 << 20
+UPLOADS_IN_FLIGHT = 4
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def transfer_pool() -> ThreadPoolExecutor:
+    """The process' one bounded pool of transfers (made anew in a forked child)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(2 * UPLOADS_IN_FLIGHT, thread_name_prefix="loomtrain-transfer"))
+        return _pool[1]
+
+
+class Objects:
+    """The objects under one URI prefix: child paths, listings that never trust a cache,
+    whole-object reads and writes, recursive deletes. The library's own errors pass through
+    (FileNotFoundError for a missing object): the checkpoint store words them."""
+
+    def __init__(self, uri: str, what: str = "run.storage"):
+        self.fs, self.path = object_store(uri, what)
+        self.path = self.path.rstrip("/")
+        self.uri = uri.rstrip("/")
+
+    def child(self, rel: str) -> Objects:
+        out = object.__new__(Objects)
+        out.fs, out.path, out.uri = self.fs, self._key(rel), f"{self.uri}/{rel.strip('/')}"
+        return out
+
+    def _key(self, rel: str) -> str:
+        return f"{self.path}/{rel.strip('/')}" if rel else self.path
+
+    def name(self, rel: str = "") -> str:
+        """The URI of an object or prefix below (for messages and pointers)."""
+        return f"{self.uri}/{rel.strip('/')}" if rel else self.uri
+
+    # Listing ------------------------------------------------------------------------------
+    def entries(self, rel: str = "") -> dict[str, str]:
+        """{name: "file" | "directory"} directly under a prefix (empty when there is none)."""
+        return {name: info.get("type", "file") for name, info in listing(self.fs, self._key(rel), False).items()}
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        """{relative path: size} of every object below a prefix (one recursive listing)."""
+        return {name: int(info.get("size") or 0) for name, info in listing(self.fs, self._key(rel)).items()}
+
+    def exists(self, rel: str) -> bool:
+        self.fs.invalidate_cache()
+        try:
+            self.fs.info(self._key(rel))
+        except FileNotFoundError:
+            return False
+        return True
+
+    # Reading and writing ------------------------------------------------------------------
+    def read(self, rel: str) -> bytes:
+        """A whole object (FileNotFoundError when there is none)."""
+        return self.fs.cat_file(self._key(rel))
+
+    def write(self, rel: str, data: bytes) -> None:
+        """One object, whole (a single PUT)."""
+        self.fs.pipe_file(self._key(rel), bytes(data))
+
+    def upload(self, rel: str) -> Upload:
+        return Upload(self.fs, self._key(rel))
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.rm_file(self._key(rel))
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, rel: str) -> None:
+        """Every object below a prefix."""
+        self.fs.invalidate_cache()
+        try:
+            self.fs.rm(self._key(rel), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def copy_tree(self, rel: str, dest_rel: str) -> None:
+        self.fs.invalidate_cache()
+        self.fs.copy(self._key(rel), self._key(dest_rel), recursive=True)
+
+
+class Upload:
+    """An object written as a stream: `write(bytes)` as they are made, `close()` when done
+    (the object appears then, whole), `abort()` on failure (nothing appears).
+
+    On S3 the bytes go up as a multipart upload whose parts (PART_BYTES) are sent by the
+    process' upload pool, at most UPLOADS_IN_FLIGHT of this object's at a time: the caller keeps
+    producing the next part while the previous ones travel, and memory stays bounded. A file
+    smaller than one part is one PUT. Other stores get fsspec's buffered writer."""
+
+    def __init__(self, fs, key: str, part_bytes: int = PART_BYTES, in_flight: int = UPLOADS_IN_FLIGHT):
+        self.fs, self.key = fs, key
+        self.part_bytes, self.size = part_bytes, 0
+        self._s3 = hasattr(fs, "call_s3") and hasattr(fs, "split_path")
+        self._buffer = bytearray()
+        self._parts: list[Future] = []
+        self._slots = threading.BoundedSemaphore(in_flight)
+        self._upload_id = None
+        self._file = None if self._s3 else fs.open(key, "wb", block_size=part_bytes)
+
+    def write(self, data) -> None:
+        self.size += len(data)
+        if self._file is not None:
+            self._file.write(data)
+            return
+        view = memoryview(data).cast("B")
+        while len(view):  # each byte is copied once, into the part it travels in
+            room = self.part_bytes - len(self._buffer)
+            self._buffer += view[:room]
+            view = view[room:]
+            if len(self._buffer) == self.part_bytes:
+                part, self._buffer = self._buffer, bytearray()
+                self._send(part)
+
+    def _send(self, part: bytes | bytearray) -> None:
+        bucket, key, _ = self.fs.split_path(self.key)
+        if self._upload_id is None:
+            self._upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        number = len(self._parts) + 1
+        self._slots.acquire()  # at most `in_flight` parts of this object held and travelling
+
+        def send() -> dict:
+            try:
+                out = self.fs.call_s3(
+                    "upload_part", Bucket=bucket, Key=key, PartNumber=number, UploadId=self._upload_id, Body=part
+                )
+                return {"PartNumber": number, "ETag": out["ETag"]}
+            finally:
+                self._slots.release()
+
+        self._parts.append(transfer_pool().submit(send))
+
+    def close(self) -> int:
+        """Complete the object; returns its size."""
+        if self._file is not None:
+            self._file.close()
+            return self.size
+        if self._upload_id is None:  # smaller than a part: one PUT
+            self.fs.pipe_file(self.key, bytes(self._buffer))
+            self._buffer = bytearray()
+            return self.size
+        if self._buffer:
+            part, self._buffer = self._buffer, bytearray()
+            self._send(part)
+        try:
+            parts = [p.result() for p in self._parts]
+        except BaseException:
+            self.abort()
+            raise
+        bucket, key, _ = self.fs.split_path(self.key)
+        self.fs.call_s3(
+            "complete_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+        self.fs.invalidate_cache()
+        return self.size
+
+    def abort(self) -> None:
+        """Drop what was sent (a failed write leaves no object and no parts billed)."""
+        if self._file is not None:
+            try:
+                self._file.discard() if hasattr(self._file, "discard") else None
+            except Exception:  # noqa: BLE001  (best effort: the write already failed)
+                pass
+            return
+        for p in self._parts:
+            try:
+                p.result()
+            except Exception:  # noqa: BLE001
+                pass
+        if self._upload_id is not None:
+            bucket, key, _ = self.fs.split_path(self.key)
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=self._upload_id)
+            except Exception:  # noqa: BLE001
+                pass
+            self._upload_id = None
