@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -93,7 +93,28 @@ class StorageError(ValueError):
         self.detail = detail
 
 
-TRANSFERS_IN_FLIGHT = 8  # objects moved at once by upload_files / download_verified
+TRANSFERS_IN_FLIGHT = 8  # threads of the process' transfer pool: objects (or parts) moved at once
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def transfer_pool() -> ThreadPoolExecutor:
+    """The process' one bounded pool of transfers (made anew in a forked child). Its tasks move
+    bytes and never wait for one another, so sharing it cannot deadlock."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(TRANSFERS_IN_FLIGHT, thread_name_prefix="loomtrain-transfer"))
+        return _pool[1]
+
+
+def in_flight(fn, items: list) -> list:
+    """[fn(item) for item in items], several at once on the transfer pool; returns when all are
+    done (none left running), raising the first failure."""
+    futures = [transfer_pool().submit(fn, item) for item in items]
+    wait(futures)
+    return [f.result() for f in futures]
 
 
 def first_line(exc: BaseException) -> str:
@@ -188,22 +209,20 @@ def delete_objects(uri: str, relpaths: list[str] | None = None) -> None:
         raise failed(uri, f"delete {relpaths[0]} and {len(paths) - 1} more objects under it", exc) from None
 
 
+def upload_file(local: str | os.PathLike, uri: str) -> None:
+    """One local file up to the object `uri` (a large file in parts, as the store's library does it)."""
+    fs, path = object_store(uri)
+    try:
+        _parent_folder(fs, path)
+        fs.put_file(os.fspath(local), path)
+    except Exception as exc:
+        raise failed(uri, f"upload {os.fspath(local)} to it", exc) from None
+
+
 def upload_files(local_dir: str | os.PathLike, relpaths: list[str], uri: str) -> None:
-    """local_dir/REL -> uri/REL for each REL, several in flight (a large file goes up in
-    parts, as the store's library does it). The caller writes its commit object after this."""
-    fs, root = object_store(uri)
-
-    def put(rel: str) -> None:
-        target = f"{root.rstrip('/')}/{rel}"
-        try:
-            _parent_folder(fs, target)
-            fs.put_file(os.path.join(local_dir, rel), target)
-        except Exception as exc:
-            raise failed(join(uri, rel), f"upload {os.path.join(local_dir, rel)} to it", exc) from None
-
-    with ThreadPoolExecutor(max_workers=TRANSFERS_IN_FLIGHT) as pool:
-        for _ in pool.map(put, relpaths):
-            pass
+    """local_dir/REL -> uri/REL for each REL, several in flight. The caller writes its commit
+    object after this."""
+    in_flight(lambda rel: upload_file(os.path.join(local_dir, rel), join(uri, rel)), relpaths)
 
 
 FETCHED = ".fetched.json"  # download_verified's record of what the local folder holds
@@ -300,8 +319,7 @@ def download_verified(
                 p.rmdir()
         todo = sorted(rel for rel in files if rel not in keep)
         atomic_write_json(local / FETCHED, keep, fsync=False)  # what is being replaced is not trusted meanwhile
-        with ThreadPoolExecutor(max_workers=TRANSFERS_IN_FLIGHT) as pool:
-            fetched = dict(zip(todo, pool.map(fetch, todo)))
+        fetched = dict(zip(todo, in_flight(fetch, todo)))
         for rel, data in written.items():
             if not (local / rel).is_file() or (local / rel).read_bytes() != data:
                 atomic_write(local / rel, data, fsync=False)
@@ -313,19 +331,7 @@ def download_verified(
 
 # A multipart upload sends parts of this size (S3 wants >= 5 MiB but the last), several at once.
 PART_BYTES = 16 << 20
-UPLOADS_IN_FLIGHT = 4
-
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def transfer_pool() -> ThreadPoolExecutor:
-    """The process' one bounded pool of transfers (made anew in a forked child)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(2 * UPLOADS_IN_FLIGHT, thread_name_prefix="loomtrain-transfer"))
-        return _pool[1]
+UPLOADS_IN_FLIGHT = 4  # of one object's parts
 
 
 class Objects:
@@ -403,7 +409,7 @@ class Upload:
     (the object appears then, whole), `abort()` on failure (nothing appears).
 
     On S3 the bytes go up as a multipart upload whose parts (PART_BYTES) are sent by the
-    process' upload pool, at most UPLOADS_IN_FLIGHT of this object's at a time: the caller keeps
+    process' transfer pool, at most UPLOADS_IN_FLIGHT of this object's at a time: the caller keeps
     producing the next part while the previous ones travel, and memory stays bounded. A file
     smaller than one part is one PUT. Other stores get fsspec's buffered writer."""
 

@@ -23,15 +23,24 @@ import json
 import re
 import tempfile
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from pathlib import Path
 
 from loomtrain.data_pipeline.remote import open_store
 from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError
 from loomtrain.data_pipeline.tokenizer import CHAT_CONFIG
-from loomtrain.storage import first_line, listing
+from loomtrain.storage import (
+    StorageError,
+    delete_objects,
+    first_line,
+    join,
+    listing,
+    read_object,
+    transfer_pool,
+    upload_file,
+    write_object,
+)
 
-UPLOADS_IN_FLIGHT = 8  # files going up at once (each a multipart upload of the library's own when large)
 MARKER = ".loomtrain-preprocess"
 # The names a preprocess output holds: shard, docs and mask files, the tokenizer, the index.
 _OURS = re.compile(
@@ -54,15 +63,12 @@ class RemoteOutput:
         self.overwrite = overwrite
         self.staging = staging_dir(self.uri)
         self._old: set[str] = set()  # objects there before this run (what the commit may remove)
-        self._pool: ThreadPoolExecutor | None = None
         self._uploads: list[Future] = []
         self._lock = threading.Lock()
 
-    def _obj(self, name: str) -> str:
-        return f"{self.path}/{name}"
-
     def _fail(self, action: str, exc: BaseException) -> DataError:
-        return DataError(f"--output {self.uri}: cannot {action} ({first_line(exc)})")
+        detail = exc.detail if isinstance(exc, StorageError) else first_line(exc)
+        return DataError(f"--output {self.uri}: cannot {action} ({detail})")
 
     def _listing(self) -> set[str]:
         """Names of every object under the prefix (relative to it)."""
@@ -105,7 +111,7 @@ class RemoteOutput:
 
     def _our_index(self) -> bool:
         try:
-            index = json.loads(self.fs.cat_file(self._obj(INDEX)).decode("utf-8"))
+            index = json.loads(read_object(join(self.uri, INDEX)).decode("utf-8"))
         except Exception:
             return False
         return isinstance(index, dict) and index.get("format") == FORMAT
@@ -113,20 +119,17 @@ class RemoteOutput:
     def begin(self) -> None:
         """Before the first upload: the marker, and an earlier output's index (its commit point) removed."""
         try:
-            if "file" in self.fs.protocol:  # file:// has folders; object stores do not
-                self.fs.makedirs(self.path, exist_ok=True)
-            self.fs.pipe_file(self._obj(MARKER), json.dumps({"format": "loomtrain-preprocess-upload"}).encode())
+            write_object(join(self.uri, MARKER), json.dumps({"format": "loomtrain-preprocess-upload"}).encode())
             if INDEX in self._old:
-                self.fs.rm_file(self._obj(INDEX))
-        except Exception as exc:
+                delete_objects(self.uri, [INDEX])
+        except StorageError as exc:
             raise self._fail("start writing under it", exc) from None
-        self._pool = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="loomtrain-upload")
 
     def _put(self, local: Path, name: str, remove: bool) -> None:
         try:
-            self.fs.put_file(str(local), self._obj(name))
-        except Exception as exc:
-            raise DataError(f"--output {self.uri}: cannot upload {name} ({first_line(exc)})") from None
+            upload_file(local, join(self.uri, name))
+        except StorageError as exc:
+            raise self._fail(f"upload {name}", exc) from None
         if remove:  # a shard is assembled again from the parts on a rerun: its local copy can go
             local.unlink(missing_ok=True)
 
@@ -134,11 +137,11 @@ class RemoteOutput:
         """Start uploading work/name (a shard, docs or mask file just completed); its local copy
         goes once it is up."""
         with self._lock:
-            self._uploads.append(self._pool.submit(self._put, work / name, name, True))
+            self._uploads.append(transfer_pool().submit(self._put, work / name, name, True))
 
     def _wait(self) -> None:
         with self._lock:
-            uploads, self._uploads = self._uploads, []
+            uploads = list(self._uploads)
         for future in uploads:
             future.result()  # the first failed upload's DataError
 
@@ -155,25 +158,24 @@ class RemoteOutput:
         for info in index["splits"].values():
             names.update(s["file"] for s in info["shards"])
             names.update(info[k] for k in ("doc_offsets", "loss_mask") if k in info)
-        stale = sorted(self._obj(n) for n in (self._old | {MARKER}) - names)
+        stale = sorted((self._old | {MARKER}) - names)
         try:
-            if stale:
-                self.fs.rm(stale)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
+            delete_objects(self.uri, stale)
+        except StorageError as exc:
             raise self._fail(f"remove {stale[0]} of the earlier output (the new one is complete)", exc) from None
 
     def upload_kept(self, work: Path, name: str) -> None:
         """Start uploading work/name, keeping the local file."""
         with self._lock:
-            self._uploads.append(self._pool.submit(self._put, work / name, name, False))
+            self._uploads.append(transfer_pool().submit(self._put, work / name, name, False))
 
     def close(self) -> None:
         """Stop: uploads not started are cancelled (a rerun does them again)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        with self._lock:
+            uploads, self._uploads = self._uploads, []
+        for future in uploads:
+            future.cancel()
+        wait(uploads)
 
 
 __all__ = ["RemoteOutput", "staging_dir"]
