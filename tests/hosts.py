@@ -19,6 +19,16 @@ of every host is SIGKILLed and the namespaces are deleted (their veths go with t
 session killed before it could clean up leaves namespaces named after its PID; the next
 `Hosts` removes those whose PID is gone.
 
+Private folders (`Hosts(private=FOLDER)`): hosts that share nothing on disk but what a test
+shares on purpose. Every command a host runs (its `ray start` and all it forks, a driver, a
+script) sees its own folder `host.local_dir` (FOLDER.hN, made with the host) at the path FOLDER,
+bound there in a mount namespace of its own (`unshare --mount --propagation private`, inside
+`ip netns exec`), so one configuration (run.dir=FOLDER/run) names a different folder on each
+host, and what a host writes there is visible to no other host; FOLDER itself stays empty.
+`net.private_env()` points TMPDIR and XDG_CACHE_HOME into it (tmp/, cache/ of each host's
+folder), so temporary files and caches are the host's own too. The test process reads a host's
+files at `host.local_dir`. Without `private`, every host sees the machine's filesystem.
+
 Root and iproute2 are needed. Where namespaces cannot be made, the fixture skips with the
 reason; with LOOMTRAIN_REQUIRE_NETNS=1 (set by .ci/run) it fails instead, so CI never passes
 by skipping them.
@@ -34,10 +44,12 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 SUBNET = "198.18.0"  # RFC 2544 test range: 198.18.0.0/24, never another
+PRIVATE_SUBDIRS = ("tmp", "cache")  # of each host's own folder: TMPDIR and XDG_CACHE_HOME (private_env)
 PREFIX_RE = re.compile(r"^lt(\d+)(?:sw|h\d+)$")
 
 
@@ -120,8 +132,23 @@ class Host:
     def _port(self) -> str:  # the veth end on the switch's bridge
         return f"{self.net.prefix}p{self.index}"
 
+    @property
+    def local_dir(self) -> Path:
+        """This host's own folder, which its processes see at the Hosts' `private` path."""
+        assert self.net.private is not None, "a host has a folder of its own only with Hosts(private=...)"
+        return self.net.private.with_name(f"{self.net.private.name}.h{self.index}")
+
     def argv(self, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.name, *argv]
+        netns = ["ip", "netns", "exec", self.name]
+        if self.net.private is None:
+            return [*netns, *argv]
+        # A mount namespace of its own (ip netns exec already makes one, as a slave of the
+        # machine's; private, so that nothing mounted in it could leak back) with this host's
+        # folder over the shared path.
+        # `cd "$PWD"`: a working directory under the shared path now resolves to the host's own.
+        bind = 'mount --bind "$1" "$2" && { cd "$PWD" 2>/dev/null || true; } && shift 2 && exec "$@"'
+        unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", bind, "sh"]
+        return [*netns, *unshare, str(self.local_dir), str(self.net.private), *argv]
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start `argv` on this host (its own session, so a test can signal its group)."""
@@ -156,13 +183,16 @@ class Host:
 class Hosts:
     """A private switch and the hosts on it; a context manager that removes all it made."""
 
-    def __init__(self) -> None:
+    def __init__(self, private: str | os.PathLike | None = None) -> None:
+        self.private = Path(private).absolute() if private is not None else None
         self.prefix = f"lt{os.getpid()}"
         self.switch = f"{self.prefix}sw"
         self.hosts: list[Host] = []
         self._next = 1
 
     def __enter__(self) -> Hosts:
+        if self.private is not None:
+            self.private.mkdir(parents=True, exist_ok=True)  # the mount point
         sweep_stale()
         # One Hosts per process at a time: a leftover of this process (a failed teardown) goes.
         for ns in _our_namespaces():
@@ -190,7 +220,16 @@ class Hosts:
         _ip("-n", host.name, "addr", "add", f"{host.addr}/24", "dev", host.ifname)
         _ip("-n", host.name, "link", "set", host.ifname, "up")
         _ip("-n", host.name, "link", "set", "lo", "up")
+        if self.private is not None:
+            for sub in PRIVATE_SUBDIRS:
+                (host.local_dir / sub).mkdir(parents=True, exist_ok=True)
         return host
+
+    def private_env(self) -> dict[str, str]:
+        """TMPDIR and XDG_CACHE_HOME inside the private folder: each host's own ({} without one)."""
+        if self.private is None:
+            return {}
+        return {"TMPDIR": str(self.private / "tmp"), "XDG_CACHE_HOME": str(self.private / "cache")}
 
     def remove(self, host: Host) -> None:
         """Kill the host's processes and take it off the switch for good."""

@@ -8,6 +8,10 @@
     cluster.wait_for_nodes(2)                        # until the head sees 2 live nodes
 
 or the `ray_cluster` fixture (module-scoped: one cluster for a test module, 2 hosts x 2 CPUs).
+`start_ray_cluster(net, head=host, env={...})` puts the head on a host the test made first (one
+that already runs a server, say) and gives `env` to every node, so to every Ray worker (they
+inherit their raylet's environment), and to `client_env()`: an S3 endpoint and its credentials,
+TMPDIR inside a host's private folder (tests/hosts.py `Hosts(private=...)`).
 
 The head host runs `ray start --head --node-ip-address=198.18.0.1 --block`, every other host
 `ray start --address=198.18.0.1:6379 --node-ip-address=198.18.0.N --block`, each with
@@ -73,6 +77,7 @@ class RayCluster:
     net: Hosts
     token: str
     cpus_per_host: int = CPUS_PER_HOST
+    env: dict[str, str] = field(default_factory=dict)  # for every node and client (e.g. an S3 endpoint)
     nodes: list[RayNode] = field(default_factory=list)
 
     @property
@@ -93,6 +98,7 @@ class RayCluster:
         env = dict(os.environ if base is None else base)
         env.pop("RAY_ADDRESS", None)
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0")
+        env.update(self.env)
         return env
 
     def _node_env(self) -> dict[str, str]:
@@ -184,11 +190,19 @@ class RayCluster:
             shutil.rmtree(node.temp_dir, ignore_errors=True)
 
 
-def start_ray_cluster(net: Hosts, n_hosts: int = 2, cpus_per_host: int = CPUS_PER_HOST) -> RayCluster:
-    """A head on a fresh host and `n_hosts - 1` nodes on fresh hosts; returns once all are alive."""
-    cluster = RayCluster(net, token=secrets.token_hex(32), cpus_per_host=cpus_per_host)
+def start_ray_cluster(
+    net: Hosts,
+    n_hosts: int = 2,
+    cpus_per_host: int = CPUS_PER_HOST,
+    head: Host | None = None,
+    env: dict[str, str] | None = None,
+) -> RayCluster:
+    """A head on `head` (default: a fresh host) and `n_hosts - 1` nodes on fresh hosts; returns
+    once all are alive. `env` goes to every node (so to every Ray worker: they inherit their
+    raylet's environment) and to `client_env()`, also of nodes that join later."""
+    cluster = RayCluster(net, token=secrets.token_hex(32), cpus_per_host=cpus_per_host, env=dict(env or {}))
     try:
-        cluster._start(net.add(), head=True)
+        cluster._start(head or net.add(), head=True)
         cluster.wait_for_nodes(1)
         for _ in range(n_hosts - 1):
             cluster.add_node(wait=False)
