@@ -40,7 +40,9 @@ Checkpoint hand-back (the decision, and why):
 Restart history: rank 0 appends one line per (re)start to
 RUN_DIR/ray_attempts.jsonl: {"attempt", "start_step", "ray_checkpoint_step", "time"}, and
 from the second attempt on "previous_end": why the attempt before it ended (the hang
-watchdog's one line when it ended that attempt, else "a worker process died").
+watchdog's one line when it ended that attempt, else "a worker process died"). With run.storage
+a URI the file (and rank 0's progress record) also lives in the store, where the next
+attempt's rank 0 finds it on whatever host it runs (recovery.py).
 
 Hangs: every worker runs the loop's watchdog (loomtrain.launcher.observe.watchdog). When a
 worker stops making progress, the live workers dump their stacks into
@@ -241,6 +243,8 @@ class RayReportHook(Hooks):
     def on_train_start(self, ctx: TrainContext) -> None:
         # Runs after the checkpoint hook resumed: ctx.state.step is where we start.
         path = Path(self.cfg.run.dir) / ATTEMPTS_FILE
+        if ctx.dist.rank == 0 and self.recovery is not None:
+            self.recovery.restore(path)  # run.storage: the last attempt's rank 0 may have run elsewhere
         lines = path.read_text().splitlines() if ctx.dist.rank == 0 and path.exists() else []
         extra = {}
         if self.recovery is not None:  # every rank: the hosts are all-gathered
@@ -258,6 +262,8 @@ class RayReportHook(Hooks):
                 rec["previous_end"] = _previous_end(path)
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if self.recovery is not None:
+                self.recovery.publish(path)
         self.last_reported = ctx.state.step  # a resumed-from checkpoint is not re-reported
 
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
@@ -363,7 +369,7 @@ def train_worker(config: dict) -> None:
             f"{cfg.run.dir}: step {found_step}{note}",
             flush=True,
         )
-    recovery = Recovery(cfg.run.dir, ray.util.get_node_ip_address(), config["started_at"])
+    recovery = Recovery(cfg.run.dir, ray.util.get_node_ip_address(), config["started_at"], storage=cfg.run.storage)
     run_training(cfg, hooks=[RayReportHook(cfg, ray_step=ray_step, recovery=recovery)])
 
 
@@ -505,7 +511,8 @@ def _run(cfg: RunConfig, stop, console):
         if _startup_error(exc):
             now = ray.cluster_resources()  # a node lost mid-run took its share with it
             alive = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
-            restart = restart_note(Path(cfg.run.dir) / ATTEMPTS_FILE, started_at, alive)
+            attempts = join(cfg.run.storage, ATTEMPTS_FILE) if cfg.run.storage else Path(cfg.run.dir) / ATTEMPTS_FILE
+            restart = restart_note(attempts, started_at, alive)
             raise RayStartError(
                 f"Ray could not place {cfg.ray.num_workers} workers x {_resources(cfg)}{restart} "
                 f"within ray.start_timeout_s={cfg.ray.start_timeout_s} s; the cluster has "

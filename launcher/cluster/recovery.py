@@ -9,6 +9,14 @@ attempt's rank 0 works out what happened from two records in the run directory:
 * RUN_DIR/logs/ray_progress.json: rank 0's last completed step and its time, rewritten after
   every step (not fsynced: it is a liveness record, as the watchdog's heartbeats are).
 
+With `run.storage` a URI, RUN_DIR is private to each host and the new attempt's rank 0 may run
+on another host than the last one's (the lost one, or a replacement), so both records also
+live in the store, at the same relative paths ({run.storage}/ray_attempts.jsonl, .../logs/
+ray_progress.json): rank 0 takes the store's copies into its RUN_DIR before reading them
+(`restore`), puts the attempts file back whole after adding its line (`publish`), and hands
+each step's progress to a thread that puts the newest one (a step never waits on the store;
+on a failure the record may be a step behind). The driver reads the store's attempts file.
+
 When the previous attempt belongs to the same driver, it failed (a clean end ends the driver's
 run). Then: the hosts lost are those of the previous attempt's ranks that no rank of this
 attempt runs on (a replacement host has another address; a host that comes back with its old
@@ -26,12 +34,14 @@ go to `elastic/resize_s` and `elastic/steps_lost`.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from loomtrain.durable import atomic_write
 from loomtrain.launcher.hooks import TrainContext
+from loomtrain.storage import StorageError, is_uri, join, read_object, write_object
 
 PROGRESS_FILE = "ray_progress.json"
 
@@ -43,19 +53,76 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
+def _json_bytes(data: bytes | None) -> dict | None:
+    try:
+        return json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+
+
 def _ranks_by_host(hosts: list[str], lost: list[str]) -> str:
     return "; ".join(f"host {h} (ranks {', '.join(str(r) for r, x in enumerate(hosts) if x == h)})" for h in lost)
+
+
+class _NewestPut:
+    """Puts the newest bytes handed to it into one object, from a thread of its own: bytes
+    handed over while a put is in flight replace each other, and a failed put is dropped (the
+    next step's record follows)."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self._next: bytes | None = None
+        self._ready = threading.Condition()
+        threading.Thread(target=self._run, name="loomtrain-progress-put", daemon=True).start()
+
+    def put(self, data: bytes) -> None:
+        with self._ready:
+            self._next = data
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while self._next is None:
+                    self._ready.wait()
+                data, self._next = self._next, None
+            try:
+                write_object(self.uri, data)
+            except StorageError:
+                pass
 
 
 class Recovery:
     """Rank 0's account of a restart, called from RayReportHook (see the module docstring)."""
 
-    def __init__(self, run_dir: str, node_ip: str, run_started_at: float) -> None:
+    def __init__(self, run_dir: str, node_ip: str, run_started_at: float, storage: str = "") -> None:
         self.progress_path = Path(run_dir) / "logs" / PROGRESS_FILE
+        self.storage = storage  # run.storage: the records' shared copies live there when set
         self.node_ip = node_ip
         self.run_started_at = run_started_at
         self.attempt = 0
         self.pending: dict[str, Any] | None = None  # a failure whose recovery is not yet measured
+        self._progress_put: _NewestPut | None = None
+
+    def restore(self, attempts: Path) -> None:
+        """Rank 0, before reading the records: with run.storage, the store's attempts file
+        replaces RUN_DIR's (this host's may be missing or an older attempt's), and the newer
+        of the two progress records is kept."""
+        if not self.storage:
+            return
+        shared = read_object(join(self.storage, attempts.name))
+        if shared is not None:
+            atomic_write(attempts, shared.decode(), fsync=False)
+        progress = read_object(join(self.storage, "logs", PROGRESS_FILE))
+        theirs = _json_bytes(progress)
+        mine = _read_json(self.progress_path)
+        if theirs is not None and (mine is None or theirs.get("time", 0) > mine.get("time", 0)):
+            atomic_write(self.progress_path, json.dumps(theirs), fsync=False)
+
+    def publish(self, attempts: Path) -> None:
+        """Rank 0, after adding this attempt's line: the store's copy, whole (no append there)."""
+        if self.storage:
+            write_object(join(self.storage, attempts.name), attempts.read_bytes())
 
     def attempt_fields(self, ctx: TrainContext, attempt: int, previous: dict | None) -> dict[str, Any]:
         """Every rank (one all-gather): the fields this attempt adds to its ray_attempts.jsonl line
@@ -103,7 +170,12 @@ class Recovery:
             return
         now = time.time()
         step = ctx.state.step
-        atomic_write(self.progress_path, json.dumps({"attempt": self.attempt, "step": step, "time": now}), fsync=False)
+        record = json.dumps({"attempt": self.attempt, "step": step, "time": now})
+        atomic_write(self.progress_path, record, fsync=False)
+        if self.storage:
+            if self._progress_put is None:
+                self._progress_put = _NewestPut(join(self.storage, "logs", PROGRESS_FILE))
+            self._progress_put.put(record.encode())
         if self.pending is None:
             return
         recovery_s, steps_lost, prefix = now - self.pending["since"], self.pending["steps_lost"], self.pending["prefix"]
@@ -117,12 +189,14 @@ class Recovery:
         )
 
 
-def restart_note(attempts: Path, run_started_at: float, alive: list[str]) -> str:
+def restart_note(attempts: Path | str, run_started_at: float, alive: list[str]) -> str:
     """For the driver's error when a restart could not be placed: ' again after step S (host H
-    lost, not replaced)', or '' when this driver's run never started an attempt."""
+    lost, not replaced)', or '' when this driver's run never started an attempt. `attempts`:
+    RUN_DIR's file, or with run.storage its copy there (a URI)."""
     try:
-        mine = [json.loads(line) for line in attempts.read_text().splitlines()]
-    except (OSError, ValueError):
+        text = (read_object(attempts) or b"").decode() if is_uri(attempts) else Path(attempts).read_text()
+        mine = [json.loads(line) for line in text.splitlines()]
+    except (OSError, ValueError):  # StorageError included: the note is an aside to the error
         return ""
     mine = [rec for rec in mine if rec.get("run_started_at") == run_started_at]
     if not mine:
