@@ -60,7 +60,7 @@ from loomtrain.durable import (
     write_json_durable,
 )
 from loomtrain.launcher.checkpoints.objects import Objects
-from loomtrain.storage import is_uri
+from loomtrain.storage import first_line, is_uri
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -713,8 +713,7 @@ class ObjectCheckpointStore(CheckpointStore):
 
 def store_error(storage: str, exc: BaseException) -> str:
     """One line for an object store's own error (no credentials, endpoint down, access denied)."""
-    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-    return f"run.storage={storage}: {type(exc).__name__}: {text or 'no detail'}"
+    return f"run.storage={storage}: {first_line(exc)}"
 
 
 def verify_object(uri: str, checksums: bool = True) -> Verdict:
