@@ -13,7 +13,11 @@ For world 1, 2 and 4, split by tensor parallelism and by data parallelism (ZeRO 
 and the table shows the largest rank's figure and its ratio to world 1 (ideal: 1/world for
 bytes; the sync save shrinks with the bytes, the async one stays near the snapshot copy).
 
-    python benchmarks/checkpoint_scale.py [--tiny] [--layouts 1x1,2x1,1x2,4x1,1x4]
+    python benchmarks/checkpoint_scale.py [--tiny] [--layouts 1x1,2x1,1x2,4x1,1x4] [--storage s3]
+
+--storage s3: the checkpoints go to run.storage on a local S3 server (moto's, in a process of
+its own: benchmarks/object_storage.py's moto_server); "written" is then the size of the objects
+this rank uploaded and "read at resume" the tensor bytes its ranged GETs fetched.
 """
 
 from __future__ import annotations
@@ -50,12 +54,31 @@ SMALL = [
 ]
 
 
+def checkpoint_store(args):
+    """The run's checkpoint store: its run directory, or (--storage s3) a prefix of its own in the bucket."""
+    from loomtrain.launcher.checkpoints.store import CheckpointStore, ObjectCheckpointStore
+
+    if args.storage:
+        return ObjectCheckpointStore(f"{args.storage}/{Path(args.run_dir).name}", keep_last=10, log=lambda m: None)
+    return CheckpointStore(args.run_dir, keep_last=10, log=lambda m: None)
+
+
+def bytes_written(path, rank: int) -> int:
+    """The sizes of this rank's tensor files in one checkpoint (files on disk, or objects)."""
+    names = [f"{d}/rank_{rank:05d}.safetensors" for d in ("model", "optim", "rng")]
+    if isinstance(path, str):
+        from loomtrain.launcher.checkpoints.objects import Objects
+
+        sizes = Objects(path).sizes()
+        return sum(sizes.get(n, 0) for n in names)
+    return sum((path / n).stat().st_size for n in names if (path / n).exists())
+
+
 def worker(args) -> None:
     import torch.distributed as dist
     from loomtrain.launcher.checkpoints.background import BackgroundSave
     from loomtrain.launcher.checkpoints.parts import Training
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
-    from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.config_loader import load_config
     from loomtrain.launcher.distributed import barrier
 
@@ -83,17 +106,13 @@ def worker(args) -> None:
     training = Training(ctx.engine, ctx.topology, zero_stage=1)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rank = ctx.dist.rank
-    store = CheckpointStore(args.run_dir, keep_last=10, log=lambda m: None)
+    store = checkpoint_store(args)
 
     barrier()
     t0 = time.perf_counter()
     path = save_checkpoint(store, 1, training)
     sync_s = time.perf_counter() - t0
-    written = sum(
-        (path / d / f"rank_{rank:05d}.safetensors").stat().st_size
-        for d in ("model", "optim", "rng")
-        if (path / d / f"rank_{rank:05d}.safetensors").exists()
-    )
+    written = bytes_written(path, rank)
 
     barrier()
     t0 = time.perf_counter()
@@ -105,7 +124,20 @@ def worker(args) -> None:
     bg.wait()
     barrier()
 
-    trainer = load_checkpoint(path, training)
+    if args.storage:  # what travelled: the bytes of the ranged GETs (tiles, and the gaps merged between them)
+        from object_storage import recorded_ranges
+
+        with recorded_ranges() as calls:
+            trainer = load_checkpoint(path, training)
+        trainer["bytes_read"] = sum(end - start for _, start, end in calls)
+    else:
+        trainer = load_checkpoint(path, training)
+    if args.storage:
+        barrier()
+        if rank == 0:
+            from loomtrain.launcher.checkpoints.objects import Objects
+
+            Objects(store.storage).delete_tree("")
     out = {
         "rank": rank,
         "rss": rss,
@@ -127,23 +159,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a small model, worlds 1 and 2 (smoke test)")
     ap.add_argument("--layouts", default="", help="TPxDP list, e.g. 1x1,2x1,1x2,4x1,1x4")
+    ap.add_argument("--storage", default="", help="s3: checkpoints on a local S3 server (run.storage)")
     common.add_worker_args(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.storage == "s3":
+        from object_storage import moto_server
+
+        with moto_server() as (bucket, env):
+            report(args, {**env, "OMP_NUM_THREADS": "1"}, ["--storage", bucket])
+    elif args.storage:
+        ap.error(f"--storage {args.storage}: expected s3 (or nothing: the run directory)")
+    else:
+        report(args, {"OMP_NUM_THREADS": "1"}, [])
+
+
+def report(args, env: dict[str, str], extra: list[str]) -> None:
     layouts = args.layouts or ("1x1,2x1,1x2" if args.tiny else "1x1,2x1,1x2,4x1,1x4")
     pairs = [tuple(int(v) for v in item.split("x")) for item in layouts.split(",")]
     if pairs[0] != (1, 1):
         pairs.insert(0, (1, 1))
     with tempfile.TemporaryDirectory(prefix="ckpt_scale_") as d:
         results = {
-            p: common.run_layout(HERE, *p, Path(d), ["--tiny"] if args.tiny else [], {"OMP_NUM_THREADS": "1"}, 1800)
+            p: common.run_layout(HERE, *p, Path(d), [*(["--tiny"] if args.tiny else []), *extra], env, 1800)
             for p in pairs
         }
     base = {k: max(r[k] for r in results[(1, 1)]) for k in ("rss", "written", "read", "sync_s", "async_s")}
     print(
-        f"checkpoint_scale: {'tiny' if args.tiny else '~112 M'} model, fp32, ZeRO 1, CPU/gloo; "
+        f"checkpoint_scale: {'tiny' if args.tiny else '~112 M'} model, fp32, ZeRO 1, CPU/gloo, "
+        f"{'run.storage on a local S3 server' if extra else 'run directory on disk'}; "
         f"largest rank's figure (ratio to world 1)"
     )
     print(

@@ -64,3 +64,33 @@ def test_gpu_sh_without_a_gpu_says_so_and_exits_2():
     proc = _run("bash", "benchmarks/gpu.sh", timeout=60)
     assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
     assert "no CUDA device" in proc.stderr
+
+
+# benchmarks/object_storage.py's full runs take minutes (a moto server, training launches); in CI
+# its own measuring pieces, in-process against the tests' server: the replayed "ranged"
+# contender is only honest if the recorder sees every ranged GET s3fs makes. ~11 s on the loaded
+# 2-core machine (torch's import, a 16 MiB upload to moto): slow.
+@pytest.mark.slow
+def test_object_storage_records_the_ranged_gets_and_uploads_whole_files(s3_bucket, tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import object_storage
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from loomtrain.launcher.checkpoints.objects import Objects
+
+    objects = Objects(f"{s3_bucket}/bench")
+    data = os.urandom(object_storage.WRITE_BYTES + 12345)  # a multipart upload of two parts
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "rank_00000.safetensors").write_bytes(data)
+    object_storage.upload_alone(objects, [(tmp_path / "model" / "rank_00000.safetensors", "model/f")])
+    key = f"{objects.path}/model/f"
+    assert objects.fs.cat_file(key) == data
+    with object_storage.recorded_ranges() as calls:
+        got = objects.fs.cat_ranges([key] * 2, [0, 100], [10, 1 << 20])
+        objects.fs.cat_file(key, start=5, end=9)
+        objects.fs.cat_file(key)  # a whole GET: not a ranged one
+    assert got == [data[:10], data[100 : 1 << 20]]
+    assert sorted((s, e) for _, s, e in calls) == [(0, 10), (5, 9), (100, 1 << 20)]
+    assert {p for p, _, _ in calls} == {key}
+    object_storage.replay(objects.fs, calls)  # the same GETs again, without error
