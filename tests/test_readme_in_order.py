@@ -11,7 +11,9 @@ cannot collide (a later run finding an earlier one's checkpoint) and cannot rot.
 
 Commands that need what a CPU test cannot have (a Ray or Kubernetes cluster, several hosts,
 a GPU) are skipped by the rules in CLUSTER and GPU_ONLY; a command that matches no rule and
-is not `loomtrain ...` fails the test, so a new block is either run here or skipped on purpose.
+is neither `loomtrain ...` nor a module of the package run as a program (`python -m
+loomtrain.data_pipeline.instructions ...`) fails the test, so a new block is either run here or
+skipped on purpose.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def mixture_config() -> tuple[str, str]:
 
 
 def what_to_do(command: str) -> tuple[str, list[str] | None]:
-    """('run', argv after `loomtrain`) or ('skip', None) or ('setup', None)."""
+    """('run', argv after `loomtrain`), ('module', argv after `python -m`), ('skip', None) or ('setup', None)."""
     if SETUP.match(command) or command.startswith(". .venv/"):
         return "setup", None
     if CLUSTER.search(command):
@@ -82,6 +84,8 @@ def what_to_do(command: str) -> tuple[str, list[str] | None]:
             return "skip", None
     if words[:2] == ["python", "-m"] and words[2] == "pytest":
         return "setup", None  # the test suite itself
+    if words[:2] == ["python", "-m"] and words[2].startswith("loomtrain."):
+        return "module", words[2:]  # a module of the package run as a program (data_pipeline/instructions.py)
     assert words[0] == "loomtrain", f"README.md: {command!r} is neither run nor skipped by {__file__}"
     return "run", [*words[1:], *SHRINK.get(words[1], [])]
 
@@ -118,12 +122,11 @@ def test_every_readme_command_runs_in_order_in_a_fresh_copy(tmp_path, bpe):
     ran, skipped = [], []
     for command in readme_commands():
         action, argv = what_to_do(command)
-        if action != "run":
+        if action not in ("run", "module"):
             skipped += [command] if action == "skip" else []
             continue
-        proc = subprocess.run(
-            [sys.executable, "-m", "loomtrain", *argv], cwd=clone, env=env, capture_output=True, text=True, timeout=600
-        )
+        head = [sys.executable, "-m"] if action == "module" else [sys.executable, "-m", "loomtrain"]
+        proc = subprocess.run([*head, *argv], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
         output = proc.stdout[-3000:] + proc.stderr[-3000:]
         assert proc.returncode == 0, f"README command {command!r} (as {argv}):\n{output}"
         ran.append(argv[0])
@@ -141,6 +144,12 @@ def test_every_readme_command_runs_in_order_in_a_fresh_copy(tmp_path, bpe):
         "generate",
         "train",
         "export",
+        "loomtrain.data_pipeline.instructions",
+        "preprocess",
+        "train",
+        "generate",
+        "export",
     ], ran
     assert (clone / "runs" / "tiny" / "final").is_dir() and (clone / "runs" / "mix" / "final").is_dir()
     assert (clone / "hf" / "tiny-llama-ft" / "config.json").is_file()
+    assert (clone / "hf" / "sft-tiny" / "config.json").is_file()  # the fine-tuned tiny model, exported
