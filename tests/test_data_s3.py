@@ -1,4 +1,4 @@
-"""Token shards in object storage (issue 24, item 4), against the local S3 server (s3_server.py):
+"""Token shards in object storage, against the local S3 server (s3_server.py):
 `preprocess --output s3://...` writes the shard set there (never a local ./s3: folder), training
 streams it window by window and yields exactly what the same shards on disk yield, across a
 resume at another DP size, within data.cache_bytes; a shard deleted or rewritten mid-run is

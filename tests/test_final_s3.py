@@ -1,4 +1,4 @@
-"""Final weights on object storage (issue 24, item 3), against the local S3 server
+"""Final weights on object storage, against the local S3 server
 (tests/s3_server.py, a bucket per test): `import --output s3://...`, `generate s3://...`,
 `export s3://... --output s3://...` (byte for byte the export from disk), the refusals of a
 non-empty --output applied to a URI, `model.init_from=s3://...` and a run whose final/ goes

@@ -1,4 +1,4 @@
-"""TensorBoard follows a run whose outputs live in object storage (issue 24 item 5).
+"""TensorBoard follows a run whose outputs live in object storage.
 
 With run.storage a URI, the logging rank mirrors its event files and metrics.jsonl to
 {run.storage}/tb/ (launcher/observe/mirror.py) and TensorBoard reads them there with its own
