@@ -8,8 +8,10 @@ interface that routes to rank 0. Each host has local folders of its own (tests/h
 XDG_CACHE_HOME lie in it), and an S3 server runs on the head's host (moto, at 198.18.0.1:9000),
 whose endpoint and test credentials every Ray node (so every worker) and the driver have.
 
-* node loss with a replacement (one run for two tests), with only S3 shared: run.dir and the
-  data cache are LOCAL/..., so each host's own, and run.storage is a fresh bucket. Every
+* node loss with a replacement (one run for three tests), with only S3 shared: run.dir is
+  LOCAL/run, so each host's own, run.storage is a fresh bucket, and the token shards are
+  there too (`preprocess --output s3://...` from the head's host; the reference reads the same
+  preprocess's output from disk). Every
   process of the host beside the head's is killed after step 5, a fresh host joins; the run
   resumes by itself from the last checkpoint, which it reads from S3 (no host has one), and its
   losses equal those of the same job in one process; the checkpoints and final/ are in the
@@ -138,11 +140,31 @@ def ray_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_cache) -> dict[int, float]:
-    """The same job in one process (DP 1, 4 micro batches per step): the losses every run must have."""
+def corpus(tmp_path_factory) -> Path:
+    """The embedded corpus's first files (as data.max_files=20 takes them) as preprocess input,
+    in a folder every host sees."""
+    from loomtrain.data_pipeline.corpus import stdlib_files
+
+    folder = tmp_path_factory.mktemp("corpus")
+    for i, path in enumerate(stdlib_files(20)):
+        (folder / f"{i:02d}.py").write_bytes(path.read_bytes())
+    return folder
+
+
+def preprocess_args(corpus: Path, output: str | Path) -> list:
+    tokenize = ["--tokenizer", "byte", "--workers", "1"]  # no process pool: 2 cores, 3 hosts
+    return ["preprocess", "--no-progress", *tokenize, "--input", corpus / "*", "--output", output]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus) -> dict[int, float]:
+    """The same job in one process (DP 1, 4 micro batches per step) on the same shards, on disk:
+    the losses every run must have."""
+    shards = tmp_path_factory.mktemp("shards") / "ds"
+    launch.run_loomtrain(*preprocess_args(corpus, shards))
     run_dir = tmp_path_factory.mktemp("one_process") / "run"
     one_process = [arg for arg in TRAIN if not arg.startswith("ray.")]
-    launch.run_loomtrain("train", launch.TINY, *one_process, f"run.dir={run_dir}", f"data.cache_dir={data_cache}")
+    launch.run_loomtrain("train", launch.TINY, *one_process, f"run.dir={run_dir}", f"data.path={shards}")
     return losses(run_dir)
 
 
@@ -162,17 +184,22 @@ class NodeLoss:
 
 
 @pytest.fixture(scope="module")
-def node_loss(ray_cluster, tmp_path_factory) -> NodeLoss:
-    """One run of 12 steps on 2 hosts x 2 workers with run.storage in S3 and run.dir and the
-    data cache in each host's own folder: after step 5 every process of the second host is
+def node_loss(ray_cluster, tmp_path_factory, corpus) -> NodeLoss:
+    """One run of 12 steps on 2 hosts x 2 workers with run.storage and the token shards in S3
+    and run.dir in each host's own folder: after step 5 every process of the second host is
     killed and a fresh host joins."""
     local, head = ray_cluster.net.private, ray_cluster.head
     endpoint = ray_cluster.env["AWS_ENDPOINT_URL"]
     bucket = make_bucket_on(head, endpoint)
-    storage = f"{bucket}/run"
+    storage, data = f"{bucket}/run", f"{bucket}/ds"
+    made = head.run(
+        launch.loomtrain_cmd(*preprocess_args(corpus, data)), env=ray_cluster.client_env(launch.child_env())
+    )
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
     hosts = ray_cluster.live_hosts(2)
     started = time.monotonic()
-    proc = start_run(ray_cluster, local / "run", local / "data_cache", "log.tensorboard=true", f"run.storage={storage}")
+    extra = ("log.tensorboard=true", f"run.storage={storage}", f"data.path={data}")
+    proc = start_run(ray_cluster, local / "run", local / "data_cache", *extra)
     lines: list[str] = []
     try:
         assert read_until(proc, lines, lambda line: line.startswith("step 5/"), timeout_s=300)
@@ -320,8 +347,9 @@ def test_only_s3_is_shared_each_host_keeps_its_own_ranks_files_and_no_checkpoint
     ]
     assert not on_disk, on_disk
     prefix = node_loss.storage.split("/", 3)[3] + "/"
-    assert all(k.startswith(prefix) for k in node_loss.keys), node_loss.keys
-    keys = [k.removeprefix(prefix) for k in node_loss.keys]
+    assert all(k.startswith((prefix, "ds/")) for k in node_loss.keys), node_loss.keys  # the run's and its shards
+    assert "ds/index.json" in node_loss.keys
+    keys = [k.removeprefix(prefix) for k in node_loss.keys if k.startswith(prefix)]
     complete = sorted(int(k.split("/")[1][5:]) for k in keys if re.fullmatch(r"checkpoints/step_\d+/manifest\.json", k))
     assert complete == [STEPS - 2 * EVERY, STEPS - EVERY, STEPS], keys  # checkpoint.keep_last=3
     assert any(k.startswith("final/") for k in keys), keys
