@@ -11,10 +11,10 @@ whatever else fsspec knows: `gs://`, `az://`, `file://`).
 
 Objects, one primitive each (a failure is one line naming the object: StorageError / failed):
     listing(fs, path)           a prefix listed afresh (sizes, ETags); list_objects(uri) by URI
-    read_object / write_object  a whole object or a byte range of it; one whole small object
-    delete_objects              named objects, or everything under a prefix
-    upload_files                local files up, several in flight; download_verified: down,
-                                checked against a manifest, kept in a local cache folder
+    read_object(uri, start, end)  an object's bytes, or a byte range of them (a ranged GET)
+    write_object(uri, data)     one small object, whole; delete_objects: named ones, or a prefix
+    upload_file / upload_files  local files up, several in flight on transfer_pool() (in_flight);
+                                download_verified: down, checked against a manifest, cached
     Objects(uri)                a prefix (the checkpoint store's view: errors pass through)
     Upload                      a streaming multipart upload, parts in flight on transfer_pool()
 
@@ -101,7 +101,8 @@ _pool_lock = threading.Lock()
 
 def transfer_pool() -> ThreadPoolExecutor:
     """The process' one bounded pool of transfers (made anew in a forked child). Its tasks move
-    bytes and never wait for one another, so sharing it cannot deadlock."""
+    bytes and must never wait for one another (no in_flight or Upload inside a task): then
+    sharing it cannot deadlock."""
     global _pool
     with _pool_lock:
         if _pool is None or _pool[0] != os.getpid():
