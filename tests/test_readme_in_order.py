@@ -13,7 +13,10 @@ Commands that need what a CPU test cannot have (a Ray or Kubernetes cluster, sev
 a GPU) are skipped by the rules in CLUSTER and GPU_ONLY; a command that matches no rule and
 is neither `loomtrain ...` nor a module of the package run as a program (`python -m
 loomtrain.data_pipeline.instructions ...`) fails the test, so a new block is either run here or
-skipped on purpose.
+skipped on purpose. The object-storage section's set-up runs too: its local S3 server
+(`python -m moto.server ... -p PORT &`, started here on a free port that stands for PORT in
+what follows), its `export`s (the environment of the commands after them) and its one
+`python -c` (the bucket).
 """
 
 from __future__ import annotations
@@ -71,9 +74,16 @@ def mixture_config() -> tuple[str, str]:
 
 
 def what_to_do(command: str) -> tuple[str, list[str] | None]:
-    """('run', argv after `loomtrain`), ('module', argv after `python -m`), ('skip', None) or ('setup', None)."""
+    """('run', argv after `loomtrain`), ('module', argv after `python -m`), ('s3-server', its
+    argv), ('export', its NAME=VALUE words), ('python', its argv), ('skip', None) or ('setup', None)."""
     if SETUP.match(command) or command.startswith(". .venv/"):
         return "setup", None
+    if command.startswith("python -m moto.server ") and command.endswith("&"):
+        return "s3-server", shlex.split(command.rstrip("&"))[1:]
+    if command.startswith("export AWS_"):
+        return "export", shlex.split(command)[1:]
+    if command.startswith("python -c "):
+        return "python", shlex.split(command)[1:]
     if CLUSTER.search(command):
         return "skip", None
     words = shlex.split(command, comments=True)
@@ -119,17 +129,30 @@ def test_every_readme_command_runs_in_order_in_a_fresh_copy(tmp_path, bpe):
     (clone / name).write_text(text)
     env = child_env(PYTHONPATH=str(tmp_path))  # the copy's package first
 
-    ran, skipped = [], []
-    for command in readme_commands():
-        action, argv = what_to_do(command)
-        if action not in ("run", "module"):
-            skipped += [command] if action == "skip" else []
-            continue
-        head = [sys.executable, "-m"] if action == "module" else [sys.executable, "-m", "loomtrain"]
-        proc = subprocess.run([*head, *argv], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
-        output = proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert proc.returncode == 0, f"README command {command!r} (as {argv}):\n{output}"
-        ran.append(argv[0])
+    ran, skipped, servers, ports = [], [], [], {}
+    try:
+        for command in readme_commands():
+            action, argv = what_to_do(command)
+            if action == "s3-server":
+                servers.append(_local_s3_server(argv, ports))
+                continue
+            if action == "export":
+                env.update(_with_ports(word, ports).split("=", 1) for word in argv)
+                continue
+            if action not in ("run", "module", "python"):
+                skipped += [command] if action == "skip" else []
+                continue
+            head = {"module": [sys.executable, "-m"], "python": [sys.executable]}.get(
+                action, [sys.executable, "-m", "loomtrain"]
+            )
+            proc = subprocess.run([*head, *argv], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+            output = proc.stdout[-3000:] + proc.stderr[-3000:]
+            assert proc.returncode == 0, f"README command {command!r} (as {argv}):\n{output}"
+            ran.append(argv[0] if action != "python" else "python")
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
     print(f"\nran {len(ran)} README commands ({', '.join(ran)}); skipped {len(skipped)} that need a cluster or GPU")
     # The commands a user on one machine types are all here, in the README's order.
     assert ran == [
@@ -149,7 +172,41 @@ def test_every_readme_command_runs_in_order_in_a_fresh_copy(tmp_path, bpe):
         "train",
         "generate",
         "export",
+        "python",  # the object-storage section: a bucket on the local server, then its run
+        "preprocess",
+        "train",
+        "generate",
+        "export",
     ], ran
     assert (clone / "runs" / "tiny" / "final").is_dir() and (clone / "runs" / "mix" / "final").is_dir()
     assert (clone / "hf" / "tiny-llama-ft" / "config.json").is_file()
     assert (clone / "hf" / "sft-tiny" / "config.json").is_file()  # the fine-tuned tiny model, exported
+    assert not (clone / "s3:").exists() and not (clone / "runs" / "tiny-s3" / "checkpoints").exists()
+
+
+def _local_s3_server(argv: list[str], ports: dict[str, str]) -> subprocess.Popen:
+    """The README's `python -m moto.server -H HOST -p PORT &`, on a free port standing for PORT."""
+    from s3_server import free_port
+
+    readme_port = argv[argv.index("-p") + 1]
+    ports[readme_port] = str(free_port())
+    cmd = [sys.executable, *argv[:-1], ports[readme_port]]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    host = argv[argv.index("-H") + 1]
+    import socket
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # ready when it accepts a connection
+        with socket.socket() as s:
+            if s.connect_ex((host, int(ports[readme_port]))) == 0:
+                return server
+        time.sleep(0.2)
+    server.kill()
+    raise AssertionError(f"the README's local S3 server ({cmd}) did not start within 60 s")
+
+
+def _with_ports(word: str, ports: dict[str, str]) -> str:
+    for readme_port, port in ports.items():
+        word = word.replace(f":{readme_port}", f":{port}")
+    return word
