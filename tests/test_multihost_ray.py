@@ -11,19 +11,19 @@ whose endpoint and test credentials every Ray node (so every worker) and the dri
 * node loss with a replacement (one run for three tests), with only S3 shared: run.dir is
   LOCAL/run, so each host's own, run.storage is a fresh bucket, and the token shards are
   there too (`preprocess --output s3://...` from the head's host; the reference reads the same
-  preprocess's output from disk). Every
-  process of the host beside the head's is killed after step 5, a fresh host joins; the run
-  resumes by itself from the last checkpoint, which it reads from S3 (no host has one), and its
-  losses equal those of the same job in one process; the checkpoints and final/ are in the
-  bucket and nowhere on disk, each host's folder holds the logs of its own ranks only; its
-  console has loomtrain's lines (the restart and recovery lines among them) and none of Ray's,
-  and the fault figures are written once (read from the run's TensorBoard mirror in S3);
+  preprocess's output from disk). Every process of the host beside the head's is killed after
+  step 5, a fresh host joins; the run resumes by itself from the last checkpoint, which it reads
+  from S3 (no host has one), and its losses equal those of the same job in one process; the
+  checkpoints and final/ are in the bucket and nowhere on disk, each host's folder holds the
+  files of its own ranks only; its console has loomtrain's lines (the restart and recovery
+  lines among them) and none of Ray's, and the fault figures are written once (read from the
+  run's TensorBoard mirror in S3);
 * node loss without one: the restart waits ray.start_timeout_s and the run exits 1 with one
   line;
 * `preprocess --ray` from the head's host: Ray tasks on both hosts, the same bytes as locally;
 
-and, without a cluster, the workers' line prefix and the driver's note on a restart that could
-not be placed.
+and, without a cluster, the workers' line prefix, the driver's note on a restart that could
+not be placed, and the restart records reaching another host's rank 0 through run.storage.
 
 Rank 0 spends 0.3 s more in every step (a test fault that changes no number), so that the
 kill lands within a step or two of step 5 and not after the run has ended.
@@ -192,9 +192,8 @@ def node_loss(ray_cluster, tmp_path_factory, corpus) -> NodeLoss:
     endpoint = ray_cluster.env["AWS_ENDPOINT_URL"]
     bucket = make_bucket_on(head, endpoint)
     storage, data = f"{bucket}/run", f"{bucket}/ds"
-    made = head.run(
-        launch.loomtrain_cmd(*preprocess_args(corpus, data)), env=ray_cluster.client_env(launch.child_env())
-    )
+    env = ray_cluster.client_env(launch.child_env())
+    made = head.run(launch.loomtrain_cmd(*preprocess_args(corpus, data)), env=env, timeout=300)
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
     hosts = ray_cluster.live_hosts(2)
     started = time.monotonic()
