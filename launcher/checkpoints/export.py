@@ -56,13 +56,11 @@ import yaml
 from loomtrain.data_pipeline import load_tokenizer
 from loomtrain.durable import replace_dir, write_durable
 from loomtrain.launcher.checkpoints.final import (
-    MODEL_CONFIG,
     TOKENIZER_DIR,
     WEIGHTS,
     WEIGHTS_INDEX,
     FinalWeightsError,
     fetch_final,
-    final_weight_files,
     naming_objects,
     objects_named,
     staging_folder,
@@ -70,7 +68,7 @@ from loomtrain.launcher.checkpoints.final import (
     weights_cache,
 )
 from loomtrain.launcher.checkpoints.hf_source import gpt2_refs, llama_refs
-from loomtrain.launcher.checkpoints.safetensors_source import TensorRef, model_tensor_names
+from loomtrain.launcher.checkpoints.safetensors_source import TensorRef, WeightSourceError, model_tensor_names
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
 from loomtrain.launcher.checkpoints.state import ConsolidatedReader
 from loomtrain.launcher.checkpoints.store import (
@@ -81,6 +79,7 @@ from loomtrain.launcher.checkpoints.store import (
     verify,
     verify_at,
 )
+from loomtrain.launcher.checkpoints.weight_source import open_source as open_weights
 from loomtrain.model import ModelConfig
 from loomtrain.storage import (
     StorageError,
@@ -92,7 +91,6 @@ from loomtrain.storage import (
     read_object,
     upload_files,
 )
-from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 FORMATS = ("hf",)
@@ -184,21 +182,11 @@ def open_source(src: str | Path) -> Source:
     if (final / WEIGHTS).is_file() or (final / WEIGHTS_INDEX).is_file():
         try:
             verify_final(final)
-            files = final_weight_files(final)
-        except FinalWeightsError as exc:
+            weights = open_weights(final)  # the reader model.init_from uses
+        except (FinalWeightsError, WeightSourceError) as exc:
             raise ExportError(str(exc)) from None
-        shapes = {}
-        for name, f in files.items():
-            with safe_open(str(f), framework="pt") as h:
-                shapes[name] = h.get_slice(name).get_shape()
-
-        def get(name: str) -> torch.Tensor:
-            with safe_open(str(files[name]), framework="pt") as h:
-                return h.get_tensor(name)
-
-        cfg = ModelConfig(**json.loads((final / MODEL_CONFIG).read_text()))
-        tok = final / TOKENIZER_DIR
-        return Source(shapes, get, cfg, tok if tok.is_dir() else None, f"final weights {final}")
+        shapes = {name: list(weights.shape(name)) for name in weights.refs}
+        return Source(shapes, weights.read, weights.model_cfg, weights.tokenizer_dir, f"final weights {final}")
     raise ExportError(f"{src}: no complete checkpoint in {src}/checkpoints and no {src}/final/{WEIGHTS}")
 
 
