@@ -26,6 +26,8 @@ LONG_MODULES_FIRST = (
     "test_startup",
     "test_zero",
     "test_benchmark_scripts",
+    "test_readme_in_order",
+    "test_checkpoint_s3",
 )
 
 
