@@ -241,12 +241,12 @@ def worker(args) -> None:
         out["resume"].append(seconds)
         barrier()
         out["ranged"].append(timed(replay, fs, calls)[0])
-        gets = len(calls)
+        gets, fetched = len(calls), sum(end - start for _, start, end in calls)
         keys = [f"{step_objects.path}/{rel}" for rel in trainer["files_read"]]
         read = sum(step_objects.sizes()[rel] for rel in trainer["files_read"])
         barrier()
         out["get"].append(timed(fs.cat, keys)[0])
-    out.update(written=written, read=read, bytes_read=trainer["bytes_read"], gets=gets)
+    out.update(written=written, read=read, bytes_read=trainer["bytes_read"], gets=gets, fetched=fetched)
     rows = [None] * world
     if world > 1:
         dist.all_gather_object(rows, out)
@@ -272,6 +272,7 @@ def summary(rows: list[dict]) -> dict:
         "own_x": ratio("ranged", "resume"),
         "server_x": ratio("get", "ranged"),
         "gets": max(r["gets"] for r in rows),
+        "fetched": max(r["fetched"] for r in rows),
         "written": max(r["written"] for r in rows),
         "read": max(r["read"] for r in rows),
     }
@@ -286,15 +287,18 @@ def throughput(args, storage: str, env: dict, tmp: Path) -> None:
         f"local moto server; worst rank's median of {args.rounds} rounds (load {common.loadavg()})"
     )
     head = ["layout", "MB/rank", "save s", "upload s", "bulk put s", "put/save", "put/upload"]
-    head += ["MB read", "GETs", "resume s", "ranged s", "bulk get s", "get/resume", "ranged/res", "get/ranged"]
+    head += ["MB opened", "MB fetched", "GETs", "resume s", "ranged s", "bulk get s"]
+    head += ["get/resume", "ranged/res", "get/ranged"]
     print(" ".join(f"{h:>11}" for h in head))
     for (tp, dp), s in results.items():
         cells = [f"tp{tp} dp{dp}", f"{s['written'] / 1e6:.0f}", f"{s['save']:.2f}", f"{s['upload']:.2f}"]
         cells += [f"{s['put']:.2f}", f"{s['save_x']:.2f}x", f"{s['upload_x']:.2f}x", f"{s['read'] / 1e6:.0f}"]
-        cells += [f"{s['gets']}", f"{s['resume']:.2f}", f"{s['ranged']:.2f}", f"{s['get']:.2f}"]
+        cells += [f"{s['fetched'] / 1e6:.0f}", f"{s['gets']}", f"{s['resume']:.2f}", f"{s['ranged']:.2f}"]
+        cells += [f"{s['get']:.2f}"]
         cells += [f"{s['resume_x']:.2f}x", f"{s['own_x']:.2f}x", f"{s['server_x']:.2f}x"]
         print(" ".join(f"{c:>11}" for c in cells))
     print("put/save, put/upload, get/resume: bulk time over loomtrain's (>= 1: loomtrain as fast; target >= 0.8x)")
+    print("MB opened: the sizes of the files the resume opened (the bulk get's bytes); MB fetched: its ranged GETs'")
     print("ranged/res: the resume's ranged GETs replayed bare over the resume (loomtrain's own share);")
     print("get/ranged: bulk whole-object GETs over those ranged GETs (the server's cost per request)")
 
