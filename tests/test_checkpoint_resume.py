@@ -236,7 +236,7 @@ def test_tp2_run_final_weights_and_hf_export_are_consolidated(tmp_path, straight
     import torch
 
     transformers = pytest.importorskip("transformers")
-    from loomtrain.launcher.checkpoints.final import load_final
+    from loomtrain.launcher.checkpoints.weight_source import load_final
     from loomtrain.launcher.cli import export as export_cli
 
     model, _ = load_final(straight4)

@@ -135,7 +135,7 @@ def test_pickled_weights_are_refused_without_being_read(tmp_path, capsys, bpe):
 
 
 def loomtrain_logits(run, tokens):
-    from loomtrain.launcher.checkpoints.final import load_final
+    from loomtrain.launcher.checkpoints.weight_source import load_final
 
     model, _ = load_final(run)
     with torch.no_grad():

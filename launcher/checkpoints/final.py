@@ -27,8 +27,10 @@ naming it. Messages about the cached copy name the object instead (`naming_objec
 
 Public for other writers/readers of final/: WEIGHTS, WEIGHTS_INDEX, MODEL_CONFIG,
 TOKENIZER_DIR, FINAL_MANIFEST, final_location, write_final, save_final_sharded, publish_final,
-retract_final, verify_final, final_weight_files, read_final_state, load_final, find_final_uri,
+retract_final, verify_final, broken, find_final_uri,
 fetch_final, manifest_files, weights_cache, staging_folder, remember_copy, naming_objects, objects_named.
+Read by launcher/checkpoints/weight_source.py (`open_source`, `load_final`), the one reader of
+final/ and Hugging Face folders.
 """
 
 from __future__ import annotations
@@ -42,13 +44,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from loomtrain.data_pipeline import load_tokenizer
 from loomtrain.durable import json_bytes, replace_dir, write_durable, write_json_durable
 from loomtrain.launcher.checkpoints.ds_state import full_shape, named_params, read_local
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter, write_safetensors
 from loomtrain.launcher.checkpoints.store import sha256_file
 from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
-from loomtrain.model import ModelConfig, Transformer
 from loomtrain.parallel.plan import gather_shards, spec_of
 from loomtrain.storage import (
     StorageError,
@@ -60,7 +60,6 @@ from loomtrain.storage import (
     upload_files,
     write_object,
 )
-from safetensors import SafetensorError, safe_open
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -270,18 +269,7 @@ class FinalWeightsError(ValueError):
     """RUN_DIR/final is missing a file or holds a corrupt one (one line naming it)."""
 
 
-def _final_dir(run_or_final_dir: str | os.PathLike) -> Path:
-    path = Path(run_or_final_dir)
-    if not path.exists():
-        raise FileNotFoundError(f"no such run directory: {run_or_final_dir}")
-    if (path / WEIGHTS).exists() or (path / WEIGHTS_INDEX).exists() or (path / MODEL_CONFIG).exists():
-        return path
-    if not (path / "final").is_dir():
-        raise FileNotFoundError(f"no final/ directory in {run_or_final_dir} (did the run finish?)")
-    return path / "final"
-
-
-def _broken(path: Path, name: str, why: str) -> FinalWeightsError:
+def broken(path: Path, name: str, why: str) -> FinalWeightsError:
     return FinalWeightsError(
         f"{path / name}: {why}: the final weights are incomplete or corrupt; run the same "
         "`loomtrain train` command again to rewrite final/ from the newest checkpoint"
@@ -298,90 +286,15 @@ def verify_final(final_dir: str | os.PathLike) -> None:
     try:
         files = json.loads(mpath.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise _broken(path, FINAL_MANIFEST, f"unreadable ({exc})") from None
+        raise broken(path, FINAL_MANIFEST, f"unreadable ({exc})") from None
     for rel, info in sorted(files.items()):
         p = path / rel
         if not p.is_file():
-            raise _broken(path, rel, "missing")
+            raise broken(path, rel, "missing")
         if p.stat().st_size != info["size"]:
-            raise _broken(path, rel, f"{p.stat().st_size} bytes, the manifest says {info['size']}")
+            raise broken(path, rel, f"{p.stat().st_size} bytes, the manifest says {info['size']}")
         if sha256_file(p) != info["sha256"]:
-            raise _broken(path, rel, "fails its sha256 checksum")
-
-
-def final_weight_files(final_dir: str | os.PathLike) -> dict[str, Path]:
-    """loomtrain tensor name -> the file in final/ holding it (one file, or an index's shards)."""
-    path = Path(final_dir)
-    if (path / WEIGHTS_INDEX).is_file():
-        try:
-            weight_map = json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise _broken(path, WEIGHTS_INDEX, f"unreadable ({exc})") from None
-        return {k: path / f for k, f in weight_map.items()}
-    with safe_open(str(path / WEIGHTS), framework="pt") as f:
-        return {k: path / WEIGHTS for k in f.keys()}
-
-
-def read_final_state(final_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All of final/'s tensors by loomtrain name (for a model in this process)."""
-    by_file: dict[Path, list[str]] = {}
-    for k, f in final_weight_files(final_dir).items():
-        by_file.setdefault(f, []).append(k)
-    out = {}
-    for f, keys in by_file.items():
-        with safe_open(str(f), framework="pt") as h:
-            for k in keys:
-                out[k] = h.get_tensor(k)
-    return out
-
-
-def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device = "cpu"):
-    """-> (Transformer, tokenizer) from RUN_DIR (or RUN_DIR/final), or from a URI: a run's
-    storage or its final/ (`fetch_final`).
-
-    A missing or corrupt file raises FinalWeightsError naming it (a run killed while
-    an older loomtrain wrote final/, a copy cut short, a disk error), never a
-    safetensors / JSON traceback."""
-    if is_uri(run_or_final_dir):
-        with naming_objects():
-            return load_final(fetch_final(str(run_or_final_dir)), device)
-    path = _final_dir(run_or_final_dir)
-    weights_name = WEIGHTS_INDEX if (path / WEIGHTS_INDEX).exists() else WEIGHTS
-    for name in (weights_name, MODEL_CONFIG, TOKENIZER_DIR):
-        if not (path / name).exists():
-            raise _broken(path, name, "missing")
-    verify_final(path)
-    try:
-        model_cfg = ModelConfig(**json.loads((path / MODEL_CONFIG).read_text()))
-    except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, unknown keys, bad values
-        raise _broken(
-            path, MODEL_CONFIG, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        ) from None
-    model = Transformer(model_cfg)
-    try:
-        state = read_final_state(path)
-        dtype = next(iter(state.values())).dtype  # bf16 runs save bf16 weights
-        if dtype in (torch.bfloat16, torch.float16):
-            model = model.to(dtype)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        tied = ["lm_head.weight"] if model_cfg.tie_embeddings else []
-        if unexpected or sorted(missing) != tied:
-            raise RuntimeError(
-                f"tensors do not match model_config.json: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
-    except (SafetensorError, OSError, StopIteration, RuntimeError) as exc:
-        # RuntimeError: tensors missing or of another shape than model_config.json says.
-        raise _broken(
-            path, weights_name, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        ) from None
-    model.reset_buffers()
-    try:
-        tokenizer = load_tokenizer(str(path / TOKENIZER_DIR))
-    except Exception as exc:  # the tokenizers library raises its own types
-        raise _broken(
-            path, TOKENIZER_DIR, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        ) from None
-    return model.to(device).eval(), tokenizer
+            raise broken(path, rel, "fails its sha256 checksum")
 
 
 # Final weights at a URI, read through a local cache ---------------------------------------------

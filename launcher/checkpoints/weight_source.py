@@ -19,15 +19,20 @@ its own rows or columns of each tensor (`load_into`).
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
 import torch
+from loomtrain.data_pipeline import load_tokenizer
 from loomtrain.launcher.checkpoints.final import (
     FINAL_MANIFEST,
     MODEL_CONFIG,
     TOKENIZER_DIR,
+    WEIGHTS,
+    WEIGHTS_INDEX,
     FinalWeightsError,
+    broken,
     fetch_final,
     find_final_uri,
     manifest_files,
@@ -35,6 +40,7 @@ from loomtrain.launcher.checkpoints.final import (
     objects_named,
     remember_copy,
     staging_folder,
+    verify_final,
     weights_cache,
 )
 from loomtrain.launcher.checkpoints.hf_source import open_hf
@@ -51,9 +57,10 @@ from loomtrain.launcher.checkpoints.store import open_store
 from loomtrain.launcher.config import ConfigError, RunConfig, check
 from loomtrain.launcher.config_loader import run_has_checkpoints
 from loomtrain.launcher.rundir import run_dir
-from loomtrain.model import ModelConfig
+from loomtrain.model import ModelConfig, Transformer
 from loomtrain.parallel.plan import spec_of
 from loomtrain.storage import StorageError, download_verified, is_uri, join, list_objects, read_object
+from safetensors import SafetensorError
 
 # What a Hugging Face folder at a URI holds that is read: config, index, weights, tokenizer files.
 HF_SUFFIXES = (".json", ".safetensors", ".model", ".txt")
@@ -359,3 +366,67 @@ def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str 
     except WeightSourceError as exc:  # a NaN or inf: refused before step 1, naming the tensor
         raise _config_error(exc) from None
     log(f"model.init_from: starting from {source.description}")
+
+
+# generate: a whole model in this process ---------------------------------------------------
+def _final_of(run_or_final_dir: str | os.PathLike) -> Path:
+    path = Path(run_or_final_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"no such run directory: {run_or_final_dir}")
+    if (path / WEIGHTS).exists() or (path / WEIGHTS_INDEX).exists() or (path / MODEL_CONFIG).exists():
+        return path
+    if not (path / "final").is_dir():
+        raise FileNotFoundError(f"no final/ directory in {run_or_final_dir} (did the run finish?)")
+    return path / "final"
+
+
+def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device = "cpu"):
+    """-> (Transformer, tokenizer) from RUN_DIR (or RUN_DIR/final), or from a URI: a run's
+    storage or its final/ (`fetch_final`).
+
+    A missing or corrupt file raises FinalWeightsError naming it (a run killed while
+    an older loomtrain wrote final/, a copy cut short, a disk error), never a
+    safetensors / JSON traceback."""
+    if is_uri(run_or_final_dir):
+        with naming_objects():
+            return load_final(fetch_final(str(run_or_final_dir)), device)
+    path = _final_of(run_or_final_dir)
+    weights_name = WEIGHTS_INDEX if (path / WEIGHTS_INDEX).exists() else WEIGHTS
+    for name in (weights_name, MODEL_CONFIG, TOKENIZER_DIR):
+        if not (path / name).exists():
+            raise broken(path, name, "missing")
+    verify_final(path)
+    try:
+        model_cfg = ModelConfig(**json.loads((path / MODEL_CONFIG).read_text()))
+    except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, unknown keys, bad values
+        raise broken(
+            path, MODEL_CONFIG, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
+    model = Transformer(model_cfg)
+    try:
+        files = SafetensorsFiles(path)  # the reader model.init_from and export use
+        state = {name: files.read(TensorRef(name)) for name in files.keys()}
+        dtype = next(iter(state.values())).dtype  # bf16 runs save bf16 weights
+        if dtype in (torch.bfloat16, torch.float16):
+            model = model.to(dtype)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = ["lm_head.weight"] if model_cfg.tie_embeddings else []
+        if unexpected or sorted(missing) != tied:
+            raise RuntimeError(
+                f"tensors do not match model_config.json: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+    except WeightSourceError as exc:  # unreadable, or not finite: named as the reader names it
+        raise FinalWeightsError(str(exc)) from None
+    except (SafetensorError, OSError, StopIteration, RuntimeError) as exc:
+        # RuntimeError: tensors missing or of another shape than model_config.json says.
+        raise broken(
+            path, weights_name, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
+    model.reset_buffers()
+    try:
+        tokenizer = load_tokenizer(str(path / TOKENIZER_DIR))
+    except Exception as exc:  # the tokenizers library raises its own types
+        raise broken(
+            path, TOKENIZER_DIR, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
+    return model.to(device).eval(), tokenizer

@@ -90,8 +90,9 @@ def load_model(path: str, device: str):
     import torch
     from loomtrain.data_pipeline import load_tokenizer
     from loomtrain.launcher.checkpoints.export import ExportError, open_source
-    from loomtrain.launcher.checkpoints.final import FinalWeightsError, find_final_uri, load_final
+    from loomtrain.launcher.checkpoints.final import FinalWeightsError, find_final_uri
     from loomtrain.launcher.checkpoints.store import MANIFEST
+    from loomtrain.launcher.checkpoints.weight_source import load_final
     from loomtrain.model import Transformer
     from loomtrain.storage import is_uri
 
