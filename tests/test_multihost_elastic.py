@@ -21,7 +21,7 @@ from launch import QUIET, SMALL, TINY, child_env, loomtrain_cmd, records, run_lo
 
 pytestmark = pytest.mark.slow
 
-STEPS = 36
+STEPS = 48
 RUN = [
     *SMALL,
     *QUIET,
@@ -69,7 +69,7 @@ def test_a_lost_node_costs_only_speed_and_the_group_grows_back(ray_cluster, tmp_
         "train", TINY, "--ray", *RUN, *ELASTIC, f"ray.address={ray_cluster.address}",
         f"run.dir={run_dir}", f"data.cache_dir={cache}",
     )  # fmt: skip
-    env = ray_cluster.client_env(child_env(LOOMTRAIN_TEST_FAULTS="delay:0:0.4"))  # paced: time to watch it
+    env = ray_cluster.client_env(child_env(LOOMTRAIN_TEST_FAULTS="delay:0:0.8"))  # paced: a new host joins in time
     host_b = ray_cluster.live_hosts(2)[1]
     lines: list[str] = []
     driver = ray_cluster.head.popen(

@@ -8,6 +8,7 @@ its gfile reads through boto3, which takes the endpoint from AWS_ENDPOINT_URL li
 
     mirror = Mirror(run_dir, tb_uri(cfg.run.storage))
     mirror.start()      # a thread: every INTERVAL_S, the mirrored files that changed go up
+    mirror.sync_metrics()   # metrics.jsonl now (the loop, at each checkpoint step)
     ...
     mirror.stop()       # the thread ends, then one last pass (after the writers are closed)
 
@@ -109,6 +110,14 @@ class Mirror:
                 if self._upload_if_changed(path):
                     uploaded.append(path.name)
             return uploaded
+
+    def sync_metrics(self) -> bool:
+        """Upload metrics.jsonl now, on the caller's thread (one small object): the loop calls it
+        at each checkpoint step, so the store holds every step a resume on another host keeps
+        (a host lost between two passes would take the steps since the last pass with it)."""
+        path = self.run_dir / METRICS
+        with self._lock:
+            return path.is_file() and self._upload_if_changed(path)
 
     def _upload_if_changed(self, path: Path) -> bool:
         try:

@@ -519,6 +519,9 @@ def _loop(run: _Run) -> None:
             if signum:
                 ctx.stop_requested, ctx.stop_signal = True, signum
         run.hooks.on_step_end(ctx, metrics)
+        every = cfg.checkpoint.every_steps
+        if run.log.mirror is not None and every and step % every == 0:
+            run.log.mirror.sync_metrics()  # run.storage: the steps a resume elsewhere keeps
         run.dog.beat(step)
         try:
             run.guard.after_step(step, _loss_reader(run, step, metrics))
