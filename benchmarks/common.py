@@ -138,6 +138,35 @@ def engine_context(cfg, model=None, run_dir: str = "/tmp/loomtrain-bench"):
     return ctx
 
 
+def checkpoint_rig(model_args: list[str], tp: int, run_dir: str | Path):
+    """(ctx, training) of one rank of the checkpoint benchmarks: configs/tiny.yaml with
+    `model_args`, fp32 on the CPU, ZeRO 0 alone or ZeRO 1 at world > 1, one sample per DP rank,
+    and the Training parts a save and a resume take. Each rank in its own process (torchrun)."""
+    from loomtrain.launcher.checkpoints.parts import Training
+    from loomtrain.launcher.config_loader import load_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    zero = 0 if world == 1 else 1
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+        [
+            *model_args,
+            "model.max_seq_len=64",
+            "train.seq_len=64",
+            f"parallel.tp={tp}",
+            f"parallel.zero_stage={zero}",
+            "train.precision=fp32",
+            "train.device=cpu",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={world // tp}",
+            "log.tensorboard=false",
+        ],
+        world_size=world,
+    )
+    ctx = engine_context(cfg, run_dir=str(run_dir))
+    return ctx, Training(ctx.engine, ctx.topology, zero_stage=zero)
+
+
 class RepeatBatch:
     """A stand-in for the token stream: the same (inputs, targets) batch forever."""
 

@@ -178,34 +178,14 @@ def upload_alone(objects, files: list[tuple[Path, str]]) -> None:
 def worker(args) -> None:
     import torch.distributed as dist
     from loomtrain.launcher.checkpoints.objects import Objects
-    from loomtrain.launcher.checkpoints.parts import Training
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint
     from loomtrain.launcher.checkpoints.store import ObjectCheckpointStore, wait_for_deletions
-    from loomtrain.launcher.config_loader import load_config
     from loomtrain.launcher.distributed import barrier
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    zero = 0 if world == 1 else 1
-    cfg = load_config(
-        REPO / "configs" / "tiny.yaml",
-        [
-            *model_args(args),
-            "model.max_seq_len=64",
-            "train.seq_len=64",
-            f"parallel.tp={args.tp}",
-            f"parallel.zero_stage={zero}",
-            "train.precision=fp32",
-            "train.device=cpu",
-            "train.micro_batch_size=1",
-            f"train.global_batch_size={world // args.tp}",
-            "log.tensorboard=false",
-        ],
-        world_size=world,
-    )
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ctx = common.engine_context(cfg, run_dir=str(run_dir))
-    training = Training(ctx.engine, ctx.topology, zero_stage=zero)
+    ctx, training = common.checkpoint_rig(model_args(args), args.tp, run_dir)
+    world = ctx.dist.world_size
     rank = ctx.dist.rank
     storage = f"{args.storage}/{run_dir.name}"
     store = ObjectCheckpointStore(storage, keep_last=1, log=lambda m: None)
