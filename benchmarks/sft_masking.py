@@ -61,11 +61,8 @@ def padding(shards, seq_len: int) -> tuple[float, float]:
     from loomtrain.data_pipeline import TokenStream
 
     with TokenStream(shards, seq_len=seq_len, micro_batch_size=1, prefetch=0, document_masking=True) as s:
-        starts, ends = s.windows[0]
-        docs = s.sources[0].doc_starts
-    used = int((ends - starts).sum())
-    per_window = len(docs) / len(starts)
-    return 1.0 - used / (len(starts) * (seq_len + 1)), per_window
+        windows = s.windows[0]
+    return windows.padding(seq_len + 1), len(windows.start) / len(windows)
 
 
 def train(shards: Path, run_dir: Path, masking: bool, shape: dict, steps: int, threads: int) -> float:

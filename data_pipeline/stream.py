@@ -17,10 +17,11 @@ is, and the state (global position, seed) can be loaded under another d when
 the position is a multiple of m*d.
 
 Document masking (`document_masking`, default: on when a source holds instruction or chat
-records, off for text): a sample is a packed window instead: whole documents, in shard order,
-as many as fit in seq_len + 1 tokens (next fit), the rest padded with EOS; a document longer
-than that (text only) is cut into pieces of seq_len + 1 that share a boundary token, like the
-windows above. Samples are then these windows, permuted and dealt out exactly as above. The
+records, off for text): a sample is a packed window instead: whole documents, packed best-fit
+(longest first, each into the fullest window it fits) within blocks of consecutive documents,
+the rest of a window padded with EOS; a document longer than seq_len + 1 tokens (text only) is
+cut into pieces of seq_len + 1 that share a boundary token, like the windows above, and its tail
+is packed as a document. Samples are then these windows, permuted and dealt out exactly as above. The
 batch is (inputs, targets, document_ids): ids count the documents of each row from 0 (padding
 is one more), and a target is -100 (not trained on) where it is padding, the first token of
 another document, or not a target in the shards' loss mask. Without document masking, a loss
@@ -35,9 +36,11 @@ once per epoch of that source, and the round/DP/resume rules are unchanged.
 
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +50,9 @@ from loomtrain.storage import is_uri
 
 STATE_VERSION = 1
 IGNORE_INDEX = -100  # a target not trained on (model/loss.py's, the Hugging Face convention)
+# Document masking's packing; a state saved before it was named came from next-fit packing
+# (windows of consecutive documents), whose positions are other samples.
+PACKING = "best-fit"
 SAMPLE_DIGEST_SHIFT = 24  # a sample's digest is the top 40 bits of its mixed id
 # Shards in object storage: the windows of up to this many batches ahead are fetched (remote.py);
 # the read-ahead starts at prefetch + 1 batches and doubles per batch up to it, within half of
@@ -162,27 +168,127 @@ def _source_list(source):
     return [(source, 1.0)]
 
 
-def packed_windows(doc_starts: np.ndarray, num_tokens: int, span: int) -> tuple[np.ndarray, np.ndarray]:
-    """Next-fit packing of whole documents into windows of at most `span` tokens -> (starts, ends).
+PACK_BLOCK_WINDOWS = 1024  # documents are packed in blocks of about this many windows' worth of tokens
+FILL_SEARCH_BACKTRACKS = 32  # per window, how far best_fill searches past the greedy fill
 
-    Windows are contiguous ranges of the token stream, in order: each holds as many whole
-    documents as fit; a document longer than `span` is cut into windows of `span` tokens, each
-    starting on the last token of the one before (that token is an input again, not a target)."""
-    starts, ends = [], []
-    bounds = np.append(doc_starts[doc_starts < num_tokens], num_tokens)
-    pos = 0
-    while pos < num_tokens - 1:  # a last lone token has nothing to predict
-        limit = pos + span
-        k = int(np.searchsorted(bounds, limit, side="right")) - 1  # the last boundary <= limit
-        if bounds[k] > pos:  # whole documents (or the tail of a cut one) up to that boundary
-            starts.append(pos)
-            ends.append(int(bounds[k]))
-            pos = int(bounds[k])
-        else:  # a document longer than the window
-            starts.append(pos)
-            ends.append(limit)
-            pos = limit - 1
-    return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+
+class PackedWindows(NamedTuple):
+    """Packed windows, each a list of token ranges: window i holds [start[j], end[j]) for j in
+    first[i]:first[i + 1], in stream order; each range is one document or one piece of a cut one."""
+
+    first: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.first) - 1
+
+    def ranges(self, i: int) -> list[tuple[int, int]]:
+        j0, j1 = int(self.first[i]), int(self.first[i + 1])
+        return list(zip(self.start[j0:j1].tolist(), self.end[j0:j1].tolist()))
+
+    def padding(self, span: int) -> float:
+        """The share of the windows' span tokens that is padding."""
+        return 1.0 - float((self.end - self.start).sum()) / max(1, len(self) * span)
+
+
+def document_pieces(doc_starts: np.ndarray, num_tokens: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+    """The token stream as (starts, ends) of documents of at most `span` tokens: a longer one is cut
+    into pieces of `span` tokens, each starting on the last token of the one before (that token is
+    an input again, not a target), and a shorter tail. A piece of one token (nothing to predict) goes."""
+    bounds = np.unique(np.concatenate([[0], doc_starts[doc_starts < num_tokens], [num_tokens]])).astype(np.int64)
+    starts, ends = bounds[:-1].copy(), bounds[1:].copy()
+    long = np.flatnonzero(ends - starts > span)
+    if long.size:
+        cut_starts, cut_ends = [starts], [ends]
+        for d in long.tolist():
+            a, b = int(starts[d]), int(ends[d])
+            cuts = np.arange(a, b - span, span - 1, dtype=np.int64)  # full pieces; the tail starts after them
+            cut_starts.append(cuts)
+            cut_ends.append(cuts + span)
+            starts[d] = cuts[-1] + span - 1
+        starts, ends = np.concatenate(cut_starts), np.concatenate(cut_ends)
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], ends[order]
+    keep = ends - starts >= 2
+    return starts[keep], ends[keep]
+
+
+def best_fill(room: int, left: list[int], count: dict[int, int], max_backtracks: int) -> list[int]:
+    """The lengths that fill `room` best, from `left` (sorted; `count` pieces of each): a
+    depth-first search, longest first, in non-increasing order, that stops at an exact fill or
+    after `max_backtracks` steps back (the first path it tries is the greedy one). `count` is restored."""
+    best_slack, best, chosen, backtracks = room, [], [], 0
+    rooms, nexts = [room], [bisect.bisect_right(left, room) - 1]  # per depth: room, next length to try
+    while nexts and best_slack and backtracks <= max_backtracks:
+        i = nexts[-1]
+        while i >= 0 and not count[left[i]]:
+            i -= 1
+        if i < 0:  # every length tried at this depth: back up one choice
+            if rooms[-1] < best_slack:
+                best_slack, best = rooms[-1], chosen.copy()
+            nexts.pop(), rooms.pop()
+            if chosen:
+                count[chosen.pop()] += 1
+            backtracks += 1
+            continue
+        n = left[i]
+        nexts[-1] = i - 1
+        count[n] -= 1
+        chosen.append(n)
+        rooms.append(rooms[-1] - n)
+        nexts.append(bisect.bisect_right(left, min(rooms[-1], n)) - 1)
+    if rooms and rooms[-1] < best_slack:  # stopped inside a path (an exact fill, or out of steps back)
+        best = chosen.copy()
+    for n in chosen:
+        count[n] += 1
+    return best
+
+
+def best_fit(lengths: np.ndarray, span: int) -> list[list[int]]:
+    """Bin packing of `lengths` into bins of `span` (minimum bin slack): a bin opens with the
+    longest piece left and best_fill picks the pieces that fill the rest -> the indices of each
+    bin's pieces. Pieces of one length are taken in stream order."""
+    order = np.argsort(lengths, kind="stable")
+    values, first = np.unique(lengths[order], return_index=True)
+    order = order.tolist()
+    left = values.tolist()  # the lengths with a piece left, sorted
+    nxt = dict(zip(left, first.tolist()))  # per length: its next piece in `order`
+    count = dict(zip(left, np.diff(np.append(first, len(order))).tolist()))
+    bins = []
+    while left:
+        opener = left[-1]
+        count[opener] -= 1
+        sizes = [opener, *best_fill(span - opener, left, count, FILL_SEARCH_BACKTRACKS)]
+        count[opener] += 1
+        members = []
+        for n in sizes:
+            members.append(order[nxt[n]])
+            nxt[n] += 1
+            count[n] -= 1
+            if not count[n]:
+                del left[bisect.bisect_left(left, n)]
+        bins.append(members)
+    return bins
+
+
+def packed_windows(doc_starts: np.ndarray, num_tokens: int, span: int) -> PackedWindows:
+    """Best-fit packing of whole documents (document_pieces) into windows of at most `span` tokens.
+
+    Packed in blocks of consecutive documents (PACK_BLOCK_WINDOWS windows' worth of tokens), so a
+    window's documents lie near each other in the shards (few reads in object storage) and the
+    sort stays small; the last windows of a block are the only ones left part empty."""
+    starts, ends = document_pieces(doc_starts, num_tokens, span)
+    lengths = ends - starts
+    block = np.cumsum(lengths) // (PACK_BLOCK_WINDOWS * span)
+    edges = np.flatnonzero(np.diff(block)) + 1
+    first, order = [0], []
+    for lo, hi in zip(np.concatenate([[0], edges]).tolist(), np.concatenate([edges, [len(lengths)]]).tolist()):
+        for members in best_fit(lengths[lo:hi], span):
+            order.extend(lo + j for j in sorted(members))  # stream order inside a window
+            first.append(len(order))
+    order = np.asarray(order, dtype=np.int64)
+    return PackedWindows(np.asarray(first, dtype=np.int64), starts[order], ends[order])
 
 
 class TokenStream:
@@ -257,7 +363,7 @@ class TokenStream:
         instruction = [s.records != "text" for s in self.sources]
         self.document_masking = any(instruction) if document_masking is None else bool(document_masking)
         self.loss_masked = any(s.mask is not None for s in self.sources)
-        self.windows: list[tuple[np.ndarray, np.ndarray]] = []  # per source, with document masking
+        self.windows: list[PackedWindows] = []  # per source, with document masking
         if self.document_masking:
             try:
                 for s, whole in zip(self.sources, instruction):
@@ -266,7 +372,7 @@ class TokenStream:
                 for s in self.sources:
                     s.close()
                 raise
-            self.source_samples = [len(w[0]) for w in self.windows]
+            self.source_samples = [len(w) for w in self.windows]
         else:
             self.source_samples = [(s.num_tokens - 1) // seq_len if s.num_tokens else 0 for s in self.sources]
         for s, n in zip(self.sources, self.source_samples):
@@ -339,7 +445,7 @@ class TokenStream:
         return out
 
     @staticmethod
-    def _pack(shards: ShardSet, span: int, must_fit: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _pack(shards: ShardSet, span: int, must_fit: bool) -> PackedWindows:
         """The source's packed windows; an instruction or chat record longer than a window is
         refused (cut, it would train on an answer without its question)."""
         starts = shards.doc_starts
@@ -365,14 +471,15 @@ class TokenStream:
         length = np.empty((n, 1), dtype=np.int64)
         for row, (k, i) in enumerate(zip(sources, idx)):
             src = self.sources[int(k)]
-            a, b = (int(w[int(i)]) for w in self.windows[int(k)])
-            length[row] = b - a
-            tokens[row, : b - a] = src.read(a, b - a)
-            tokens[row, b - a :] = src.eos_id  # padding
-            ids = np.searchsorted(src.doc_starts, np.arange(a, b), side="right")
-            docs[row, : b - a] = ids - ids[0]
-            docs[row, b - a :] = docs[row, b - a - 1] + 1
-            target[row, : b - a] = src.read_mask(a, b - a).astype(bool)
+            at = 0
+            for doc, (a, b) in enumerate(self.windows[int(k)].ranges(int(i))):  # one document each
+                tokens[row, at : at + b - a] = src.read(a, b - a)
+                target[row, at : at + b - a] = src.read_mask(a, b - a).astype(bool)
+                docs[row, at : at + b - a] = doc
+                at += b - a
+            length[row] = at
+            tokens[row, at:] = src.eos_id  # padding
+            docs[row, at:] = docs[row, at - 1] + 1
         # A target counts when it is a target in the shards, inside a document and not padding.
         keep = target[:, 1:] & (docs[:, 1:] == docs[:, :-1]) & (np.arange(1, span) < length)
         targets = np.where(keep, tokens[:, 1:], IGNORE_INDEX)
@@ -415,9 +522,9 @@ class TokenStream:
                 if not hasattr(src, "prefetch"):  # a source on disk in a mixture: memory-mapped
                     continue
                 if self.document_masking:
-                    a, b = (int(w[i]) for w in self.windows[k])
-                    src.prefetch(a, b - a)
-                    src.prefetch_mask(a, b - a)
+                    for a, b in self.windows[k].ranges(i):
+                        src.prefetch(a, b - a)
+                        src.prefetch_mask(a, b - a)
                 else:
                     src.prefetch(i * self.seq_len, self.seq_len + 1)
                     if self.loss_masked:
@@ -560,6 +667,7 @@ class TokenStream:
         }
         if self.document_masking:  # another sample layout: a state of one is no position in the other
             state["document_masking"] = True
+            state["packing"] = PACKING
         if len(self.sources) > 1:
             state["mixture"] = self._mixture_state()
         return state
@@ -567,6 +675,13 @@ class TokenStream:
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise DataError(f"data state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+        packing = state.get("packing", "next-fit") if state.get("document_masking") else None
+        if self.document_masking and packing not in (None, PACKING):
+            raise DataError(
+                f"cannot resume the data stream: the checkpoint's documents were packed {packing} (an earlier "
+                f"loomtrain), this one packs them {PACKING}, so its positions are other samples; start afresh "
+                "with checkpoint.resume=never (earlier checkpoints are set aside) or another run.dir"
+            )
         change = mixture_change(state.get("mixture"), self._mixture_state())
         if change:
             raise DataError(

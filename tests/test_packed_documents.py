@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from loomtrain.data_pipeline.preprocess import preprocess_files
-from loomtrain.data_pipeline.shards import write_arrays
-from loomtrain.data_pipeline.stream import TokenStream
+from loomtrain.data_pipeline.shards import DataError, write_arrays
+from loomtrain.data_pipeline.stream import TokenStream, packed_windows
 from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.model.loss import linear_cross_entropy
@@ -129,12 +129,15 @@ def test_the_stream_packs_whole_documents_with_ids_and_targets(tmp_path):
     mask = np.concatenate([[0, 0] + [1] * (n - 2) for n in lengths]).astype(np.uint8)  # 2 prompt tokens each
     write_arrays(tmp_path, {"train": tokens}, BYTE, doc_lengths={"train": lengths}, masks={"train": mask})
     with TokenStream(tmp_path, seq_len=11, micro_batch_size=3, shuffle=False, prefetch=0) as s:
-        assert s.document_masking and s.samples_per_epoch == 3  # [6 4] [9 3] [7]
+        # Best fit, longest first: [9 3] fills a window of 12 exactly, then [4 7] (in stream order), then [6].
+        assert s.document_masking and s.samples_per_epoch == 3
         x, y, ids = next(s)
-    assert x[0].tolist() == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 256]
-    assert ids[0].tolist() == [0] * 6 + [1] * 4 + [2]
-    assert y[0].tolist() == [-100, 2, 3, 4, 5, -100, -100, 12, 13, -100, -100]
-    assert ids[2].tolist() == [0] * 7 + [1] * 4 and y[2].tolist()[5:] == [46, -100, -100, -100, -100, -100]
+    assert x[0].tolist() == [20, 21, 22, 23, 24, 25, 26, 27, 28, 30, 31]
+    assert ids[0].tolist() == [0] * 9 + [1] * 2
+    assert y[0].tolist() == [-100, 22, 23, 24, 25, 26, 27, 28, -100, -100, 32]
+    assert x[1].tolist() == [10, 11, 12, 13, 40, 41, 42, 43, 44, 45, 46] and ids[1].tolist() == [0] * 4 + [1] * 7
+    assert y[1].tolist() == [-100, 12, 13, -100, -100, 42, 43, 44, 45, 46, -100]
+    assert ids[2].tolist() == [0] * 6 + [1] * 5 and y[2].tolist() == [-100, 2, 3, 4, 5] + [-100] * 6
     # A record longer than seq_len + 1 is refused, not cut.
     with pytest.raises(Exception, match=r"record 2 of split 'train' is 9 tokens, more than train.seq_len \+ 1 = 8"):
         TokenStream(tmp_path, seq_len=7, micro_batch_size=1)
@@ -146,11 +149,48 @@ def test_plain_text_is_unchanged_unless_asked(tmp_path):
         assert not s.document_masking
         x, y = next(s)
     assert x[0].tolist() == list(range(8)) and y[0].tolist() == list(range(1, 9))
-    with TokenStream(tmp_path, seq_len=8, micro_batch_size=4, shuffle=False, prefetch=0, document_masking=True) as s:
+    with TokenStream(tmp_path, seq_len=8, micro_batch_size=7, shuffle=False, prefetch=0, document_masking=True) as s:
+        assert s.samples_per_epoch == 7
         x, y, ids = next(s)
-    # windows: [0, 9) [8, 17) [16, 20) [20, 29) ...: a long document is cut, sharing one token
+    # A long document is cut into windows that share one token: [0, 9) [8, 17) [20, 29) [28, 37) [36, 45);
+    # the tails [44, 50) and [16, 20) are packed as documents (6 + 4 > 9: one window each).
     assert x[1].tolist() == list(range(8, 16)) and y[1].tolist() == list(range(9, 17))
-    assert x[2].tolist()[:4] == [16, 17, 18, 19] and y[2].tolist() == [17, 18, 19] + [-100] * 5
+    assert x[2].tolist() == list(range(20, 28))
+    assert x[5].tolist()[:6] == list(range(44, 50)) and y[5].tolist() == list(range(45, 50)) + [-100] * 3
+    assert x[6].tolist()[:4] == [16, 17, 18, 19] and y[6].tolist() == [17, 18, 19] + [-100] * 5
+
+
+@pytest.mark.parametrize("per_window", [4, 16])
+def test_best_fit_leaves_under_one_percent_padding_and_takes_every_token_once(per_window):
+    # Lengths around span / per_window (0.5-1.5x, as benchmarks/sft_masking.py makes them): next
+    # fit left 13.9% and 3.4% padding here.
+    span = 257
+    rng = np.random.default_rng(per_window)
+    lengths = np.maximum(2, np.round(rng.uniform(0.5, 1.5, 8000) * span / per_window)).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    windows = packed_windows(starts, int(lengths.sum()), span)
+    assert windows.padding(span) <= 0.01
+    taken = np.zeros(int(lengths.sum()), dtype=np.int64)
+    for i in range(len(windows)):
+        ranges = windows.ranges(i)
+        assert sum(b - a for a, b in ranges) <= span
+        assert all(a in set(starts.tolist()) for a, _ in ranges)  # whole documents only
+        for a, b in ranges:
+            taken[a:b] += 1
+    assert (taken == 1).all()
+
+
+def test_a_state_saved_with_next_fit_packing_is_refused_in_one_line(tmp_path):
+    lengths = [6, 4, 9, 3, 7]
+    tokens = np.concatenate([np.arange(n, dtype=np.uint16) for n in lengths])
+    write_arrays(tmp_path, {"train": tokens}, BYTE, doc_lengths={"train": lengths})
+    with TokenStream(tmp_path, seq_len=11, micro_batch_size=1, prefetch=0, document_masking=True) as s:
+        state = s.state_dict()
+        assert state["packing"] == "best-fit"
+        s.load_state_dict(state)
+        del state["packing"]  # as an earlier loomtrain saved it
+        with pytest.raises(DataError, match=r"packed next-fit \(an earlier loomtrain\), this one packs them best-fit"):
+            s.load_state_dict(state)
 
 
 def chat_jsonl(path, n: int = 48, seed: int = 0):
