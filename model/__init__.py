@@ -8,7 +8,8 @@
 
 Files: config (ModelConfig), norms, positions (sinusoidal, RoPE, ALiBi), attention,
 feedforward, block, loss (LMHead: logits or a chunked fused cross-entropy),
-transformer (and init_tensors: its seeded init one parameter at a time), cache (KVCache), generate, flops (closed-form
+transformer (init_tensors: its seeded init one parameter at a time;
+meta_transformer: its shapes), cache (KVCache), generate, flops (closed-form
 parameter count and PaLM training FLOPs).
 """
 
@@ -21,9 +22,10 @@ from .flops import flops_per_token, param_count
 from .generate import sample_next
 from .loss import LMHead, linear_cross_entropy
 from .norms import RMSNorm, build_norm
-from .transformer import Transformer, init_tensors
+from .transformer import Transformer, init_tensors, meta_transformer
 
 __all__ = [
+    "meta_transformer",
     "Attention",
     "Block",
     "FeedForward",

@@ -11,6 +11,11 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+# The position tables are computed on the CPU even where the default device is meta (a model
+# built for its shapes): torch runs an op on meta through its Python reference, whose first
+# call imports torch._dynamo (~1.3 s of a start-up).
+CPU = torch.device("cpu")
+
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     """[B, T] document ids -> [B, T] positions that restart at 0 wherever the id changes."""
@@ -22,10 +27,11 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 def sinusoidal_table(max_len: int, dim: int) -> torch.Tensor:
-    """[max_len, dim]: PE(p, 2i) = sin(p / 10000^(2i/dim)), PE(p, 2i+1) = cos(...) (Vaswani et al. 2017)."""
-    pos = torch.arange(max_len, dtype=torch.float64)[:, None]
-    inv = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    table = torch.zeros(max_len, dim, dtype=torch.float64)
+    """[max_len, dim]: PE(p, 2i) = sin(p / 10000^(2i/dim)), PE(p, 2i+1) = cos(...) (Vaswani et al. 2017).
+    Computed on the CPU."""
+    pos = torch.arange(max_len, dtype=torch.float64, device=CPU)[:, None]
+    inv = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float64, device=CPU) / dim)
+    table = torch.zeros(max_len, dim, dtype=torch.float64, device=CPU)
     table[:, 0::2] = torch.sin(pos * inv)
     table[:, 1::2] = torch.cos(pos * inv)[:, : dim // 2]
     return table.float()
@@ -37,9 +43,10 @@ def rope_tables(
     """cos and sin, each [max_len, head_dim], for the rotate-half layout (as in HF Llama / GPT-NeoX).
 
     Dimension pair (i, i + head_dim/2) is rotated by angle p * theta^(-2i/head_dim) (Su et al. 2021).
+    Computed on the CPU.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=CPU) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64, device=CPU), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -102,7 +109,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     else:
         closest = 2 ** math.floor(math.log2(n_heads))
         slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
+    return torch.tensor(slopes, dtype=torch.float32, device=CPU)
 
 
 def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from unittest import mock
 
 import torch
 from torch import nn
@@ -224,13 +226,27 @@ def apply_init(t: torch.Tensor, rule: str, std: float, generator: torch.Generato
         raise ValueError(f"unknown init rule {rule!r}")
 
 
+def _no_values(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
+def meta_transformer(cfg: ModelConfig) -> Transformer:
+    """The model's shapes: its parameters and buffers on the meta device, no memory, no values.
+    A meta tensor has no values to initialise, so torch's random inits are skipped while it is
+    built: on meta they run torch's Python reference, whose first call imports torch._dynamo
+    (~1.3 s of every start-up; the position tables are computed on the CPU for the same reason)."""
+    with torch.device("meta"), contextlib.ExitStack() as skipped:
+        for name in ("normal_", "uniform_", "kaiming_uniform_"):
+            skipped.enter_context(mock.patch.object(nn.init, name, _no_values))
+        return Transformer(cfg)
+
+
 def init_tensors(cfg: ModelConfig, seed: int | None = None):
     """Yield (parameter name, full float32 CPU tensor) one parameter at a time, bitwise equal to
     `Transformer(cfg, seed=seed)` on the CPU, in its init order (the order the random stream
     is drawn in). Holds one full parameter at a time: the previous one is released before the
     next is generated, so a consumer that keeps only a slice never holds the whole model."""
-    with torch.device("meta"):
-        shapes = Transformer(cfg)
+    shapes = meta_transformer(cfg)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     for name, rule, std in shapes.init_schedule():
         t = torch.empty(shapes.get_parameter(name).shape, dtype=torch.float32)

@@ -36,10 +36,9 @@ from torch import nn
 def sharded_meta_model(model_cfg, topology, sequence_parallel: bool = False) -> nn.Module:
     """The model as `parallelize` leaves it for this rank, with its parameters on the meta
     device (no memory) and its buffers (position tables, this rank's ALiBi slopes) real."""
-    from loomtrain.model import Transformer
+    from loomtrain.model import meta_transformer
 
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
+    model = meta_transformer(model_cfg)
     model.reset_buffers(device="cpu")  # real buffers, so the plan slices real ALiBi slopes
     return parallelize(model, topology, sequence_parallel=sequence_parallel)
 

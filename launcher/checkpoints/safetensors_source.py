@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from loomtrain.launcher.checkpoints.final import WEIGHTS, WEIGHTS_INDEX
-from loomtrain.model import Transformer
+from loomtrain.model import meta_transformer
 from safetensors import SafetensorError, safe_open
 
 # Pickled weight files: refused, never opened.
@@ -286,8 +286,7 @@ class WeightSource:
 def model_tensor_names(model_cfg) -> dict[str, tuple[int, ...]]:
     """The persistent tensors of a loomtrain model with this config and their shapes (a tied
     output layer is the embedding table, stored once), without allocating them."""
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
+    model = meta_transformer(model_cfg)
     names = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if model_cfg.tie_embeddings:
         names.pop("lm_head.weight")

@@ -47,10 +47,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psutil
-from accelerate import init_empty_weights
 from loomtrain.launcher.planning.host_model import host_plan
 from loomtrain.launcher.training.engine import ds_config
-from loomtrain.model import Transformer
+from loomtrain.model import meta_transformer
 from loomtrain.model.config import ModelConfig
 from loomtrain.model.flops import param_count
 from loomtrain.model.loss import chunk_rows
@@ -142,13 +141,7 @@ def count_params(model: Any, tp: int) -> ParamCount:
 
 def build_meta_model(cfg: ModelConfig):
     """The full-size loomtrain Transformer with empty (meta) weights: no memory."""
-    with init_empty_weights(include_buffers=False):
-        model = Transformer(cfg)
-    # init_empty_weights re-creates every registered Parameter on meta, which unties
-    # `lm_head.weight = tok_emb.weight`; tie it again so the table counts once.
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    return model
+    return meta_transformer(cfg)
 
 
 # --------------------------------------------------------------------- model states
