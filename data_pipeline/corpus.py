@@ -29,10 +29,12 @@ def stdlib_files(max_files: int = 0) -> list[Path]:
     """The standard library's .py files, found via sysconfig, sorted by relative
     path (deterministic on one installation); the first `max_files` (0 = all)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        (p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts) and p.is_file()),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]  # not descended into: site-packages is most of the tree
+        rel = Path(folder).relative_to(root)
+        found += [((rel / n).as_posix(), Path(folder, n)) for n in names if n.endswith(".py")]
+    files = [path for _, path in sorted(found) if path.is_file()]
     if not files:
         raise DataError(f"no .py files under the standard library directory {root}")
     return files[:max_files] if max_files and max_files > 0 else files
