@@ -519,8 +519,7 @@ def _loop(run: _Run) -> None:
             if signum:
                 ctx.stop_requested, ctx.stop_signal = True, signum
         run.hooks.on_step_end(ctx, metrics)
-        every = cfg.checkpoint.every_steps
-        if run.log.mirror is not None and every and step % every == 0:
+        if run.log.mirror is not None and ctx.checkpoint_saves and ctx.checkpoint_saves[-1]["step"] == step:
             run.log.mirror.sync_metrics()  # run.storage: the steps a resume elsewhere keeps
         run.dog.beat(step)
         try:
