@@ -32,6 +32,8 @@ print("launcher:", init_distributed(cfg).launcher)
 
 @pytest.mark.parametrize("how,launcher,alive", [("made", "local", False), ("adopted", "existing", True)])
 def test_a_group_made_here_is_destroyed_at_exit_an_adopted_one_is_left(how, launcher, alive):
-    proc = run_child([sys.executable, "-c", CHILD, how])
+    # The exit status is this code's only when it made the group: an adopted one is torn down by
+    # the stand-in launcher above, whose own gloo teardown can abort on this machine (exit -6).
+    proc = run_child([sys.executable, "-c", CHILD, how], rc=0 if how == "made" else None)
     assert f"launcher: {launcher}" in proc.stdout
     assert f"group alive at exit: {alive}" in proc.stdout, proc.stdout + proc.stderr
