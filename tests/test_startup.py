@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import QUIET, python_cmd, run_child, run_loomtrain
+from launch import QUIET, Run, loomtrain_cmd, python_cmd, run_child
 from loomtrain.launcher.config_loader import resolve
 from loomtrain.launcher.planning.dryrun import OneRankTopology
 from loomtrain.launcher.training.startup import build_model
@@ -157,12 +157,15 @@ COMMON = [
 def _startup_peak_rss(run_dir: Path, data_cache: Path, model: list[str]) -> list[int]:
     """`loomtrain train` under torchrun (4 ranks, its own processes), one step of one 16-token
     sequence (the step is not measured): each rank's start-up peak RSS, from the line its rank
-    log has once the model, the engine and the resume are built."""
+    log has once the model, the engine and the resume are built. The run is stopped after its
+    step: the end's checkpoint and final weights (a third of the big run's time) are not measured."""
     one_short_step = ["train.max_steps=1", "train.seq_len=16", "train.micro_batch_size=1", "train.global_batch_size=1"]
-    run_loomtrain(
+    cmd = loomtrain_cmd(
         "train", TINY, *COMMON, *model, *QUIET, *one_short_step, "data.max_files=20",
-        f"run.dir={run_dir}", f"data.cache_dir={data_cache}", nproc=4, timeout=900,
+        f"run.dir={run_dir}", f"data.cache_dir={data_cache}", nproc=4,
     )  # fmt: skip
+    with Run(cmd, cwd=run_dir.parent, run_dir=run_dir) as run:
+        run.wait_for("step 1/1 |", timeout=900)
     peaks = []
     for rank in range(4):
         log = (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
