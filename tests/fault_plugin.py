@@ -24,6 +24,8 @@ the product:
                                on_step_end: after the checkpoint hook and the watchdog's beat)
     exit:RANK:STEP             rank RANK hard-exits (os._exit(1)) after step STEP's checkpoint is
                                published (watched for on disk), before Ray's report hook hears of it
+    gate:RANK:STEP:PATH        rank RANK waits at the end of every step from STEP on until the file
+                               PATH exists (this plugin's on_step_end; the test opens the gate)
     ckpt_slow:STEP:SECONDS     every rank's writer sleeps before writing step STEP (write_snapshot
                                wrapped where checkpoints/hook.py and background.py call it)
     ckpt_pause:STEP:SECONDS    rank 0 sleeps after step STEP's files are written and fsynced,
@@ -57,6 +59,7 @@ KINDS = {
     "signal": ("step", ("rank", "step", "signum")),
     "sigstop": ("step_end", ("rank", "step")),
     "exit": ("step_end", ("rank", "step")),
+    "gate": ("step_end", ("rank", "from", "path")),
     "ckpt_slow": ("checkpoint_write", ("step", "seconds")),
     "ckpt_pause": ("checkpoint_publish", ("step", "seconds")),
 }
@@ -73,6 +76,7 @@ class Fault:
     steps: range | None = None  # None: every step
     seconds: float = 0.0
     signum: int = 0
+    path: str = ""
 
     def applies(self, step: int | None, rank: int | None) -> bool:
         return (self.rank is None or self.rank == rank) and (self.steps is None or step in self.steps)
@@ -86,8 +90,12 @@ def _argument(name: str, text: str):
     if name == "steps":
         lo, _, hi = text.partition("-")
         return "steps", range(int(lo), int(hi or lo) + 1)
+    if name == "from":
+        return "steps", range(int(text), sys.maxsize)
     if name == "seconds":
         return "seconds", float(text)
+    if name == "path":
+        return "path", text
     return "signum", int(getattr(signal, text))
 
 
@@ -233,6 +241,12 @@ class FaultHook(Hooks):
     def on_step_end(self, ctx, metrics) -> None:
         step, rank = ctx.state.step, ctx.dist.rank
         for fault in striking("step_end", step, rank):
+            if fault.kind == "gate":
+                if not Path(fault.path).exists():
+                    _say("gate (waiting for the test)", step, rank)
+                while not Path(fault.path).exists():
+                    time.sleep(0.1)
+                continue
             if fault.kind == "exit":
                 wait_until_published(ctx.run_dir, step)
             if not _first_time(ctx.run_dir, fault, step, rank):

@@ -6,7 +6,8 @@ of 2; each TP group on one host). Host B is killed after step 5: the group resta
 alone at DP 1 (gradient accumulation 4 instead of 2) from the newest checkpoint; a fresh host
 joins and, at the next resize check, the group grows back to DP 2. The losses and the samples
 of every step (data/samples_hash) equal those of an uninterrupted one-process run of the same
-global batch.
+global batch. Rank 0 waits at the end of every step from GATE_STEP on until the group has grown
+back (a fault plugin gate the test opens), so that the run cannot end before the fresh host joins.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from launch import QUIET, SMALL, TINY, child_env, loomtrain_cmd, records, run_lo
 
 pytestmark = pytest.mark.slow
 
-STEPS = 48
+STEPS, GATE_STEP = 18, 9
 RUN = [
     *SMALL,
     *QUIET,
@@ -69,7 +70,8 @@ def test_a_lost_node_costs_only_speed_and_the_group_grows_back(ray_cluster, tmp_
         "train", TINY, "--ray", *RUN, *ELASTIC, f"ray.address={ray_cluster.address}",
         f"run.dir={run_dir}", f"data.cache_dir={cache}",
     )  # fmt: skip
-    env = ray_cluster.client_env(child_env(LOOMTRAIN_TEST_FAULTS="delay:0:0.8"))  # paced: a new host joins in time
+    gate = tmp_path / "grown"  # made once the group has grown back
+    env = ray_cluster.client_env(child_env(LOOMTRAIN_TEST_FAULTS=f"gate:0:{GATE_STEP}:{gate}"))
     host_b = ray_cluster.live_hosts(2)[1]
     lines: list[str] = []
     driver = ray_cluster.head.popen(
@@ -84,6 +86,7 @@ def test_a_lost_node_costs_only_speed_and_the_group_grows_back(ray_cluster, tmp_
         ray_cluster.wait_for_nodes([ray_cluster.head.addr])  # the cluster knows host B is gone
         ray_cluster.add_node()  # a fresh host joins: the next resize check grows the group
         grown = _wait(driver, lines, r"loomtrain: elastic: 4 of 2-4 workers", timeout=240, after=shrunk)
+        gate.touch()
         _wait(driver, lines, r"\bstep \d+/", timeout=240, after=grown)
         rest, _ = driver.communicate(timeout=300)
         lines += rest.splitlines()
