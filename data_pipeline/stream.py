@@ -169,7 +169,7 @@ def _source_list(source):
 
 
 PACK_BLOCK_WINDOWS = 1024  # documents are packed in blocks of about this many windows' worth of tokens
-FILL_SEARCH_BACKTRACKS = 32  # per window, how far best_fill searches past the greedy fill
+FILL_SEARCH_BACKTRACKS = 128  # per window, how far best_fill searches past the greedy fill
 
 
 class PackedWindows(NamedTuple):
