@@ -6,7 +6,7 @@ variant through the real loop (DeepSpeed engine, data stream per DP rank, clippi
 
 * fp32, same global batch (8 sequences of 32 tokens; one process accumulates 2 micro
   batches of 4): TP2 x DP2 at ZeRO 0-3 and DP4 at ZeRO 2 and 3 follow the single-process
-  losses for 10 steps within 1e-5.
+  losses for 6 steps within 1e-5.
 * the same with the optimizer offloaded to the CPU (ZeRO 2 and 3, client torch AdamW) and
   with activation checkpointing per block (ZeRO 1);
 * bf16: TP2 x DP2 at ZeRO 1 against one bf16 ZeRO-1 process within BF16_TOL (see there).
@@ -29,8 +29,9 @@ from loomtrain.launcher.planning import memory_model as mm
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
+STEPS = 6  # a wrong shard, a missing all-reduce or a wrong scale shows from step 1
 COMMON = [
-    "train.max_steps=10",
+    f"train.max_steps={STEPS}",
     *SMALL_MODEL,
     "train.seq_len=32",
     "train.micro_batch_size=4",
@@ -75,8 +76,8 @@ FP32_TOL = 1e-5
 # up to 2^-9 ~ 2e-3, and TP x DP changes the order of the reductions (row-parallel partial
 # sums, the TP and DP all-reduces), so the two runs' logits differ in the last bits from
 # step 1 and the trajectories drift apart a little each step. The loss is computed in fp32
-# from bf16 logits. 5e-3 over 10 steps (0.1% of a loss of ~5.5, a sixth of one bf16 ULP at
-# that magnitude, 2^-5) is rounding (measured: ~3e-4); a real bug -- a missing all-reduce, a
+# from bf16 logits. 5e-3 (0.1% of a loss of ~5.5, a sixth of one bf16 ULP at that magnitude,
+# 2^-5) is rounding (measured over 10 steps: ~3e-4); a real bug -- a missing all-reduce, a
 # wrong shard, a wrong gradient scale -- moves the loss by 1e-1 or more.
 BF16_TOL = 5e-3
 
@@ -106,7 +107,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == 10
+    assert len(a) == len(b) == STEPS
     return max(abs(x - y) for x, y in zip(a, b))
 
 
@@ -117,7 +118,7 @@ pytestmark = pytest.mark.slow
 def test_fp32_follows_single_process(runs, name):
     ref, got = _losses(runs / "ref"), _losses(runs / name)
     diff = _max_diff(ref, got)
-    print(f"\n{name} vs 1 process (fp32): max |loss diff| over 10 steps = {diff:.2e}")
+    print(f"\n{name} vs 1 process (fp32): max |loss diff| over {STEPS} steps = {diff:.2e}")
     assert diff <= FP32_TOL, list(zip(ref, got))
     assert got[-1] < got[0] - 0.1  # it trains
 
@@ -125,7 +126,7 @@ def test_fp32_follows_single_process(runs, name):
 def test_bf16_follows_single_process(runs):
     ref, got = _losses(runs / "bf16_ref"), _losses(runs / "bf16_z1")
     diff = _max_diff(ref, got)
-    print(f"\nbf16_z1 vs 1 process (bf16): max |loss diff| over 10 steps = {diff:.2e}")
+    print(f"\nbf16_z1 vs 1 process (bf16): max |loss diff| over {STEPS} steps = {diff:.2e}")
     assert diff <= BF16_TOL, list(zip(ref, got))
     assert got[-1] < got[0] - 0.1
 
