@@ -102,6 +102,12 @@ def test_metrics_logger_mirrors_to_run_storage_and_a_resume_on_a_fresh_host_keep
     steps = [json.loads(line)["step"] for line in read_object(f"{tb_uri(storage)}/metrics.jsonl").splitlines()]
     assert steps == [1, 2, 3]
 
+    # TensorBoard reads a folder's event files in name order, and a name is events.out.tfevents.
+    # {seconds}.{host}.{pid}.{writer count}: in one process within one second, writer 10 would sort
+    # before writer 9 (as it once did in CI). Attempts on two hosts are two processes seconds apart.
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.05)
     second = MetricsLogger(tmp_path / "host-b", max_steps=4, progress="plain", start_step=2, storage=storage)
     for step in (3, 4):
         second.log(step, {"loss": 10.0 + step})  # step 3 redone after the resume at step 2
