@@ -15,10 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
 from loomtrain.launcher.addresses import check_ray_address
 from loomtrain.model.config import ModelConfig
 from loomtrain.storage import is_uri, known_scheme
+
+
+def _cuda_available() -> bool:
+    # torch only where train.device=cuda asks for it: a config (preprocess, plan, a Ray driver)
+    # loads without importing torch (1.8 s).
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class ConfigError(ValueError):
@@ -243,7 +250,7 @@ class TrainConfig:
         check_choice(f"{prefix}.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_choice(f"{prefix}.device", self.device, DEVICES)
         check(
-            self.device != "cuda" or torch.cuda.is_available(),
+            self.device != "cuda" or _cuda_available(),
             f"{prefix}.device",
             "auto or cpu on a machine without CUDA",
             self.device,

@@ -13,31 +13,34 @@ meta_transformer: its shapes), cache (KVCache), generate, flops (closed-form
 parameter count and PaLM training FLOPs).
 """
 
-from .attention import Attention
-from .block import Block
-from .cache import KVCache
-from .config import ModelConfig
-from .feedforward import FeedForward
-from .flops import flops_per_token, param_count
-from .generate import sample_next
-from .loss import LMHead, linear_cross_entropy
-from .norms import RMSNorm, build_norm
-from .transformer import Transformer, init_tensors, meta_transformer
+from __future__ import annotations
 
-__all__ = [
-    "meta_transformer",
-    "Attention",
-    "Block",
-    "FeedForward",
-    "KVCache",
-    "LMHead",
-    "ModelConfig",
-    "RMSNorm",
-    "Transformer",
-    "build_norm",
-    "flops_per_token",
-    "init_tensors",
-    "linear_cross_entropy",
-    "param_count",
-    "sample_next",
-]
+# Lazy exports: a config (model.config: plain dataclasses) loads without torch, so `loomtrain
+# preprocess`, a Ray driver and a config check start in a fraction of a second.
+_EXPORTS = {
+    "Attention": "attention",
+    "Block": "block",
+    "KVCache": "cache",
+    "ModelConfig": "config",
+    "FeedForward": "feedforward",
+    "flops_per_token": "flops",
+    "param_count": "flops",
+    "sample_next": "generate",
+    "LMHead": "loss",
+    "linear_cross_entropy": "loss",
+    "RMSNorm": "norms",
+    "build_norm": "norms",
+    "Transformer": "transformer",
+    "init_tensors": "transformer",
+    "meta_transformer": "transformer",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
