@@ -20,9 +20,9 @@ from loomtrain.model.config import ModelConfig
 from loomtrain.storage import is_uri, known_scheme
 
 
-def _cuda_available() -> bool:
-    # torch only where train.device=cuda asks for it: a config (preprocess, plan, a Ray driver)
-    # loads without importing torch (1.8 s).
+def cuda_available() -> bool:
+    # torch only where a check asks for CUDA: a config (preprocess, plan, a Ray driver, a config
+    # error) loads without importing torch (1.8 s).
     import torch
 
     return torch.cuda.is_available()
@@ -250,7 +250,7 @@ class TrainConfig:
         check_choice(f"{prefix}.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_choice(f"{prefix}.device", self.device, DEVICES)
         check(
-            self.device != "cuda" or _cuda_available(),
+            self.device != "cuda" or cuda_available(),
             f"{prefix}.device",
             "auto or cpu on a machine without CUDA",
             self.device,

@@ -30,9 +30,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 from loomtrain.durable import atomic_write
-from loomtrain.launcher.config import RESUME_MODES, ConfigError, DataSource, RunConfig, check
+from loomtrain.launcher.config import RESUME_MODES, ConfigError, DataSource, RunConfig, check, cuda_available
 from loomtrain.launcher.rundir import run_dir
 from loomtrain.parallel.topology import check_tp
 from omegaconf import DictConfig, OmegaConf
@@ -353,7 +352,7 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
         t.seq_len,
     )
     check(
-        not p.compile or (t.device != "cpu" and torch.cuda.is_available()) or _cxx_available(),
+        not p.compile or (t.device != "cpu" and cuda_available()) or _cxx_available(),
         "parallel.compile",
         "false on a CPU without a C++ compiler (torch.compile's CPU backend builds with $CXX or g++)",
         p.compile,

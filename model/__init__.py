@@ -35,7 +35,7 @@ _EXPORTS = {
     "meta_transformer": "transformer",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [*_EXPORTS]
 
 
 def __getattr__(name: str):

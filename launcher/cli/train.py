@@ -21,12 +21,9 @@ from pathlib import Path
 
 from loomtrain.data_pipeline import DataError
 from loomtrain.launcher.checkpoints.store import CheckpointWriteError
-from loomtrain.launcher.checkpoints.weight_source import check_init_from
 from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
-from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
 from loomtrain.launcher.rundir import RunDirError, claim, run_dir
-from loomtrain.launcher.training.nonfinite import NonFiniteError
 from loomtrain.launcher.training.stopping import StoppedDuringStartUp, exit_code, stop_during_start_up
 
 # Disk trouble a user fixes (space, quota, permissions, a read-only mount, a name too long):
@@ -79,21 +76,12 @@ def _main(args: argparse.Namespace) -> int:
         cfg = resolve(args.config, args.overrides)
         # With --ray the world size is ray.num_workers; else what the launcher set (or 1).
         validate(cfg, cfg.ray.num_workers if args.ray else env_world_size())
-        check_init_from(cfg)  # reads the weights' headers: last, after the rules that read no file
     except ConfigError as exc:
         print(f"loomtrain: config error: {exc}", file=sys.stderr)
         return 2
-
-    if not args.ray and not args.force:  # before anything is allocated or written
-        try:
-            verdict = check_fits(cfg, env_world_size(), *local_ranks_from_env())
-        except ValueError as exc:  # a config the estimate cannot size
-            print(f"loomtrain: config error: {exc}", file=sys.stderr)
-            return 2
-        if not verdict.fits:
-            if os.environ.get("RANK", "0") == "0":
-                print(f"loomtrain: {verdict.message}", file=sys.stderr)
-            return 2
+    refused = _preflight(cfg, args)
+    if refused is not None:
+        return refused
 
     # One process per run owns RUN_DIR (see launcher/rundir.py): the Ray driver (it
     # outlives its worker groups' restarts), else global rank 0; the other ranks follow it.
@@ -123,6 +111,35 @@ def _main(args: argparse.Namespace) -> int:
         # start stopped before its first step has nothing to keep either
         if (rc == 2 or stopped) and owner and not args.ray and made is not None:
             _remove_if_no_step(run_dir(cfg), made)
+
+
+def _preflight(cfg, args: argparse.Namespace) -> int | None:
+    """The checks that read files and size the machine, after the config's own rules: model.init_from's
+    weights (their headers), and whether the run fits here, before anything is allocated or written.
+    -> an exit status when the run is refused. Their modules bring torch (2 s), which a config
+    error and a Ray driver (without init_from) do not wait for: imported when they run."""
+    if cfg.model.init_from:
+        from loomtrain.launcher.checkpoints.weight_source import check_init_from
+
+        try:
+            check_init_from(cfg)
+        except ConfigError as exc:
+            print(f"loomtrain: config error: {exc}", file=sys.stderr)
+            return 2
+    if args.ray or args.force:
+        return None
+    from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
+
+    try:
+        verdict = check_fits(cfg, env_world_size(), *local_ranks_from_env())
+    except ValueError as exc:  # a config the estimate cannot size
+        print(f"loomtrain: config error: {exc}", file=sys.stderr)
+        return 2
+    if not verdict.fits:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"loomtrain: {verdict.message}", file=sys.stderr)
+        return 2
+    return None
 
 
 def _first_missing(run_dir: Path) -> Path | None:
@@ -171,6 +188,7 @@ def _run_on_ray(cfg) -> int:
 def _run_here(cfg) -> int:
     from loomtrain.launcher.distributed import RendezvousError
     from loomtrain.launcher.training.loop import run_training
+    from loomtrain.launcher.training.nonfinite import NonFiniteError
 
     try:
         result = run_training(cfg)

@@ -30,8 +30,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 from loomtrain.durable import atomic_write
 
 STOP_FILE = "STOP"
@@ -166,6 +164,9 @@ class StopRequest:
 
     def agree(self, device) -> int:
         """The signal every rank stops for (0: none); all ranks call it at the same (vote) step."""
+        import torch  # loaded by then; not at import: the CLI's start-up signals need no torch
+        import torch.distributed as dist
+
         signum = self.pending()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             t = torch.tensor([signum], dtype=torch.int32, device=device)  # NCCL: on the GPU
