@@ -1,4 +1,4 @@
-"""A private Ray head for a test module: loopback only, token auth, own temp dir.
+"""A private Ray head for the test session: loopback only, token auth, own temp dir.
 
 `ray_head` starts `ray start --head --block` in its own process group, on free
 ports (GCS, dashboard, client server, agents, metrics) and with its own
@@ -137,11 +137,9 @@ def stop_ray_head(head: RayHead) -> None:
     shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_head():
-    """A private Ray head for the test module; client env set in this process. Stopped with the
-    module: an idle head (and this process's driver connection) costs ~0.07 of a core for as long
-    as it lives, which over a whole session came to more than a start per module (~9 CPU-s)."""
+    """One private Ray head per test session; client env set in this process."""
     head = start_ray_head()
     saved = {k: os.environ.get(k) for k in (*head.env, "RAY_ADDRESS")}
     os.environ.update(head.env)
