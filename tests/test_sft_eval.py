@@ -150,3 +150,23 @@ def test_a_masked_run_at_zero_3_follows_the_zero_0_run(tmp_path, chat_shards):
     got = run_training(sft_cfg(tmp_path / "zero3", chat_shards, *common, "parallel.zero_stage=3"))
     assert got.losses == pytest.approx(ref.losses, rel=1e-5, abs=0)
     assert got.evals[3] == pytest.approx(ref.evals[3], rel=1e-5, abs=0)
+
+
+@pytest.mark.slow  # compiles the block with a document mask, ~10 s
+def test_a_compiled_run_with_document_masking_follows_the_eager_run(tmp_path, chat_shards):
+    """parallel.compile with packed chat records: the blocks compile with the document mask and
+    the positions that restart at each record, and give the eager run's losses."""
+    from loomtrain.launcher.hooks import Hooks
+    from loomtrain.launcher.training.loop import run_training
+
+    class Seen(Hooks):
+        def on_train_end(self, ctx):
+            self.masking = ctx.train_stream.document_masking
+            self.compiled = all(b._compiled_call_impl is not None for b in ctx.model.blocks)
+
+    steps = ["train.max_steps=3", "eval.every_steps=0", "eval.num_samples=0"]
+    eager = run_training(sft_cfg(tmp_path / "eager", chat_shards, *steps))
+    seen = Seen()
+    compiled = run_training(sft_cfg(tmp_path / "compiled", chat_shards, *steps, "parallel.compile=true"), [seen])
+    assert seen.masking and seen.compiled
+    assert compiled.losses == pytest.approx(eager.losses, abs=1e-4)
