@@ -163,3 +163,31 @@ def test_dry_run_warns_about_each_relative_path_the_cluster_will_not_have(tmp_pa
     absolute = [f"run.dir={tmp_path / 'run'}", "data.path=s3://bucket/code", f"data.cache_dir={tmp_path}"]
     assert cli.main(["submit", config, *absolute, "--dry-run"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_submission_waits_for_a_just_started_clusters_job_agent_and_other_refusals_are_one_line(monkeypatch):
+    from loomtrain.launcher.cluster import jobs
+
+    monkeypatch.setattr(jobs.time, "sleep", lambda s: None)
+
+    class Cluster:  # Ray's client as a head answers in the seconds after it started
+        def __init__(self, refusals: list[str]):
+            self.refusals, self.calls = refusals, 0
+
+        def submit_job(self, **job):
+            self.calls += 1
+            if self.refusals:
+                raise RuntimeError(self.refusals.pop(0))
+            return "raysubmit_1"
+
+    starting = Cluster(
+        ["Request failed with status code 500: No available agent to submit job, please try again later."] * 2
+    )
+    assert jobs.submit_when_ready(starting, entrypoint="true") == "raysubmit_1" and starting.calls == 3
+    refused = Cluster(["Request failed with status code 400: bad runtime_env"])
+    with pytest.raises(jobs.JobsError, match="^submission refused: .*bad runtime_env$"):
+        jobs.submit_when_ready(refused, entrypoint="true")
+    assert refused.calls == 1
+    never = Cluster(["No available agent to submit job, please try again later."] * 10)
+    with pytest.raises(jobs.JobsError, match="No available agent"):
+        jobs.submit_when_ready(never, wait_s=0, entrypoint="true")

@@ -202,6 +202,23 @@ def warn_relative_paths(cfg) -> None:
         )
 
 
+AGENT_WAIT_S = 60.0  # a just-started head's job agent registers seconds after its dashboard answers
+
+
+def submit_when_ready(client, wait_s: float = AGENT_WAIT_S, **job) -> str:
+    """client.submit_job(**job), tried again for up to `wait_s` while the cluster has no job agent
+    yet (Ray: "No available agent to submit job, please try again later": a head started seconds
+    ago); any other refusal, or that one after `wait_s`, is one JobsError line."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() >= deadline:
+                raise JobsError(f"submission refused: {e}") from None
+        time.sleep(1.0)
+
+
 def submit(
     config: str,
     overrides: list[str],
@@ -247,15 +264,13 @@ def submit(
         config_in_job = stage_project(Path(tmp), config)
         entrypoint = build_entrypoint(config_in_job, overrides)
         runtime_env = {"working_dir": tmp, "env_vars": env_vars}
-        try:
-            job_id = client.submit_job(
-                entrypoint=entrypoint,
-                runtime_env=runtime_env,
-                submission_id=submission_id,
-                metadata={"loomtrain_config": config},
-            )
-        except RuntimeError as e:
-            raise JobsError(f"submission refused: {e}") from None
+        job_id = submit_when_ready(
+            client,
+            entrypoint=entrypoint,
+            runtime_env=runtime_env,
+            submission_id=submission_id,
+            metadata={"loomtrain_config": config},
+        )
     print(job_id)
     print(f"loomtrain: submitted {job_id}: {entrypoint}", file=sys.stderr)
     print(f"loomtrain: follow with `loomtrain logs {job_id} --follow`", file=sys.stderr)
