@@ -18,8 +18,9 @@ the position is a multiple of m*d.
 
 Document masking (`document_masking`, default: on when a source holds instruction or chat
 records, off for text): a sample is a packed window instead: whole documents, packed best-fit
-(longest first, each into the fullest window it fits) within blocks of consecutive documents,
-the rest of a window padded with EOS; a document longer than seq_len + 1 tokens (text only) is
+(a window opens with the longest document left, and a short search picks the documents that fill
+the rest best) within blocks of consecutive documents, the rest of a window padded with EOS; a
+document longer than seq_len + 1 tokens (text only) is
 cut into pieces of seq_len + 1 that share a boundary token, like the windows above, and its tail
 is packed as a document. Samples are then these windows, permuted and dealt out exactly as above. The
 batch is (inputs, targets, document_ids): ids count the documents of each row from 0 (padding
