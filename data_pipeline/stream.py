@@ -20,13 +20,13 @@ Document masking (`document_masking`, default: on when a source holds instructio
 records, off for text): a sample is a packed window instead: whole documents, packed best-fit
 (a window opens with the longest document left, and a short search picks the documents that fill
 the rest best) within blocks of consecutive documents, the rest of a window padded with EOS; a
-document longer than seq_len + 1 tokens (text only) is
-cut into pieces of seq_len + 1 that share a boundary token, like the windows above, and its tail
-is packed as a document. Samples are then these windows, permuted and dealt out exactly as above. The
-batch is (inputs, targets, document_ids): ids count the documents of each row from 0 (padding
-is one more), and a target is -100 (not trained on) where it is padding, the first token of
-another document, or not a target in the shards' loss mask. Without document masking, a loss
-mask still sets its non-targets to -100 in the plain windows.
+document longer than seq_len + 1 tokens (text only) is cut into pieces of seq_len + 1 that share
+a boundary token, like the windows above, and its tail is packed as a document. Samples are then
+these windows, permuted and dealt out exactly as above. The batch is (inputs, targets,
+document_ids): ids count the documents of each row from 0 (padding is one more), and a target
+is -100 (not trained on) where it is padding, the first token of another document, or not a
+target in the shards' loss mask. Without document masking, a loss mask still sets its
+non-targets to -100 in the plain windows.
 
 Mixtures (several shard directories with weights): a `Blend` maps global
 position P to one source k and a position p_k inside it, deterministically;
