@@ -5,7 +5,7 @@ and optimizer states at the configured ZeRO stage and TP, activations, FLOPs per
 step, TP/DP communication per step, and step time / tokens/s / MFU on the named
 GPU at an assumed MFU; then host RAM per node at start-up and during a save or resume,
 the checkpoint's size and the time to save it at a stated storage bandwidth. The model is
-built full-size on the meta device (parallel.materialize.meta_transformer), so a 70 B config is
+built full-size on the meta device (loomtrain.model.meta_transformer), so a 70 B config is
 counted without allocating its weights. The arithmetic and its sources are in
 `loomtrain.launcher.planning.memory_model` and (host, checkpoint)
 `loomtrain.launcher.planning.host_model`; this module loads a config into a Plan
