@@ -7,12 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    # launch.child_env: without the rendezvous variables an in-process test of this pytest process
+    # may have set (a script handed its MASTER_PORT tried to listen where this process listens).
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     return subprocess.run([*args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,4 +1,5 @@
-"""Engine pieces checked without processes: activation checkpointing, the test fault plugin's grammar, SkipGuard."""
+"""Engine pieces checked without processes: activation checkpointing, the test fault plugin's grammar,
+SkipGuard; and in a fresh interpreter, the deferred compile of DeepSpeed's Muon modules."""
 
 from __future__ import annotations
 
@@ -137,3 +138,28 @@ def test_skip_guard_on_the_device_with_a_fused_optimizer(monkeypatch):
     assert guard.skipped_steps == 3
     with pytest.raises(NonFiniteError, match=r"max_consecutive_skips=2: optimizer steps 4-5"):
         guard.after_step(6, 2.0)
+
+
+def test_deepspeeds_muon_modules_load_without_torch_inductor_and_compile_at_first_call():
+    """A ZeRO or bf16 engine imports DeepSpeed's Muon modules (for isinstance checks): with their
+    `@torch.compile` deferred, a start imports no torch._inductor (~3 CPU-s per rank); Muon's
+    functions stay compiled functions, compiled when first called."""
+    import subprocess
+    import sys
+
+    from launch import child_env
+
+    code = """
+import sys
+from loomtrain.launcher.training.engine import import_muon_compiled_on_first_call
+import_muon_compiled_on_first_call()
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.muon.original_muon import muon_update
+from deepspeed.runtime import compiler
+import torch
+assert "torch._inductor.compile_fx" not in sys.modules, "inductor imported"
+assert muon_update.__name__ == "muon_update" and compiler.compile() is torch.compile
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

@@ -43,8 +43,6 @@ import torch
 import torch.distributed as dist
 from loomtrain.durable import atomic_write, naming
 from loomtrain.launcher.observe.mirror import Mirror, restore_metrics, tb_uri
-from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
@@ -332,6 +330,9 @@ class MetricsLogger:
         atomic_write(path, "".join(kept))  # a crash here keeps the earlier records
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
+            # Imported here: every rank imports this module, only rank 0 writes (0.3 s a process).
+            from torch.utils.tensorboard import SummaryWriter
+
             _quiet_tensorboard_thread()
             # purge_step: TensorBoard hides older events from step start_step + 1 on.
             with self._tensorboard():
@@ -360,6 +361,8 @@ class MetricsLogger:
         """The resolved config as TensorBoard hyperparameters (in this run's own event file)."""
         if self.writer is None:
             return
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
         exp, ssi, sei = hparams_summary(_hparams(hparams_order(flatten(config))), {m: float("nan") for m in metrics})
         with self._tensorboard():
             fw = self.writer._get_file_writer()

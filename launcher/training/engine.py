@@ -18,7 +18,9 @@ engine construction has this one home.
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -144,10 +146,45 @@ def zero3_partitioner(cfg: RunConfig, topology, dtype: torch.dtype) -> Callable[
     return partition
 
 
+MUON_MODULES = ("deepspeed.runtime.zero.muon.original_muon", "deepspeed.runtime.zero.muon.muon_optimizer")
+
+
+def import_muon_compiled_on_first_call() -> None:
+    """Import DeepSpeed's Muon modules with their `@torch.compile` deferred to the first call.
+
+    DeepSpeed imports them in every ZeRO or bf16 engine, for `isinstance(optimizer,
+    MuonWithAuxAdam)` checks; their module-level `@compiler.compile()` calls `torch.compile`,
+    which imports all of torch._inductor: ~3 CPU-s per rank at every start, for an optimizer
+    loomtrain never builds. Deferred, Muon still compiles, at its first call."""
+    if all(name in sys.modules for name in MUON_MODULES):
+        return
+    from deepspeed.runtime import compiler
+
+    def compile_on_first_call(fn):
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            compiled = compiled or torch.compile(fn)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    eager_compile = compiler.compile
+    compiler.compile = lambda: compile_on_first_call
+    try:
+        for name in MUON_MODULES:
+            __import__(name)
+    finally:
+        compiler.compile = eager_compile
+
+
 def build_engine(cfg: RunConfig, model: nn.Module, dp_size: int, mpu: Any = None):
     """-> (engine, optimizer, lr_scheduler). The process group must exist already."""
     import deepspeed
 
+    import_muon_compiled_on_first_call()
     optimizer = build_optimizer(cfg, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer, _, scheduler = deepspeed.initialize(
