@@ -460,6 +460,11 @@ def _set_up(
     )
     if env.n_hosts > 1:
         log.message(f"loomtrain: {env.placement()}; process group over {env.interface}")
+    if getattr(train_stream, "document_masking", False):
+        log.message(
+            "loomtrain: document masking: attention stays inside each packed document and positions restart "
+            "(kernel: SDPA with a dense per-sequence mask; no varlen or flex-attention kernel yet)"
+        )
     if start_step >= t.max_steps:
         log.message(
             f"nothing to train: {run_dir} is already at step {start_step} (train.max_steps={t.max_steps}); "
