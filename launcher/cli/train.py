@@ -76,12 +76,14 @@ def _main(args: argparse.Namespace) -> int:
         cfg = resolve(args.config, args.overrides)
         # With --ray the world size is ray.num_workers; else what the launcher set (or 1).
         validate(cfg, cfg.ray.num_workers if args.ray else env_world_size())
+        misfit = _preflight(cfg, args)
     except ConfigError as exc:
         print(f"loomtrain: config error: {exc}", file=sys.stderr)
         return 2
-    refused = _preflight(cfg, args)
-    if refused is not None:
-        return refused
+    if misfit is not None:  # the run does not fit here: rank 0 says why, every rank stops
+        if os.environ.get("RANK", "0") == "0":
+            print(f"loomtrain: {misfit}", file=sys.stderr)
+        return 2
 
     # One process per run owns RUN_DIR (see launcher/rundir.py): the Ray driver (it
     # outlives its worker groups' restarts), else global rank 0; the other ranks follow it.
@@ -113,19 +115,15 @@ def _main(args: argparse.Namespace) -> int:
             _remove_if_no_step(run_dir(cfg), made)
 
 
-def _preflight(cfg, args: argparse.Namespace) -> int | None:
+def _preflight(cfg, args: argparse.Namespace) -> str | None:
     """The checks that read files and size the machine, after the config's own rules: model.init_from's
     weights (their headers), and whether the run fits here, before anything is allocated or written.
-    -> an exit status when the run is refused. Their modules bring torch (2 s), which a config
-    error and a Ray driver (without init_from) do not wait for: imported when they run."""
+    Raises ConfigError; -> why the run does not fit here, or None. Their modules bring torch (2 s),
+    which a config error and a Ray driver (without init_from) do not wait for: imported when they run."""
     if cfg.model.init_from:
         from loomtrain.launcher.checkpoints.weight_source import check_init_from
 
-        try:
-            check_init_from(cfg)
-        except ConfigError as exc:
-            print(f"loomtrain: config error: {exc}", file=sys.stderr)
-            return 2
+        check_init_from(cfg)
     if args.ray or args.force:
         return None
     from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
@@ -133,13 +131,8 @@ def _preflight(cfg, args: argparse.Namespace) -> int | None:
     try:
         verdict = check_fits(cfg, env_world_size(), *local_ranks_from_env())
     except ValueError as exc:  # a config the estimate cannot size
-        print(f"loomtrain: config error: {exc}", file=sys.stderr)
-        return 2
-    if not verdict.fits:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"loomtrain: {verdict.message}", file=sys.stderr)
-        return 2
-    return None
+        raise ConfigError(str(exc)) from None
+    return None if verdict.fits else verdict.message
 
 
 def _first_missing(run_dir: Path) -> Path | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -157,9 +156,8 @@ def import_muon_compiled_on_first_call() -> None:
     DeepSpeed imports them in every ZeRO or bf16 engine, for `isinstance(optimizer,
     MuonWithAuxAdam)` checks; their module-level `@compiler.compile()` calls `torch.compile`,
     which imports all of torch._inductor: ~3 CPU-s per rank at every start, for an optimizer
-    loomtrain never builds. Deferred, Muon still compiles, at its first call."""
-    if all(name in sys.modules for name in MUON_MODULES):
-        return
+    loomtrain never builds. Deferred, Muon still compiles, at its first call. (Once imported, the
+    imports below are no-ops.)"""
     from deepspeed.runtime import compiler
 
     def compile_on_first_call(fn):
