@@ -164,7 +164,8 @@ def checkpoint_rig(model_args: list[str], tp: int, run_dir: str | Path):
         world_size=world,
     )
     ctx = engine_context(cfg, run_dir=str(run_dir))
-    return ctx, Training(ctx.engine, ctx.topology, zero_stage=zero)
+    # staging: the async snapshot's host buffers kept from one save to the next, as the checkpoint hook keeps them
+    return ctx, Training(ctx.engine, ctx.topology, zero_stage=zero, staging={})
 
 
 class RepeatBatch:

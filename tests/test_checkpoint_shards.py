@@ -105,13 +105,12 @@ def test_a_flipped_value_is_named_by_the_rank_reading_it(tmp_path):
     last = list(TENSORS)[-1]
     # a target that does not touch the damaged tile reads fine
     assert torch.equal(reader.read(last, None, Region(shard_box([33], None), (0, 4))), TENSORS[last][:4])
-    with pytest.raises(CorruptCheckpoint, match="rank_1.safetensors.*fails its sha256"):
+    with pytest.raises(CorruptCheckpoint, match="rank_1.safetensors.*fails its xxh3_128 checksum"):
         reader.full(last)
 
 
-def test_a_damaged_tile_is_found_by_the_rank_reading_it_and_resume_takes_the_previous(tmp_path, one_thread):
-    """Rank 0 checks only sizes before a resume; the reader checks the sha256 of every tile it
-    reads, so one flipped bit in a moment names the file, and the previous checkpoint is used."""
+def tiny_run(tmp_path, *overrides: str, hooks=()):
+    """The tiny config shrunk to a few seconds, checkpoints every 2 steps, run in this process."""
     from pathlib import Path
 
     from loomtrain.launcher.config_loader import load_config
@@ -135,7 +134,13 @@ def test_a_damaged_tile_is_found_by_the_rank_reading_it_and_resume_takes_the_pre
         f"run.dir={tmp_path / 'run'}",
         f"data.cache_dir={tmp_path / 'cache'}",
     ]
-    run_training(load_config(tiny, [*over, "train.max_steps=4"]))
+    return run_training(load_config(tiny, [*over, *overrides]), hooks=hooks)
+
+
+def test_a_damaged_tile_is_found_by_the_rank_reading_it_and_resume_takes_the_previous(tmp_path, one_thread):
+    """Rank 0 checks only sizes before a resume; the reader checks the checksum of every tile it
+    reads, so one flipped bit in a moment names the file, and the previous checkpoint is used."""
+    tiny_run(tmp_path, "train.max_steps=4")
     victim = tmp_path / "run" / "checkpoints" / "step_00000004" / "optim" / "rank_00000.safetensors"
     raw = bytearray(victim.read_bytes())
     raw[-5] ^= 0x10  # the last moment's last value: same size, so only its checksum can tell
@@ -148,19 +153,87 @@ def test_a_damaged_tile_is_found_by_the_rank_reading_it_and_resume_takes_the_pre
         def on_train_start(self, ctx):
             seen["from"] = str(ctx.resumed_from)
 
-    result = run_training(load_config(tiny, [*over, "train.max_steps=5"]), hooks=[Resumed()])
+    result = tiny_run(tmp_path, "train.max_steps=5", hooks=[Resumed()])
     assert seen["from"] == str(tmp_path / "run" / "checkpoints" / "step_00000002")
     assert result.steps == [3, 4, 5]
 
 
 def test_tile_hashes_are_the_formats_own():
-    """The tile geometry and hashing are part of the format: checkpoints saved before the faster
-    writer (same values, same tiles) must keep verifying. Recorded from the first writer."""
+    """The tile geometry and hashing are part of the format: checkpoints saved before (same
+    values, same tiles) must keep verifying. v2's sha256 tiles recorded from the first writer,
+    v3's XXH3-128 ones from the first v3 writer."""
     import hashlib
     import json
 
     values = torch.arange(630, dtype=torch.float32) * 0.5 - 100
     piece = {"w": values[13:500].clone(), "m": (values[13:500] * 2).clone()}
-    tiles = tile_hashes(Region(shard_box([70, 9], None), (13, 500)), [70, 9], piece)
-    digest = hashlib.sha256(json.dumps(tiles).encode()).hexdigest()
-    assert digest == "89640b1f8dd529ef4daad8a90a148abcc160f42617a3176c1dc8ffd8f25c6d79"
+    region = Region(shard_box([70, 9], None), (13, 500))
+    v2 = tile_hashes(region, [70, 9], piece, "sha256")
+    assert hashlib.sha256(json.dumps(v2).encode()).hexdigest() == (
+        "89640b1f8dd529ef4daad8a90a148abcc160f42617a3176c1dc8ffd8f25c6d79"
+    )
+    v3 = tile_hashes(region, [70, 9], piece)
+    assert [row[:2] for row in v3] == [row[:2] for row in v2] and len(v3[0][2]) == 32
+    assert hashlib.sha256(json.dumps(v3).encode()).hexdigest() == (
+        "598a462af18a0b89f2b0ffbbd8c127954d5a5ebeb5b32ebaf53a23f4bbbac75e"
+    )
+
+
+def as_v2(step_dir):
+    """Rewrite a checkpoint as format v2 wrote it: the same files, sha256 tile checksums."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load_file
+
+    index_path, manifest_path = step_dir / "model" / "index.json", step_dir / "manifest.json"
+    index = json.loads(index_path.read_text())
+    files = {}
+    for name, entry in index["params"].items():
+        for piece in entry["pieces"]:
+            f = piece["file"]
+            if f not in files:
+                files[f] = {**load_file(step_dir / "model" / f), **load_file(step_dir / "optim" / f)}
+            values = {"weight": files[f][name], **{k: files[f][f"{name}/{k}"] for k in ("exp_avg", "exp_avg_sq")}}
+            piece["tiles"] = tile_hashes(Region.from_json(piece), entry["shape"], values, "sha256")
+    index["format"] = "loomtrain-sharded-v2"
+    del index["tile_checksum"]
+    index_path.write_text(json.dumps(index))
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["model/index.json"] = {
+        "size": index_path.stat().st_size,
+        "sha256": hashlib.sha256(index_path.read_bytes()).hexdigest(),
+    }
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_with_v2s_sha256_tiles_resumes_the_same_and_names_a_damaged_tile(tmp_path, one_thread):
+    """Format v3 changed only the tile checksum (sha256 -> XXH3-128); a v2 checkpoint resumes
+    to the very same step as its v3 twin, and a flipped byte in it is named as failing sha256."""
+    import shutil
+
+    from loomtrain.launcher.hooks import Hooks
+
+    tiny_run(tmp_path / "v3", "train.max_steps=4")
+    shutil.copytree(tmp_path / "v3", tmp_path / "v2")
+    as_v2(tmp_path / "v2" / "run" / "checkpoints" / "step_00000004")
+    seen = []
+
+    class Resumed(Hooks):
+        def on_train_start(self, ctx):
+            seen.append(ctx.resumed_from.name)
+
+    v3 = tiny_run(tmp_path / "v3", "train.max_steps=5", hooks=[Resumed()])
+    v2 = tiny_run(tmp_path / "v2", "train.max_steps=5", hooks=[Resumed()])
+    assert seen == ["step_00000004", "step_00000004"] and v2.steps == v3.steps == [5]
+    assert v2.losses == v3.losses
+    victim = tmp_path / "v2" / "run" / "checkpoints" / "step_00000004" / "model" / "rank_00000.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-5] ^= 0x10
+    victim.write_bytes(bytes(raw))
+    from loomtrain.launcher.checkpoints.state import open_reader
+
+    reader = open_reader(victim.parents[1])
+    with pytest.raises(CorruptCheckpoint, match=rf"{victim}: .* fails its sha256 checksum"):
+        for name in reader.names():
+            reader.full(name)

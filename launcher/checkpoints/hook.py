@@ -76,6 +76,7 @@ class CheckpointHook(Hooks):
         self.last_saved = -1
         self.in_flight: BackgroundSave | None = None
         self.saves: list[dict] = []  # per save: step, blocked_s, write/publish times (ctx.checkpoint_saves)
+        self.staging: dict = {}  # the async snapshots' host buffers, reused (save() waits for the last first)
 
     # Hooks -----------------------------------------------------------------------------
     def on_train_start(self, ctx: TrainContext) -> None:
@@ -266,6 +267,7 @@ class CheckpointHook(Hooks):
             stream=ctx.train_stream,
             lr_scheduler=ctx.scheduler,
             train_state=ctx.state,
+            staging=self.staging,
         )
 
     @staticmethod

@@ -53,6 +53,11 @@ class Training:
     stream: Any = None  # the data stream (state_dict / load_state_dict)
     lr_scheduler: Any = None  # None: the engine's own
     train_state: Any = None  # the loop's counters (state_dict / load_state_dict)
+    # Host buffers an async snapshot copies into, kept from one save to the next ((name, key) ->
+    # tensor): fresh memory costs a page fault per page (pinned memory on a GPU host far more),
+    # a reused buffer only the copy. None: a new copy each time. The caller lets a save finish
+    # before the next snapshot overwrites them.
+    staging: dict | None = None
 
     @property
     def scheduler(self):
@@ -70,10 +75,16 @@ class Part(Protocol):
     def put(self, training: Training, ckpt) -> None: ...
 
 
-def _to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:
-    if t.device.type == "cpu":
-        return t.detach().clone() if copy else t.detach()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+def _to_host(t: torch.Tensor, copy: bool, staging: dict | None, key: tuple) -> torch.Tensor:
+    """t on the host: a view of it (copy=False, a CPU tensor) or a copy, into staging's buffer
+    for `key` where there is one of its shape."""
+    if t.device.type == "cpu" and not copy:
+        return t.detach()
+    host = staging.get(key) if staging is not None else None
+    if host is None or host.shape != t.shape or host.dtype != t.dtype:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+        if staging is not None:
+            staging[key] = host
     host.copy_(t.detach())
     return host
 
@@ -91,7 +102,10 @@ class Tensors:
             if b <= a:
                 continue
             values = {
-                ("weight" if k is None else k): _to_host(held_values(engine, p, k)[a - ha : b - ha], copy) for k in KEYS
+                ("weight" if k is None else k): _to_host(
+                    held_values(engine, p, k)[a - ha : b - ha], copy, training.staging, (name, k)
+                )
+                for k in KEYS
             }
             snap.pieces[name] = (Region(local_box(p), (a, b)), values)
 

@@ -12,7 +12,8 @@ layout-free form, under our control (see shards.py for the piece/tile geometry):
                                    parameter (its TP shard's ZeRO partition, or a slice of it)
     optim/rank_RRRRR.safetensors   the same pieces of the Adam moments "<name>/exp_avg", "<name>/exp_avg_sq"
     model/index.json               per parameter: full shape, and per piece the file, the region
-                                   of the full tensor it covers and a sha256 per tile
+                                   of the full tensor it covers and a checksum per tile
+                                   (XXH3-128; sha256 in v2 checkpoints, which still load)
     trainer.json                   step, tokens, time, Adam step, LR schedule, engine counters,
                                    world layout (tp, dp, zero stage)
     data/dp_DDDDD.json             each data-parallel rank's stream state (global position)
@@ -58,6 +59,7 @@ from loomtrain.launcher.checkpoints.parts import PARTS, Training
 from loomtrain.launcher.checkpoints.shards import (
     GRID_COLS,
     GRID_ROWS,
+    TILE_CHECKSUM,
     CorruptCheckpoint,
     Region,
     ShardedReader,
@@ -76,7 +78,10 @@ from loomtrain.launcher.checkpoints.store import (
 from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
 from loomtrain.storage import is_uri
 
-FORMAT = "loomtrain-sharded-v2"
+FORMAT = "loomtrain-sharded-v3"
+# The formats a resume reads -> their tile checksum: v2 (before December 2026's faster save) had
+# sha256 tiles, v3 XXH3-128 ones; the layout of both is the same.
+READS = {"loomtrain-sharded-v2": "sha256", FORMAT: TILE_CHECKSUM}
 
 
 # Save ---------------------------------------------------------------------------------
@@ -155,7 +160,7 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp) -> None:
                     "tiles": tile_hashes(region, snap.shapes[name], values),
                 }
             for rel, written in ((model_rel, model_file), (optim_rel, optim_file)):
-                files[rel] = {**written.result(), "tile_sha256": "model/index.json"}
+                files[rel] = {**written.result(), "tile_checksums": "model/index.json"}
     rng_rel = f"rng/rank_{rank:05d}.safetensors"
     files[rng_rel] = _write_tensors(store, tmp, rng_rel, *snap.rng)
     if snap.data is not None:
@@ -188,7 +193,7 @@ def publish_snapshot(store: CheckpointStore, tmp, step: int, world: int) -> Path
         covered = sum(real_count(Region.from_json(pc), rows, cols) for pc in entry["pieces"])
         if covered != rows * cols:
             raise RuntimeError(f"checkpoint step {step}: {name}: the ranks wrote {covered} of {rows * cols} values")
-    index = {"format": FORMAT, "grid": [GRID_ROWS, GRID_COLS], "params": params}
+    index = {"format": FORMAT, "grid": [GRID_ROWS, GRID_COLS], "tile_checksum": TILE_CHECKSUM, "params": params}
     store.write_raw(tmp, "model/index.json", _compact_json(index))
     return store.publish(tmp, step, meta)
 
@@ -246,12 +251,12 @@ def open_reader(path: str | os.PathLike, manifest: dict | None = None) -> Sharde
     path = _location(path)
     manifest = manifest if manifest is not None else read_manifest(path)
     index = json.loads(verified_bytes(path, "model/index.json", manifest))
-    if index.get("format") != FORMAT:
+    if index.get("format") not in READS:
         raise CorruptCheckpoint(
-            f"{_file_of(path, 'model/index.json')}: format {index.get('format')!r}, expected "
-            f"{FORMAT!r} (checkpoints of older loomtrain versions do not load)"
+            f"{_file_of(path, 'model/index.json')}: format {index.get('format')!r}, expected one of "
+            f"{', '.join(map(repr, READS))} (checkpoints of older loomtrain versions do not load)"
         )
-    return ShardedReader(path, index, FILES, TILE_KEYS)
+    return ShardedReader(path, index, FILES, TILE_KEYS, READS[index["format"]])
 
 
 class ConsolidatedReader:
@@ -295,7 +300,7 @@ def load_checkpoint(path: str | os.PathLike, training: Training) -> dict:
 
     Every rank calls it after deepspeed.initialize and reads only its slices: its TP shard of
     the weights (at ZeRO-3 only its partition) and its partition of the Adam moments, checking
-    the sha256 of every tile it reads. Returns trainer.json (step, counters, ...) plus
+    the checksum of every tile it reads. Returns trainer.json (step, counters, ...) plus
     "bytes_read" (tensor bytes this rank read) and "files_read" (the tensor files it opened).
     A damaged file raises CorruptCheckpoint; another model's checkpoint ValueError."""
     path = _location(path)

@@ -19,14 +19,15 @@ Every figure comes from the config and the layout (`loomtrain.parallel.plan`):
   through host memory), so per rank the share plus the process allowance.
 * Save time: the nodes write in parallel, each at the stated storage bandwidth
   (--storage-gbps, GB/s per node): checkpoint bytes / (nodes x bandwidth) for a
-  synchronous save: the storage is assumed to set the pace. (On a 2-core machine, where the
-  sha256 of each byte competes with the writes for the cores, a save measures 0.6-0.7x of
-  `dd conv=fsync`'s rate: benchmarks/checkpoint_speed.py.) An async save blocks training
+  synchronous save: the storage is assumed to set the pace. (On a 2-core machine a save
+  measures 0.75x-1x of `dd conv=fsync`'s rate at world 1, 0.5-0.6x with four ranks sharing
+  the two cores: benchmarks/checkpoint_speed.py.) An async save blocks training
   only while each rank copies its share to host memory (HOST_COPY_GBPS per GPU, pinned
   device-to-host over PCIe; on a CPU device a host memcpy, CPU_COPY_GBPS).
 * Resume time: each rank reads its share (its TP shard of the weights, whole over DP below
-  ZeRO-3, and its partition of the moments) and checks the sha256 of what it reads, at
-  HASH_GBPS per rank; the nodes read at the storage bandwidth. The slower of the two.
+  ZeRO-3, and its partition of the moments), checks the tile checksums of what it reads and
+  copies it into the engine, at RESUME_GBPS per rank; the nodes read at the storage bandwidth.
+  The slower of the two.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ DEFAULT_NODE_RAM_GIB = 1024.0  # a 1 TB host
 HOST_COPY_GBPS = 20.0  # pinned device-to-host per GPU (PCIe Gen4 x16 ~25 GB/s; conservative)
 CPU_COPY_GBPS = 5.0  # host memcpy of one rank's share on a CPU "device"
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master + Adam exp_avg + exp_avg_sq
-HASH_GBPS = 1.4  # sha256 on one core with SHA extensions (measured: benchmarks/checkpoint_speed.py's floor)
+# a resume's read from the page cache, tile check (XXH3-128) and copy into the engine, one rank
+# on one core: 1.2 GB in 0.9 s at world 1 (benchmarks/checkpoint_speed.py, December 2026)
+RESUME_GBPS = 1.3
 
 
 @dataclass
@@ -124,7 +127,7 @@ def host_plan(
         save_sync_s=ckpt / (nodes * storage),
         save_async_blocked_s=share / copy,
         resume_bytes_per_rank=resume_read,
-        resume_s=max(per_node * resume_read / storage, resume_read / (HASH_GBPS * 1e9)),
+        resume_s=max(per_node * resume_read / storage, resume_read / (RESUME_GBPS * 1e9)),
     )
 
 
@@ -165,8 +168,8 @@ def format_host(h: HostPlan) -> list[str]:
         f"(all {h.nodes} node{'s' if h.nodes > 1 else ''} writing); async blocks training "
         f"{format_seconds(h.save_async_blocked_s)} (the copy to host memory), then writes in the background",
         f"  resume            {format_seconds(h.resume_s):>12}   (each rank reads "
-        f"{format_bytes(h.resume_bytes_per_rank)} at {h.storage_bps / 1e9:g} GB/s per node and checks its "
-        f"sha256 at {HASH_GBPS:g} GB/s per rank, the slower of the two)",
+        f"{format_bytes(h.resume_bytes_per_rank)} at {h.storage_bps / 1e9:g} GB/s per node, checks it "
+        f"and places it at {RESUME_GBPS:g} GB/s per rank, the slower of the two)",
     ]
     verdict = "fits" if h.startup_fits else "DOES NOT FIT"
     lines.append(
