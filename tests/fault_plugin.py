@@ -279,18 +279,18 @@ def _wrap_checkpoints(write: bool, publish: bool) -> None:
         store.write_json_durable = _wrapped.pop("write_json_durable")
     if write == ("write_snapshot" in _wrapped):
         return
-    from loomtrain.launcher.checkpoints import background, hook
+    from loomtrain.launcher.checkpoints import background, state
 
-    if write:
-        original = _wrapped["write_snapshot"] = hook.write_snapshot
+    if write:  # state's own (a synchronous save) and the one background.py imported (an async one)
+        original = _wrapped["write_snapshot"] = state.write_snapshot
 
         def write_snapshot(snap, *args, **kwargs):
             _pause("checkpoint_write", snap.step)
             return original(snap, *args, **kwargs)
 
-        hook.write_snapshot = background.write_snapshot = write_snapshot
+        state.write_snapshot = background.write_snapshot = write_snapshot
     else:
-        hook.write_snapshot = background.write_snapshot = _wrapped.pop("write_snapshot")
+        state.write_snapshot = background.write_snapshot = _wrapped.pop("write_snapshot")
 
 
 def _pause(where: str, step: int) -> None:

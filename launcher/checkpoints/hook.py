@@ -36,9 +36,8 @@ from loomtrain.launcher.checkpoints.parts import Training
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
 from loomtrain.launcher.checkpoints.state import (
     load_checkpoint,
-    publish_snapshot,
     take_snapshot,
-    write_snapshot,
+    write_and_publish,
 )
 from loomtrain.launcher.checkpoints.store import (
     CheckpointStore,
@@ -249,10 +248,7 @@ class CheckpointHook(Hooks):
                 record["blocked_s"] = time.perf_counter() - t0
                 self.in_flight.start()
                 return self.store.final_dir(step)
-            write_snapshot(snap, self.store, tmp)
-            barrier()
-            path = publish_snapshot(self.store, tmp, step, snap.world) if rank == 0 else self.store.final_dir(step)
-            barrier()
+            path = write_and_publish(snap, self.store, tmp)
             record["blocked_s"] = time.perf_counter() - t0
             if rank == 0:
                 msg = f"checkpoint: step {step} -> {path} ({record['blocked_s']:.1f} s)"

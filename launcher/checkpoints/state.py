@@ -205,12 +205,17 @@ def save_checkpoint(store: CheckpointStore, step: int, training: Training, **wha
     rank = current_rank()
     tmp = store.begin(step) if rank == 0 else store.temp_dir(step)
     barrier()
-    snap = take_snapshot(step, training, copy=False, **what)
+    return write_and_publish(take_snapshot(step, training, copy=False, **what), store, tmp)
+
+
+def write_and_publish(snap: Snapshot, store: CheckpointStore, tmp) -> Path | str:
+    """A synchronous save's second half, on every rank: write this rank's share, then rank 0
+    publishes once every rank has. Returns the published directory."""
     write_snapshot(snap, store, tmp)
     barrier()
-    path = publish_snapshot(store, tmp, step, snap.world) if rank == 0 else None
+    path = publish_snapshot(store, tmp, snap.step, snap.world) if snap.rank == 0 else store.final_dir(snap.step)
     barrier()
-    return store.final_dir(step) if path is None else path
+    return path
 
 
 # Load ---------------------------------------------------------------------------------
