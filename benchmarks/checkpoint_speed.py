@@ -2,12 +2,12 @@
 
 At world 1 (ZeRO 0) and at tp 2 x dp 2 (ZeRO 1), fp32, on the 101 M model of the issue
 (d_model 1024, 8 layers, 16 heads, the tiny config's vocabulary; --tiny: a small one), every
-rank measures in alternating rounds:
+rank measures, in rounds of each kind:
 
     save     save_checkpoint, synchronous: write, hash, fsync, publish (what a step waits for)
     dd       `dd if=/dev/zero bs=16M conv=fsync` of the bytes this rank wrote, to the same disk,
-             every rank at once (as they save)
-    resume   load_checkpoint of that checkpoint into the engine: page cache warm, and cold
+             every rank at once (as they save), alternating with the saves
+    resume   load_checkpoint of the last checkpoint into the engine: page cache warm, and cold
              (every file of the checkpoint dropped from the page cache with
              posix_fadvise(DONTNEED) first; no root needed)
     floor    safetensors `load_file` of the files this rank's resume opened + sha256 of every
@@ -84,13 +84,15 @@ def worker(args) -> None:
     rank = ctx.dist.rank
     store = CheckpointStore(run_dir, keep_last=1, log=lambda m: None)
     out = {k: [] for k in ("save", "dd", "resume", "floor", "floor3", "resume_cold", "floor_cold", "async")}
+    # Each kind of figure in its own alternating rounds, so that a save and dd both follow the
+    # same thing (the previous write and its deletion) and the reads and the async copies
+    # follow their own kind, not one another.
+    # A pruned checkpoint is deleted in the background while training goes on; here no steps
+    # run between saves, so each timed part starts once the deletions are done.
     for r in range(args.rounds):
-        step = 10 * (r + 1)
-        # A pruned checkpoint is deleted in the background while training goes on; here no
-        # steps run between saves, so each timed part starts once the deletions are done.
         wait_for_deletions()
         barrier()
-        seconds, path = timed(save_checkpoint, store, step, training)
+        seconds, path = timed(save_checkpoint, store, r + 1, training)
         out["save"].append(seconds)
         mine = [path / d / f"rank_{rank:05d}.safetensors" for d in ("model", "optim", "rng")]
         written = sum(f.stat().st_size for f in mine if f.exists())
@@ -101,6 +103,7 @@ def worker(args) -> None:
         out["dd"].append(timed(subprocess.run, dd, check=True, capture_output=True)[0])
         scratch.unlink()
 
+    for _ in range(args.rounds):  # the last checkpoint saved, read back
         barrier()
         seconds, trainer = timed(load_checkpoint, path, training)
         out["resume"].append(seconds)
@@ -118,11 +121,14 @@ def worker(args) -> None:
         barrier()
         out["floor_cold"].append(timed(load_and_hash, files)[0])
 
+    for r in range(args.rounds):
+        step = 1000 + r
+        wait_for_deletions()
         barrier()
         t0 = time.perf_counter()
-        tmp = store.begin(step + 1) if rank == 0 else store.temp_dir(step + 1)
+        tmp = store.begin(step) if rank == 0 else store.temp_dir(step)
         barrier()
-        snap = take_snapshot(step + 1, training, copy=True)
+        snap = take_snapshot(step, training, copy=True)
         save = BackgroundSave(snap, store, tmp).start()
         out["async"].append(time.perf_counter() - t0)
         save.wait()

@@ -20,7 +20,7 @@ Every figure comes from the config and the layout (`loomtrain.parallel.plan`):
 * Save time: the nodes write in parallel, each at the stated storage bandwidth
   (--storage-gbps, GB/s per node): checkpoint bytes / (nodes x bandwidth) for a
   synchronous save: the storage is assumed to set the pace. (On a 2-core machine a save
-  measures 0.75x-1x of `dd conv=fsync`'s rate at world 1, 0.5-0.6x with four ranks sharing
+  measures 1.3-1.6x of `dd conv=fsync`'s rate at world 1, 0.85-0.9x with four ranks sharing
   the two cores: benchmarks/checkpoint_speed.py.) An async save blocks training
   only while each rank copies its share to host memory (HOST_COPY_GBPS per GPU, pinned
   device-to-host over PCIe; on a CPU device a host memcpy, CPU_COPY_GBPS).
