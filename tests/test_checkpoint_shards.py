@@ -197,7 +197,6 @@ def as_v2(step_dir):
             values = {"weight": files[f][name], **{k: files[f][f"{name}/{k}"] for k in ("exp_avg", "exp_avg_sq")}}
             piece["tiles"] = tile_hashes(Region.from_json(piece), entry["shape"], values, "sha256")
     index["format"] = "loomtrain-sharded-v2"
-    del index["tile_checksum"]
     index_path.write_text(json.dumps(index))
     manifest = json.loads(manifest_path.read_text())
     manifest["files"]["model/index.json"] = {

@@ -50,7 +50,7 @@ import xxhash
 from loomtrain.storage import is_uri, object_store
 
 GRID_ROWS, GRID_COLS = 32, 8
-# name -> a new hash object, for the tile checksums of an index ("tile_checksum"; sha256 before v3)
+# name -> a new hash object, for the tile checksums of an index (its format says which: state.READS)
 TILE_CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 TILE_CHECKSUM = "xxh3_128"  # what a save writes
 

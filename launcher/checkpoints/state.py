@@ -193,7 +193,7 @@ def publish_snapshot(store: CheckpointStore, tmp, step: int, world: int) -> Path
         covered = sum(real_count(Region.from_json(pc), rows, cols) for pc in entry["pieces"])
         if covered != rows * cols:
             raise RuntimeError(f"checkpoint step {step}: {name}: the ranks wrote {covered} of {rows * cols} values")
-    index = {"format": FORMAT, "grid": [GRID_ROWS, GRID_COLS], "tile_checksum": TILE_CHECKSUM, "params": params}
+    index = {"format": FORMAT, "grid": [GRID_ROWS, GRID_COLS], "params": params}  # the format names the checksum
     store.write_raw(tmp, "model/index.json", _compact_json(index))
     return store.publish(tmp, step, meta)
 
