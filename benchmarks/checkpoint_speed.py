@@ -12,7 +12,7 @@ rank measures, in rounds of each kind:
              posix_fadvise(DONTNEED) first; no root needed)
     floor    safetensors `load_file` of the files this rank's resume opened + sha256 of every
              tensor in them (the issue's floor), warm and cold the same way
-    floor3   the same with XXH3-128, the tile checksum a resume checks since format v3 (warm)
+    floor3   the same with the tile checksum a resume checks (XXH3-128 since format v3; warm)
     async    the step's stall for checkpoint.async_save (the snapshot copy to host memory)
 
 and the table shows, per layout, the worst rank's median and the worst rank's ratio:
@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import common
-import xxhash
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -74,6 +73,7 @@ def timed(fn, *args, **kwargs) -> tuple[float, object]:
 def worker(args) -> None:
     import torch.distributed as dist
     from loomtrain.launcher.checkpoints.background import BackgroundSave
+    from loomtrain.launcher.checkpoints.shards import TILE_CHECKSUM, TILE_CHECKSUMS
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
     from loomtrain.launcher.checkpoints.store import CheckpointStore, wait_for_deletions
     from loomtrain.launcher.distributed import barrier
@@ -111,7 +111,7 @@ def worker(args) -> None:
         barrier()
         out["floor"].append(timed(load_and_hash, files)[0])
         barrier()
-        out["floor3"].append(timed(load_and_hash, files, xxhash.xxh3_128)[0])
+        out["floor3"].append(timed(load_and_hash, files, TILE_CHECKSUMS[TILE_CHECKSUM])[0])
         barrier()
         drop_from_page_cache(path)
         barrier()

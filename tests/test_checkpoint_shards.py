@@ -181,9 +181,9 @@ def test_tile_hashes_are_the_formats_own():
 
 def as_v2(step_dir):
     """Rewrite a checkpoint as format v2 wrote it: the same files, sha256 tile checksums."""
-    import hashlib
     import json
 
+    from loomtrain.launcher.checkpoints.store import sha256_file
     from safetensors.torch import load_file
 
     index_path, manifest_path = step_dir / "model" / "index.json", step_dir / "manifest.json"
@@ -199,10 +199,7 @@ def as_v2(step_dir):
     index["format"] = "loomtrain-sharded-v2"
     index_path.write_text(json.dumps(index))
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["model/index.json"] = {
-        "size": index_path.stat().st_size,
-        "sha256": hashlib.sha256(index_path.read_bytes()).hexdigest(),
-    }
+    manifest["files"]["model/index.json"] = {"size": index_path.stat().st_size, "sha256": sha256_file(index_path)}
     manifest_path.write_text(json.dumps(manifest))
 
 
