@@ -60,12 +60,7 @@ def load_and_hash(files: list[Path], new_hash=hashlib.sha256) -> None:
 
     for f in files:
         for t in load_file(str(f)).values():
-            # made, then updated, as the tile reader hashes: xxhash's constructor handed the data
-            # itself made 7 of 42 two-rank --tiny runs abort after Python had finished
-            # ("terminate called without an active exception"); this way, 0 of 16
-            h = new_hash()
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
-            h.digest()
+            new_hash(t.reshape(-1).view(torch.uint8).numpy()).digest()
 
 
 def timed(fn, *args, **kwargs) -> tuple[float, object]:
