@@ -23,7 +23,6 @@ this rank uploaded and "read at resume" the tensor bytes its ranged GETs fetched
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import tempfile
@@ -75,7 +74,6 @@ def bytes_written(path, rank: int) -> int:
 
 
 def worker(args) -> None:
-    import torch.distributed as dist
     from loomtrain.launcher.checkpoints.background import BackgroundSave
     from loomtrain.launcher.checkpoints.parts import Training
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
@@ -146,13 +144,7 @@ def worker(args) -> None:
         "sync_s": sync_s,
         "async_s": async_s,
     }
-    rows = [None] * world
-    if world > 1:
-        dist.all_gather_object(rows, out)
-    else:
-        rows = [out]
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(rows))
+    common.write_row(args.out, rank, out)
 
 
 def main() -> None:

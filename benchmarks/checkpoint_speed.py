@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import subprocess
@@ -71,7 +70,6 @@ def timed(fn, *args, **kwargs) -> tuple[float, object]:
 
 
 def worker(args) -> None:
-    import torch.distributed as dist
     from loomtrain.launcher.checkpoints.background import BackgroundSave
     from loomtrain.launcher.checkpoints.shards import TILE_CHECKSUM, TILE_CHECKSUMS
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint, take_snapshot
@@ -80,7 +78,6 @@ def worker(args) -> None:
 
     run_dir = Path(args.run_dir)
     ctx, training = common.checkpoint_rig(list(SMALL if args.tiny else BIG), args.tp, run_dir)
-    world = ctx.dist.world_size
     rank = ctx.dist.rank
     store = CheckpointStore(run_dir, keep_last=1, log=lambda m: None)
     out = {k: [] for k in ("save", "dd", "resume", "floor", "floor3", "resume_cold", "floor_cold", "async")}
@@ -134,13 +131,7 @@ def worker(args) -> None:
         save.wait()
         barrier()
     out["written"] = written
-    rows = [None] * world
-    if world > 1:
-        dist.all_gather_object(rows, out)
-    else:
-        rows = [out]
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(rows))
+    common.write_row(args.out, rank, out)
 
 
 def summary(rows: list[dict]) -> dict:

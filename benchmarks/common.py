@@ -213,12 +213,21 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
 
 
+def write_row(out: str | Path, rank: int, row: dict) -> None:
+    """One rank's figures, in a file of its own beside --out (run_layout reads them all). A file
+    per rank, not a gather to rank 0: an all_gather_object as the last act of a gloo process
+    lets a gloo thread drop the gathered tensors while Python shuts down, and the process
+    aborts on the way out ("terminate called without an active exception": seen in 7 of 42
+    two-rank runs of checkpoint_speed.py --tiny)."""
+    Path(f"{out}.rank{rank:05d}").write_text(json.dumps(row))
+
+
 def run_layout(
     script: Path, tp: int, dp: int, tmp: Path, extra: list[str], env: dict[str, str], timeout: int = 3600
 ) -> list[dict]:
     """`script --worker` at tp x dp in processes of its own (torchrun above one rank), with a run
-    directory and an --out file under tmp; returns the rows rank 0 wrote there. The run directory
-    goes afterwards: GBs at a full size, so one layout at a time."""
+    directory and an --out path under tmp; returns the rows the ranks wrote (write_row), in rank
+    order. The run directory goes afterwards: GBs at a full size, so one layout at a time."""
     world = tp * dp
     out, run_dir = tmp / f"tp{tp}dp{dp}.json", tmp / f"run_tp{tp}dp{dp}"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", **env}
@@ -232,4 +241,4 @@ def run_layout(
     shutil.rmtree(run_dir, ignore_errors=True)
     if p.returncode != 0:
         sys.exit(f"{script.stem}: tp {tp} x dp {dp} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return [json.loads(out.with_name(f"{out.name}.rank{rank:05d}").read_text()) for rank in range(world)]

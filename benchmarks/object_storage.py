@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import socket
@@ -176,7 +175,6 @@ def upload_alone(objects, files: list[tuple[Path, str]]) -> None:
 
 # Throughput: one process per rank ---------------------------------------------------------------
 def worker(args) -> None:
-    import torch.distributed as dist
     from loomtrain.launcher.checkpoints.objects import Objects
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint
     from loomtrain.launcher.checkpoints.store import ObjectCheckpointStore, wait_for_deletions
@@ -185,7 +183,6 @@ def worker(args) -> None:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ctx, training = common.checkpoint_rig(model_args(args), args.tp, run_dir)
-    world = ctx.dist.world_size
     rank = ctx.dist.rank
     storage = f"{args.storage}/{run_dir.name}"
     store = ObjectCheckpointStore(storage, keep_last=1, log=lambda m: None)
@@ -227,14 +224,10 @@ def worker(args) -> None:
         barrier()
         out["get"].append(timed(fs.cat, keys)[0])
     out.update(written=written, read=read, bytes_read=trainer["bytes_read"], gets=gets, fetched=fetched)
-    rows = [None] * world
-    if world > 1:
-        dist.all_gather_object(rows, out)
-    else:
-        rows = [out]
+    common.write_row(args.out, rank, out)
+    barrier()  # every rank done with the bucket
     if rank == 0:
         Objects(storage).delete_tree("")
-        Path(args.out).write_text(json.dumps(rows))
 
 
 def summary(rows: list[dict]) -> dict:
