@@ -170,3 +170,35 @@ def test_the_report_hook_adds_no_collective_between_log_checkpoint_and_stop_step
         ctx = SimpleNamespace(state=SimpleNamespace(step=step), stop_requested=stop, dist=SimpleNamespace(rank=1))
         hook.on_step_end(ctx, metrics)
         assert len(looked) == step - 3, (step, looked)
+
+
+def test_the_staged_pointer_is_complete_or_absent_when_a_report_is_cut_short(tmp_path, monkeypatch):
+    """A host killed inside rank 0's report leaves its staged pointer behind: it must be whole
+    (a JSON naming the checkpoint) or not under step_* at all, never an empty file."""
+    from types import SimpleNamespace
+
+    import ray.train
+    from loomtrain.launcher.cluster import ray_train
+    from loomtrain.launcher.config_loader import resolve
+
+    cfg = resolve(CONFIG, [f"run.dir={tmp_path}"])
+    hook = ray_train.RayReportHook(cfg)
+    ctx = SimpleNamespace(state=SimpleNamespace(step=8), dist=SimpleNamespace(rank=0))
+    seen = []
+
+    def report(metrics, checkpoint=None):
+        with checkpoint.as_directory() as d:
+            seen.append(json.loads((Path(d) / ray_train.POINTER_FILE).read_text()))
+
+    monkeypatch.setattr(ray.train, "report", report)
+    hook._report(ctx, {"loss": 1.0}, "s3://bucket/run/checkpoints/step_00000008")
+    assert seen == [{"path": "s3://bucket/run/checkpoints/step_00000008", "step": 8}]
+    assert not list(hook.pointer_root.iterdir())  # cleaned after the report
+
+    def killed(self, text):  # the kill lands while the JSON is written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        hook._report(ctx, {"loss": 1.0}, "s3://bucket/run/checkpoints/step_00000012")
+    assert not list(hook.pointer_root.glob("step_*")), list(hook.pointer_root.iterdir())

@@ -230,10 +230,15 @@ class RayReportHook(Hooks):
         if ctx.dist.rank != 0:
             ray.train.report(clean, checkpoint=None)
             return
+        # Staged whole under a hidden name, then renamed: a kill inside this report leaves
+        # either nothing or a complete pointer under step_*, never an empty JSON.
         tmp = self.pointer_root / f"step_{step:08d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        (tmp / POINTER_FILE).write_text(json.dumps({"path": path, "step": step}) + "\n")
+        partial = self.pointer_root / f".partial_step_{step:08d}"
+        for stale in (tmp, partial):
+            shutil.rmtree(stale, ignore_errors=True)
+        partial.mkdir(parents=True)
+        (partial / POINTER_FILE).write_text(json.dumps({"path": path, "step": step}) + "\n")
+        partial.rename(tmp)
         try:
             ray.train.report(clean, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)))
         finally:
