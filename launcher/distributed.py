@@ -33,6 +33,7 @@ import contextlib
 import functools
 import math
 import os
+import pickle
 import socket
 import sys
 import tempfile
@@ -41,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -174,12 +176,7 @@ def host_label(peer: str | None) -> str:
 
 def gather_hosts(peer: str | None) -> tuple[str, ...]:
     """Every rank's host_label, by global rank (a collective: every rank calls it)."""
-    mine = host_label(peer)
-    if not is_distributed():
-        return (mine,)
-    labels: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(labels, mine)
-    return tuple(str(label) for label in labels)
+    return tuple(str(label) for label in all_gather_objects(host_label(peer)))
 
 
 def describe_interface(backend: str, chosen: dict[str, str] | None, environ=os.environ) -> str:
@@ -430,10 +427,43 @@ def barrier() -> None:
         dist.barrier()
 
 
+# Small Python objects travel through the group's key-value store, not gloo's
+# all_gather_object / broadcast_object_list: those hand gloo's worker threads tensors made in
+# Python, and a worker that drops the last one after the main thread has begun to finalize the
+# interpreter needs the GIL it can no longer take: the finished rank aborts on its way out
+# (SIGABRT, "terminate called without an active exception"; core dumps show
+# ~AsyncAllgatherWork -> take_gil -> pthread_exit). The store is C++ and holds no tensor.
+def _next_call(store, kind: str) -> tuple[int, str]:
+    """This call's number and key prefix. Every rank counts its own calls of `kind` at the store;
+    all ranks make the same calls in the same order (as with any collective), so the counts agree."""
+    call = store.add(f"loomtrain/{kind}/calls/{current_rank()}", 1)
+    return call, f"loomtrain/{kind}/{call}"
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, by global rank (a collective: every rank calls it)."""
+    if current_world_size() == 1:
+        return [obj]
+    store = dist.distributed_c10d._get_default_store()
+    (call, prefix), rank = _next_call(store, "gather"), current_rank()
+    store.set(f"{prefix}/{rank}", pickle.dumps(obj))
+    got = [pickle.loads(b) for b in store.multi_get([f"{prefix}/{r}" for r in range(current_world_size())])]
+    # Every rank has written this call's key, so every rank is done reading the last call's.
+    store.delete_key(f"loomtrain/gather/{call - 1}/{rank}")
+    return got
+
+
 def broadcast_str(value: str | None) -> str | None:
-    """Rank 0's value on every rank."""
-    if not is_distributed():
+    """Rank 0's value on every rank (a collective: every rank calls it)."""
+    if current_world_size() == 1:
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    store = dist.distributed_c10d._get_default_store()
+    _, prefix = _next_call(store, "broadcast")
+    if current_rank() == 0:
+        store.set(prefix, pickle.dumps(value))
+        return value
+    value = pickle.loads(store.get(prefix))
+    if store.add(f"{prefix}/read", 1) == current_world_size() - 1:  # the last reader clears
+        store.delete_key(prefix)
+        store.delete_key(f"{prefix}/read")
+    return value

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from launch import run_child
+from launch import python_cmd, run_child
 
 # Handlers registered before init_distributed run after its own (atexit is last in, first out).
 CHILD = """
@@ -37,3 +37,38 @@ def test_a_group_made_here_is_destroyed_at_exit_an_adopted_one_is_left(how, laun
     proc = run_child([sys.executable, "-c", CHILD, how], rc=0 if how == "made" else None)
     assert f"launcher: {launcher}" in proc.stdout
     assert f"group alive at exit: {alive}" in proc.stdout, proc.stdout + proc.stderr
+
+
+EXCHANGE = """
+import torch.distributed as dist
+from loomtrain.launcher.distributed import all_gather_objects, broadcast_str
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+store = dist.distributed_c10d._get_default_store()
+for i in range(6):
+    if i == 2:
+        dist.barrier()
+        keys_after_two = store.num_keys()
+    got = all_gather_objects({"rank": rank, "call": i})
+    assert got == [{"rank": r, "call": i} for r in range(world)], got
+    said = broadcast_str(f"rank 0's word {i}" if rank == 0 else None)
+    assert said == f"rank 0's word {i}", said
+dist.barrier()
+assert store.num_keys() == keys_after_two, (store.num_keys(), keys_after_two)
+print("exchanged", rank)
+dist.destroy_process_group()
+"""
+
+
+def test_objects_are_exchanged_through_the_store_in_call_order_and_their_keys_cleared(tmp_path):
+    # No gloo collective on Python-made tensors (those are what aborted finished ranks at exit),
+    # and a store whose keys do not grow with each call: a long run gathers on every log step.
+    script = tmp_path / "exchange.py"
+    script.write_text(EXCHANGE)
+    proc = run_child(python_cmd(str(script), nproc=3))
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("exchanged")) == [
+        "exchanged 0",
+        "exchanged 1",
+        "exchanged 2",
+    ]

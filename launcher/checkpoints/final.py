@@ -48,7 +48,7 @@ from loomtrain.durable import json_bytes, replace_dir, write_durable, write_json
 from loomtrain.launcher.checkpoints.ds_state import full_shape, named_params, read_local
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter, write_safetensors
 from loomtrain.launcher.checkpoints.store import sha256_file
-from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
+from loomtrain.launcher.distributed import all_gather_objects, barrier, current_rank, current_world_size
 from loomtrain.parallel.plan import gather_shards, spec_of
 from loomtrain.storage import (
     StorageError,
@@ -184,16 +184,6 @@ def _merged(parts: list[dict]) -> tuple[dict, dict | None]:
     return files, (None if parts[0]["owners"] == 1 else weight_map)
 
 
-def _all_gather(obj) -> list:
-    if current_world_size() == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * current_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _save_final_to_uri(engine, topology, model_cfg, tokenizer, uri: str, staging: Path) -> str:
     """final/ on object storage: rank 0 retracts an earlier one (its manifest first); each rank
     writes its file into staging/UPLOAD_STAGING/rank_N and uploads it; rank 0 adds the small
@@ -209,7 +199,7 @@ def _save_final_to_uri(engine, topology, model_cfg, tokenizer, uri: str, staging
             retract_final(uri)
         except StorageError as exc:
             error = str(exc)
-    retracted = _all_gather(error)[0]  # also the barrier: nothing is uploaded before the retraction
+    retracted = all_gather_objects(error)[0]  # also the barrier: nothing is uploaded before the retraction
     if retracted is not None:
         _remove_staging(mine)
         raise FinalWeightsError(retracted)
@@ -218,7 +208,7 @@ def _save_final_to_uri(engine, topology, model_cfg, tokenizer, uri: str, staging
         upload_files(mine, sorted(part["files"]), uri)
     except StorageError as exc:
         part["error"] = str(exc)
-    parts = _all_gather(part)
+    parts = all_gather_objects(part)
     failed = [p["error"] for p in parts if p.get("error")]
     if failed:
         _remove_staging(mine)
@@ -233,7 +223,7 @@ def _save_final_to_uri(engine, topology, model_cfg, tokenizer, uri: str, staging
             write_object(join(uri, FINAL_MANIFEST), json_bytes({"files": files}))  # the commit point, last
         except StorageError as exc:
             error = str(exc)
-    errors = _all_gather(error)
+    errors = all_gather_objects(error)
     _remove_staging(mine)
     if errors[0] is not None:
         raise FinalWeightsError(errors[0])

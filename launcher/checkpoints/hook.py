@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from loomtrain.launcher.checkpoints.background import BackgroundSave
 from loomtrain.launcher.checkpoints.parts import Training
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
@@ -49,7 +48,7 @@ from loomtrain.launcher.checkpoints.store import (
 )
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError, to_yaml
-from loomtrain.launcher.distributed import barrier, broadcast_str
+from loomtrain.launcher.distributed import all_gather_objects, barrier, broadcast_str
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.observe.watchdog import io_phase
 from loomtrain.launcher.rundir import checkpoint_location, supersede
@@ -143,11 +142,7 @@ class CheckpointHook(Hooks):
                 bad = str(exc)
             except ValueError as exc:  # another model shape: the same verdict on every rank
                 raise ConfigError(f"checkpoint.resume={c.resume}: {exc}; {_other_model_hint(c.resume, ctx)}") from exc
-            reasons = [bad]
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                reasons = [None] * dist.get_world_size()
-                dist.all_gather_object(reasons, bad)
-            bad = next((r for r in reasons if r), None)
+            bad = next((r for r in all_gather_objects(bad) if r), None)
             if bad is None:
                 trainer["path"] = found
                 return trainer

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from loomtrain.durable import atomic_write
+from loomtrain.launcher.distributed import all_gather_objects
 from loomtrain.launcher.hooks import TrainContext
 from loomtrain.storage import StorageError, is_uri, join, read_object, write_object
 
@@ -127,12 +128,7 @@ class Recovery:
     def attempt_fields(self, ctx: TrainContext, attempt: int, previous: dict | None) -> dict[str, Any]:
         """Every rank (one all-gather): the fields this attempt adds to its ray_attempts.jsonl line
         (rank 0's are the ones written); on rank 0 after a failure, the restart line."""
-        import torch.distributed as dist
-
-        hosts: list[str] = [self.node_ip]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            hosts = [""] * dist.get_world_size()
-            dist.all_gather_object(hosts, self.node_ip)
+        hosts = all_gather_objects(self.node_ip)
         self.attempt = attempt
         fields: dict[str, Any] = {"hosts": hosts, "run_started_at": self.run_started_at}
         if ctx.dist.rank != 0 or not previous or previous.get("run_started_at") != self.run_started_at:
