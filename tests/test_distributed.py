@@ -40,6 +40,8 @@ def test_a_group_made_here_is_destroyed_at_exit_an_adopted_one_is_left(how, laun
 
 
 EXCHANGE = """
+import sys
+
 import torch.distributed as dist
 from loomtrain.launcher.distributed import all_gather_objects, broadcast_str
 
@@ -47,28 +49,25 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 store = dist.distributed_c10d._get_default_store()
 for i in range(6):
-    if i == 2:
+    if i == 2:  # counted while no rank is between calls
         dist.barrier()
         keys_after_two = store.num_keys()
+        dist.barrier()
     got = all_gather_objects({"rank": rank, "call": i})
     assert got == [{"rank": r, "call": i} for r in range(world)], got
     said = broadcast_str(f"rank 0's word {i}" if rank == 0 else None)
     assert said == f"rank 0's word {i}", said
 dist.barrier()
 assert store.num_keys() == keys_after_two, (store.num_keys(), keys_after_two)
-print("exchanged", rank)
+open(f"{sys.argv[1]}/exchanged.{rank}", "w").close()  # stdout lines of ranks may interleave
 dist.destroy_process_group()
 """
 
 
 def test_objects_are_exchanged_through_the_store_in_call_order_and_their_keys_cleared(tmp_path):
     # No gloo collective on Python-made tensors (those are what aborted finished ranks at exit),
-    # and a store whose keys do not grow with each call: a long run gathers on every log step.
+    # and a store whose keys do not grow with each call: a Ray run broadcasts on every log step.
     script = tmp_path / "exchange.py"
     script.write_text(EXCHANGE)
-    proc = run_child(python_cmd(str(script), nproc=3))
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("exchanged")) == [
-        "exchanged 0",
-        "exchanged 1",
-        "exchanged 2",
-    ]
+    run_child(python_cmd(script, tmp_path, nproc=3))
+    assert sorted(p.name for p in tmp_path.glob("exchanged.*")) == ["exchanged.0", "exchanged.1", "exchanged.2"]
