@@ -186,8 +186,8 @@ class NodeLoss:
 @pytest.fixture(scope="module")
 def node_loss(ray_cluster, tmp_path_factory, corpus) -> NodeLoss:
     """One run of 12 steps on 2 hosts x 2 workers with run.storage and the token shards in S3
-    and run.dir in each host's own folder: after step 5 every process of the second host is
-    killed and a fresh host joins."""
+    and run.dir in each host's own folder: after step 5 (and step 3's checkpoint) every process
+    of the second host is killed and a fresh host joins."""
     local, head = ray_cluster.net.private, ray_cluster.head
     endpoint = ray_cluster.env["AWS_ENDPOINT_URL"]
     bucket = make_bucket_on(head, endpoint)
@@ -201,7 +201,11 @@ def node_loss(ray_cluster, tmp_path_factory, corpus) -> NodeLoss:
     proc = start_run(ray_cluster, local / "run", local / "data_cache", *extra)
     lines: list[str] = []
     try:
+        # After step 5 and once step 3's checkpoint is published: it is saved in the background
+        # (checkpoint.async_save), and on a loaded machine its upload can outlast step 5.
         assert read_until(proc, lines, lambda line: line.startswith("step 5/"), timeout_s=300)
+        if not any(line.startswith(f"checkpoint: step {EVERY} -> ") for line in lines):
+            assert read_until(proc, lines, lambda line: line.startswith(f"checkpoint: step {EVERY} -> "), timeout_s=300)
         lost = host_of_the_workers(ray_cluster, [h.local_dir / "run" for h in hosts])
         killed_at = time.monotonic()
         lost.kill()  # a node crash: its raylet, its workers, everything
@@ -290,7 +294,10 @@ def test_node_loss_resumes_on_a_replacement_host_with_the_same_losses(node_loss,
     second = attempts[1]
     assert second["lost_hosts"] == [lost.addr] and node_loss.replacement.addr in second["hosts"]
     failed_after, resumed = second["failed_after_step"], second["resumed_from_step"]
-    assert resumed % EVERY == 0 and 0 <= failed_after - resumed <= EVERY and failed_after >= 5
+    # Step 3's checkpoint was published before the kill (the fixture waits for it). The failure's
+    # step is rank 0's progress as last put to S3 (in the background): it may lag the kill a step.
+    # Steps lost: at most two intervals, as an async save publishes up to one interval late.
+    assert resumed % EVERY == 0 and resumed >= EVERY and 0 <= failed_after - resumed <= 2 * EVERY
     ranks = ", ".join(str(r) for r, h in enumerate(attempts[0]["hosts"]) if h == lost.addr)
     assert (
         f"loomtrain: restart (attempt 2): lost host {lost.addr} (ranks {ranks}) after step {failed_after}; "
