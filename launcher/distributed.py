@@ -404,7 +404,9 @@ def _destroy_process_group() -> None:
 
     Left to interpreter finalization, gloo's worker threads can drop their last tensors after
     Python is gone, and the process aborts on the way out ("terminate called without an active
-    exception", SIGABRT): a finished rank would report a failure to torchrun."""
+    exception", SIGABRT): a finished rank would report a failure to torchrun. This does not
+    join those threads (core dumps show them still at work after it), which is why small
+    objects go through the store (all_gather_objects, below), not gloo."""
     if is_distributed():
         dist.destroy_process_group()
 

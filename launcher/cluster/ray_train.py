@@ -71,7 +71,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loomtrain.durable import atomic_write
+from loomtrain.durable import atomic_write, replace_dir, temp_name
 from loomtrain.launcher.cluster.recovery import Recovery, restart_note
 from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
@@ -230,15 +230,13 @@ class RayReportHook(Hooks):
         if ctx.dist.rank != 0:
             ray.train.report(clean, checkpoint=None)
             return
-        # Staged whole under a hidden name, then renamed: a kill inside this report leaves
-        # either nothing or a complete pointer under step_*, never an empty JSON.
+        # Written under a temp name and renamed: a kill inside this report leaves either nothing
+        # or a complete pointer under step_*, never an empty JSON.
         tmp = self.pointer_root / f"step_{step:08d}"
-        partial = self.pointer_root / f".partial_step_{step:08d}"
-        for stale in (tmp, partial):
-            shutil.rmtree(stale, ignore_errors=True)
-        partial.mkdir(parents=True)
-        (partial / POINTER_FILE).write_text(json.dumps({"path": path, "step": step}) + "\n")
-        partial.rename(tmp)
+        staging = temp_name(tmp)
+        staging.mkdir(parents=True)
+        (staging / POINTER_FILE).write_text(json.dumps({"path": path, "step": step}) + "\n")
+        replace_dir(staging, tmp)
         try:
             ray.train.report(clean, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)))
         finally:
