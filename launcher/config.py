@@ -57,9 +57,16 @@ class RunSection:
     # object-store URI (s3://bucket/prefix, gs://, az://, file://) that every host reaches.
     # Credentials come from the storage library's standard chain, never from the config.
     storage: str = ""
+    # run.storage has one owner at a time: the run holds a lease object there
+    # (launcher/lease.py, docs/storage.md), renewed every storage_lease_s / 4 while it runs;
+    # another run may take it over once it has not been renewed for storage_lease_s.
+    storage_lease_s: float = 120.0
+    # Take run.storage's lease now even when another run holds it (that run is known dead).
+    storage_take_over: bool = False
 
     def validate(self, prefix: str) -> None:
         check(bool(self.dir), f"{prefix}.dir", "a directory path", self.dir)
+        check(self.storage_lease_s >= 2, f"{prefix}.storage_lease_s", "at least 2 (seconds)", self.storage_lease_s)
         check(
             not is_uri(self.dir),
             f"{prefix}.dir",
