@@ -164,7 +164,9 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
 
 def _check_keys(layer: DictConfig, source: str) -> None:
     """Unknown keys, named in full with the closest valid dotted key."""
-    known, sections = set(valid_keys()), set(_sections())
+    known = set(valid_keys())
+    # top-level sections and nested ones (model.lora): every key's parent is a section
+    sections = set(_sections()) | {key.rsplit(".", 1)[0] for key in known}
 
     def walk(node: DictConfig, prefix: str) -> None:
         for key in node.keys():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .lora_config import LoraConfig
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
@@ -37,6 +39,8 @@ class ModelConfig:
     # `loomtrain import` output, or a Hugging Face model directory. Read only when a run
     # starts at step 0 (a resume reads its checkpoint); the optimizer starts fresh.
     init_from: str = ""
+    # LoRA adapters (off by default: rank 0); see loomtrain.model.lora.
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,3 +101,4 @@ class ModelConfig:
             fail("norm_eps", f"must be positive, got {self.norm_eps!r}")
         if not self.init_std > 0:
             fail("init_std", f"must be positive, got {self.init_std!r}")
+        self.lora = LoraConfig.of(self.lora, f"{prefix}.lora")  # a saved config's dict, too

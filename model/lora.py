@@ -1,0 +1,109 @@
+"""LoRA (Hu et al. 2021): a frozen Linear plus a trainable low-rank update, in plain PyTorch.
+
+    y = x W^T + b + (alpha / rank) * dropout(x) A^T B^T        A [rank, in], B [out, rank]
+
+B starts at zero, so a fresh adapter leaves the model's output unchanged; A starts as peft
+initialises it (Kaiming-uniform, a = sqrt(5)), from a generator seeded per layer so every
+rank (and every TP degree) draws the same full A.
+
+`LoraConfig` is `model.lora` in the run config. Adapters are applied from outside the model,
+as peft and torchtitan do (`apply_lora`; under tensor parallelism loomtrain.parallel.lora
+wraps the sharded layers instead): `LoraLinear` keeps the wrapped layer's `weight` and `bias`
+as its own attributes, so parameter names (`blocks.0.attn.wq.weight`) -- and with them
+checkpoints, the TP layout and export -- are unchanged; the adapters add `<layer>.lora_A`
+and `<layer>.lora_B`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .lora_config import PARENTS, TARGETS, LoraConfig
+
+__all__ = ["TARGETS", "LoraConfig", "LoraLinear", "apply_lora"]
+
+
+def init_lora_a(name: str, rank: int, in_features: int, seed: int) -> torch.Tensor:
+    """The full A [rank, in_features] of the layer named `name` (plain-model name, e.g.
+    blocks.0.attn.wq): peft's Kaiming-uniform (a = sqrt(5)) init, from a generator seeded by
+    (seed, name) so every rank and every TP degree draws the same tensor."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on a [rank, in] matrix
+    return (torch.rand(rank, in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+
+
+class LoraLinear(nn.Module):
+    """A frozen `nn.Linear`'s weight and bias plus a trainable rank-r update."""
+
+    def __init__(self, base: nn.Linear, lora_a: torch.Tensor, scale: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        rank = lora_a.shape[0]
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(lora_a.to(dev, torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=dev, dtype=torch.float32))
+        self.scale = scale
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.linear(self.lora_dropout(x).to(self.lora_A.dtype), self.lora_A)
+        return (F.linear(u, self.lora_B) * self.scale).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_delta(x)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + scale * B A, in W's dtype (computed in fp32)."""
+        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scale
+        return (self.weight.float() + delta).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.lora_A.shape[0]}, scale={self.scale}"
+
+
+def lora_layers(model: nn.Module, cfg: LoraConfig):
+    """(plain-model name, parent module, attribute) of every Linear `cfg.targets` names in
+    `model.blocks` (gate skipped where the FFN has none)."""
+    for i, block in enumerate(model.blocks):
+        for attr in cfg.modules():
+            parent = getattr(block, PARENTS[attr])
+            if hasattr(parent, attr):
+                yield f"blocks.{i}.{PARENTS[attr]}.{attr}", parent, attr
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Every parameter but the adapters stops taking gradients."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"))
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
+    """Wrap the targeted Linears of a plain (unsharded) Transformer with `LoraLinear` and freeze
+    everything else, in place; returns the model. A no-op when cfg.rank is 0."""
+    if not cfg.enabled:
+        return model
+    wrapped = 0
+    for name, parent, attr in lora_layers(model, cfg):
+        base = getattr(parent, attr)
+        if isinstance(base, LoraLinear):
+            continue
+        a = init_lora_a(name, cfg.rank, base.in_features, seed)
+        setattr(parent, attr, LoraLinear(base, a, cfg.scale, cfg.dropout))
+        wrapped += 1
+    if not wrapped and not any(isinstance(m, LoraLinear) for m in model.modules()):
+        raise ValueError(f"model.lora.targets: {cfg.targets!r} names no layer of this model")
+    freeze_base(model)
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name (`blocks.0.attn.wq.lora_A`) is a LoRA factor."""
+    return name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")
