@@ -172,10 +172,14 @@ def shard_spec(name: str, full_shape, model_cfg, tp: int, tp_rank: int = 0) -> S
         return ShardSpec(full_shape)
     if layer in _VOCAB:
         return ShardSpec(full_shape, 0, padded_vocab_size(full_shape[0], tp), tp, tp_rank)
+    # LoRA factors (loomtrain.parallel.lora): a row-parallel layer's A [r, in] is split like its
+    # input, its B [out, r] replicated; a column-parallel layer's B like its output, A replicated.
     if layer in _ROW:
-        if leaf != "weight":
+        if leaf not in ("weight", "lora_A"):
             return ShardSpec(full_shape)
         return ShardSpec(full_shape, 1, full_shape[1], tp, tp_rank)
+    if layer in _COLUMN and leaf == "lora_A":
+        return ShardSpec(full_shape)
     if layer in _COLUMN:
         n_kv = model_cfg.kv_heads
         if layer in ("wk", "wv") and n_kv % tp:
