@@ -25,7 +25,7 @@ def module_name(path: Path) -> str:
 
 
 def _library_files() -> list[Path]:
-    root_modules = (ROOT / "durable.py", ROOT / "storage.py")
+    root_modules = (ROOT / "durable.py", ROOT / "storage.py", ROOT / "hf_cache.py")
     return [p for p in python_files() if p.relative_to(ROOT).parts[0] in LIBRARY or p in root_modules]
 
 

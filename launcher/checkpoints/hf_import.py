@@ -22,6 +22,8 @@ under it; the import is written into a local staging folder and uploaded, final/
 final/ goes (its manifest last) and config.yaml after it (run.storage the URI, model.init_from
 URI/final, data.tokenizer URI/final/tokenizer/tokenizer.json). SRC_DIR may be a URI of a Hugging
 Face folder: its files are fetched into this host's cache first (weight_source.fetch_weights).
+SRC_DIR may be a model id (`Qwen/Qwen2.5-0.5B`, `ORG/NAME@REV`): its folder in the local Hugging
+Face cache (hf_cache.resolve_model; an existing folder of that name wins; nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from loomtrain.data_pipeline import DataError, load_tokenizer
 from loomtrain.durable import atomic_write
+from loomtrain.hf_cache import ModelIdError, resolve_model
 from loomtrain.launcher.checkpoints.final import (
     TOKENIZER_DIR,
     naming_objects,
@@ -198,7 +201,10 @@ def _import_hf(src: str | Path, output: str | Path) -> Path | str:
         from loomtrain.launcher.checkpoints.weight_source import fetch_weights
 
         src = fetch_weights(src_uri)
-    src = Path(src).expanduser()
+    try:
+        src = Path(resolve_model(src))  # a model id: its snapshot folder in the local cache
+    except ModelIdError as exc:
+        raise HFImportError(str(exc)) from None
     src_name = src_uri or str(src.resolve())
     if is_uri(output):
         out, uri = None, str(output)

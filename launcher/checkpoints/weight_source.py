@@ -7,7 +7,9 @@ of directory are sources (`open_source`):
   * a run's final/ (model_config.json + model.safetensors, or shards named by
     model.safetensors.index.json), or the run directory holding it; `loomtrain import`
     writes this too;
-  * a Hugging Face model directory (config.json + safetensors), mapped by hf_source;
+  * a Hugging Face model directory (config.json + safetensors), mapped by hf_source, or a
+    model id (`meta-llama/Llama-3.2-1B`, `ORG/NAME@REV`) naming one in the local Hugging Face
+    cache (hf_cache.resolve_model: an existing folder wins; nothing is downloaded);
   * either at a URI (s3://bucket/prefix: a run's storage, its final/, or a Hugging Face folder):
     its objects are fetched into this host's cache (`fetch_weights`; a final/ checked against its
     manifest) and read from there as a local folder; messages name the objects.
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 from loomtrain.data_pipeline import load_tokenizer
+from loomtrain.hf_cache import ModelIdError, resolve_model
 from loomtrain.launcher.checkpoints.final import (
     FINAL_MANIFEST,
     MODEL_CONFIG,
@@ -155,7 +158,10 @@ def open_source(path: str | Path) -> WeightSource:
             source = open_source(fetch_weights(str(path)))
         source.description = objects_named(source.description)
         return source
-    path = Path(path).expanduser()
+    try:
+        path = resolve_model(path)  # a Hugging Face model id: its folder in the local cache
+    except ModelIdError as exc:
+        raise WeightSourceError(str(exc)) from None
     if not path.is_dir():
         raise WeightSourceError(
             f"{path}: no such directory (expected a run's final/, a run directory or a Hugging Face model directory)"
@@ -285,7 +291,12 @@ def check_init_from(cfg: RunConfig) -> None:
     if is_uri(cfg.model.init_from):
         _check_init_from_uri(cfg)
         return
-    src = Path(cfg.model.init_from).expanduser()
+    try:
+        src = resolve_model(cfg.model.init_from)  # a model id: its folder in the local Hugging Face cache
+    except ModelIdError as exc:
+        if _has_checkpoints(cfg):
+            return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
+        raise ConfigError(f"model.init_from: {exc}") from None
     if not src.exists() and _has_checkpoints(cfg):
         return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
     check(
@@ -345,7 +356,10 @@ def _weights_gone(init_from: str) -> bool:
             return not weights_at(init_from)
         except StorageError:
             return False  # open_matching names what is wrong
-    return not Path(init_from).expanduser().exists()
+    try:
+        return not Path(resolve_model(init_from)).exists()
+    except ModelIdError:
+        return True
 
 
 def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str = "auto") -> None:

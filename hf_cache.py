@@ -1,0 +1,94 @@
+"""Hugging Face model ids (`meta-llama/Llama-3.2-1B`, `Qwen/Qwen2.5-0.5B@main`) found in the local
+Hugging Face cache, wherever a Hugging Face model folder is accepted (`loomtrain import`,
+`model.init_from`, `data.tokenizer`).
+
+    resolve_model(location)   a local folder for `location`: an existing path as it is, else a
+                              model id's snapshot folder in the cache; a URI is returned untouched
+                              (storage.py reads it). Nothing is downloaded: a missing id is one
+                              line saying where it looked and how to fetch it.
+    looks_like_model_id(s)    ORG/NAME or NAME, with an optional @REVISION
+
+Which string is what, in this order: a URI (`s3://...`) is a URI, never an id; a path that
+exists (a folder `org/name` under the working directory included) is that path; a string shaped
+like an id (no leading `/`, `./`, `~`, at most one `/`) is looked up in the cache; anything else
+is a path that does not exist, and its reader says so.
+
+The cache is where huggingface_hub puts it, read at call time so a test or a user can point it
+elsewhere: $HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
+~/.cache/huggingface/hub (`models--ORG--NAME/snapshots/COMMIT/`, `refs/main` naming COMMIT).
+
+This module sits at the package root beside storage.py: data_pipeline/ and launcher/ both use it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from loomtrain.storage import is_uri
+
+# The hub's repo id rules: ORG/NAME (or a bare NAME), letters, digits, -, _, . ; no `--` or `..`.
+_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+_MODEL_ID = re.compile(rf"^(?P<repo>(?:{_PART}/)?{_PART})(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]*))?$")
+
+
+class ModelIdError(ValueError):
+    """A model id not in the local cache; one line naming the cache folder and the fetch command."""
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache folder huggingface_hub would use now (environment read now)."""
+    env = os.environ
+    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    xdg = env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def looks_like_model_id(location: str | os.PathLike) -> bool:
+    if not isinstance(location, str) or is_uri(location) or location.startswith(("/", ".", "~")):
+        return False
+    m = _MODEL_ID.match(location)
+    return m is not None and "--" not in m.group("repo") and ".." not in m.group("repo")
+
+
+def split_model_id(model_id: str) -> tuple[str, str | None]:
+    """'org/name@rev' -> ('org/name', 'rev'); no revision -> None (the cache's refs/main)."""
+    m = _MODEL_ID.match(model_id)
+    if m is None:
+        raise ModelIdError(f"{model_id!r}: not a Hugging Face model id (ORG/NAME or ORG/NAME@REVISION)")
+    return m.group("repo"), m.group("rev")
+
+
+def cached_snapshot(model_id: str) -> Path:
+    """The snapshot folder of `model_id` in the local cache; ModelIdError when it is not there.
+    huggingface_hub's own lookup (snapshot_download with local_files_only): nothing is fetched."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    repo, rev = split_model_id(model_id)
+    cache = hub_cache_dir()
+    try:
+        return Path(snapshot_download(repo, revision=rev, cache_dir=cache, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        at = f" at revision {rev}" if rev else ""
+        fetch = f"hf download {repo}" + (f" --revision {rev}" if rev else "")
+        raise ModelIdError(
+            f"{model_id}: no such folder, and no model {repo}{at} in the Hugging Face cache {cache} "
+            f"(HF_HUB_CACHE / HF_HOME); nothing is downloaded: fetch it with `{fetch}` "
+            f"(or `huggingface-cli download {repo}`)"
+        ) from None
+
+
+def resolve_model(location: str | os.PathLike) -> str | Path:
+    """`location` as a reader takes it: a URI untouched, an existing path as a Path, a model id
+    as its cached snapshot folder (ModelIdError when not cached), anything else as a Path."""
+    if is_uri(location):
+        return str(location)
+    path = Path(location).expanduser()
+    if path.exists() or not looks_like_model_id(str(location)):
+        return path
+    return cached_snapshot(str(location))
