@@ -31,8 +31,28 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
+def tp_problem(model_cfg, tp: int) -> str | None:
+    """Why this model cannot be split `tp` ways (heads, KV heads, FFN width), or None."""
+    n_heads, n_kv = model_cfg.n_heads, model_cfg.kv_heads
+    if n_heads % tp:
+        return f"model.n_heads={n_heads} is not divisible by tp"
+    if n_kv % tp and (n_kv > tp or tp % n_kv):
+        return f"model.n_kv_heads={n_kv} must be divisible by tp, or divide tp (fewer KV heads than tp are replicated)"
+    if model_cfg.ffn_dim % tp:
+        return f"FFN hidden size {model_cfg.ffn_dim} (model.ffn_hidden) is not divisible by tp"
+    # The vocabulary needs no check: the plan pads it to a multiple of tp (151,936 at tp 3
+    # holds 50,646 rows a rank, the last 2 zeros that no token id reaches).
+    return None
+
+
+def working_tp_sizes(model_cfg) -> list[int]:
+    """Every tp this model splits into (a divisor of n_heads that the KV heads and FFN allow)."""
+    return [t for t in range(1, model_cfg.n_heads + 1) if tp_problem(model_cfg, t) is None]
+
+
 def check_tp(model_cfg, tp: int, world_size: int | None = None) -> None:
-    """Raise a one-line ValueError naming `parallel.tp` if this model cannot be split tp ways.
+    """Raise a one-line ValueError naming `parallel.tp` if this model cannot be split tp ways;
+    the line lists the tp sizes that do split it (14 query / 2 KV heads: 1, 2).
 
     Run it before any worker builds a model (the launcher's config validation may
     call it directly); `Topology(..., model_cfg=...)` and `parallelize` call it too.
@@ -43,17 +63,10 @@ def check_tp(model_cfg, tp: int, world_size: int | None = None) -> None:
         _fail(f"parallel.tp={tp}: world size {world_size} is not divisible by tp")
     if model_cfg is None or tp == 1:
         return
-    n_heads, n_kv = model_cfg.n_heads, model_cfg.kv_heads
-    if n_heads % tp:
-        _fail(f"parallel.tp={tp}: model.n_heads={n_heads} is not divisible by tp")
-    if n_kv % tp and (n_kv > tp or tp % n_kv):
-        _fail(
-            f"parallel.tp={tp}: model.n_kv_heads={n_kv} must be divisible by tp, "
-            f"or divide tp (fewer KV heads than tp are replicated)"
-        )
-    if model_cfg.ffn_dim % tp:
-        _fail(f"parallel.tp={tp}: FFN hidden size {model_cfg.ffn_dim} (model.ffn_hidden) is not divisible by tp")
-    # The vocabulary needs no check: the plan pads it to a multiple of tp.
+    problem = tp_problem(model_cfg, tp)
+    if problem is not None:
+        sizes = ", ".join(map(str, working_tp_sizes(model_cfg)))
+        _fail(f"parallel.tp={tp}: {problem}; the tp sizes that split this model: {sizes}")
 
 
 def ranks_by_host(hosts) -> dict[str, list[int]]:
