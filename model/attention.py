@@ -1,11 +1,16 @@
 """Causal multi-head self-attention with grouped KV heads (MHA, GQA, MQA), RoPE or ALiBi.
 
-Packed documents: `document_mask(document_ids)` is the boolean [B, 1, T, T] mask that keeps
-each query inside its own document (and causal); it is per sequence and broadcast over the
-heads, so a TP rank's local heads and sequence parallelism (attention sees the whole
-sequence) use it as it is. This is the one place that builds it: a GPU kernel that takes
-document lengths instead (FlashAttention's varlen, flex attention's block mask) would be
-chosen here, not in the model.
+Masks are built here and nowhere else: `causal_mask` (query and key positions, optionally a
+sliding window: key j is seen by query i when i - window < j <= i, transformers'
+sliding_window_causal convention) and `document_mask(document_ids, window)`, the boolean
+[B, 1, T, T] mask that keeps each query inside its own document (and causal, and inside the
+window). Both are per sequence and broadcast over the heads, so a TP rank's local heads and
+sequence parallelism (attention sees the whole sequence) use them as they are. A GPU kernel
+that takes document lengths or a window instead (FlashAttention's varlen and window_size,
+flex attention's block mask) would be chosen here, not in the model.
+
+Qwen variants: `qkv_bias` gives wq/wk/wv biases without the other linears'; `qk_norm` is an
+RMSNorm over head_dim on every head of q and k before RoPE (`q_norm`, `k_norm`).
 
 Tensor-parallel contract: forward reads the head counts from the attributes
 `n_heads`, `n_kv_heads`, `head_dim` and the ALiBi slopes from the buffer
@@ -21,15 +26,27 @@ from torch import nn
 
 from .cache import LayerKV
 from .config import ModelConfig
+from .norms import RMSNorm
 from .positions import alibi_bias, alibi_slopes, apply_rope
 
 
-def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """bool [Tq, Tk]: True where the query at position q_pos[i] may attend the key at k_pos[j]:
+    k <= q, and with a window q - window < k (the last `window` keys, itself included)."""
+    dist = q_pos[:, None] - k_pos[None, :]
+    allowed = dist >= 0
+    if window is not None:
+        allowed &= dist < window
+    return allowed
+
+
+def document_mask(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """[B, T] document ids -> bool [B, 1, T, T]: True where query i may attend key j (the same
-    document, j <= i). For SDPA on any device: its math and memory-efficient kernels take it."""
-    t = document_ids.shape[1]
+    document, j <= i, and i - j < window when there is one). For SDPA on any device: its math
+    and memory-efficient kernels take it."""
+    pos = torch.arange(document_ids.shape[1], device=document_ids.device)
     same = document_ids[:, None, :, None] == document_ids[:, None, None, :]
-    return same & torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+    return same & causal_mask(pos, pos, window)
 
 
 class Attention(nn.Module):
@@ -37,14 +54,18 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
-        self.head_dim = cfg.head_dim
+        self.head_dim = hd = cfg.head_width
         # Set `causal = False` to attend to every position (bidirectional; used by tests).
         self.causal = causal
+        self.window = cfg.sliding_window
         self.dropout = cfg.dropout
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * hd, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * hd, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=cfg.bias)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         slopes = alibi_slopes(cfg.n_heads) if cfg.positions == "alibi" else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 
@@ -60,16 +81,22 @@ class Attention(nn.Module):
         the new positions only and earlier keys/values come from the cache. `doc_mask`: the
         packed documents' mask (`document_mask`), replacing the plain causal one."""
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)
-        start = 0
+        start = key_start = 0
         if cache is not None:
             start = cache.length
             k, v = cache.update(k, v)
+            if self.window is not None:  # keys before the first query's window are never seen
+                key_start = max(0, start - self.window + 1)
+                k, v = k[:, :, key_start:], v[:, :, key_start:]
         s = k.shape[2]
         # Grouped KV heads: on CPU SDPA broadcasts them itself (enable_gqa, no copy); on GPUs
         # the memory-efficient kernel (float masks: ALiBi) lacks GQA, so repeat the heads there.
@@ -79,19 +106,20 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
 
-        mask, is_causal = None, False
-        if self.alibi_slopes is not None:
-            q_pos = torch.arange(start, start + t, device=x.device)
-            mask = alibi_bias(self.alibi_slopes, q_pos, torch.arange(s, device=x.device), self.causal).to(q.dtype)
-            if doc_mask is not None:  # i - j inside one document is the distance of its own positions
-                mask = mask.masked_fill(~doc_mask, float("-inf"))
-        elif doc_mask is not None:
-            mask = doc_mask
-        elif self.causal and t > 1:
-            if start == 0:
-                is_causal = True
-            else:  # new queries at positions start.. see every cached key and the new ones up to themselves
-                mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        # Which keys each query sees: the packed documents' mask (window included), else the
+        # causal one, built only where SDPA's is_causal does not say it (cached keys before the
+        # new queries, or a window that the last query's context exceeds).
+        q_pos = torch.arange(start, start + t, device=x.device)
+        k_pos = torch.arange(key_start, key_start + s, device=x.device)
+        window_binds = self.window is not None and start + t - key_start > self.window
+        allowed = doc_mask
+        if allowed is None and self.causal and (window_binds or (t > 1 and start > 0)):
+            allowed = causal_mask(q_pos, k_pos, self.window)
+        mask, is_causal = allowed, allowed is None and self.causal and t > 1
+        if self.alibi_slopes is not None:  # inside one document i - j is the distance of its own positions
+            mask, is_causal = alibi_bias(self.alibi_slopes, q_pos, k_pos, self.causal).to(q.dtype), False
+            if allowed is not None:
+                mask = mask.masked_fill(~allowed, float("-inf"))
         y = F.scaled_dot_product_attention(
             q,
             k,

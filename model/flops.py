@@ -11,9 +11,10 @@ cost no FLOPs; torchtitan excludes embeddings the same way). The output
 projection (lm_head, V * d_model) *is* counted, tied or not: when tied, the
 shared table is used as the lm_head matmul, so it stays in N. Norm weights and
 biases are kept in N too (negligible, as torchtitan does). L = n_layers,
-H = n_heads (query heads, also under GQA/MQA), Q = head_dim, T = sequence length;
+H = n_heads (query heads, also under GQA/MQA), Q = head_dim (cfg.head_width), T = sequence length;
 the attention term is the full (unhalved) causal score and value matmuls, forward
-+ backward. 6 = 2 (multiply-add) x 3 (forward + backward).
++ backward, also with a sliding window (the masked SDPA kernels used here compute every
+score; a windowed kernel would do ~min(T, window) / T of it). 6 = 2 (multiply-add) x 3 (forward + backward).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from .config import ModelConfig
 
 def param_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
     d, v, f = cfg.d_model, cfg.vocab_size, cfg.ffn_dim
-    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    b = int(cfg.bias)
+    q_dim, kv_dim = cfg.n_heads * cfg.head_width, cfg.kv_heads * cfg.head_width
+    b, b_qkv = int(cfg.bias), int(cfg.bias or cfg.qkv_bias)
     norm = d + (d * b if cfg.norm == "layernorm" else 0)
-    attn = d * q_dim + 2 * d * kv_dim + q_dim * d + b * (q_dim + 2 * kv_dim + d)
+    qk_norm = 2 * cfg.head_width if cfg.qk_norm else 0  # one RMSNorm weight each for q and k
+    attn = d * q_dim + 2 * d * kv_dim + q_dim * d + b_qkv * (q_dim + 2 * kv_dim) + b * d + qk_norm
     n_in = 2 if cfg.activation == "swiglu" else 1  # matrices d -> f (up, and gate for SwiGLU)
     ffn = (n_in + 1) * d * f + b * (n_in * f + d)
     layer = attn + ffn + 2 * norm
@@ -43,4 +45,4 @@ def param_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     n = param_count(cfg, exclude_embeddings=True)
-    return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_width * seq_len

@@ -37,15 +37,41 @@ def sinusoidal_table(max_len: int, dim: int) -> torch.Tensor:
     return table.float()
 
 
+def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
+    """[head_dim / 2] float64 inverse frequencies theta^(-2i/head_dim), stretched by `scaling` (a
+    loomtrain.model.config.RopeScaling, None = none) with the formulas of transformers'
+    modeling_rope_utils (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters),
+    in float64 where transformers computes in float32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=CPU) / head_dim)
+    kind = "none" if scaling is None else scaling.type
+    if kind == "none":
+        return inv_freq
+    factor = float(scaling.factor)
+    if kind == "linear":
+        return inv_freq / factor
+    if kind != "llama3":
+        raise ValueError(f"model.rope_scaling.type: {kind!r} is not one of none, linear, llama3")
+    low, high, old_len = float(scaling.low_freq_factor), float(scaling.high_freq_factor), scaling.original_max_position
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are divided by factor, short ones kept, the band between
+    # interpolated: smooth goes 0 -> 1 as the wavelength shrinks from old_len/low to old_len/high.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_tables(
-    max_len: int, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+    max_len: int, head_dim: int, theta: float, dtype: torch.dtype = torch.float32, scaling=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each [max_len, head_dim], for the rotate-half layout (as in HF Llama / GPT-NeoX).
 
-    Dimension pair (i, i + head_dim/2) is rotated by angle p * theta^(-2i/head_dim) (Su et al. 2021).
-    Computed on the CPU.
+    Dimension pair (i, i + head_dim/2) is rotated by angle p * theta^(-2i/head_dim) (Su et al. 2021),
+    the frequencies stretched by `scaling` (see rope_inv_freq). Computed on the CPU.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=CPU) / head_dim)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64, device=CPU), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -113,7 +113,7 @@ class Transformer(nn.Module):
         if cfg.positions == "sinusoidal":
             self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model).to(device, weight.dtype)
         if cfg.positions == "rope":
-            cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.max_seq_len, cfg.head_width, cfg.rope_theta, scaling=cfg.rope_scaling)
             self.rope_cos = cos.to(device, weight.dtype)
             self.rope_sin = sin.to(device, weight.dtype)
 
@@ -176,7 +176,7 @@ class Transformer(nn.Module):
         rope = None
         if self.rope_cos is not None:
             rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
-        mask = document_mask(document_ids)
+        mask = document_mask(document_ids, self.cfg.sliding_window)
         for block in self.blocks:
             x = block(x, rope, None, mask)
         if targets is None:

@@ -10,6 +10,8 @@ where one collective serves several layers:
                        tp each KV head is replicated on tp / n_kv_heads ranks
     attn.wo            row-parallel: all-reduce | SP: reduce-scatter along the sequence
     attn.n_heads, n_kv_heads, alibi_slopes    set to the local heads
+    attn.q_norm/k_norm replicated (weights of head_dim); their gradients, each rank's from
+                       its own heads, are summed over TP by a gradient hook
     ffn (pre-hook)     input: copy_to_tp  | SP: all-gather
     ffn.up/gate        column-parallel;  ffn.down  row-parallel
     lm_head            column-parallel, output kept sharded: logits [B, T, vocab_padded / tp];
@@ -365,7 +367,10 @@ def _shard_attention(attn, topology, cfg, sp: bool, tag: str) -> None:
                 p.register_hook(_grad_all_reduce_hook(sub, f"{tag}.kv_replica_grad"))
     attn.wo = _row(attn.wo, f"{tag}.attn.wo", cfg, topology, sequence_parallel=sp, tag=f"{tag}.attn_out")
     attn.n_heads = cfg.n_heads // tp
-    attn.n_kv_heads = kv.local_shape[0] // cfg.head_dim
+    attn.n_kv_heads = kv.local_shape[0] // cfg.head_width
+    for norm in (attn.q_norm, attn.k_norm):  # replicated, each rank's gradient from its own heads: sum them
+        if norm is not None:
+            norm.weight.register_hook(_grad_all_reduce_hook(group, f"{tag}.qk_norm_grad"))
     if attn.alibi_slopes is not None:  # the slopes of this rank's query heads
         attn.alibi_slopes = attn.alibi_slopes.chunk(tp)[r].clone()
 

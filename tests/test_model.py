@@ -118,7 +118,7 @@ def test_attention_matches_written_out_formula(positions, heads):
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     rope, bias = None, None
     if positions == "rope":
-        rope = tuple(t[:9].double() for t in rope_tables(24, cfg.head_dim, cfg.rope_theta))
+        rope = tuple(t[:9].double() for t in rope_tables(24, cfg.head_width, cfg.rope_theta))
     if positions == "alibi":
         pos = torch.arange(9)
         bias = alibi_bias(attn.alibi_slopes, pos, pos)
@@ -176,7 +176,7 @@ def test_attention_head_attributes_drive_forward_like_a_tensor_parallel_shard():
     cfg = tiny(n_heads=8, n_kv_heads=4, positions="alibi")
     full = Attention(cfg).double()
     x = torch.randn(2, 6, 32, dtype=torch.float64)
-    tp, d = 2, cfg.head_dim
+    tp, d = 2, cfg.head_width
     total = 0
     for r in range(tp):
         shard = Attention(cfg).double()

@@ -54,7 +54,7 @@ def test_choice_errors_list_the_valid_values(field, bad, valid):
 
 def test_good_configs_and_derived_sizes():
     cfg = ModelConfig(**GOOD)
-    assert (cfg.kv_heads, cfg.head_dim, cfg.ffn_dim) == (4, 8, 128)
+    assert (cfg.kv_heads, cfg.head_width, cfg.ffn_dim) == (4, 8, 128)
     assert ModelConfig(**GOOD, n_kv_heads=1).kv_heads == 1
     assert ModelConfig(**GOOD, activation="swiglu").ffn_dim == 88  # 2/3 * 128 = 85.3 -> multiple of 8
     assert ModelConfig(**GOOD, ffn_hidden=40).ffn_dim == 40

@@ -235,11 +235,12 @@ def activation_bytes(
     s, b, h, a, L = seq, micro, cfg.d_model, cfg.n_heads, cfg.n_layers
     p = _DTYPE_BYTES[precision]
     f = cfg.ffn_dim
-    kv = cfg.kv_heads * cfg.head_dim
+    kv = cfg.kv_heads * cfg.head_width
+    q = cfg.n_heads * cfg.head_width  # d_model unless model.head_dim overrides it (Qwen3)
     drop = 1 if cfg.dropout > 0 else 0
     # Elements per token, split into what TP shards and what it replicates (no SP).
     replicated = p * (4 * h) + drop * 2 * h  # 2 norm inputs, QKV input, MLP input; 2 masks
-    sharded = p * (h + 2 * kv + h)  # Q, K, V, attention output (wo input)
+    sharded = p * (q + 2 * kv + q)  # Q, K, V, attention output (wo input)
     sharded += p * (4 * f if cfg.activation == "swiglu" else 2 * f)  # MLP inner tensors
     scores = drop * 5 * a * s + (1 - drop) * 2 * a * s  # softmax out (+mask, dropout out), eager only
     rep_div = tp if sequence_parallel else 1
