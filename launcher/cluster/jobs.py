@@ -293,8 +293,10 @@ def status(job: str, *, address: str | None = None) -> int:
     if info.entrypoint:
         print(f"  entrypoint: {info.entrypoint}")
     if info.start_time:
-        end = info.end_time or time.time() * 1000
-        print(f"  running for: {(end - info.start_time) / 1000:.1f} s")
+        # A finished job ran for a while; only one still going is "running for".
+        ended = st in TERMINAL and info.end_time
+        end = info.end_time if ended else time.time() * 1000
+        print(f"  {'ran for' if ended else 'running for'}: {(end - info.start_time) / 1000:.1f} s")
     if getattr(info, "driver_exit_code", None) is not None:
         print(f"  exit code: {info.driver_exit_code}")
     return 0
@@ -343,6 +345,13 @@ def stop(job: str, *, address: str | None = None, wait: bool = False, wait_timeo
         while st not in TERMINAL and time.monotonic() < deadline:
             time.sleep(0.5)
             st = str(getattr(s := client.get_job_status(job), "value", s))
-        print(f"{job}: {st}")
-        return 0 if st in TERMINAL else 1
+        if st in TERMINAL:
+            print(f"{job}: {st}")
+            return 0
+        print(
+            f"loomtrain stop: {job} did not stop within {wait_timeout:g} s (--wait-timeout); it is {st}: "
+            f"the driver may still be saving a checkpoint; check with `loomtrain status {job}`",
+            file=sys.stderr,
+        )
+        return 1
     return 0
