@@ -324,6 +324,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
 def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
     t, p, m = cfg.train, cfg.parallel, cfg.model
     _check_path_fits("run.dir", cfg.run.dir)
+    # LoRA's adapters are made after the base is materialised, which ZeRO-3 partitions as it goes
+    check(not m.lora.enabled or p.zero_stage < 3, "parallel.zero_stage", "0, 1 or 2 with model.lora", p.zero_stage)
     if cfg.data.cache_dir:
         _check_path_fits("data.cache_dir", cfg.data.cache_dir)
     resume = cfg.checkpoint.resume

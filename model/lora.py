@@ -37,33 +37,43 @@ def init_lora_a(name: str, rank: int, in_features: int, seed: int) -> torch.Tens
     return (torch.rand(rank, in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
 
 
-class LoraLinear(nn.Module):
-    """A frozen `nn.Linear`'s weight and bias plus a trainable rank-r update."""
+class LoraAdapter:
+    """The adapter half of a LoRA layer, mixed into a layer that has `weight` (and `bias`):
+    `lora_A` [rank, in], `lora_B` [out, rank] (zeros), `scale` and the adapter's dropout.
+    Shared by `LoraLinear` and the tensor-parallel layers of loomtrain.parallel.lora, which
+    pass their local shapes."""
 
-    def __init__(self, base: nn.Linear, lora_a: torch.Tensor, scale: float, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        rank = lora_a.shape[0]
-        dev = base.weight.device
-        self.lora_A = nn.Parameter(lora_a.to(dev, torch.float32))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=dev, dtype=torch.float32))
+    def init_adapter(self, lora_a: torch.Tensor, out_features: int, scale: float, dropout: float) -> None:
+        dev = self.weight.device
+        self.lora_A = nn.Parameter(lora_a.to(dev, torch.float32).contiguous())
+        self.lora_B = nn.Parameter(torch.zeros(out_features, lora_a.shape[0], device=dev, dtype=torch.float32))
         self.scale = scale
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """scale * dropout(x) A^T B^T, in x's dtype."""
         u = F.linear(self.lora_dropout(x).to(self.lora_A.dtype), self.lora_A)
         return (F.linear(u, self.lora_B) * self.scale).to(x.dtype)
 
+
+def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B A, in W's dtype (computed in fp32): the weight a merged export holds."""
+    delta = (lora_b.float() @ lora_a.float()) * scale
+    return (weight.float() + delta).to(weight.dtype)
+
+
+class LoraLinear(LoraAdapter, nn.Module):
+    """A frozen `nn.Linear`'s weight and bias plus a trainable rank-r update."""
+
+    def __init__(self, base: nn.Linear, lora_a: torch.Tensor, scale: float, dropout: float = 0.0) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.init_adapter(lora_a, self.out_features, scale, dropout)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + self.lora_delta(x)
-
-    @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """W + scale * B A, in W's dtype (computed in fp32)."""
-        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scale
-        return (self.weight.float() + delta).to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.lora_A.shape[0]}, scale={self.scale}"
@@ -93,12 +103,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
     wrapped = 0
     for name, parent, attr in lora_layers(model, cfg):
         base = getattr(parent, attr)
-        if isinstance(base, LoraLinear):
+        if isinstance(base, LoraAdapter):
             continue
         a = init_lora_a(name, cfg.rank, base.in_features, seed)
         setattr(parent, attr, LoraLinear(base, a, cfg.scale, cfg.dropout))
         wrapped += 1
-    if not wrapped and not any(isinstance(m, LoraLinear) for m in model.modules()):
+    if not wrapped and not any(isinstance(m, LoraAdapter) for m in model.modules()):
         raise ValueError(f"model.lora.targets: {cfg.targets!r} names no layer of this model")
     freeze_base(model)
     return model

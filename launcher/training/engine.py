@@ -86,10 +86,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     for p in model.parameters():  # a tied table appears once
         if p.requires_grad:
             (no_decay if id(p) in skip else decay).append(p)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
+    # Only trainable parameters reach the optimizer (model.lora: the adapters, all in "decay");
+    # DeepSpeed drops an empty group, which the scheduler built beside it would still count.
+    return [g for g in groups if g["params"]]
 
 
 def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:

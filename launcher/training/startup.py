@@ -26,6 +26,7 @@ from loomtrain.launcher.training import engine
 from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.model import init_tensors
 from loomtrain.parallel import Topology
+from loomtrain.parallel.lora import apply_lora_parallel
 from loomtrain.parallel.materialize import allocate_shards, materialize, sharded_meta_model
 from loomtrain.parallel.topology import check_tp, check_tp_placement
 
@@ -80,11 +81,19 @@ def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensor
         for name, param in model.named_parameters():
             if after is not None:
                 after(name, param)
-        return apply_block_options(model, cfg)
+        return apply_block_options(_with_lora(model, cfg, topology), cfg)
     if tensors is None:
         tensors = init_tensors(cfg.model, cfg.train.seed)
     materialize(model, tensors, device=device, dtype=dtype, after_param=after)
-    return apply_block_options(model, cfg)
+    return apply_block_options(_with_lora(model, cfg, topology), cfg)
+
+
+def _with_lora(model: torch.nn.Module, cfg: RunConfig, topology: Topology) -> torch.nn.Module:
+    """model.lora: adapters on this rank's (sharded) layers, every other parameter frozen."""
+    try:
+        return apply_lora_parallel(model, cfg.model.lora, topology, seed=cfg.train.seed)
+    except ValueError as exc:  # names model.lora.targets
+        raise ConfigError(str(exc)) from exc
 
 
 def apply_block_options(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:

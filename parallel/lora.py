@@ -1,0 +1,106 @@
+"""LoRA on a tensor-parallel model: adapters on the column- and row-parallel shards.
+
+Applied after `parallelize` (as peft wraps a plain model, this wraps the sharded one), with
+factors shaped from the local shard and laid out by `plan.shard_spec`:
+
+    column-parallel (wq, wk, wv, up, gate)   A [r, in] replicated, B [out/tp, r] split like
+        the output. The layer's input is already TP-ready (the plan's copy_to_tp / gather_seq
+        hook, whose backward sums dx over TP, LoRA's share included); each rank's dA covers its
+        own output columns only, so A's gradient is summed over TP.
+    row-parallel (wo, down)                  A [r, in/tp] split like the input, B [out, r]
+        replicated. x_local A_local^T is a partial sum, so the LoRA term is added to the
+        layer's partial output BEFORE its all-reduce (SP: reduce-scatter): one collective
+        serves both. B's gradient, computed from the partial u, is summed over TP.
+
+A KV projection replicated on m ranks (fewer KV heads than tp) replicates its B the same way
+(gradient summed over those m ranks, `tp_replicas`, only the first owns it for norms).
+Replicated factors carry no `tensor_model_parallel`, so DeepSpeed's clip norm counts them
+once; split ones carry it (plan.attach_spec). At tp 1 this is loomtrain.model.lora.apply_lora.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from loomtrain.model.lora import LoraAdapter, LoraConfig, apply_lora, freeze_base, init_lora_a, lora_layers
+from loomtrain.parallel import collectives as C
+from loomtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from loomtrain.parallel.plan import attach_spec, shard_spec, shard_tensor, spec_of
+from torch import nn
+
+
+def _sum_grad_over(group, tag: str):
+    def hook(grad):
+        return C.all_reduce(grad.clone(), group, tag, "bwd")
+
+    return hook
+
+
+class LoraColumnParallelLinear(LoraAdapter, ColumnParallelLinear):
+    """A ColumnParallelLinear (input_mode "none": the plan's hook made x TP-ready) plus LoRA."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.lora_delta(x)
+
+
+class LoraRowParallelLinear(LoraAdapter, RowParallelLinear):
+    """A RowParallelLinear whose partial output includes the LoRA term before the reduction
+    (RowParallelLinear.forward with one more addend)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight) + self.lora_delta(x)
+        if self.sequence_parallel:
+            y = C.reduce_scatter_seq(y, self.group, self.tag)
+        else:
+            y = C.reduce_from_tp(y, self.group, self.tag)
+        return y if self.bias is None else y + self.bias
+
+
+def _wrap(layer: nn.Module, name: str, cfg: LoraConfig, model_cfg, topology, seed: int) -> None:
+    """Turn a sharded layer into its LoRA kind in place (class swap: its hooks, attributes and
+    parameter names stay) and give it this rank's factors."""
+    tp, r, rank = topology.tp_size, topology.tp_rank, cfg.rank
+    if isinstance(layer, ColumnParallelLinear):
+        if layer.input_mode != "none" or layer.gather_output:
+            raise ValueError(f"model.lora.targets: {name} is not a plain column-parallel projection")
+        in_full, out_full = layer.in_features, layer.full_out_features
+        layer.__class__ = LoraColumnParallelLinear
+    elif isinstance(layer, RowParallelLinear):
+        in_full, out_full = spec_of(layer.weight).full_shape[1], layer.out_features
+        layer.__class__ = LoraRowParallelLinear
+    else:
+        raise TypeError(f"{name}: expected a column- or row-parallel layer, got {type(layer).__name__}")
+    spec_a = shard_spec(f"{name}.lora_A", (rank, in_full), model_cfg, tp, r)
+    spec_b = shard_spec(f"{name}.lora_B", (out_full, rank), model_cfg, tp, r)
+    layer.init_adapter(
+        shard_tensor(init_lora_a(name, rank, in_full, seed), spec_a), spec_b.local_shape[0], cfg.scale, cfg.dropout
+    )
+    attach_spec(layer.lora_A, spec_a)
+    attach_spec(layer.lora_B, spec_b)
+    tag = f"{name}.lora_grad"
+    if isinstance(layer, LoraColumnParallelLinear):
+        layer.lora_A.register_hook(_sum_grad_over(topology.tp_group, tag))
+        if spec_b.replicas > 1:  # a replicated KV head: keep B's replicas equal, as the weight's
+            layer.lora_B.tp_replicas = spec_b.replicas
+            layer.lora_B.register_hook(_sum_grad_over(topology.tp_subgroup(spec_b.replicas), tag))
+    else:
+        layer.lora_B.register_hook(_sum_grad_over(topology.tp_group, tag))
+
+
+def apply_lora_parallel(model: nn.Module, cfg: LoraConfig, topology=None, seed: int = 0) -> nn.Module:
+    """Adapters on `model` (plain, or parallelized for `topology`), base frozen; in place.
+    Every TP rank must call it. A no-op when cfg.rank is 0."""
+    if not cfg.enabled:
+        return model
+    if topology is None or topology.tp_size == 1:
+        return apply_lora(model, cfg, seed)
+    wrapped = 0
+    for name, parent, attr in lora_layers(model, cfg):
+        layer = getattr(parent, attr)
+        if not isinstance(layer, LoraAdapter):
+            _wrap(layer, name, cfg, model.cfg, topology, seed)
+            wrapped += 1
+    if not wrapped and not any(isinstance(m, LoraAdapter) for m in model.modules()):
+        raise ValueError(f"model.lora.targets: {cfg.targets!r} names no layer of this model")
+    freeze_base(model)
+    return model
