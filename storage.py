@@ -8,6 +8,7 @@ whatever else fsspec knows: `gs://`, `az://`, `file://`).
                                 `what` (the config key or option) and the value when its scheme
                                 is unknown or its library is missing
     join(base, *parts)          a child location of a path or a URI (`/` for URIs)
+    filesystem(location)        (fsspec filesystem, path) for a URI or a local path alike
 
 Objects, one primitive each (a failure is one line naming the object: StorageError / failed):
     listing(fs, path)           a prefix listed afresh (sizes, ETags); list_objects(uri) by URI
@@ -68,6 +69,23 @@ def object_store(uri: str, what: str = "location"):
     except ValueError as e:
         raise ValueError(f"{what}={uri!r}: unknown storage scheme {proto}:// ({e})") from None
     return fs, path
+
+
+def filesystem(location: str | os.PathLike):
+    """(fsspec filesystem, path inside it) for a URI or a local path: one code path for code
+    that works on either (a run's outputs moved aside, run.storage's lease and marker)."""
+    if is_uri(location):
+        return object_store(str(location))
+    from fsspec.implementations.local import LocalFileSystem
+
+    return LocalFileSystem(), os.path.abspath(os.path.expanduser(os.fspath(location)))
+
+
+def is_local(fs) -> bool:
+    """A filesystem with folders and an atomic rename (a local path, file://), not an object store."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
 
 
 def join(base: str | os.PathLike, *parts: str) -> str:
@@ -381,6 +399,7 @@ class Objects:
 
     def write(self, rel: str, data: bytes) -> None:
         """One object, whole (a single PUT)."""
+        _parent_folder(self.fs, self._key(rel))
         self.fs.pipe_file(self._key(rel), bytes(data))
 
     def upload(self, rel: str) -> Upload:
@@ -422,6 +441,8 @@ class Upload:
         self._parts: list[Future] = []
         self._slots = threading.BoundedSemaphore(in_flight)
         self._upload_id = None
+        if not self._s3:
+            _parent_folder(fs, key)  # file:// has folders to make
         self._file = None if self._s3 else fs.open(key, "wb", block_size=part_bytes)
 
     def write(self, data) -> None:

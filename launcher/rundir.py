@@ -37,18 +37,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loomtrain.durable import atomic_write, naming
+from loomtrain.storage import is_uri
 
 if TYPE_CHECKING:
     from loomtrain.launcher.config import RunConfig
 
 MARKER = ".loomtrain-run"
 LOCK = ".loomtrain.lock"
+LEASE = ".loomtrain-lease.json"  # run.storage's owner (launcher/lease.py)
 # The lock holder touches the lock every HEARTBEAT_S; a lock from another host that has
 # not been touched for LEASE_S (that host or its process died) is taken over.
 HEARTBEAT_S = 20.0
 LEASE_S = 180.0
 # What a run directory of an older loomtrain holds (any one of them adopts the folder).
-LEGACY_SIGNS = ("checkpoints", "metrics.jsonl", "final/model_config.json", "ray_attempts.jsonl")
+# (run.storage: checkpoints/, the TensorBoard mirror tb/metrics.jsonl, final/'s manifest)
+LEGACY_SIGNS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "final/model_config.json",
+    "ray_attempts.jsonl",
+    "tb/metrics.jsonl",
+    "final/manifest.json",
+)
 CONFIG_SECTIONS = {"run", "model", "train", "checkpoint"}
 # Outputs of an attempt that a fresh start (step 0) would overwrite or mix with its own
 # (TensorBoard event files: in RUN_DIR itself, or tb/ in older runs). Per-rank logs and
@@ -104,34 +114,69 @@ def _loomtrain_config(path: Path) -> bool:
     return CONFIG_SECTIONS <= keys
 
 
-def is_loomtrain_run(run_dir: Path) -> bool:
-    if (run_dir / MARKER).is_file():
-        return True
-    if any((run_dir / sign).exists() for sign in LEGACY_SIGNS):
-        return True
-    return (run_dir / "config.yaml").is_file() and _loomtrain_config(run_dir / "config.yaml")
+# A run directory (a Path) and run.storage (a URI: its prefix) are checked by the same rules;
+# these two read either.
+def _entries(location: Path | str) -> list[str]:
+    """The names directly under a folder or prefix, but the lock and the lease (sorted)."""
+    if is_uri(location):
+        from loomtrain.storage import Objects
+
+        names = Objects(str(location), "run.storage").entries()
+    else:
+        names = [p.name for p in Path(location).iterdir()]
+    return sorted(n for n in names if n not in (LOCK, LEASE))
 
 
-def check_marker(run_dir: Path) -> None:
-    """Refuse a folder that holds files but is no loomtrain run (writes nothing)."""
-    if not run_dir.exists():
-        return
-    if not run_dir.is_dir():
-        raise RunDirError(f"run.dir={run_dir}: exists and is not a directory")
-    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)
-    if entries and not is_loomtrain_run(run_dir):
+def _has(location: Path | str, rel: str) -> bool:
+    if is_uri(location):
+        from loomtrain.storage import Objects
+
+        return Objects(str(location), "run.storage").exists(rel)
+    return (Path(location) / rel).exists()
+
+
+def is_loomtrain_run(location: Path | str) -> bool:
+    """Does a run directory, or run.storage's prefix, hold a loomtrain run (its marker, or what
+    an older loomtrain left there)?"""
+    if _has(location, MARKER) or any(_has(location, sign) for sign in LEGACY_SIGNS):
+        return True
+    if is_uri(location):
+        return False
+    return (Path(location) / "config.yaml").is_file() and _loomtrain_config(Path(location) / "config.yaml")
+
+
+def check_marker(location: Path | str, what: str = "run.dir") -> None:
+    """Refuse a folder (run.dir) or a prefix (run.storage, `what`) that holds files but is no
+    loomtrain run (writes nothing)."""
+    uri = is_uri(location)
+    if not uri:
+        location = Path(location)
+        if not location.exists():
+            return
+        if not location.is_dir():
+            raise RunDirError(f"{what}={location}: exists and is not a directory")
+    entries = _entries(location)
+    if entries and not is_loomtrain_run(location):
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        where = "prefix" if uri else "folder"
         raise RunDirError(
-            f"run.dir={run_dir}: not a loomtrain run directory (it holds {len(entries)} "
+            f"{what}={location}: not a loomtrain run {where if uri else 'directory'} (it holds {len(entries)} "
             f"{'entry' if len(entries) == 1 else 'entries'}: {shown}, "
-            f"and no {MARKER}); pick a new or empty folder, e.g. run.dir={run_dir}/run"
+            f"and no {MARKER}); pick a new or empty {where}, e.g. {what}={str(location).rstrip('/')}/run"
         )
 
 
-def write_marker(run_dir: Path) -> None:
-    path = run_dir / MARKER
+def write_marker(location: Path | str) -> None:
+    record = json.dumps({"format": 1, "created": time.time(), "host": socket.gethostname()}) + "\n"
+    if is_uri(location):
+        from loomtrain.storage import join, write_object
+
+        if not _has(location, MARKER):
+            write_object(join(str(location), MARKER), record.encode())
+        return
+    path = Path(location) / MARKER
     if not path.exists():
-        atomic_write(path, json.dumps({"format": 1, "created": time.time(), "host": socket.gethostname()}) + "\n")
+        atomic_write(path, record)
 
 
 # ------------------------------------------------------------------ lock

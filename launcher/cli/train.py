@@ -23,6 +23,7 @@ from loomtrain.data_pipeline import DataError
 from loomtrain.launcher.checkpoints.store import CheckpointWriteError
 from loomtrain.launcher.cli import HelpFormatter
 from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
+from loomtrain.launcher.lease import StorageInUse, claim_storage
 from loomtrain.launcher.rundir import RunDirError, claim, run_dir
 from loomtrain.launcher.training.stopping import StoppedDuringStartUp, exit_code, stop_during_start_up
 
@@ -91,11 +92,16 @@ def _main(args: argparse.Namespace) -> int:
     made = _first_missing(run_dir(cfg))  # what this start creates, if anything
     rc, stopped = 1, False
     try:
-        with claim(cfg.run.dir) if owner else contextlib.nullcontext():
+        # ... and run.storage's lease (launcher/lease.py), taken once RUN_DIR is ours
+        with (
+            claim(cfg.run.dir) if owner else contextlib.nullcontext(),
+            claim_storage(cfg) if owner else contextlib.nullcontext(),
+        ):
             rc = _run(cfg, args)
             return rc
     except RunDirError as exc:
-        print(f"loomtrain: run directory error: {exc}", file=sys.stderr)
+        what = "run storage" if isinstance(exc, StorageInUse) else "run directory"
+        print(f"loomtrain: {what} error: {exc}", file=sys.stderr)
         rc = 2
         return rc
     except OSError as exc:  # a full or read-only disk, wherever it struck (the lock, a log, a checkpoint)
