@@ -108,20 +108,15 @@ def refusal(capsys, src, tmp_path) -> str:
     return err
 
 
-def test_rope_scaling_is_refused_naming_the_field(tmp_path, capsys, bpe):
+def test_an_unknown_rope_scaling_is_refused_naming_the_field(tmp_path, capsys, bpe):
+    """llama3 and linear scaling are imported (tests/test_hf_families.py); yarn is refused."""
     src = tmp_path / "hf"
     tiny_llama(src, bpe)
     config = json.loads((src / "config.json").read_text())
-    # as Llama 3.1 checkpoints write it
-    config["rope_scaling"] = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
+    # as a YaRN-extended checkpoint writes it
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     (src / "config.json").write_text(json.dumps(config))
-    assert "rope_scaling=" in refusal(capsys, src, tmp_path)
+    assert "rope_scaling.rope_type='yarn'" in refusal(capsys, src, tmp_path)
 
 
 def test_pickled_weights_are_refused_without_being_read(tmp_path, capsys, bpe):
@@ -180,12 +175,14 @@ def test_gpt2_saved_without_prefix_and_with_mask_buffers(tmp_path, bpe):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("sliding_window", 4096),
+        ("sliding_window", 4096),  # not in transformers' Llama (Mistral and Qwen have it)
         ("num_local_experts", 8),
         ("quantization_config", {"quant_method": "awq"}),
         ("hidden_act", "gelu"),
-        ("head_dim", 32),
-        ("architectures", ["MistralForCausalLM"]),
+        ("attention_dropout", 0.1),
+        ("mlp_bias", True),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0}),
+        ("architectures", ["MixtralForCausalLM"]),
     ],
 )
 def test_unrepresentable_fields_are_refused_by_name(tmp_path, capsys, bpe, field, value):
@@ -194,7 +191,7 @@ def test_unrepresentable_fields_are_refused_by_name(tmp_path, capsys, bpe, field
     config = json.loads((src / "config.json").read_text())
     config[field] = value
     (src / "config.json").write_text(json.dumps(config))
-    assert refusal(capsys, src, tmp_path).startswith(f"loomtrain import: {src / 'config.json'}: {field}=")
+    assert refusal(capsys, src, tmp_path).startswith(f"loomtrain import: {src / 'config.json'}: {field}")
 
 
 # A chat format of the usual shape: a turn per message, then the assistant's cue.

@@ -9,13 +9,15 @@ Source of the weights (full tensors, vocabulary unpadded):
 
 Targets, chosen by the model's variant (every other combination is refused with the
 field that does not fit):
-  * Llama-style  (pre-norm, rmsnorm, swiglu, rope)        -> LlamaForCausalLM
+  * Llama-style  (pre-norm, rmsnorm, swiglu, rope)        -> hf_families.family_of:
+    Qwen3ForCausalLM with model.qk_norm, Qwen2ForCausalLM with model.qkv_bias, MistralForCausalLM
+    with model.sliding_window, else LlamaForCausalLM (rope scaling, head_dim, tied or not).
     loomtrain's RoPE already uses the rotate-half layout of HF Llama (dimension i is
     paired with i + head_dim/2), so q/k weights are copied without a permutation.
   * GPT-2-style  (pre-norm, layernorm, gelu|relu, learned) -> GPT2LMHeadModel
     GPT-2's Conv1D stores weights as [in, out]: every linear is transposed, and
     q/k/v are fused into c_attn; biases the model does not have are written as zeros.
-The tensor names are hf_source's maps (`llama_refs`, `gpt2_refs`), the ones `import` and
+The tensor names are the import's maps (hf_families.family_refs, hf_source.gpt2_refs), the ones `import` and
 `model.init_from` read by, here read backwards (`hf_recipes`): one map for both directions.
 
 Written: model.safetensors when everything fits in --max-shard-size, else
@@ -67,7 +69,8 @@ from loomtrain.launcher.checkpoints.final import (
     verify_final,
     weights_cache,
 )
-from loomtrain.launcher.checkpoints.hf_source import gpt2_refs, llama_refs
+from loomtrain.launcher.checkpoints.hf_families import family_config, family_of, family_refs
+from loomtrain.launcher.checkpoints.hf_source import gpt2_refs
 from loomtrain.launcher.checkpoints.safetensors_source import TensorRef, WeightSourceError, model_tensor_names
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
 from loomtrain.launcher.checkpoints.state import ConsolidatedReader
@@ -226,7 +229,9 @@ def _open_uri(uri: str) -> Source:
 
 # Variant checks ---------------------------------------------------------------------------
 def hf_architecture(cfg) -> str:
-    """'llama' or 'gpt2', or an ExportError naming the model field that has no HF counterpart."""
+    """The Hugging Face architecture a model exports as (LlamaForCausalLM, Qwen2ForCausalLM,
+    Qwen3ForCausalLM, MistralForCausalLM: hf_families.family_of; GPT2LMHeadModel), or an
+    ExportError naming the model field that has no HF counterpart."""
 
     def need(field: str, allowed: tuple, arch: str) -> None:
         value = getattr(cfg, field)
@@ -241,18 +246,26 @@ def hf_architecture(cfg) -> str:
         need("norm_placement", ("pre",), arch)
         need("norm", ("rmsnorm",), arch)
         need("activation", ("swiglu",), arch)
-        return "llama"
+        try:
+            return family_of(cfg)
+        except ValueError as exc:
+            raise ExportError(str(exc)) from None
     if cfg.positions == "learned":
         arch = "GPT-2"
         need("norm_placement", ("pre",), arch)
         need("norm", ("layernorm",), arch)
         need("activation", ("gelu", "gelu_tanh", "relu"), arch)
+        for field in ("qkv_bias", "qk_norm"):
+            need(field, (False,), arch)
+        need("sliding_window", (None,), arch)
         if cfg.kv_heads != cfg.n_heads:
             raise ExportError(
                 f"model.n_kv_heads={cfg.n_kv_heads}: GPT-2 has no grouped-query attention "
                 f"(needs n_kv_heads == n_heads = {cfg.n_heads})"
             )
-        return "gpt2"
+        if cfg.head_width * cfg.n_heads != cfg.d_model:
+            raise ExportError(f"model.head_dim={cfg.head_dim}: GPT-2's heads are d_model / n_heads wide")
+        return "GPT2LMHeadModel"
     raise ExportError(
         f"model.positions={cfg.positions!r}: Hugging Face export supports 'rope' (Llama-style: "
         f"rmsnorm + swiglu) and 'learned' (GPT-2-style: layernorm + gelu)"
@@ -323,35 +336,15 @@ def _common_config(cfg, eos_id: int | None) -> dict:
     }
 
 
-# Llama --------------------------------------------------------------------------------------
-def to_llama(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], dict]:
+# Llama, Qwen2, Qwen3, Mistral ------------------------------------------------------------------
+def to_family(src: Source, cfg, eos_id: int | None, arch: str) -> tuple[dict[str, Recipe], dict]:
     # tied: no lm_head.weight (config.json says so and transformers re-ties on load)
-    out = hf_recipes(src, llama_refs(cfg), cfg)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": cfg.bias,
-        "mlp_bias": cfg.bias,
-        "attention_dropout": 0.0,
-        **_common_config(cfg, eos_id),
-    }
-    return out, config
+    out = hf_recipes(src, family_refs(cfg), cfg)
+    return out, {**family_config(cfg, arch), **_common_config(cfg, eos_id)}
 
 
 # GPT-2 ---------------------------------------------------------------------------------------
-def to_gpt2(src: Source, cfg, eos_id: int | None) -> tuple[dict[str, Recipe], dict]:
+def to_gpt2(src: Source, cfg, eos_id: int | None, arch: str = "GPT2LMHeadModel") -> tuple[dict[str, Recipe], dict]:
     d = cfg.d_model
     out = hf_recipes(src, gpt2_refs(cfg, "transformer."), cfg)
     config = {
@@ -541,7 +534,7 @@ def _export(src: str | Path, out: Path, dtype: str, max_bytes: int, shown: str) 
     cfg = source.cfg
     arch = hf_architecture(cfg)
     eos_id = _eos_id(source.tok_dir, cfg.vocab_size)
-    recipes, config = (to_llama if arch == "llama" else to_gpt2)(source, cfg, eos_id)
+    recipes, config = (to_gpt2 if arch == "GPT2LMHeadModel" else to_family)(source, cfg, eos_id, arch)
     config["torch_dtype"] = config["dtype"] = HF_DTYPE_NAMES[torch_dtype]
     tmp = out.with_name(out.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)

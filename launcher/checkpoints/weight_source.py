@@ -202,12 +202,21 @@ _MUST_MATCH = (
     "positions",
     "bias",
     "tie_embeddings",
+    "head_dim",
+    "qkv_bias",
+    "qk_norm",
+    # not shapes, but what the weights were trained with: a Mistral or a Llama 3.2 run without
+    # them would silently compute another model
+    "sliding_window",
+    "rope_scaling",
 )
 
 
 def _effective(cfg, field: str):
     if field == "n_kv_heads":
         return cfg.kv_heads
+    if field == "head_dim":
+        return cfg.head_width
     if field == "ffn_hidden":
         return cfg.ffn_dim
     return getattr(cfg, field)
