@@ -15,7 +15,11 @@ RMSNorm over head_dim on every head of q and k before RoPE (`q_norm`, `k_norm`).
 Tensor-parallel contract: forward reads the head counts from the attributes
 `n_heads`, `n_kv_heads`, `head_dim` and the ALiBi slopes from the buffer
 `alibi_slopes` [n_heads], so a plan that swaps wq/wk/wv/wo for sharded
-Linears, sets the local head counts and slices the slopes needs nothing else.
+Linears, sets the local head counts and slices the slopes needs nothing else. q_norm and
+k_norm act on each head alone, so every rank keeps them whole; the plan sums their gradients.
+
+With the KV cache and a window, keys older than the first new query's window are left out of
+the product (the cache itself still holds every position, up to its capacity).
 """
 
 from __future__ import annotations
