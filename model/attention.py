@@ -113,15 +113,18 @@ class Attention(nn.Module):
         # Which keys each query sees: the packed documents' mask (window included), else the
         # causal one, built only where SDPA's is_causal does not say it (cached keys before the
         # new queries, or a window that the last query's context exceeds).
-        q_pos = torch.arange(start, start + t, device=x.device)
-        k_pos = torch.arange(key_start, key_start + s, device=x.device)
+        def positions() -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.arange(start, start + t, device=x.device), torch.arange(
+                key_start, key_start + s, device=x.device
+            )
+
         window_binds = self.window is not None and start + t - key_start > self.window
         allowed = doc_mask
         if allowed is None and self.causal and (window_binds or (t > 1 and start > 0)):
-            allowed = causal_mask(q_pos, k_pos, self.window)
+            allowed = causal_mask(*positions(), self.window)
         mask, is_causal = allowed, allowed is None and self.causal and t > 1
         if self.alibi_slopes is not None:  # inside one document i - j is the distance of its own positions
-            mask, is_causal = alibi_bias(self.alibi_slopes, q_pos, k_pos, self.causal).to(q.dtype), False
+            mask, is_causal = alibi_bias(self.alibi_slopes, *positions(), self.causal).to(q.dtype), False
             if allowed is not None:
                 mask = mask.masked_fill(~allowed, float("-inf"))
         y = F.scaled_dot_product_attention(
