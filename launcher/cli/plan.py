@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--node-ram-gib",
         type=float,
-        default=hm.DEFAULT_NODE_RAM_GIB,
-        help=f"host RAM per node in GiB (default {hm.DEFAULT_NODE_RAM_GIB:g}, a 1 TB node)",
+        default=None,
+        help=f"host RAM per node in GiB (default {hm.DEFAULT_NODE_RAM_GIB:g}, a 1 TB node; with --gpu cpu, "
+        "this machine's RAM)",
     )
     ap.add_argument(
         "--storage-gbps",
@@ -65,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
+
+
+def _node_ram_gib(args) -> float:
+    """A CPU "cluster" is this machine: its RAM, unless --node-ram-gib says otherwise."""
+    if args.node_ram_gib is not None:
+        return args.node_ram_gib
+    return round(mm.host_memory_gib(), 1) if args.gpu == "cpu" else hm.DEFAULT_NODE_RAM_GIB
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             args.gpu,
             args.mfu,
             gpus_per_node=args.gpus_per_node,
-            node_ram_gib=args.node_ram_gib,
+            node_ram_gib=_node_ram_gib(args),
             storage_gbps=args.storage_gbps,
         )
     except (ConfigError, ValueError, FileNotFoundError) as exc:

@@ -66,6 +66,7 @@ class HostPlan:
     save_async_blocked_s: float
     resume_bytes_per_rank: float
     resume_s: float
+    on_cpu: bool = False  # the ranks are CPU processes ("a node with 2 ranks"), not GPUs
 
     @property
     def startup_fits(self) -> bool:
@@ -128,6 +129,7 @@ def host_plan(
         save_async_blocked_s=share / copy,
         resume_bytes_per_rank=resume_read,
         resume_s=max(per_node * resume_read / storage, resume_read / (RESUME_GBPS * 1e9)),
+        on_cpu=on_cpu,
     )
 
 
@@ -152,7 +154,7 @@ def format_seconds(s: float) -> str:
 
 def format_host(h: HostPlan) -> list[str]:
     node = f"{h.ranks_per_node} rank{'s' if h.ranks_per_node > 1 else ''}"
-    gpus = f"{h.ranks_per_node} GPUs" if h.ranks_per_node > 1 else "1 GPU"
+    gpus = node if h.on_cpu else f"{h.ranks_per_node} GPUs" if h.ranks_per_node > 1 else "1 GPU"
     lines = [
         f"host RAM per node ({node}; {h.nodes} node{'s' if h.nodes > 1 else ''}; "
         f"{format_node_ram(h.node_ram)} per node)",
