@@ -37,6 +37,7 @@ from loomtrain.launcher.checkpoints.ds_state import (
     write_local,
     written_range,
 )
+from loomtrain.launcher.checkpoints.lora_base import LoraBase
 from loomtrain.launcher.checkpoints.shards import Region, safetensors_metadata
 from safetensors.torch import load as load_safetensors
 
@@ -270,6 +271,7 @@ class TrainState:
 
 
 PARTS: tuple[Part, ...] = (
+    LoraBase(),  # first: a resume onto another base is refused before anything is read
     Tensors(),
     OptimizerSettings(),
     Scheduler(),

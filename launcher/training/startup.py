@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from loomtrain.data_pipeline import DataError, TokenStream, prepare_sources
 from loomtrain.data_pipeline.tokenizer import Tokenizer
+from loomtrain.launcher.checkpoints.lora_base import base_reference
 from loomtrain.launcher.checkpoints.weight_source import init_from
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError
@@ -90,10 +91,14 @@ def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensor
 
 def _with_lora(model: torch.nn.Module, cfg: RunConfig, topology: Topology) -> torch.nn.Module:
     """model.lora: adapters on this rank's (sharded) layers, every other parameter frozen."""
+    if not cfg.model.lora.enabled:
+        return model
     try:
-        return apply_lora_parallel(model, cfg.model.lora, topology, seed=cfg.train.seed)
+        model = apply_lora_parallel(model, cfg.model.lora, topology, seed=cfg.train.seed)
     except ValueError as exc:  # names model.lora.targets
         raise ConfigError(str(exc)) from exc
+    model.lora_base = base_reference(cfg)  # which base the checkpoints' adapters belong to
+    return model
 
 
 def apply_block_options(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
