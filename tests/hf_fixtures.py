@@ -73,3 +73,61 @@ def tiny_gpt2(directory, tok):
     model.save_pretrained(str(directory))
     save_tokenizer(tok, directory)
     return model
+
+
+# The four Llama-shaped families, each with what sets it apart switched on: Llama 3.x's llama3
+# RoPE scaling (an original context of 16, so the 64-token sequences reach the scaled band),
+# Qwen2's q/k/v biases and tied embeddings, Qwen3's q/k norms with a head_dim wider than
+# hidden_size / heads, and a sliding window of 8 (shorter than the sequences) on every layer of
+# Qwen2, Qwen3 and Mistral.
+FAMILY_CONFIGS = {
+    "LlamaForCausalLM": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
+    "Qwen2ForCausalLM": (
+        "Qwen2Config",
+        dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=8, max_window_layers=0),
+    ),
+    "Qwen3ForCausalLM": (
+        "Qwen3Config",
+        dict(tie_word_embeddings=False, head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=0),
+    ),
+    "MistralForCausalLM": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=8)),
+}
+
+
+def tiny_family(directory, tok, arch: str, vocab_size=None, **extra):
+    """A tiny random model of `arch` (FAMILY_CONFIGS) built with transformers' own config class,
+    saved with save_pretrained (one file) with the tokenizer; `extra` overrides config fields."""
+    eos = tok.token_to_id("<|endoftext|>")
+    name, special = FAMILY_CONFIGS[arch]
+    fields = dict(
+        vocab_size=vocab_size or tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        **special,
+    )
+    cfg = getattr(transformers, name)(**{**fields, **extra})
+    torch.manual_seed(0)
+    model = spread(getattr(transformers, arch)(cfg), 3)
+    model.save_pretrained(str(directory))
+    save_tokenizer(tok, directory)
+    return model
