@@ -365,22 +365,29 @@ def claim(run_dir: str | os.PathLike, log=None) -> Iterator[RunLock]:
 # ------------------------------------------------------------------ fresh starts
 
 
-def supersede(run_dir: Path, dest: Path | None, log=None) -> Path | None:
-    """Move an earlier attempt's outputs (OUTPUTS) into `dest` (made under
-    RUN_DIR/checkpoints/superseded-TIME when None); nothing is deleted."""
-    found = sorted({p for pattern in OUTPUTS for p in run_dir.glob(pattern)})
-    found = [p for p in found if not (p.is_file() and p.stat().st_size == 0)]
+def superseded_name() -> str:
+    """The folder (or prefix) under checkpoints/ that a fresh start moves an earlier run into."""
+    return time.strftime("superseded-%Y%m%d-%H%M%S")
+
+
+def supersede(location: Path | str, dest: Path | str | None, log=None) -> Path | str | None:
+    """Move an earlier attempt's outputs (OUTPUTS) in a run directory, or in run.storage (a URI:
+    final/ and the tb/ mirror with its metrics.jsonl), into `dest` (a folder or prefix below
+    `location`; LOCATION/checkpoints/superseded-TIME when None). Nothing is deleted: an object
+    store's move copies first (launcher/set_aside.py)."""
+    from loomtrain.launcher.set_aside import entries, move_aside
+
+    found = sorted(name for name, size in entries(location, OUTPUTS).items() if size != 0)
     if not found:
         return dest
     if dest is None:
-        dest = run_dir / "checkpoints" / time.strftime("superseded-%Y%m%d-%H%M%S")
-    dest.mkdir(parents=True, exist_ok=True)
-    for p in found:
-        target = dest / p.name
-        if target.exists():  # two fresh starts within one second: keep both
-            target = dest / f"{p.name}.{time.time_ns()}"
-        os.rename(p, target)
+        rel = f"checkpoints/{superseded_name()}"
+    elif is_uri(location):
+        rel = str(dest)[len(str(location).rstrip("/")) + 1 :]
+    else:
+        rel = os.path.relpath(os.path.abspath(dest), os.path.abspath(location))
+    dest = move_aside(location, found, rel)
     (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
-        f"checkpoint: fresh start: moved the earlier {', '.join(p.name for p in found)} to {dest}"
+        f"checkpoint: fresh start: moved the earlier {', '.join(found)} to {dest}"
     )
     return dest

@@ -7,7 +7,8 @@
                              {run.storage}/checkpoints when run.storage is a URI; when
                              there are checkpoints but none verifies, the run stops) |
                              never (earlier checkpoints, metrics.jsonl, final/ and tb/ in
-                             RUN_DIR are moved aside to checkpoints/superseded-TIME/) |
+                             RUN_DIR, and in run.storage, are moved aside to
+                             checkpoints/superseded-TIME/ there; docs/storage.md) |
                              PATH or URI (a checkpoint, or a run directory / storage): seeds the
                              first start only; once RUN_DIR has checkpoints, those win
     checkpoint.stop_at_step  save and exit cleanly after this step (0: never)
@@ -91,10 +92,12 @@ class CheckpointHook(Hooks):
                 self.store.check_reachable()  # run.storage: a missing bucket stops the start, not step N's save
                 if c.resume == "never":  # earlier checkpoints and outputs go aside, nothing is deleted
                     aside = self.store.set_aside()  # a folder beside them, or a prefix in the object store
-                    supersede(Path(ctx.run_dir), aside if isinstance(aside, Path) else None, log=log)
+                    self._supersede(ctx, aside, log)
                 # Sizes only here: each rank verifies the checksums of what it reads (load_checkpoint).
                 path = self.store.resolve_resume(c.resume, checksums=False)
                 found = None if path is None else str(path)
+                if found is None and c.resume in ("auto", "") and is_uri(where):
+                    self._local_checkpoints_left_behind(ctx, where, log)
             except ValueError as exc:
                 error = str(exc)
             except Exception as exc:  # the object store's own errors: one line on every rank, no hang
@@ -121,6 +124,19 @@ class CheckpointHook(Hooks):
             f"zero {lay['zero_stage']}) in {time.perf_counter() - t0:.1f} s"
         )
 
+    def _local_checkpoints_left_behind(self, ctx: TrainContext, storage: str, log) -> None:
+        """A run whose checkpoints are in RUN_DIR and that now names run.storage (which has none)
+        would start at step 0 there: stopped in one line that names both and the two ways on
+        (checkpoint.resume=RUN_DIR carries them over: they seed the first start in run.storage)."""
+        published = CheckpointStore(ctx.run_dir, log=lambda m: None).published()
+        if published:
+            raise ValueError(
+                f"checkpoint.resume=auto: {Path(ctx.run_dir) / 'checkpoints'} holds {len(published)} checkpoint(s) "
+                f"(newest {published[-1][1].name}) and run.storage={storage} none; to continue from them set "
+                f"checkpoint.resume={ctx.run_dir} (they seed this run's first start in run.storage), or to start "
+                "at step 0 in run.storage set checkpoint.resume=never (they stay where they are)"
+            )
+
     def _tidy(self, ctx: TrainContext, fresh: bool, log) -> None:
         """Rank 0, once the start is decided (a refused resume changes no file): drop
         leftovers of interrupted writes; a start at step 0 moves an earlier attempt's
@@ -128,7 +144,15 @@ class CheckpointHook(Hooks):
         if ctx.dist.rank == 0:
             self.store.clean_temp()
             if fresh:
-                supersede(Path(ctx.run_dir), None, log=log)
+                self._supersede(ctx, None, log)
+
+    def _supersede(self, ctx: TrainContext, aside, log) -> None:
+        """An earlier run's metrics, final weights and TensorBoard files go aside (into `aside`,
+        where its checkpoints went, when they went there): in RUN_DIR, and in run.storage (final/,
+        tb/) when that is a URI; the same code for both (rundir.supersede)."""
+        supersede(Path(ctx.run_dir), aside if isinstance(aside, Path) else None, log=log)
+        if self.cfg.run.storage:
+            supersede(self.cfg.run.storage, aside if is_uri(aside) else None, log=log)
 
     def _load_first_good(self, ctx: TrainContext, found: str, log) -> dict:
         """Load `found`; if a rank finds a damaged file while reading, every rank hears of it

@@ -60,6 +60,8 @@ from loomtrain.durable import (
     write_json_durable,
 )
 from loomtrain.launcher.checkpoints.objects import Objects
+from loomtrain.launcher.rundir import superseded_name
+from loomtrain.launcher.set_aside import move_aside
 from loomtrain.storage import first_line, is_uri
 
 MANIFEST = "manifest.json"
@@ -290,21 +292,20 @@ class CheckpointStore:
                 self.log(f"checkpoint: removed leftover {p} (interrupted write)")
         return removed
 
-    def set_aside(self) -> Path | None:
+    def set_aside(self) -> Path | str | None:
         """Move every published checkpoint (and `latest`) into checkpoints/superseded-TIME/:
         a fresh start (checkpoint.resume=never) neither resumes from them later nor lets
-        retention mix them with its own. Nothing is deleted."""
-        pub = self.published()
-        if not pub:
+        retention mix them with its own. Nothing is deleted: a folder is renamed, an object
+        store's prefix copied, checked, then deleted manifest first (launcher/set_aside.py).
+        The same code for both backends."""
+        names = [str(path).rstrip("/").rsplit("/", 1)[-1] for _, path in self.published()]
+        if not names:
             return None
-        dest = self.root / time.strftime("superseded-%Y%m%d-%H%M%S")
-        dest.mkdir(parents=True, exist_ok=True)
-        for _, path in pub:
-            os.rename(path, dest / path.name)
-        if (self.root / LATEST).exists():
-            os.replace(self.root / LATEST, dest / LATEST)
-        fsync_path(self.root)
-        self.log(f"checkpoint: checkpoint.resume=never: moved {len(pub)} earlier checkpoint(s) to {dest}")
+        pointer = [LATEST] if self.latest_pointer() is not None else []
+        dest = move_aside(self.root, names + pointer, superseded_name())
+        if not is_uri(self.root):
+            fsync_path(self.root)
+        self.log(f"checkpoint: checkpoint.resume=never: moved {len(names)} earlier checkpoint(s) to {dest}")
         return dest
 
     def apply_retention(self) -> list[Path]:
@@ -652,27 +653,6 @@ class ObjectCheckpointStore(CheckpointStore):
                 removed.append(self.objects.name(name))
                 self.log(f"checkpoint: removed leftover {removed[-1]} (interrupted write)")
         return removed
-
-    def set_aside(self) -> str | None:
-        """checkpoint.resume=never: every checkpoint (and `latest`) is moved (copied, then
-        deleted manifest first) to checkpoints/superseded-TIME/. Nothing is lost."""
-        pub = self._steps()
-        pub = [(s, n) for s, n in pub if self.objects.exists(f"{n}/{MANIFEST}")]
-        if not pub:
-            return None
-        dest = time.strftime("superseded-%Y%m%d-%H%M%S")
-        for _, name in pub:
-            self.objects.copy_tree(name, f"{dest}/{name}")
-            self.objects.delete(f"{name}/{MANIFEST}")
-            self.objects.delete_tree(name)
-        pointer = self.latest_pointer()
-        if pointer is not None:
-            self.objects.write(f"{dest}/{LATEST}", (pointer + "\n").encode())
-            self.objects.delete(LATEST)
-        self.log(
-            f"checkpoint: checkpoint.resume=never: moved {len(pub)} earlier checkpoint(s) to {self.objects.name(dest)}"
-        )
-        return self.objects.name(dest)
 
     def apply_retention(self) -> list[str]:
         """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step; a pruned
