@@ -1,11 +1,11 @@
-"""Issue 38's hostile cases, each reproduced as the issue tells it (Why N), each asserting its one
-line, the exit status and that nothing the user owns changed (Why 1, the shared storage prefix,
-is tests/test_storage_lease.py):
+"""The third round of hostile cases, each reproduced as it was found, each asserting its one line,
+the exit status and that nothing the user owns changed (two runs sharing a storage prefix are
+tests/test_storage_lease.py):
 
-* Why 2: checkpoint.resume=never moves everything of the earlier run aside, on disk and on S3
+* checkpoint.resume=never moves everything of the earlier run aside, on disk and on S3
   alike (checkpoints, final/, tb/ and metrics), nothing overwritten, the console saying what went
   where;
-* Why 3: a run with checkpoints in run.dir that now names run.storage is stopped in one line
+* a run with checkpoints in run.dir that now names run.storage is stopped in one line
   naming both and how to carry them over (no silent start at step 0).
 """
 

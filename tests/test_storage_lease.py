@@ -1,4 +1,5 @@
-"""One owner per run.storage (issue 38, Why 1): the lease object `{run.storage}/.loomtrain-lease.json`.
+"""One owner per run.storage (two runs on one prefix overwrote each other): the lease object
+`{run.storage}/.loomtrain-lease.json`.
 
 * two `loomtrain train` with different run.dir on the same run.storage (s3:// and a local
   file:// path): the second is refused in one line naming the holder, exit 2, and the first's
