@@ -31,6 +31,8 @@ from loomtrain.storage import is_uri
 # The hub's repo id rules: ORG/NAME (or a bare NAME), letters, digits, -, _, . ; no `--` or `..`.
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
 _MODEL_ID = re.compile(rf"^(?P<repo>(?:{_PART}/)?{_PART})(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]*))?$")
+# A name ending so is a file's path, not a model id (ids may hold dots: Qwen2.5-0.5B).
+_FILE_SUFFIXES = (".json", ".yaml", ".yml", ".safetensors", ".txt", ".model", ".bin", ".pt")
 
 
 class ModelIdError(ValueError):
@@ -52,7 +54,9 @@ def looks_like_model_id(location: str | os.PathLike) -> bool:
     if not isinstance(location, str) or is_uri(location) or location.startswith(("/", ".", "~")):
         return False
     m = _MODEL_ID.match(location)
-    return m is not None and "--" not in m.group("repo") and ".." not in m.group("repo")
+    if m is None or "--" in m.group("repo") or ".." in m.group("repo"):
+        return False
+    return not location.lower().endswith(_FILE_SUFFIXES)  # `data/tokenizer.json` is a file's path
 
 
 def split_model_id(model_id: str) -> tuple[str, str | None]:

@@ -31,6 +31,7 @@ import numpy as np
 import tokenizers
 from loomtrain.data_pipeline.shards import DataError
 from loomtrain.durable import atomic_write
+from loomtrain.hf_cache import ModelIdError, resolve_model
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
@@ -241,8 +242,8 @@ def train_bpe(texts: Iterator[str], vocab_size: int, show_progress: bool = False
 
 
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
-    """ "byte" -> ByteTokenizer; a tokenizer.json (or a directory holding one,
-    e.g. a shard directory) -> the tokenizer it describes."""
+    """ "byte" -> ByteTokenizer; a tokenizer.json (or a directory holding one, e.g. a shard
+    directory, or a model id naming one in the local Hugging Face cache) -> the tokenizer it describes."""
     if str(spec) == "byte":
         return ByteTokenizer()
     if str(spec) == "bpe":
@@ -250,7 +251,10 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
             'tokenizer "bpe" must be trained on a corpus first (loomtrain preprocess --tokenizer bpe); '
             "pass the resulting tokenizer.json"
         )
-    path = Path(spec)
+    try:
+        path = Path(resolve_model(spec))  # a Hugging Face model id: its folder in the local cache
+    except ModelIdError as exc:
+        raise DataError(f"tokenizer {exc}") from None
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():

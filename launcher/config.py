@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from loomtrain.hf_cache import ModelIdError, cached_snapshot, looks_like_model_id
 from loomtrain.launcher.addresses import check_ray_address
 from loomtrain.model.config import ModelConfig
 from loomtrain.storage import is_uri, known_scheme
@@ -146,11 +147,17 @@ class DataConfig:
 
     def validate(self, prefix: str) -> None:
         tok = self.tokenizer
+        found = tok in BUILTIN_TOKENIZERS or Path(tok).is_file() or (Path(tok) / "tokenizer.json").is_file()
+        if not found and looks_like_model_id(tok):  # a model id: its folder in the local HF cache
+            try:
+                found = (cached_snapshot(tok) / "tokenizer.json").is_file()
+            except ModelIdError as exc:
+                raise ConfigError(f"{prefix}.tokenizer: {exc}") from None
         check(
-            tok in BUILTIN_TOKENIZERS or Path(tok).is_file() or (Path(tok) / "tokenizer.json").is_file(),
+            found,
             f"{prefix}.tokenizer",
             "byte, bpe, the path of an existing tokenizer.json or a directory holding one "
-            "(a Hugging Face model or tokenizer directory)",
+            "(a Hugging Face model or tokenizer directory, or its model id in the local Hugging Face cache)",
             tok,
         )
         check(0.0 <= self.val_fraction < 1.0, f"{prefix}.val_fraction", "a number in [0, 1)", self.val_fraction)

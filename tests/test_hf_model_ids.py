@@ -86,7 +86,7 @@ def test_an_existing_folder_wins_and_a_uri_stays_a_uri(cache, hf_folder, tmp_pat
     shutil.copytree(hf_folder, tmp_path / "org" / "tiny-llama")  # a relative folder of the id's name
     assert str(resolve_model("org/tiny-llama")) == "org/tiny-llama"
     assert resolve_model("s3://bucket/org/tiny-llama") == "s3://bucket/org/tiny-llama"
-    for not_an_id in ("s3://b/x", "/abs/path", "./rel", "~/x", "a/b/c", "org--x/y", ""):
+    for not_an_id in ("s3://b/x", "/abs/path", "./rel", "~/x", "a/b/c", "org--x/y", "", "data/tokenizer.json"):
         assert not looks_like_model_id(not_an_id), not_an_id
     for an_id in ("gpt2", "Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B@main", f"org/x@{COMMIT}"):
         assert looks_like_model_id(an_id), an_id
@@ -103,3 +103,17 @@ def test_init_from_takes_a_model_id(cache, tmp_path):
     cfg = load_config(tmp_path / "run" / "config.yaml", [f"run.dir={tmp_path / 'ft'}", "model.init_from=org/absent"])
     with pytest.raises(ConfigError, match=r"^model\.init_from: org/absent: no such folder, .*`hf download org/absent`"):
         check_init_from(cfg)
+
+
+def test_data_tokenizer_takes_a_model_id(cache, tmp_path):
+    from loomtrain.data_pipeline import load_tokenizer
+
+    cli.main(["import", "org/tiny-llama", "--output", str(tmp_path / "run")])
+    base = [f"run.dir={tmp_path / 'ft'}"]
+    cfg = load_config(tmp_path / "run" / "config.yaml", [*base, "data.tokenizer=org/tiny-llama"])
+    assert (
+        load_tokenizer(cfg.data.tokenizer).vocab_size
+        == load_tokenizer(tmp_path / "run" / "final" / "tokenizer").vocab_size
+    )
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer: org/absent: no such folder, .*`hf download org/absent`"):
+        load_config(tmp_path / "run" / "config.yaml", [*base, "data.tokenizer=org/absent"])
