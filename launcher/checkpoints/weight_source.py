@@ -226,6 +226,8 @@ def check_matches(source: WeightSource, cfg) -> None:
     """Refuse a source whose model differs from `cfg` (model.*), naming the field and both values;
     every differing field in the one line, so that one edit of the config fixes them all."""
     fields = list(_MUST_MATCH) + (["max_seq_len"] if cfg.positions == "learned" else [])
+    if cfg.head_dim is None and source.model_cfg.head_dim is None:
+        fields.remove("head_dim")  # then it follows d_model / n_heads, which are compared already
     differ = [
         (field, ours, theirs)
         for field in fields
