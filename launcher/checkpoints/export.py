@@ -71,6 +71,7 @@ from loomtrain.launcher.checkpoints.final import (
 )
 from loomtrain.launcher.checkpoints.hf_families import family_config, family_of, family_refs
 from loomtrain.launcher.checkpoints.hf_source import gpt2_refs
+from loomtrain.launcher.checkpoints.lora_weights import BaseMismatch, merge_adapters
 from loomtrain.launcher.checkpoints.safetensors_source import TensorRef, WeightSourceError, model_tensor_names
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
 from loomtrain.launcher.checkpoints.state import ConsolidatedReader
@@ -96,7 +97,7 @@ from loomtrain.storage import (
 )
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-FORMATS = ("hf",)
+FORMATS = ("hf", "peft")  # peft: a LoRA run's adapters (lora_export.py)
 # loomtrain activation -> GPT-2's activation_function computing the same function
 HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -530,7 +531,10 @@ def _export(src: str | Path, out: Path, dtype: str, max_bytes: int, shown: str) 
     """The export into the local folder `out` (`shown`: what the user named it)."""
     torch_dtype = DTYPES[dtype]
     _check_output(out)
-    source = open_source(src)
+    try:
+        source = merge_adapters(open_source(src))  # a LoRA checkpoint: base + adapters merged
+    except BaseMismatch as exc:
+        raise ExportError(str(exc)) from None
     cfg = source.cfg
     arch = hf_architecture(cfg)
     eos_id = _eos_id(source.tok_dir, cfg.vocab_size)

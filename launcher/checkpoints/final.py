@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 from loomtrain.durable import json_bytes, replace_dir, write_durable, write_json_durable
-from loomtrain.launcher.checkpoints.ds_state import full_shape, named_params, read_local
+from loomtrain.launcher.checkpoints.ds_state import full_shape
+from loomtrain.launcher.checkpoints.lora_final import final_params
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter, write_safetensors
 from loomtrain.launcher.checkpoints.store import sha256_file
 from loomtrain.launcher.distributed import all_gather_objects, barrier, current_rank, current_world_size
@@ -158,13 +159,13 @@ def _write_share(engine, topology, folder: Path) -> dict:
     """This rank's parameters (i % world) into its file in `folder` (a collective: every rank
     joins each parameter's gather); -> {"files": {name: manifest entry}, "weight_map", "owners"}."""
     rank, world = current_rank(), current_world_size()
-    params = named_params(engine)
+    params, read = final_params(engine)  # LoRA: the whole model, adapted weights merged
     owners = min(world, len(params))
     name = WEIGHTS if owners == 1 else f"model-{rank + 1:05d}-of-{owners:05d}.safetensors"
     mine = [(n, p) for i, (n, p) in enumerate(params) if i % world == rank]
     writer = SafetensorsWriter(folder / name, [(n, p.dtype, full_shape(p)) for n, p in mine]) if mine else None
     for i, (n, p) in enumerate(params):
-        full = gather_shards(read_local(engine, p, None), spec_of(p), topology)  # collective
+        full = gather_shards(read(n, p), spec_of(p), topology)  # collective
         if writer is not None and i % world == rank:
             writer.write(n, full.to(p.dtype).reshape(full_shape(p)))
         del full

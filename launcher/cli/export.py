@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from loomtrain.launcher.checkpoints.export import DEFAULT_MAX_SHARD, DTYPES, FORMATS, ExportError, export_hf
+from loomtrain.launcher.checkpoints.lora_export import export_peft
 from loomtrain.launcher.cli import HelpFormatter
 
 
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        export_hf(args.run_dir, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size)
+        export = export_peft if args.format == "peft" else export_hf  # peft: a LoRA run's adapters
+        export(args.run_dir, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size)
     except ExportError as exc:
         print(f"loomtrain export: {exc}", file=sys.stderr)
         return 2
