@@ -443,3 +443,31 @@ def test_tp2_equals_tp1_with_qkv_bias_qk_norm_head_dim_and_window(tmp_path):
     assert set(results) == {f"{k}/sp={sp}" for k in ("variant", "documents") for sp in (False, True)}
     for key, diffs in results.items():
         assert all(v <= 1e-5 for v in diffs.values()), (key, diffs)
+
+
+@pytest.mark.slow
+def test_torchrun_tp2_dp2_sp_with_the_family_options_follows_single_process(tmp_path):
+    """The real loop (DeepSpeed, ZeRO-1, gradient clipping) with qkv_bias, qk_norm, a head_dim
+    override, a window shorter than the sequence and llama3 scaling: tp 2 x dp 2 with sequence
+    parallelism follows one process, loss for loss, for 10 steps."""
+    from launch import TINY, losses, run_loomtrain
+    from test_tp_train import COMMON
+
+    options = [
+        "model.head_dim=24",
+        "model.qkv_bias=true",
+        "model.qk_norm=true",
+        "model.sliding_window=8",
+        "model.rope_scaling.type=llama3",
+        "model.rope_scaling.factor=8",
+        "model.rope_scaling.original_max_position=16",
+    ]
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    ref_dir, tp_dir = tmp_path / "ref", tmp_path / "tp2"
+    run_loomtrain("train", TINY, f"run.dir={ref_dir}", cache, *COMMON, *options)
+    tp_options = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"]
+    run_loomtrain("train", TINY, f"run.dir={tp_dir}", cache, *COMMON, *options, *tp_options, nproc=4)
+    ref, tp = list(losses(ref_dir).values()), list(losses(tp_dir).values())
+    assert len(ref) == len(tp) == 10
+    assert max(abs(a - b) for a, b in zip(ref, tp)) <= 1e-5, list(zip(ref, tp))
+    assert tp[-1] < tp[0]
