@@ -6,7 +6,7 @@
     loss = model(tokens, targets=next_tokens)    # mean cross-entropy, logits never held
     out = model.generate(prompt, max_new_tokens=20)  # greedy; prompt + new tokens
 
-Files: config (ModelConfig), norms, positions (sinusoidal, RoPE, ALiBi), attention,
+Files: config (ModelConfig, RopeScaling), norms, positions (sinusoidal, RoPE, ALiBi), attention,
 feedforward, block, loss (LMHead: logits or a chunked fused cross-entropy),
 transformer (init_tensors: its seeded init one parameter at a time;
 meta_transformer: its shapes), cache (KVCache), generate, flops (closed-form
@@ -22,6 +22,7 @@ _EXPORTS = {
     "Block": "block",
     "KVCache": "cache",
     "ModelConfig": "config",
+    "RopeScaling": "config",
     "FeedForward": "feedforward",
     "flops_per_token": "flops",
     "param_count": "flops",
