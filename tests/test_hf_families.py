@@ -1,4 +1,4 @@
-"""Issue 36's families in and out of Hugging Face form: LlamaForCausalLM (Llama 3.x's llama3
+"""The families people fine-tune, in and out of Hugging Face form: LlamaForCausalLM (Llama 3.x's llama3
 RoPE scaling), Qwen2ForCausalLM (q/k/v biases, tied), Qwen3ForCausalLM (q/k norms, head_dim 32
 over hidden 64 / 4 heads) and MistralForCausalLM, each a tiny random model built with
 transformers' own config class, with a sliding window of 8 on 64-token sequences where the
