@@ -46,6 +46,7 @@ from loomtrain.launcher.training.engine import build_engine
 from loomtrain.launcher.training.startup import apply_block_options
 from loomtrain.model import init_tensors
 from loomtrain.parallel import padded_vocab_size
+from loomtrain.parallel.lora import apply_lora_parallel
 from loomtrain.parallel.materialize import materialize, sharded_meta_model
 
 GiB = mm.GiB
@@ -94,6 +95,7 @@ def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Mo
     topology = OneRankTopology(cfg.parallel.tp, tp_rank)
     model = sharded_meta_model(cfg.model, topology, cfg.parallel.sequence_parallel)
     materialize(model, init_tensors(cfg.model, cfg.train.seed), device=device, dtype=dtype)
+    model = apply_lora_parallel(model, cfg.model.lora, topology, seed=cfg.train.seed)  # model.lora
     return apply_block_options(model, cfg)
 
 

@@ -52,6 +52,7 @@ from loomtrain.launcher.training.engine import ds_config
 from loomtrain.model import meta_transformer
 from loomtrain.model.config import ModelConfig
 from loomtrain.model.flops import param_count
+from loomtrain.model.lora import lora_layers
 from loomtrain.model.loss import chunk_rows
 from loomtrain.parallel.plan import shard_spec
 from loomtrain.parallel.topology import padded_vocab_size
@@ -116,6 +117,13 @@ class ParamCount:
     embedding: int  # input-lookup parameters of the plain model (tok_emb, pos_emb)
     matmul: int  # parameters in matmuls, for 6N (output projection counted when tied)
     replicated_per_rank: int  # parameters every TP rank holds in full
+    adapters: int = 0  # model.lora: the LoRA factors of the plain model (not in `total`)
+    adapters_per_rank: int = 0  # ... one TP rank's (A or B split like its layer, see shard_spec)
+
+    @property
+    def trainable_per_rank(self) -> int:
+        """What the optimizer holds on one TP rank: the adapters with LoRA, else everything."""
+        return self.adapters_per_rank if self.adapters else self.per_rank
 
 
 def count_params(model: Any, tp: int) -> ParamCount:
@@ -136,7 +144,21 @@ def count_params(model: Any, tp: int) -> ParamCount:
         if name.split(".")[0] in ("tok_emb", "pos_emb"):
             emb += n
     matmul = total - emb + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
-    return ParamCount(total, per_rank, emb, matmul, rep)
+    return ParamCount(total, per_rank, emb, matmul, rep, *lora_param_count(model, cfg, tp))
+
+
+def lora_param_count(model: Any, cfg: Any, tp: int) -> tuple[int, int]:
+    """(LoRA factors of the plain model, of one TP rank) for cfg.lora; (0, 0) without it."""
+    lora = getattr(cfg, "lora", None)
+    if lora is None or not lora.enabled:
+        return 0, 0
+    total = per_rank = 0
+    for name, parent, attr in lora_layers(model, lora):
+        layer = getattr(parent, attr)
+        for factor, shape in (("lora_A", (lora.rank, layer.in_features)), ("lora_B", (layer.out_features, lora.rank))):
+            total += shape[0] * shape[1]
+            per_rank += shard_spec(f"{name}.{factor}", shape, cfg, tp).local_numel
+    return total, per_rank
 
 
 def build_meta_model(cfg: ModelConfig):
@@ -158,8 +180,12 @@ class ModelStates:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_bytes(n_rank: int, stage: int, dp: int, precision: str, offload: bool = False) -> ModelStates:
-    """Bytes per rank of params, grads and optimizer states for `n_rank` params per TP rank."""
+def model_state_bytes(
+    n_rank: int, stage: int, dp: int, precision: str, offload: bool = False, frozen: int = 0
+) -> ModelStates:
+    """Bytes per rank of params, grads and optimizer states for `n_rank` trainable params per TP
+    rank, plus `frozen` params per TP rank (model.lora's base: the params alone, never partitioned,
+    since ZeRO 1-2 partition only what the optimizer holds and LoRA refuses ZeRO-3)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage: must be 0, 1, 2 or 3, got {stage!r}")
     if precision == "fp32":
@@ -168,7 +194,7 @@ def model_state_bytes(n_rank: int, stage: int, dp: int, precision: str, offload:
         p_b, g_b, o_b = 2, 2, 12
     else:
         raise ValueError(f"train.precision: {precision!r} is not one of fp32, bf16, fp16")
-    params = p_b * n_rank / (dp if stage >= 3 else 1)
+    params = p_b * n_rank / (dp if stage >= 3 else 1) + p_b * frozen
     grads = g_b * n_rank / (dp if stage >= 2 else 1)
     optim = o_b * n_rank / (dp if stage >= 1 else 1)
     offloaded = 0.0
@@ -355,7 +381,9 @@ def make_plan(
     if model is None:
         model = build_meta_model(cfg)
     pc = count_params(model, tp)
-    states = model_state_bytes(pc.per_rank, stage, dp, prec, par.offload_optimizer)
+    # model.lora: the optimizer, gradients and ZeRO see only the adapters; the base is frozen
+    trainable, frozen = pc.trainable_per_rank, (pc.per_rank if pc.adapters else 0)
+    states = model_state_bytes(trainable, stage, dp, prec, par.offload_optimizer, frozen)
     acts = activation_bytes(
         cfg,
         tr.seq_len,
@@ -367,7 +395,7 @@ def make_plan(
         "cpu" if gpu == "cpu" else "cuda",
     )
     reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
-    bucket, fp32_grads = ds_buffers(pc.per_rank, stage, dp, prec, par.offload_optimizer, bucket_elems)
+    bucket, fp32_grads = ds_buffers(trainable, stage, dp, prec, par.offload_optimizer, bucket_elems)
     total = states.total + acts.total + reserve + bucket + fp32_grads
     tokens = tr.global_batch_size * tr.seq_len
     if hasattr(model, "flops_per_token"):
@@ -405,6 +433,12 @@ def make_plan(
             "from a plain fp32-master AdamW in ~57% of elements here (ZeRO-1 matches it exactly); "
             "prefer parallel.zero_stage >= 1 (at dp=1 it holds the same bytes)"
         )
+    if pc.adapters:
+        notes.append(
+            f"LoRA rank {cfg.lora.rank}: {pc.adapters_per_rank:,} adapter params train on each rank "
+            f"({pc.adapters_per_rank / max(1, pc.per_rank):.2%} of its {pc.per_rank:,}); the base is frozen "
+            f"(its {_DTYPE_BYTES[prec]} B/param only: no gradient, no optimizer state)"
+        )
     if cfg.vocab_size % tp:
         notes.append(f"vocab {cfg.vocab_size} padded to {padded_vocab_size(cfg.vocab_size, tp)} for tp={tp}")
     return Plan(
@@ -432,7 +466,7 @@ def make_plan(
         flops_per_step=fpt * tokens,
         tp_comm_payload=payload * accum,
         tp_comm_sent=sent * accum,
-        dp_comm_sent=dp_comm_bytes_per_step(pc.per_rank, stage, dp, prec),
+        dp_comm_sent=dp_comm_bytes_per_step(trainable, stage, dp, prec),
         assumed_mfu=mfu,
         step_time_s=step_time,
         tokens_per_s=tokens / step_time,
