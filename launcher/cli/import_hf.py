@@ -1,4 +1,4 @@
-"""`loomtrain import --format hf SRC_DIR --output RUN_DIR`.
+"""`loomtrain import --format hf SRC_DIR|MODEL_ID --output RUN_DIR`.
 
 What is imported and what is refused: launcher/checkpoints/hf_source.py.
 """
@@ -19,7 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Turn a Hugging Face model directory into a loomtrain run directory.",
         formatter_class=HelpFormatter,
     )
-    ap.add_argument("src", help="a Hugging Face model directory or URI (config.json, safetensors, tokenizer.json)")
+    ap.add_argument(
+        "src",
+        help="a Hugging Face model directory or URI (config.json, safetensors, tokenizer.json), or a model id "
+        "(ORG/NAME or ORG/NAME@REVISION) in the local Hugging Face cache ($HF_HUB_CACHE; nothing is downloaded)",
+    )
     ap.add_argument("--format", default="hf", choices=FORMATS, help="the source's format")
     ap.add_argument(
         "--output",
