@@ -290,7 +290,7 @@ def activation_bytes(
 
 # ---------------------------------------------------------------- FLOPs and comm
 def flops_per_token(matmul_params: int, cfg: ModelConfig, seq: int, recompute: bool = False) -> float:
-    attn = 12 * cfg.n_layers * cfg.d_model * seq
+    attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_width * seq  # = 12 L d s unless model.head_dim is set
     if recompute:
         return 8 * matmul_params + attn * 4 / 3
     return 6 * matmul_params + attn
