@@ -22,7 +22,10 @@ order (globs in the order given, each one's matches sorted); consecutive documen
 floor(i * val_fraction) == j form stratum j, and one document per stratum,
 chosen by a generator seeded with (seed, j), goes to "val". So exactly
 floor(n * val_fraction) (+1 at most) documents go to val, spread evenly over
-the corpus, and the choice depends only on (fraction, seed, document order).
+the corpus, and the choice depends only on (fraction, seed, document order). A requested split
+is never empty: with fewer than 1 / val_fraction documents the first stratum is cut short by the
+end of the corpus, and its pick, if it fell beyond the end, wraps into it (pick mod n); a corpus
+of one document cannot be split, which is an error.
 """
 
 from __future__ import annotations
@@ -168,10 +171,12 @@ def _ordered_results(tagged_units, tokenizer, text_field, skip_bad_lines, worker
 class ValSplit:
     """Document i -> val? One document per stratum {i : floor(i*f) == j}, chosen with seed (seed, j)."""
 
-    def __init__(self, fraction: float, seed: int):
+    def __init__(self, fraction: float, seed: int, documents: int | None = None):
+        """documents: how many the corpus holds, when known; a first stratum cut short by the
+        corpus's end then always keeps one document (see the module docstring)."""
         if not 0.0 <= fraction < 1.0:
             raise DataError(f"val fraction must be in [0, 1), got {fraction}")
-        self.f, self.seed = float(fraction), int(seed)
+        self.f, self.seed, self.n = float(fraction), int(seed), documents
         self._stratum, self._pick = -1, -1
 
     def _key(self, i: int) -> int:
@@ -193,6 +198,8 @@ class ValSplit:
             start, end = self._start(j), self._start(j + 1)
             rng = np.random.default_rng([self.seed & 0xFFFFFFFF, j])
             self._stratum, self._pick = j, start + int(rng.integers(0, end - start))
+            if j == 0 and self.n and self._pick >= self.n:  # beyond a short corpus: wrap into it
+                self._pick %= self.n
         return i == self._pick
 
 
@@ -323,6 +330,13 @@ def _assemble(
     """Parts -> shards, in input order; documents numbered across files for the val split.
     on_file(name): each shard set file as it is complete in `work`."""
     clear_assembly(work)
+    documents = sum(len(parts.read(i)[1]) for i in range(len(files)))  # lengths only: tokens are mapped
+    if splitter.f > 0 and documents == 1:
+        raise DataError(
+            f"--val-fraction {splitter.f:g}: the input holds one document, which cannot be split into "
+            "a training and a validation split; give more documents, or --val-fraction 0"
+        )
+    splitter = ValSplit(splitter.f, splitter.seed, documents)
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: SplitWriter(work, s, dtype, shard_tokens, masked=parts.masked, on_file=on_file) for s in SPLITS}
     stats, doc = _zero_stats(), 0
@@ -521,6 +535,4 @@ def preprocess_files(
             + (f"; skipped {stats['bad_lines']} bad lines" if stats["bad_lines"] else "")
             + (f"; replaced {stats['replaced_chars']} invalid UTF-8 sequences" if stats["replaced_chars"] else "")
         )
-        if val_fraction > 0 and splits["val"]["num_docs"] == 0:
-            log(f"preprocess: warning: val split is empty ({doc} documents x val_fraction {val_fraction} < 1)")
     return {**index, "run": run}

@@ -365,3 +365,26 @@ def test_prepare_data_embedded_corpus_cached_and_concurrent(tmp_path):
     with pytest.raises(DataError, match="data.cache_dir"):
         prepare_data(DataConfig(max_files=30))
     assert os.path.isdir(shard_dir)
+
+
+def test_a_requested_val_split_keeps_a_document_of_a_short_corpus(tmp_path):
+    """Fewer documents than 1 / --val-fraction: the one stratum is cut short by the corpus's end,
+    and still gives the validation split one document (it had none for most seeds)."""
+    write_inputs(tmp_path)
+    files = documents.expand_inputs([str(tmp_path / "txt/*.txt")])  # 10 documents
+    for seed in range(8):
+        index = pp.preprocess_files(
+            files, tmp_path / f"s{seed}", val_fraction=0.01, seed=seed, progress=False, log=None
+        )
+        assert index["splits"]["val"]["num_docs"] == 1, (seed, index["splits"])
+        assert index["splits"]["train"]["num_docs"] == 9
+    split = pp.ValSplit(0.01, seed=3, documents=250)  # a full first stratum: the choice as before
+    assert [i for i in range(250) if split.is_val(i)] == [i for i in range(250) if pp.ValSplit(0.01, 3).is_val(i)]
+
+
+def test_one_document_cannot_be_split(tmp_path):
+    (tmp_path / "one.txt").write_text("a single document")
+    with pytest.raises(DataError, match=r"^--val-fraction 0\.05: the input holds one document, .*--val-fraction 0$"):
+        pp.preprocess_files([tmp_path / "one.txt"], tmp_path / "s", val_fraction=0.05, progress=False, log=None)
+    index = pp.preprocess_files([tmp_path / "one.txt"], tmp_path / "s", val_fraction=0, progress=False, log=None)
+    assert index["splits"]["train"]["num_docs"] == 1
