@@ -1,4 +1,4 @@
-"""Export of a LoRA run trained on a Hugging Face Llama (tp 2, through `loomtrain train`):
+"""Export of a LoRA run trained on a Hugging Face Llama and a Qwen2 (tp 2, through `loomtrain train`):
 
 * `export --format hf` (from the newest checkpoint: the base at model.init_from + its adapters,
   merged) loads in transformers, and its logits equal transformers + PEFT on the same base
@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from hf_fixtures import tiny_llama
+from hf_fixtures import tiny_family, tiny_llama
 from launch import run_loomtrain
 from loomtrain.launcher import cli
 
@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 TOL = 1e-4
 
 
-def test_merged_and_peft_exports_equal_each_other_and_loomtrain(tmp_path, bpe):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_merged_and_peft_exports_equal_each_other_and_loomtrain(tmp_path, bpe, family):
     import peft
     import transformers
     from loomtrain.launcher.checkpoints.state import ConsolidatedReader
@@ -34,7 +35,11 @@ def test_merged_and_peft_exports_equal_each_other_and_loomtrain(tmp_path, bpe):
     from loomtrain.model.lora import apply_lora
 
     hf, imported, run = tmp_path / "hf", tmp_path / "imported", tmp_path / "run"
-    tiny_llama(hf, bpe, vocab_size=bpe.get_vocab_size() | 1)  # odd vocabulary: tp 2 pads it
+    vocab = bpe.get_vocab_size() | 1  # odd vocabulary: tp 2 pads it
+    if family == "llama":
+        tiny_llama(hf, bpe, vocab_size=vocab)
+    else:  # q/k/v biases, tied embeddings, a sliding window
+        tiny_family(hf, bpe, "Qwen2ForCausalLM", vocab_size=vocab)
     assert cli.main(["import", "--format", "hf", str(hf), "--output", str(imported)]) == 0
     overrides = [
         f"run.dir={run}",
