@@ -117,3 +117,16 @@ def test_data_tokenizer_takes_a_model_id(cache, tmp_path):
     )
     with pytest.raises(ConfigError, match=r"^data\.tokenizer: org/absent: no such folder, .*`hf download org/absent`"):
         load_config(tmp_path / "run" / "config.yaml", [*base, "data.tokenizer=org/absent"])
+
+
+def test_the_cache_is_where_huggingface_hub_puts_it(monkeypatch, tmp_path):
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert hub_cache_dir() == tmp_path / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hub_cache_dir() == tmp_path / "xdg" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    assert hub_cache_dir() == tmp_path / "hf-home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    assert hub_cache_dir() == tmp_path / "hub-cache"
