@@ -1,5 +1,6 @@
 """LoRA checkpoints: adapters only, with a reference to the base; resume is exact, also at another
-layout (tp 1 -> tp 2 x dp 2, ZeRO 2); a checkpoint of another base is refused in one line.
+layout (tp 1 -> tp 2 x dp 2, ZeRO 2); a checkpoint of another base is refused in one line;
+`generate` gives the same text from final/ (merged) and from the checkpoint (base + adapters).
 
 Through `loomtrain train` (fp32, constant LR after warmup so a run cut at step 3 follows the
 same schedule as one of 6 steps).
@@ -64,3 +65,9 @@ def test_adapter_checkpoint_resumes_exactly_and_refuses_another_base(tmp_path):
     print(f"\nLoRA resume at step 3 (tp1 -> tp2 x dp2 ZeRO 2): max |loss diff| steps 4-6 = {diff:.2e}")
     assert diff <= TOL, (ref, got)
     assert ref[6] < ref[1] - 0.1
+
+    # generate reads final/ (written merged at tp 2) and a checkpoint (base + adapters) alike
+    argv = ["--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
+    from_final = run_loomtrain("generate", cut, *argv).stdout
+    from_ckpt = run_loomtrain("generate", cut / "checkpoints" / "step_00000006", *argv).stdout
+    assert from_final == from_ckpt and from_final.startswith("def "), (from_final, from_ckpt)
