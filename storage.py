@@ -4,6 +4,7 @@ whatever else fsspec knows: `gs://`, `az://`, `file://`).
     is_uri(location)            does it name a scheme (`s3://...`)? Such a string is never a path:
                                 treating `s3://b/x` as one writes a local folder `./s3:/b/x`
     known_scheme(location)      a URI whose scheme fsspec knows (no library imported)
+    check_location(value, what) one line naming the option for `S3://`, `s4://`, `s3:/b`, `s3:///b`
     object_store(uri, what)     (fsspec filesystem, path inside it) for a URI, or one line naming
                                 `what` (the config key or option) and the value when its scheme
                                 is unknown or its library is missing
@@ -52,6 +53,38 @@ def known_scheme(location: str | os.PathLike) -> bool:
 
     proto = scheme(location)
     return bool(proto) and (proto in known_implementations or proto in registry)
+
+
+_ONE_SLASH = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")
+
+
+def location_problem(location: str | os.PathLike) -> str:
+    """What is wrong with a location written as (or like) a URI, in words ("" when nothing is:
+    a URI of a scheme fsspec knows, or a plain path). Checked once for every option that takes a
+    location, so that `S3://b/x` or `s3:/b/x` never becomes a traceback later, or a local folder."""
+    if not isinstance(location, str) or not location:
+        return ""
+    one = _ONE_SLASH.match(location)
+    if one:  # s3:/bkt/x is a path ./s3:/bkt/x to the OS (a drive letter C:/ has one character)
+        return f"a URI has two slashes after its scheme ({one.group(1)}://{location[one.end() :]})"
+    m = _SCHEME.match(location)
+    if not m:
+        return ""
+    proto, rest = m.group(1), location[m.end() :]
+    if proto != proto.lower():
+        return f"a URI's scheme is written in lower case ({proto.lower()}://{rest})"
+    if not known_scheme(location):
+        return f"unknown storage scheme {proto}:// (expected s3://, gs://, az://, file://, or a local path)"
+    if proto != "file" and (not rest.strip("/") or rest.startswith("/")):
+        return f"no bucket after {proto}:// (expected {proto}://BUCKET/PREFIX)"
+    return ""
+
+
+def check_location(location: str | os.PathLike, what: str) -> None:
+    """ValueError in one line naming `what` (the option) when location_problem finds one."""
+    problem = location_problem(location)
+    if problem:
+        raise ValueError(f"{what}={location!s}: {problem}")
 
 
 def object_store(uri: str, what: str = "location"):
@@ -140,6 +173,62 @@ def first_line(exc: BaseException) -> str:
     """A storage library's error in one line: its type and the first line of its text."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+# An object store's own errors, told apart: unreachable, credentials, a missing bucket. The
+# library retries a request first (botocore: 5 attempts with backoff, about 20 s for a dead
+# endpoint; s3fs: its own retries of timeouts), so a failure here is past that budget.
+_UNREACHABLE = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ProxyConnectionError",
+}
+_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "403", "AccessDenied"}
+_NO_BUCKET = {"NoSuchBucket"}
+_STORE_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3", "gcsfs", "adlfs", "google", "azure")
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    out: list[BaseException] = []
+    while exc is not None and len(out) < 8 and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _endpoint(exc: BaseException) -> str:
+    from urllib.parse import urlsplit
+
+    url = (getattr(exc, "kwargs", None) or {}).get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL", "")
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.netloc else (url or "the default S3 endpoint")
+
+
+def store_failure(exc: BaseException) -> str:
+    """What an object store's error means, in one line naming the endpoint where it matters:
+    unreachable, credentials refused, no such bucket; "" when `exc` is no object store's error
+    (a local disk's OSError, a bug)."""
+    chain = _chain(exc)
+    for e in chain:
+        name = type(e).__name__
+        if name in _UNREACHABLE:
+            return f"cannot reach the object store at {_endpoint(e)} ({name}; retried by the storage library first)"
+        if name in ("NoCredentialsError", "PartialCredentialsError"):
+            return "no object-store credentials found (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile or a role)"
+        error = (getattr(e, "response", None) or {}).get("Error") or {}
+        code = str(error.get("Code", ""))
+        if code in _CREDENTIALS:
+            return f"the object store at {_endpoint(e)} refused access with these credentials ({code})"
+        if code in _NO_BUCKET:
+            bucket = f"bucket {error['BucketName']!r}" if error.get("BucketName") else "the bucket"
+            return f"{bucket} does not exist at {_endpoint(e)} ({code}): create it or name another"
+    if any(type(e).__module__.split(".")[0] in _STORE_MODULES for e in chain):
+        return first_line(exc)
+    return ""
 
 
 def failed(uri: str, action: str, exc: BaseException) -> StorageError:

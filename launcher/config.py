@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from loomtrain.hf_cache import ModelIdError, cached_snapshot, looks_like_model_id
 from loomtrain.launcher.addresses import check_ray_address
 from loomtrain.model.config import ModelConfig
-from loomtrain.storage import is_uri, known_scheme
+from loomtrain.storage import is_uri, known_scheme, location_problem
 
 
 def cuda_available() -> bool:
@@ -37,6 +37,14 @@ def check(ok: bool, key: str, expected: str, value: Any) -> None:
     """The one-line error format of every config rule: `<dotted key>: expected ..., got <value>`."""
     if not ok:
         raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+
+
+def check_location(key: str, value: Any) -> None:
+    """A location written as (or like) a URI: lower-case scheme fsspec knows, two slashes, a
+    bucket (storage.location_problem); `S3://b`, `s4://b`, `s3:/b` are refused here, once."""
+    problem = location_problem(value)
+    if problem:
+        raise ConfigError(f"{key}: {problem}, got {value!r}")
 
 
 def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -67,6 +75,8 @@ class RunSection:
 
     def validate(self, prefix: str) -> None:
         check(bool(self.dir), f"{prefix}.dir", "a directory path", self.dir)
+        check_location(f"{prefix}.dir", self.dir)
+        check_location(f"{prefix}.storage", self.storage)
         check(self.storage_lease_s >= 2, f"{prefix}.storage_lease_s", "at least 2 (seconds)", self.storage_lease_s)
         check(
             not is_uri(self.dir),
@@ -109,6 +119,7 @@ BUILTIN_TOKENIZERS = ("byte", "bpe")
 
 def check_shard_location(key: str, value: str) -> None:
     """A shard directory given as a URI must name a scheme fsspec knows (no store is reached here)."""
+    check_location(key, value)
     check(
         not is_uri(value) or known_scheme(value),
         key,
@@ -169,6 +180,7 @@ class DataConfig:
             "a list",
         )
         check_shard_location(f"{prefix}.path", self.path)
+        check_location(f"{prefix}.cache_dir", self.cache_dir)
         for i, src in enumerate(self.sources):
             src.validate(f"{prefix}.sources[{i}]")
         check_positive(f"{prefix}.prefetch", self.prefetch, allow_zero=True)
@@ -357,6 +369,7 @@ class CheckpointConfig:
     async_save: bool = True
 
     def validate(self, prefix: str) -> None:
+        check_location(f"{prefix}.resume", self.resume)
         for key in ("keep_last", "timeout_s"):
             check_positive(f"{prefix}.{key}", getattr(self, key))
         for key in ("every_steps", "keep_every", "stop_at_step"):

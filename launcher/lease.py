@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 from loomtrain.durable import atomic_write
 from loomtrain.launcher.rundir import LEASE, RunDirError, check_marker, run_dir, write_marker
-from loomtrain.storage import filesystem, first_line, is_local, join
+from loomtrain.storage import filesystem, first_line, is_local, join, store_failure
 
 if TYPE_CHECKING:
     from loomtrain.launcher.config import RunConfig
@@ -285,7 +285,8 @@ def claim_storage(cfg: RunConfig, log=None) -> Iterator[StorageLease | None]:
         raise StorageInUse(str(exc)) from None
     except Exception as exc:  # the store's own errors
         lease.release()
-        raise StorageInUse(f"run.storage={storage}: cannot take its lease {lease.uri} ({first_line(exc)})") from None
+        why = store_failure(exc) or first_line(exc)
+        raise StorageInUse(f"run.storage={storage}: cannot take its lease {lease.uri} ({why})") from None
     try:
         yield lease
     finally:

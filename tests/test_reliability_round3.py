@@ -12,6 +12,7 @@ tests/test_storage_lease.py):
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -116,3 +117,162 @@ def test_local_checkpoints_and_a_new_run_storage_stop_in_one_line(tmp_path, data
     out = train(run, data_cache, f"run.storage={where}", "train.max_steps=4", f"checkpoint.resume={run}")
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'}" in out
     assert "checkpoints/step_00000004/manifest.json" in storage.list_objects(where)
+
+
+# ------------------------------------------------------------------ Why 6: an outage mid-save
+
+
+class Proxy:
+    """A TCP relay to the test S3 server: the endpoint a run is given. stop() is the server going
+    away for that run (connections refused from then on) while the bucket stays readable here."""
+
+    def __init__(self, upstream: str):
+        import socket
+        import threading
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(upstream)
+        self.target = (parts.hostname, parts.port)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.socks: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.socks += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        import socket
+
+        self.server.close()
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+
+@pytest.mark.slow  # one launched run that waits out the storage library's retries, ~60 s
+def test_an_object_store_outage_mid_save_is_one_line(tmp_path, data_cache, s3_bucket, s3_endpoint):
+    where, run = f"{s3_bucket}/outage", tmp_path / "run"
+    proxy = Proxy(s3_endpoint)
+    argv = launch.loomtrain_cmd(
+        "train", TINY, *SMALL, f"run.dir={run}", f"data.cache_dir={data_cache}", f"run.storage={where}",
+        "train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.async_save=false",
+    )  # fmt: skip
+    env = launch.child_env(AWS_ENDPOINT_URL=proxy.url, LOOMTRAIN_TEST_FAULTS="ckpt_slow:4:8")
+    with launch.Run(argv, cwd=tmp_path, env=env) as child:
+        child.wait_for(lambda line: line.startswith("step 4/"), timeout=300)  # step 4's save waits 8 s to write
+        step2 = tree(f"{where}/checkpoints/step_00000002")
+        proxy.stop()  # the store goes away while step 4 is being written
+        rc = child.finish(timeout=300)
+    text = child.text
+    assert rc == 1 and "Traceback" not in text, text[-3000:]
+    (line,) = [line for line in text.splitlines() if line.startswith("loomtrain: write error")]
+    assert line == (
+        f"loomtrain: write error: checkpoint: cannot save step 4: cannot reach the object store at {proxy.url} "
+        f"(EndpointConnectionError; retried by the storage library first): {where}/checkpoints/step_00000004; "
+        f"{where}/checkpoints/step_00000002 stays the newest checkpoint: check that run.storage={where} is "
+        "reachable and writable (endpoint, credentials, bucket), then run the same command to resume from "
+        "step_00000002"
+    )
+    # the user's checkpoint is as it was, and still `latest`
+    assert tree(f"{where}/checkpoints/step_00000002") == step2 and step2
+    assert storage.read_object(f"{where}/checkpoints/latest") == b"step_00000002\n"
+
+
+# ------------------------------------------------------------------ Why 6: URI schemes, once
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("run.storage", "S3://bkt/x", "a URI's scheme is written in lower case (s3://bkt/x)"),
+        ("run.storage", "s3:/bkt/x", "a URI has two slashes after its scheme (s3://bkt/x)"),
+        ("run.storage", "s3:///x", "no bucket after s3:// (expected s3://BUCKET/PREFIX)"),
+        ("model.init_from", "s4://bkt/model", "unknown storage scheme s4:// (expected s3://, gs://, az://, "),
+        ("checkpoint.resume", "S3://bkt/x/checkpoints/step_00000002", "a URI's scheme is written in lower case"),
+        ("data.path", "s3:/bkt/ds", "a URI has two slashes after its scheme (s3://bkt/ds)"),
+    ],
+)
+def test_a_location_with_a_bad_scheme_is_one_line_naming_the_option(tmp_path, data_cache, option, value, says):
+    out = train(tmp_path / "run", data_cache, f"{option}={value}", rc=2)
+    assert "Traceback" not in out
+    (line,) = [line for line in out.splitlines() if line.strip()]
+    assert line.startswith(f"loomtrain: config error: {option}: {says}") and line.endswith(f"got {value!r}")
+    assert not (tmp_path / "run").exists() and not list(Path.cwd().glob("s3:*"))
+
+
+def test_generate_refuses_a_bad_scheme_in_one_line(capsys):
+    from loomtrain.launcher import cli
+
+    assert cli.main(["generate", "s3:/bkt/run", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.strip() == "loomtrain generate: RUN_DIR=s3:/bkt/run: a URI has two slashes after its scheme (s3://bkt/run)"
+    )
+
+
+# ------------------------------------------------------------------ Why 7: three causes told apart
+
+
+def test_unreachable_endpoint_and_missing_bucket_are_told_apart(tmp_path, data_cache, s3_bucket, monkeypatch):
+    import fsspec
+
+    missing = f"{s3_bucket[:-1]}z"
+    (line,) = [line for line in train(tmp_path / "a", data_cache, f"run.storage={missing}/x", rc=2).splitlines()]
+    assert line == (
+        f"loomtrain: run storage error: run.storage={missing}/x: cannot take its lease "
+        f"{missing}/x/.loomtrain-lease.json "
+        f"(bucket {missing[5:]!r} does not exist at {os.environ['AWS_ENDPOINT_URL']} (NoSuchBucket): create it or "
+        "name another)"
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+    out = train(tmp_path / "b", data_cache, f"run.storage={s3_bucket}/x", rc=2)
+    (line,) = [line for line in out.splitlines() if line.strip()]
+    assert line.startswith(f"loomtrain: run storage error: run.storage={s3_bucket}/x: cannot take its lease")
+    assert "cannot reach the object store at http://127.0.0.1:1 (EndpointConnectionError" in line
+    assert "does not exist" not in line
+
+
+# ------------------------------------------------------------------ Why 9: generate takes a checkpoint URI
+
+
+def test_generate_takes_a_checkpoint_uri_as_export_does(tmp_path, data_cache, s3_bucket, capsys):
+    from loomtrain.launcher import cli
+
+    where = f"{s3_bucket}/gen"
+    train(tmp_path / "run", data_cache, f"run.storage={where}", "train.max_steps=2", "checkpoint.every_steps=2")
+    capsys.readouterr()
+    step = f"{where}/checkpoints/step_00000002"
+    assert cli.main(["generate", step, "--prompt", "def", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("def") and f"using {step}" in out.err or "using checkpoint" in out.err, out.err

@@ -106,7 +106,7 @@ def test_a_second_run_on_a_leased_storage_is_refused_in_one_line(tmp_path, data_
         }
         assert not second.exists()
         gate.write_text("")
-        assert run.proc.wait(timeout=300) == 0, run.text()[-3000:]
+        assert run.proc.wait(timeout=300) == 0, run.text[-3000:]
     # the first finished as if alone: its final/, its tb/ mirror, its checkpoints, its lease released
     done = objects(twin)
     assert "final/manifest.json" in done and "checkpoints/step_00000004/manifest.json" in done and LEASE not in done

@@ -53,7 +53,7 @@ from loomtrain.launcher.distributed import all_gather_objects, barrier, broadcas
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.observe.watchdog import io_phase
 from loomtrain.launcher.rundir import checkpoint_location, supersede
-from loomtrain.storage import is_uri
+from loomtrain.storage import is_uri, store_failure
 
 
 def _other_model_hint(resume: str, ctx: TrainContext) -> str:
@@ -108,6 +108,8 @@ class CheckpointHook(Hooks):
         if error:
             raise ConfigError(error)
         found = broadcast_str(found)
+        if found is not None and is_uri(found) and self.store.owns(found):  # named if a later save fails
+            self.store.latest_known = found.rstrip("/").rsplit("/", 1)[-1]
         barrier()
         if found is None:
             self._tidy(ctx, fresh=True, log=log)
@@ -235,8 +237,8 @@ class CheckpointHook(Hooks):
         self.wait(ctx)
         try:
             return self._save(ctx, reason)
-        except Exception as exc:  # a full or read-only disk: one line, `latest` untouched
-            if is_write_error(exc):
+        except Exception as exc:  # a full or read-only disk, an object store gone: one line, `latest` untouched
+            if is_write_error(exc) or (is_uri(self.store.root) and store_failure(exc)):
                 raise write_error(exc, self.store, ctx.state.step) from None
             raise
 

@@ -62,7 +62,7 @@ from loomtrain.durable import (
 from loomtrain.launcher.checkpoints.objects import Objects
 from loomtrain.launcher.rundir import superseded_name
 from loomtrain.launcher.set_aside import move_aside
-from loomtrain.storage import first_line, is_uri
+from loomtrain.storage import first_line, is_uri, store_failure
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -450,6 +450,19 @@ def is_write_error(exc: BaseException) -> bool:
 
 
 def write_error(exc: BaseException, store: CheckpointStore, step: int) -> CheckpointWriteError:
+    failure = store_failure(exc) if is_uri(store.root) else ""
+    if failure:  # the object store went away (or refused us) mid-save: the store is not asked again
+        kept = getattr(store, "latest_known", None)
+        err = CheckpointWriteError(
+            f"checkpoint: cannot save step {step}: {failure}: {store.temp_dir(step)}; "
+            + (
+                f"{store.where(store.root, kept)} stays the newest checkpoint"
+                if kept
+                else "no earlier checkpoint exists"
+            )
+        )
+        err.latest = (store.where(store.root, kept), kept) if kept else None
+        return err
     if isinstance(exc, OSError):
         what = exc.strerror or str(exc)
         where = exc.filename or store.temp_dir(step)
@@ -510,6 +523,7 @@ class ObjectCheckpointStore(CheckpointStore):
         log: Callable[[str], None] | None = None,
     ):
         self.storage = str(storage).rstrip("/")
+        self.latest_known: str | None = None  # the newest checkpoint published or read here
         self.objects = Objects(self.storage, "run.storage").child("checkpoints")
         self.root = self.objects.uri
         self.keep_last = int(keep_last)
@@ -631,6 +645,7 @@ class ObjectCheckpointStore(CheckpointStore):
         manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), **meta, "files": files}
         at.write(MANIFEST, json_bytes(manifest))
         self.objects.write(LATEST, (step_dirname(step) + "\n").encode())
+        self.latest_known = step_dirname(step)  # what a failure later names without asking the store
         try:
             self.apply_retention()
         except Exception as exc:  # noqa: BLE001  (published all the same; the next save prunes again)
@@ -639,9 +654,11 @@ class ObjectCheckpointStore(CheckpointStore):
 
     def latest_pointer(self) -> str | None:
         try:
-            return self.objects.read(LATEST).decode().strip() or None
+            pointer = self.objects.read(LATEST).decode().strip() or None
         except (FileNotFoundError, UnicodeDecodeError):
             return None
+        self.latest_known = pointer
+        return pointer
 
     # Housekeeping -----------------------------------------------------------------------
     def clean_temp(self) -> list[str]:
@@ -679,9 +696,18 @@ class ObjectCheckpointStore(CheckpointStore):
         return verify_object(str(path), checksums=checksums)
 
     def check_reachable(self) -> None:
+        """One line for an unreachable endpoint, refused credentials or a missing bucket (told
+        apart: S3's HeadBucket answers 404 for a missing bucket, 403 for refused credentials)."""
         bucket = self.objects.path.split("/", 1)[0]
+        fs = self.objects.fs
         try:
-            found = self.objects.fs.exists(bucket)
+            if hasattr(fs, "call_s3"):
+                fs.call_s3("head_bucket", Bucket=bucket)
+                found = True
+            else:
+                found = fs.exists(bucket)
+        except FileNotFoundError:
+            found = False
         except Exception as exc:  # noqa: BLE001  (credentials, endpoint, network: said in one line)
             raise ValueError(store_error(self.storage, exc)) from None
         if not found:
@@ -692,8 +718,8 @@ class ObjectCheckpointStore(CheckpointStore):
 
 
 def store_error(storage: str, exc: BaseException) -> str:
-    """One line for an object store's own error (no credentials, endpoint down, access denied)."""
-    return f"run.storage={storage}: {first_line(exc)}"
+    """One line for an object store's own error (endpoint down, credentials refused, no bucket)."""
+    return f"run.storage={storage}: {store_failure(exc) or first_line(exc)}"
 
 
 def verify_object(uri: str, checksums: bool = True) -> Verdict:

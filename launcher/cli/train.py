@@ -22,6 +22,7 @@ from pathlib import Path
 from loomtrain.data_pipeline import DataError
 from loomtrain.launcher.checkpoints.store import CheckpointWriteError
 from loomtrain.launcher.cli import HelpFormatter
+from loomtrain.launcher.config import check_location
 from loomtrain.launcher.config_loader import ConfigError, env_world_size, resolve, validate
 from loomtrain.launcher.lease import StorageInUse, claim_storage
 from loomtrain.launcher.rundir import RunDirError, claim, run_dir
@@ -77,6 +78,7 @@ def _main(args: argparse.Namespace) -> int:
         cfg = resolve(args.config, args.overrides)
         # With --ray the world size is ray.num_workers; else what the launcher set (or 1).
         validate(cfg, cfg.ray.num_workers if args.ray else env_world_size())
+        check_location("model.init_from", cfg.model.init_from)  # model/ knows no storage: checked here
         misfit = _preflight(cfg, args)
     except ConfigError as exc:
         print(f"loomtrain: config error: {exc}", file=sys.stderr)
@@ -210,7 +212,8 @@ def disk_error_line(exc: OSError, run_dir: Path, storage: str = "") -> str:
     """A run ended by its disk (or, with `storage` = run.storage, a save to its object store),
     in one line: the file, the cause, the checkpoint that stays `latest` (the newest one saved
     before the failure), and what to do."""
-    latest = _latest(storage or run_dir)
+    # an object store that failed mid-save is not asked again (its failure named `latest` already)
+    latest = exc.latest if hasattr(exc, "latest") else _latest(storage or run_dir)
     if isinstance(exc, CheckpointWriteError):  # names the checkpoint it was writing and `latest`
         what = str(exc)
     else:
