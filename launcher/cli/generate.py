@@ -65,6 +65,11 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--chat and --prompt: give one (--chat is a user's message, --prompt raw text to continue)"
     if args.device not in DEVICES and not re.fullmatch(r"cuda:\d+", args.device):
         return f"--device: expected one of {', '.join(DEVICES)} (or cuda:N), got {args.device!r}"
+    from loomtrain.storage import location_problem
+
+    problem = location_problem(args.run_dir)  # S3://, s4://, s3:/b: one line, not a traceback or a folder
+    if problem:
+        return f"RUN_DIR={args.run_dir}: {problem}"
     return None
 
 
@@ -98,7 +103,10 @@ def load_model(path: str, device: str):
     from loomtrain.storage import is_uri
 
     if is_uri(path):  # never a path: s3://b/x would read a folder ./s3:/b/x
-        if find_final_uri(path) is not None:
+        from loomtrain.storage import Objects
+
+        # a checkpoint (its manifest beside trainer.json) is read as export reads it, not as a final/
+        if not Objects(path, "RUN_DIR").exists("trainer.json") and find_final_uri(path) is not None:
             model, tok = load_final(path, device=device)
             return model, tok, "final weights"
         src = path  # a checkpoint, or a run storage's newest one (else export's line: no final/)
