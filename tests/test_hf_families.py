@@ -174,6 +174,9 @@ def test_a_hub_config_with_rope_scaling_and_rope_theta_reads_as_rope_parameters(
         ("Qwen3ForCausalLM", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
         ("Qwen3ForCausalLM", dict(attention_bias=True), "attention_bias"),
         ("MistralForCausalLM", dict(hidden_act="gelu"), "hidden_act"),
+        # transformers' Mistral would put the window on both layers anyway
+        ("MistralForCausalLM", dict(layer_types=["full_attention", "full_attention"]), "layer_types"),
+        ("LlamaForCausalLM", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
         ("LlamaForCausalLM", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_parameters"),
         ("LlamaForCausalLM", dict(mlp_bias=True), "mlp_bias"),
         ("Qwen2ForCausalLM", dict(attention_dropout=0.1), "attention_dropout"),

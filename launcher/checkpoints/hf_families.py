@@ -102,25 +102,36 @@ def _window(arch: str, c: dict, where: Path, n_layers: int) -> int | None:
         for field in ("sliding_window", "use_sliding_window"):
             if not off(c.get(field)):
                 refuse(where, field, c[field], "sliding-window attention is not in transformers' Llama")
-        window = None
-    elif arch == "MistralForCausalLM":
-        window = int_field(c, where, "sliding_window", None)  # every layer, when set
-    else:  # Qwen2 / Qwen3: the window only when use_sliding_window, on layers max_window_layers and up
-        use = bool_field(c, where, "use_sliding_window", False)
-        window = int_field(c, where, "sliding_window", None) if use else None
-        first = c.get("max_window_layers", 28)  # transformers' default
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-            refuse(where, "max_window_layers", first, "expected a layer count (0 or more)")
-        if window is None:
-            return None  # transformers passes no window to any layer, whatever layer_types says
-        kinds = str_list(c, where, "layer_types") or [
-            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
-        ]
-        return _uniform(where, kinds, n_layers, window, f"max_window_layers={first}")
-    kinds = str_list(c, where, "layer_types")
-    if kinds and window is not None:
-        return _uniform(where, kinds, n_layers, window, "Mistral applies sliding_window to all")
-    return window
+        kinds = str_list(c, where, "layer_types")
+        if set(kinds) - {"full_attention"}:
+            refuse(where, "layer_types", kinds, "transformers' Llama has full attention in every layer")
+        return None
+    if arch == "MistralForCausalLM":
+        # transformers' Mistral puts sliding_window on every layer and ignores layer_types (it
+        # warns: Ministral reads them); a layer_types saying otherwise is refused, not ignored
+        window = int_field(c, where, "sliding_window", None)
+        kinds = str_list(c, where, "layer_types")
+        if kinds and set(kinds) != {"sliding_attention" if window is not None else "full_attention"}:
+            refuse(
+                where,
+                "layer_types",
+                kinds,
+                f"MistralForCausalLM applies sliding_window={window} to every layer; "
+                "loomtrain has one attention kind in every layer",
+            )
+        return window
+    # Qwen2 / Qwen3: the window only when use_sliding_window, on layers max_window_layers and up
+    use = bool_field(c, where, "use_sliding_window", False)
+    window = int_field(c, where, "sliding_window", None) if use else None
+    first = c.get("max_window_layers", 28)  # transformers' default
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        refuse(where, "max_window_layers", first, "expected a layer count (0 or more)")
+    if window is None:
+        return None  # transformers passes no window to any layer, whatever layer_types says
+    kinds = str_list(c, where, "layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
+    ]
+    return _uniform(where, kinds, n_layers, window, f"max_window_layers={first}")
 
 
 def _uniform(where: Path, kinds: list[str], n_layers: int, window: int, hint: str) -> int | None:
