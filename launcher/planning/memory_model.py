@@ -15,6 +15,9 @@ Sources, so that a reader can check each number:
   parallelism divides the sharded layers by tp before ZeRO divides by dp; norms,
   row-parallel biases and learned positions stay replicated. The vocabulary is
   padded to a multiple of tp (the vocab-parallel embedding's rows).
+  With model.lora the optimizer, the gradients and ZeRO's split see only the adapters
+  (r * (in + out) per adapted layer, split over TP like their layer: `count_params`); the
+  frozen base adds its parameters alone, in the training dtype, never partitioned.
 * Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 1-5):
   s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations. loomtrain's attention
   is torch SDPA, which on GPU runs the flash / memory-efficient kernels that keep no
