@@ -1,6 +1,6 @@
 """Offline checks of loomtrain's Kubernetes manifests, without a cluster.
 
-    python k8s/check.py [KUSTOMIZATION_DIR ...]     (default: base and every overlay)
+    python k8s/check.py [--templates] [KUSTOMIZATION_DIR ...]     (default: base and every overlay)
 
 For each kustomization: yamllint its own YAML files, render it with
 `kubectl kustomize`, then check what it renders:
@@ -9,7 +9,11 @@ For each kustomization: yamllint its own YAML files, render it with
   crd-schema  RayJob/RayCluster against the KubeRay CRDs' openAPIV3Schema,
               made strict as the API server is (see `strict_schema`);
   project     loomtrain's own rules (k8s/policy.py);
-  security    the security policy (k8s/policy.py, skipped rules justified).
+  security    the security policy (k8s/policy.py, skipped rules justified);
+  placeholder what must be filled in before an apply: an image with no registry or owner
+              (`loomtrain:0.1.0-cpu` would be pulled as docker.io/library/loomtrain) and a
+              placeholder such as YOUR_BUCKET. The repository's overlays are templates that
+              hold both until you set them; `--templates` checks them as templates (CI's tests).
 Every finding is a `Problem(check, where, message)`; the exit status is 1 if
 there is any. tests/test_k8s_*.py run the same functions.
 
@@ -26,6 +30,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -388,10 +393,58 @@ def validate_custom(docs: Iterable[dict], crds: Path | None = None) -> list[Prob
 
 
 # --- all checks ----------------------------------------------------------------
+# A value left for the user to fill in: YOUR_BUCKET, YOUR_REGISTRY, REGISTRY/..., OWNER/...
+PLACEHOLDER_RE = re.compile(r"\bYOUR_[A-Z0-9_]+\b|\b(?:REGISTRY|OWNER)/")
+
+
+def _strings(node: Any, path: str = ""):
+    """(field path, value) of every string in a rendered object."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _strings(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _strings(value, f"{path}[{i}]")
+    elif isinstance(node, str):
+        yield path, node
+
+
+def placeholder_rules(docs: Iterable[dict]) -> list[Problem]:
+    """What an apply would pull or write wrong: unqualified images, unfilled placeholders."""
+    problems = []
+    for obj in docs:
+        where = name_of(obj)
+        for path, value in _strings(obj):
+            if path.endswith(".image") and "/" not in value.split("@")[0]:
+                problems.append(
+                    Problem(
+                        "placeholder",
+                        where,
+                        f"{path}: image {value!r} names no registry or owner (it would be pulled as "
+                        f"docker.io/library/{value}): push the image k8s/image/Dockerfile builds and set "
+                        "`newName: REGISTRY/loomtrain` under `images:` in the overlay's kustomization.yaml",
+                    )
+                )
+            for m in PLACEHOLDER_RE.finditer(value):
+                problems.append(
+                    Problem(
+                        "placeholder",
+                        where,
+                        f"{path}: {m.group(0).rstrip('/')} is a placeholder: fill it in (docs/kubernetes.md)",
+                    )
+                )
+    return problems
+
+
 def check(
-    directory: Path, kubectl: str | None = None, crds: Path | None = None, docs: list[dict] | None = None
+    directory: Path,
+    kubectl: str | None = None,
+    crds: Path | None = None,
+    docs: list[dict] | None = None,
+    placeholders: bool = False,
 ) -> list[Problem]:
-    """Every check on one kustomization directory (`docs`: its rendering, if done already)."""
+    """Every check on one kustomization directory (`docs`: its rendering, if done already);
+    `placeholders`: also refuse what must be filled in before an apply (placeholder_rules)."""
     directory = Path(directory)
     problems = lint(manifest_files(directory))
     if docs is None:
@@ -403,11 +456,13 @@ def check(
     problems += validate_custom(docs, crds)
     problems += [Problem("project", w, m) for w, m in policy.project_rules(docs, REPO)]
     problems += [Problem("security", w, m) for w, m in policy.security_rules(docs)]
+    if placeholders:
+        problems += placeholder_rules(docs)
     return problems
 
 
 def check_many(
-    directories: Iterable[Path], kubectl: str | None = None, crds: Path | None = None
+    directories: Iterable[Path], kubectl: str | None = None, crds: Path | None = None, placeholders: bool = False
 ) -> dict[Path, list[Problem]]:
     """`check` on each directory, the `kubectl kustomize` runs side by side."""
     from concurrent.futures import ThreadPoolExecutor
@@ -428,7 +483,7 @@ def check_many(
         if isinstance(docs, RenderError):
             out[d] = lint(manifest_files(d)) + [Problem("render", _rel(d), str(docs))]
         else:
-            out[d] = check(d, kubectl, crds, docs=docs)
+            out[d] = check(d, kubectl, crds, docs=docs, placeholders=placeholders)
     return out
 
 
@@ -441,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    targets = [Path(a) for a in argv] or default_targets()
+    templates = "--templates" in argv
+    targets = [Path(a) for a in argv if a != "--templates"] or default_targets()
     try:
         kubectl = find_kubectl()
         crds = crds_dir()
@@ -449,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k8s/check.py: {exc}", file=sys.stderr)
         return 2
     bad = 0
-    for target, problems in check_many(targets, kubectl, crds).items():
+    for target, problems in check_many(targets, kubectl, crds, placeholders=not templates).items():
         bad += bool(problems)
         print(f"{_rel(target)}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
         for p in problems:
