@@ -223,6 +223,11 @@ def check_tokenizer_hash(index: dict, shard_dir, expected: str | None) -> None:
         )
 
 
+def _any_target(mask: np.ndarray, chunk: int = 1 << 24) -> bool:
+    """Does a loss mask hold a 1? Read a chunk at a time, stopping at the first (at once in real data)."""
+    return any(mask[i : i + chunk].any() for i in range(0, mask.size, chunk))
+
+
 class ShardSet:
     """One split of a shard directory as a single memory-mapped token sequence."""
 
@@ -273,6 +278,11 @@ class ShardSet:
                     f"{self.num_tokens} tokens, the mask {actual or 0} bytes (one per token)"
                 )
             self.mask = np.memmap(path, dtype=np.uint8, mode="r") if self.num_tokens else np.zeros(0, np.uint8)
+            if self.num_tokens and not _any_target(self.mask):  # it would train on nothing: loss 0.0000, ppl 1.00
+                raise DataError(
+                    f"{self.dir}: split {split!r} has no target tokens (its loss mask {path} is all zeros): nothing "
+                    "to train or evaluate on; preprocess records with assistant replies, or with --train-on-prompt"
+                )
         self._doc_starts: np.ndarray | None = None
 
     @property

@@ -277,3 +277,29 @@ def test_generate_takes_a_checkpoint_uri_as_export_does(tmp_path, data_cache, s3
     out = capsys.readouterr()
     assert out.out.startswith("def"), out.err
     assert out.err.strip().splitlines()[-1].startswith("loomtrain generate: no final/ weights: using "), out.err
+
+
+# ------------------------------------------------------------------ Why 9: a loss mask of zeros
+
+
+def test_data_whose_loss_mask_is_all_zeros_is_refused_before_step_1(tmp_path, data_cache):
+    import json
+
+    from loomtrain.data_pipeline.preprocess import preprocess_files
+
+    src = tmp_path / "chat.jsonl"
+    chats = [{"prompt": f"question {i} " * 4, "response": f"answer {i} " * 4} for i in range(60)]
+    src.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    data = tmp_path / "data"
+    preprocess_files([src], data, "byte", val_fraction=0.0, progress=False, log=None)
+    mask = data / "train.mask.bin"
+    mask.write_bytes(bytes(mask.stat().st_size))  # every token masked out, as the hostile data had it
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    out = train(tmp_path / "run", data_cache, f"data.path={data}", "data.tokenizer=byte", "eval.every_steps=0", rc=2)
+    assert "Traceback" not in out and "step 1/" not in out
+    (line,) = [line for line in out.splitlines() if line.startswith("loomtrain:") and "error" in line]
+    assert line == (
+        f"loomtrain: data error: {data}: split 'train' has no target tokens (its loss mask {mask} is all zeros): "
+        "nothing to train or evaluate on; preprocess records with assistant replies, or with --train-on-prompt"
+    )
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
