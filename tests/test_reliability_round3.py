@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 from pathlib import Path
 
 import launch
@@ -303,3 +304,53 @@ def test_data_whose_loss_mask_is_all_zeros_is_refused_before_step_1(tmp_path, da
         "nothing to train or evaluate on; preprocess records with assistant replies, or with --train-on-prompt"
     )
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+
+
+# ------------------------------------------------------------------ Why 8: the manifest's format fields
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, data_cache) -> Path:
+    """A run with checkpoints at steps 2 and 4 (on disk)."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    train(run, data_cache, "train.max_steps=4", "checkpoint.every_steps=2")
+    return run
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"format": 9}, "manifest.json format 9 is newer than this loomtrain's (1): a newer loomtrain wrote it"),
+        ({"format": 2}, "manifest.json format 2 is newer than this loomtrain's (1)"),
+        ({"format": None}, "manifest.json has no valid format number (format=None, expected 1)"),
+        (
+            {"checkpoint_format": "loomtrain-sharded-v9"},
+            "manifest.json checkpoint_format 'loomtrain-sharded-v9' is newer than this loomtrain's",
+        ),
+    ],
+)
+def test_a_manifest_of_another_format_is_named_and_never_resumed(tmp_path, data_cache, finished, change, says):
+    import json
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    manifest = run / "checkpoints" / "step_00000004" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    for key, value in change.items():
+        if value is None:
+            del data[key]
+        else:
+            data[key] = value
+    manifest.write_text(json.dumps(data))
+    before = tree(f"file://{run}/checkpoints")
+    # named as the checkpoint itself: one line, exit 2, nothing changed
+    out = train(run, data_cache, "train.max_steps=4", f"checkpoint.resume={manifest.parent}", rc=2)
+    (line,) = [line for line in out.splitlines() if line.startswith("loomtrain:") and "error" in line]
+    assert line.startswith(f"loomtrain: config error: checkpoint.resume='{manifest.parent}': not a usable checkpoint: ")
+    assert says in line
+    assert tree(f"file://{run}/checkpoints") == before
+    # found by the scan (resume=auto): skipped for the previous one, said in one line
+    out = train(run, data_cache, "train.max_steps=4")
+    (skip,) = [line for line in out.splitlines() if "skipping" in line]
+    assert skip.startswith(f"checkpoint: skipping {manifest.parent}: ") and says in skip
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'}" in out

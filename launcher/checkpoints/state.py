@@ -69,16 +69,18 @@ from loomtrain.launcher.checkpoints.shards import (
     write_safetensors,
 )
 from loomtrain.launcher.checkpoints.store import (
+    CHECKPOINT_FORMAT,
     PARTS_DIR,
     CheckpointStore,
     checkpoint_has,
+    format_problem,
     read_checkpoint_file,
     read_manifest,
 )
 from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
 from loomtrain.storage import is_uri
 
-FORMAT = "loomtrain-sharded-v3"
+FORMAT = CHECKPOINT_FORMAT  # "loomtrain-sharded-v3" (store.py: the manifest's format check knows it too)
 # The formats a resume reads -> their tile checksum: v2 (before December 2026's faster save) had
 # sha256 tiles, v3 XXH3-128 ones; the layout of both is the same.
 READS = {"loomtrain-sharded-v2": "sha256", FORMAT: TILE_CHECKSUM}
@@ -257,9 +259,16 @@ def open_reader(path: str | os.PathLike, manifest: dict | None = None) -> Sharde
     manifest = manifest if manifest is not None else read_manifest(path)
     index = json.loads(verified_bytes(path, "model/index.json", manifest))
     if index.get("format") not in READS:
+        found = index.get("format")
+        newer = "newer" in format_problem({"format": 1, "checkpoint_format": found})
+        why = (
+            "a newer loomtrain wrote it: upgrade loomtrain"
+            if newer
+            else "checkpoints of older loomtrain versions do not load"
+        )
         raise CorruptCheckpoint(
-            f"{_file_of(path, 'model/index.json')}: format {index.get('format')!r}, expected one of "
-            f"{', '.join(map(repr, READS))} (checkpoints of older loomtrain versions do not load)"
+            f"{_file_of(path, 'model/index.json')}: format {found!r}, expected one of "
+            f"{', '.join(map(repr, READS))} ({why})"
         )
     return ShardedReader(path, index, FILES, TILE_KEYS, READS[index["format"]])
 

@@ -67,7 +67,10 @@ from loomtrain.storage import first_line, is_uri, store_failure
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PARTS_DIR = ".parts"  # per-rank file lists inside a temp dir; folded into the manifest
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # manifest.json's "format"
+# What a manifest's "checkpoint_format" names (the layout state.py writes; state.READS: what it reads)
+CHECKPOINT_FORMAT = "loomtrain-sharded-v3"
+_SHARDED_RE = re.compile(r"^loomtrain-sharded-v(\d+)$")
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
@@ -96,6 +99,31 @@ def describe_files(root: str | os.PathLike, relpaths: Iterable[str]) -> dict[str
     return out
 
 
+def format_problem(manifest: dict) -> str:
+    """What is wrong with a manifest's own format fields ("" when nothing): a missing or unknown
+    format, or one newer than this loomtrain writes (a newer loomtrain wrote it: upgrade to read it)."""
+    fmt = manifest.get("format")
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
+        return f"manifest.json has no valid format number (format={fmt!r}, expected {FORMAT_VERSION})"
+    if fmt > FORMAT_VERSION:
+        return (
+            f"manifest.json format {fmt} is newer than this loomtrain's ({FORMAT_VERSION}): a newer loomtrain "
+            "wrote it; upgrade loomtrain to resume from it"
+        )
+    layout = manifest.get("checkpoint_format")
+    if layout is None:  # written before the field existed: model/index.json's own format is checked on load
+        return ""
+    m = _SHARDED_RE.match(layout) if isinstance(layout, str) else None
+    if m is None:
+        return f"manifest.json checkpoint_format {layout!r} is not one loomtrain knows (expected {CHECKPOINT_FORMAT!r})"
+    if int(m.group(1)) > int(_SHARDED_RE.match(CHECKPOINT_FORMAT).group(1)):
+        return (
+            f"manifest.json checkpoint_format {layout!r} is newer than this loomtrain's ({CHECKPOINT_FORMAT!r}): a "
+            "newer loomtrain wrote it; upgrade loomtrain to resume from it"
+        )
+    return ""
+
+
 @dataclass
 class Verdict:
     ok: bool
@@ -116,6 +144,8 @@ def verify(path: str | os.PathLike, checksums: bool = True) -> Verdict:
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         return Verdict(False, f"unreadable manifest.json ({e})")
+    if format_problem(manifest):
+        return Verdict(False, format_problem(manifest))
     for rel, info in sorted(files.items()):
         p = path / rel
         if not p.is_file():
@@ -732,6 +762,8 @@ def verify_object(uri: str, checksums: bool = True) -> Verdict:
         return Verdict(False, "no manifest.json (partial write)")
     except (ValueError, KeyError, TypeError) as e:
         return Verdict(False, f"unreadable manifest.json ({e})")
+    if format_problem(manifest):
+        return Verdict(False, format_problem(manifest))
     sizes = objs.sizes()
     for rel, info in sorted(files.items()):
         if rel not in sizes:
