@@ -3,11 +3,11 @@ Python standard library's own sources (the files `corpus.stdlib_files` lists).
 
     python -m loomtrain.data_pipeline.example_corpus --output corpus
 
-writes
-* `corpus/docs/*.jsonl`: every top-level module's (or package's) docstring of at least
+writes, in the folder OUTPUT (--output):
+* `OUTPUT/docs/*.jsonl`: every top-level module's (or package's) docstring of at least
   MIN_DOC_CHARS characters, one `{"text": ...}` document a line, split into three files by
   module name (the guide's "documents" source: prose, for a BPE tokenizer to learn);
-* `corpus/code/*.py`: the first CODE_FILES top-level modules of at least MIN_CODE_BYTES bytes
+* `OUTPUT/code/*.py`: the first CODE_FILES top-level modules of at least MIN_CODE_BYTES bytes
   (the guide's "code" source: one document per file).
 The same Python gives the same corpus. A file already there with the same bytes is left as it
 is (so the guide can be followed twice); one with other bytes is refused, never overwritten.

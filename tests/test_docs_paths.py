@@ -10,9 +10,11 @@ comments of its shell scripts and image recipe)
 - a bare file name resolves when some file in the tree has that name;
 - a dotted `loomtrain` name resolves to a module of the tree, and the first name after the
   module must be defined, imported or listed in `__all__` at that module's top level.
-The READMEs (README.md, benchmarks/README.md) are held to the paths that start at a top-level
-entry of the repository and to the dotted names: their worked examples create files of their own
-(a mixture config, a corpus folder).
+The READMEs (README.md, benchmarks/README.md) and the guides (docs/*.md) are held to the paths
+that start at a top-level entry of the repository and to the dotted names: their worked examples
+create files of their own (a mixture config, a corpus folder). Every guide is linked from the
+README's guide map, and CI's script (.ci/run) runs the README's test command as the README
+writes it, read from the README.
 Placeholders (`RUN_DIR/final/`, `runs/NAME/config.yaml`), paths under `runs/` (training output),
 paths that climb out of the checkout (`../shared/...`) and one-part folders (`final/`, `tb/`:
 run-directory layout, not the repository's) are not names of this tree. What remains and is
@@ -77,7 +79,7 @@ def doc_texts(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-READMES = ("README.md", "benchmarks/README.md")
+READMES = ("README.md", "benchmarks/README.md", *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("docs/*.md")))
 
 
 def scripts() -> list[Path]:
@@ -226,3 +228,34 @@ def test_the_checker_sees_real_names_and_catches_stale_ones():
     assert stale_names("mix.yaml, corpus/docs/, launcher/gone.py", rooted_only=True) == ["launcher/gone.py"]
     assert ISSUE_RE.search("(session-scoped Ray head, issue 8)")
     assert not ISSUE_RE.search("an issue with 8 ranks") and not ISSUE_RE.search("(Ray issues #48801)")
+
+
+def test_every_guide_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    pages = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("docs/*.md"))
+    assert pages, "docs/ holds the guides"
+    unlinked = [p for p in pages if f"]({p})" not in readme]
+    assert not unlinked, f"README.md links no guide page {unlinked}: add a line to its guide map"
+
+
+CI_MARKER = "<!-- ci: the test command -->"
+
+
+def test_ci_runs_the_readmes_test_command_as_written():
+    """.ci/run reads the bash block after the README's marker and runs it step by step (`&&`): the
+    set-up steps first, the pytest step last; it retypes none of them."""
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count(CI_MARKER) == 1
+    block = re.search(re.escape(CI_MARKER) + r"\n```bash\n(.*?)\n```", readme, re.S)
+    assert block, f"README.md: a bash block right after {CI_MARKER}"
+    steps = [step.strip() for step in block.group(1).strip().split(" && ")]
+    assert steps[0] == "python3 -m venv .venv" and steps[-1].startswith("python -m pytest ")
+    assert any(step.startswith("pip install -e '.[dev]'") for step in steps), steps
+    # the README's tiny-run command installs the same way, without the dev extra
+    first = re.search(r"^```bash\n(.*?)\n```", readme, re.S | re.M).group(1).split(" && ")
+    assert first[:3] == steps[:3] and first[3] == "pip install -e .", first
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert CI_MARKER in ci and 'eval "$step"' in ci and 'eval "$TESTS"' in ci
+    code = [line.strip() for line in ci.splitlines() if not line.lstrip().startswith("#")]
+    retyped = [line for line in code if re.match(r"(uv )?pip install|python -m pytest|python3 -m venv", line)]
+    assert not retyped, f".ci/run retypes the README's commands: {retyped}"

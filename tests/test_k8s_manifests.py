@@ -282,10 +282,10 @@ def test_credentials_written_into_a_rayjob_are_refused():
 
 
 def readme_gpt_7b_recipe() -> str:
-    """The overlay the README gives for gpt-7b on the GPU overlay."""
-    readme = (REPO / "README.md").read_text()
-    m = re.search(r"```yaml\n(# my-gpt-7b/kustomization.yaml\n.*?)```", readme, re.S)
-    assert m, "README's Run on Kubernetes section lost its gpt-7b overlay"
+    """The overlay the Kubernetes guide gives for gpt-7b on the GPU overlay."""
+    guide = (REPO / "docs" / "kubernetes.md").read_text()
+    m = re.search(r"```yaml\n(# my-gpt-7b/kustomization.yaml\n.*?)```", guide, re.S)
+    assert m, "docs/kubernetes.md lost its gpt-7b overlay"
     return m.group(1)
 
 

@@ -1,5 +1,5 @@
 """`loomtrain dryrun`: one cluster rank's shard, measured next to plan (shrunken gpt-1b); the
-README's `plan` and `dryrun` commands run as written, shrunk to a toy of the same layout."""
+planning guide's (docs/planning.md) `plan` and `dryrun` commands run as written, shrunk to a toy of the same layout."""
 
 from __future__ import annotations
 
@@ -81,12 +81,12 @@ def test_a_cpu_dry_run_says_up_front_how_long_it_should_take(monkeypatch):
     assert dryrun.init_rate() > 1e6  # any CPU draws a million normal values a second
 
 
-# README.md's section that shows `plan` and `dryrun` on a cluster config, with their output.
+# docs/planning.md's section that shows `plan` and `dryrun` on a cluster config, with their output.
 README_SECTION = "## Try a cluster config here first"
 
 
 def readme_section() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "planning.md").read_text()
     start = text.index(README_SECTION)
     end = text.find("\n## ", start + 1)
     return text[start : end if end > 0 else None]

@@ -1,32 +1,32 @@
-"""The README runs in order: every command of its `bash` blocks, top to bottom, in a fresh copy.
+"""The README and its guides run in order: every command of their `bash` blocks, top to bottom,
+the README first, then each page of docs/ in the order the README's guide map links them, in a
+fresh copy.
 
-A copy of the project (tests/test_lone_clone.py's) stands for a user's fresh clone. What the
-README asks the user to bring is made first, where its commands look for it: their own text (a
-few markdown documents and some Python files under a `corpus` folder) and a Hugging Face model
-directory (tests/hf_fixtures.py's tiny Llama).
-The mixture config the README shows as a `yaml` block is written where it says. Then each
-command runs as written, in the copy, one after the other, with overrides appended that only
-shrink it (fewer steps, a toy model for `dryrun` on a CPU), and must exit 0: so the examples
-cannot collide (a later run finding an earlier one's checkpoint) and cannot rot.
+A copy of the project (tests/test_lone_clone.py's) stands for a user's fresh clone. What a guide
+asks the user to bring is made first, where its commands look for it: a Hugging Face model
+directory (tests/hf_fixtures.py's tiny Llama); the own-data guide makes its example corpus with a
+command of its own. The mixture config the guide shows as a `yaml` block is written where it
+says. Then each command runs as written, in the copy, one after the other, with overrides
+appended that only shrink it (fewer steps, a toy model for `dryrun` on a CPU), and must exit 0:
+so the examples cannot collide (a later run finding an earlier one's checkpoint) and cannot rot.
 
 Commands that need what a CPU test cannot have (a Ray or Kubernetes cluster, several hosts,
 a GPU) are skipped by the rules in CLUSTER and GPU_ONLY; a command that matches no rule and
 is neither `loomtrain ...` nor a module of the package run as a program (`python -m
 loomtrain.data_pipeline.instructions ...`) fails the test, so a new block is either run here or
-skipped on purpose. The object-storage section's set-up runs too: its local S3 server
-(`python -m moto.server ... -p PORT &`, started here on a free port that stands for PORT in
-what follows), its `export`s (the environment of the commands after them) and its one
-`python -c` (the bucket).
+skipped on purpose. The Ray guide's own head (`ray start ... &` and what talks to it) is skipped as
+a cluster: tests/test_ray_jobs.py runs submit, status, logs and stop against such a head. The
+object-storage guide's set-up runs too: its local S3 server (`python -m moto.server ... -p PORT
+&`, started here on a free port that stands for PORT in what follows), its `export`s (the
+environment of the commands after them) and its one `python -c` (the bucket).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -43,17 +43,47 @@ SHRINK = {
     "dryrun": GPT1B_AT_TOY_SIZE,
 }
 # A command needing a cluster, several hosts or a placeholder filled in by the user.
-CLUSTER = re.compile(r"\bHEAD\b|JOB_ID|/mnt/|10\.0\.0\.|^kubectl |^ray start |^export RAY_|--ray\b|--nnodes")
+CLUSTER = re.compile(
+    r"\bHEAD\b|JOB_ID|/mnt/|10\.0\.0\.|^kubectl |^ray start |^export RAY_|--ray\b|--nnodes"
+    r"|\bRAY_HEAD_PID\b|^loomtrain (submit|status|logs|stop) "
+)
+# The pages whose commands the test lists below; a page added to the guide map runs as well.
+KNOWN = {
+    "README.md",
+    "docs/install.md",
+    "docs/monitoring.md",
+    "docs/checkpoints.md",
+    "docs/planning.md",
+    "docs/data.md",
+    "docs/fine-tuning.md",
+    "docs/kubernetes.md",
+    "docs/object-storage.md",
+    "docs/ray.md",
+    "docs/multi-host.md",
+}
 # The README's full-size dryrun: one rank of gpt-1b on a GPU.
 GPU_ONLY = "needs ~24 GiB of GPU memory"
 # The set-up commands: the environment this test already runs in; their `loomtrain` part runs.
-SETUP = re.compile(r"^(python3 -m venv |pip install )")
+SETUP = re.compile(r"^(python3 -m venv |pip install |uv pip install )")
 
 
-def readme_commands() -> list[str]:
-    """Each command of the README's `bash` blocks in order: continuation lines joined, comment
-    lines dropped, `a && b` split (the set-up lines' `loomtrain ...` part runs too)."""
-    text = (ROOT / "README.md").read_text()
+def guide_pages() -> list[str]:
+    """The README, then each docs/ page in the order of the README's guide map (its "## Guides"
+    section), then any other page it links (the installation notes)."""
+    readme = (ROOT / "README.md").read_text()
+    link = r"\]\((docs/[\w.-]+\.md)\)"
+    guides = re.findall(link, readme[readme.index("\n## Guides\n") :])
+    return ["README.md", *dict.fromkeys(guides + re.findall(link, readme))]
+
+
+def readme_commands() -> list[tuple[str, str]]:
+    """(page, command) for each command of the `bash` blocks of the README and its guides in
+    order: continuation lines joined, comment lines dropped, `a && b` split (the set-up lines'
+    `loomtrain ...` part runs too)."""
+    return [(page, command) for page in guide_pages() for command in page_commands((ROOT / page).read_text())]
+
+
+def page_commands(text: str) -> list[str]:
     commands = []
     for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
         joined = re.sub(r"\\\n\s*", "", block)
@@ -64,13 +94,13 @@ def readme_commands() -> list[str]:
 
 
 def mixture_config() -> tuple[str, str]:
-    """(file name, text) of the README's `yaml` block that starts `# NAME, in the repository root`."""
-    text = (ROOT / "README.md").read_text()
+    """(file name, text) of the guides' `yaml` block that starts `# NAME, in the repository root`."""
+    text = "\n".join((ROOT / page).read_text() for page in guide_pages())
     for block in re.findall(r"^```yaml\n(.*?)^```", text, re.S | re.M):
         named = re.match(r"# (\S+\.yaml), in the repository root", block)
         if named:
             return named.group(1), block
-    raise AssertionError("README.md: no yaml block named '# NAME.yaml, in the repository root'")
+    raise AssertionError("the guides: no yaml block named '# NAME.yaml, in the repository root'")
 
 
 def what_to_do(command: str) -> tuple[str, list[str] | None]:
@@ -101,20 +131,7 @@ def what_to_do(command: str) -> tuple[str, list[str] | None]:
 
 
 def the_users_own_inputs(clone: Path, bpe) -> None:
-    """What the README asks the user to bring: a few documents, some Python files, a HF model."""
-    docs = clone / "corpus" / "docs"
-    docs.mkdir(parents=True)
-    for topic in ("install", "training", "checkpoints"):  # 3 files of 60 documents, as the README's
-        records = (
-            {"text": f"Note {n} on {topic}. " + " ".join(f"Step {s}: the run goes on as planned." for s in range(30))}
-            for n in range(60)
-        )
-        (docs / f"{topic}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    code = clone / "corpus" / "code"
-    code.mkdir(parents=True)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for source in sorted(stdlib.glob("*.py"))[:40]:  # 40 files: a 5% validation split holds two
-        (code / source.name).write_text(source.read_text())
+    """What a guide asks the user to bring: a Hugging Face model (the fine-tuning guide)."""
     from hf_fixtures import tiny_llama
 
     tiny_llama(clone / "hf" / "tiny-llama", bpe)
@@ -131,7 +148,7 @@ def test_every_readme_command_runs_in_order_in_a_fresh_copy(tmp_path, bpe):
 
     ran, skipped, servers, ports = [], [], [], {}
     try:
-        for command in readme_commands():
+        for page, command in readme_commands():
             action, argv = what_to_do(command)
             if action == "s3-server":
                 servers.append(_local_s3_server(argv, ports))
@@ -147,16 +164,18 @@ def test_every_readme_command_runs_in_order_in_a_fresh_copy(tmp_path, bpe):
             )
             proc = subprocess.run([*head, *argv], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
             output = proc.stdout[-3000:] + proc.stderr[-3000:]
-            assert proc.returncode == 0, f"README command {command!r} (as {argv}):\n{output}"
-            ran.append(argv[0] if action != "python" else "python")
+            assert proc.returncode == 0, f"{page}: command {command!r} (as {argv}):\n{output}"
+            ran.append((page, argv[0] if action != "python" else "python"))
     finally:
         for server in servers:
             server.kill()
             server.wait()
-    print(f"\nran {len(ran)} README commands ({', '.join(ran)}); skipped {len(skipped)} that need a cluster or GPU")
-    # The commands a user on one machine types are all here, in the README's order.
-    assert ran == [
+    print(f"\nran {len(ran)} guide commands ({ran}); skipped {len(skipped)} that need a cluster or GPU")
+    # The commands a user on one machine types are all here, in the guides' order (a page this
+    # test does not know yet runs too, and its commands must succeed: KNOWN lists what it holds).
+    assert [verb for page, verb in ran if page in KNOWN] == [
         "train",
+        "loomtrain.data_pipeline.example_corpus",
         "preprocess",
         "preprocess",
         "data-stats",
