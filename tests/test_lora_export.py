@@ -135,3 +135,9 @@ def test_merged_and_peft_exports_equal_each_other_and_loomtrain(tmp_path, bpe, f
     line = proc.stderr.strip()
     assert len(line.splitlines()) == 1 and "LoRA adapters were trained on a base with sha256" in line, proc.stderr
     assert not merged.exists()
+    # the base is gone: one line naming it
+    hf.rename(tmp_path / "hf-gone")
+    proc = run_loomtrain("export", run, "--format", "peft", "--output", tmp_path / "again", rc=2)
+    assert proc.stderr.strip() == (
+        f"loomtrain export: model.init_from={hf}: the LoRA base is not there ({hf}: no such folder)"
+    ), proc.stderr

@@ -87,7 +87,7 @@ def test_tp2_dp2_follows_single_process(runs, name):
     diff = max(abs(a - b) for a, b in zip(ref, got))
     print(f"\nLoRA {name} vs 1 process (fp32): max |loss diff| over {STEPS} steps = {diff:.2e}")
     assert diff <= FP32_TOL, list(zip(ref, got))
-    assert got[-1] < got[0] - 0.1  # the adapters train
+    assert got[-1] < got[0] - 0.05  # the adapters train (6 steps from B = 0: a small drop)
 
 
 @pytest.mark.parametrize("name", ["ref", "z1", "z2"])

@@ -53,7 +53,10 @@ def compute_reference(cfg) -> dict:
     """{"init_from", "sha256"} of this run's base (reads the base's files when init_from is set)."""
     m = cfg.model
     if m.init_from:
-        return {"init_from": m.init_from, "sha256": _weights_sha256(_folder(m.init_from))}
+        folder = _folder(m.init_from)
+        if not folder.is_dir():
+            raise ValueError(f"model.init_from={m.init_from}: the LoRA base is not there ({folder}: no such folder)")
+        return {"init_from": m.init_from, "sha256": _weights_sha256(folder)}
     shape = {k: v for k, v in dataclasses.asdict(m).items() if k not in ("lora", "init_from")}
     text = json.dumps({"model": shape, "seed": cfg.train.seed}, sort_keys=True, default=str)
     return {"init_from": "", "sha256": hashlib.sha256(text.encode()).hexdigest()}

@@ -37,7 +37,10 @@ class _RunConfig:
 
 def _base_tensors(cfg, seed: int, trainer: dict) -> Callable[[str], torch.Tensor]:
     """The base's full tensors by loomtrain name, after checking it against the checkpoint's sha256."""
-    saved, ref = trainer.get(KEY) or {}, compute_reference(_RunConfig(cfg, seed))
+    try:
+        saved, ref = trainer.get(KEY) or {}, compute_reference(_RunConfig(cfg, seed))
+    except ValueError as exc:  # the base is gone, or a model id not in the cache
+        raise BaseMismatch(str(exc)) from None
     if saved.get("sha256") != ref["sha256"]:
         where = f"model.init_from={cfg.init_from}" if cfg.init_from else f"the seeded init (train.seed={seed})"
         raise BaseMismatch(
