@@ -195,6 +195,9 @@ OFFLOAD_ZERO_STAGES = (2, 3)
 @dataclass
 class ParallelConfig:
     tp: int = 1
+    # Context parallelism: each sequence split over cp ranks (chunks i and 2cp-1-i of 2cp), keys and
+    # values all-gathered per layer; world = tp x cp x dp (loomtrain.parallel.context, docs/long-context.md).
+    cp: int = 1
     # One of ZERO_STAGES.
     zero_stage: int = 0
     sequence_parallel: bool = False
@@ -223,6 +226,7 @@ class ParallelConfig:
 
     def validate(self, prefix: str) -> None:
         check_positive(f"{prefix}.tp", self.tp)
+        check_positive(f"{prefix}.cp", self.cp)
         stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
         check(self.zero_stage in ZERO_STAGES, f"{prefix}.zero_stage", stages, self.zero_stage)
         self.check_offload(prefix)
@@ -439,7 +443,7 @@ class RunConfig:
     def usable_world_size(self, workers: int) -> bool:
         """Whether `workers` ranks can run this config: whole TP groups, and a global batch that
         splits into micro batches over the DP ranks (an elastic group's sizes are checked here)."""
-        tp, t = self.parallel.tp, self.train
+        tp, t = self.parallel.tp * self.parallel.cp, self.train  # whole TP x CP groups
         if workers < tp or workers % tp:
             return False
         return t.global_batch_size % (t.micro_batch_size * (workers // tp)) == 0

@@ -350,9 +350,17 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     check(
-        not p.sequence_parallel or t.seq_len % p.tp == 0,
+        p.cp == 1 or t.seq_len % (2 * p.cp) == 0,
         "train.seq_len",
-        f"a multiple of parallel.tp={p.tp} with parallel.sequence_parallel",
+        f"a multiple of 2 x parallel.cp = {2 * p.cp} (each CP rank holds 2 of 2 x cp chunks)",
+        t.seq_len,
+    )
+    check(
+        not p.sequence_parallel or (t.seq_len // p.cp) % p.tp == 0,
+        "train.seq_len",
+        f"a multiple of parallel.tp={p.tp}"
+        + (f" x parallel.cp={p.cp}" if p.cp > 1 else "")
+        + " with parallel.sequence_parallel",
         t.seq_len,
     )
     check(
@@ -363,7 +371,13 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
     )
     # world size, tp, dp and the batch sizes
     check(world_size % p.tp == 0, "parallel.tp", f"a divisor of the world size {world_size}", p.tp)
-    t.grad_accum_steps(world_size // p.tp)  # refuses a global batch that does not split
+    check(
+        world_size % (p.tp * p.cp) == 0,
+        "parallel.cp",
+        f"a divisor of the world size {world_size} / parallel.tp={p.tp}",
+        p.cp,
+    )
+    t.grad_accum_steps(world_size // (p.tp * p.cp))  # samples split over the data ranks only
     if cfg.ray.elastic:  # the smallest elastic group must be a size the run can use too
         check(
             cfg.usable_world_size(cfg.ray.least_workers),

@@ -13,6 +13,7 @@ from .attention import Attention
 from .cache import LayerKV
 from .config import ModelConfig
 from .feedforward import FeedForward
+from .masking import MaskSpec
 from .norms import build_norm
 
 
@@ -31,10 +32,10 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: LayerKV | None = None,
-        doc_mask: torch.Tensor | None = None,
+        mask: MaskSpec | None = None,
     ) -> torch.Tensor:
         if self.pre:
-            x = x + self.resid_drop(self.attn(self.attn_norm(x), rope, cache, doc_mask))
+            x = x + self.resid_drop(self.attn(self.attn_norm(x), rope, cache, mask))
             return x + self.resid_drop(self.ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + self.resid_drop(self.attn(x, rope, cache, doc_mask)))
+        x = self.attn_norm(x + self.resid_drop(self.attn(x, rope, cache, mask)))
         return self.ffn_norm(x + self.resid_drop(self.ffn(x)))

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from . import flops
-from .attention import document_mask
 from .block import Block
 from .cache import KVCache
 from .config import ModelConfig
 from .generate import generate
 from .loss import LMHead
+from .masking import MaskSpec, WindowSlice
 from .norms import RMSNorm, build_norm
 from .positions import alibi_slopes, document_positions, rope_tables, sinusoidal_table
 
@@ -132,53 +132,54 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         targets: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        window_slice: WindowSlice | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]. With a cache, tokens are the new ones and their
         positions continue from cache.length; the cache is extended in place. With targets
         [B, T] (-100 = ignore) -> the mean cross-entropy instead of the logits. With document_ids
-        [B, T] (packed documents, see the class): positions and attention per document."""
+        [B, T] (packed documents, see the class): positions and attention per document.
+        With window_slice: tokens are the positions `window_slice.index` of a window of
+        `window_slice.length` (document_ids, if any, the whole window's): positions are the
+        window's, and attention sees the window's keys where an exchange brings them
+        (Attention.kv_exchange, set by context parallelism), else the slice's own."""
         t = tokens.shape[1]
         start = 0 if cache is None else cache.length
-        self.check_length(start + t)
-        if document_ids is not None:
-            if cache is not None:
-                raise ValueError("document_ids: packed documents are for training; generation runs one per row")
-            return self._forward_documents(tokens, targets, document_ids)
-        x = self.tok_emb(tokens)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + t, device=tokens.device))
-        elif self.pos_table is not None:
-            x = x + self.pos_table[start : start + t]
-        x = self.drop(x)
-        rope = None
-        if self.rope_cos is not None:
-            rope = (self.rope_cos[start : start + t], self.rope_sin[start : start + t])
-        for i, block in enumerate(self.blocks):
-            x = block(x, rope, None if cache is None else cache[i])
-        if targets is None:
-            return self.lm_head(self.norm(x))
-        return self.lm_head(self.norm(x), targets)
-
-    def _forward_documents(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None, document_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """forward with packed documents: per-token positions [B, T] that restart at each document
-        (tables gathered at them) and the block-diagonal causal mask, built once for all blocks."""
-        if document_ids.shape != tokens.shape:
+        if cache is not None and (document_ids is not None or window_slice is not None):
+            raise ValueError(
+                "document_ids / window_slice: packed documents and slices are for training; generation runs one per row"
+            )
+        self.check_length(start + t if window_slice is None else window_slice.length)
+        width = t if window_slice is None else window_slice.length
+        if document_ids is not None and document_ids.shape != (tokens.shape[0], width):
             raise ValueError(f"document_ids {tuple(document_ids.shape)} do not match tokens {tuple(tokens.shape)}")
-        positions = document_positions(document_ids)
+        positions = None  # None: start .. start + t; else [t] or [B, t]
+        if document_ids is not None:
+            positions = document_positions(document_ids)
+            if window_slice is not None:
+                positions = positions[:, window_slice.index.to(positions.device)]
+        elif window_slice is not None:
+            positions = window_slice.index.to(tokens.device)
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
+            x = x + self.pos_emb(
+                torch.arange(start, start + t, device=tokens.device) if positions is None else positions
+            )
         elif self.pos_table is not None:
-            x = x + self.pos_table[positions]
+            x = x + (self.pos_table[start : start + t] if positions is None else self.pos_table[positions])
         x = self.drop(x)
         rope = None
         if self.rope_cos is not None:
-            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
-        mask = document_mask(document_ids, self.cfg.sliding_window)
-        for block in self.blocks:
-            x = block(x, rope, None, mask)
+            if positions is None:
+                rope = (self.rope_cos[start : start + t], self.rope_sin[start : start + t])
+            elif positions.dim() == 1:
+                rope = (self.rope_cos[positions], self.rope_sin[positions])
+            else:
+                rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        mask = None  # one whole window without documents: plain causal attention
+        if cache is None and (document_ids is not None or window_slice is not None):
+            mask = MaskSpec.for_tokens(t, tokens.device, document_ids, window_slice)  # one for all blocks
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, None if cache is None else cache[i], mask)
         if targets is None:
             return self.lm_head(self.norm(x))
         return self.lm_head(self.norm(x), targets)

@@ -6,6 +6,10 @@ Megatron's conjugate pairs (f and g in the Megatron-LM paper), along the TP grou
     reduce_from_tp      forward all-reduce        backward identity
     gather_last_dim     forward all-gather (-1)   backward split (-1)
 
+and, for context parallelism, along the sequence of keys and values (dim 2 of [B, H, T, hd]):
+
+    gather_kv           forward all-gather (T)    backward reduce-scatter (T)
+
 and, for sequence parallelism, along the sequence dimension (dim 1 of [B, T, D]):
 
     gather_seq          forward all-gather (T)    backward reduce-scatter (T)
@@ -172,4 +176,12 @@ split_seq = _conjugate(
     "Replicated [B, T, ...] -> this rank's [B, T/tp, ...]; backward all-gathers.",
     lambda x, group, tag, phase: split(x, 1, group),
     _gather_seq,
+)
+
+# Context parallelism: keys and values [B, H, T/cp, hd] of every CP rank along the sequence (dim 2).
+gather_kv = _conjugate(
+    "gather_kv",
+    "[B, H, T/cp, hd] -> [B, H, T, hd] in rank order; backward reduce-scatters dK/dV (each rank's own keys).",
+    lambda x, group, tag, phase: _all_gather(x, 2, group, tag, phase),
+    lambda g, group, tag, phase: _reduce_scatter(g, 2, group, tag, phase),
 )

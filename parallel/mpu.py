@@ -7,6 +7,12 @@ info), get_tensor_model_parallel_{rank,world_size,group,src_rank} (bwc helpers,
 checkpoint names) and get_pipeline_model_parallel_{rank,world_size} (no pipeline
 parallelism here: 1). "Model parallel" is tensor parallel here.
 
+The data-parallel group is the topology's dp group: with context parallelism, data x context
+parallel (every rank holding the same parameters), as Megatron hands its "data-parallel with
+context-parallel" group to the optimizer: ZeRO partitions and averages gradients over it. The
+ranks of a CP group hold different tokens of the same sequences, so their gradients are partial
+sums that this average completes (the loss is weighted to the global mean, see the loop).
+
 Deliberately absent: `initialize_sequence_parallel` and `get_sequence_parallel_*`.
 Those name DeepSpeed-Ulysses sequence parallelism; their presence makes ZeRO ignore
 the model-parallel group and divide the world size by the SP size. Our
@@ -59,4 +65,4 @@ class MPU:
 
     def __repr__(self) -> str:
         t = self.topology
-        return f"MPU(tp={t.tp_rank}/{t.tp_size}, dp={t.dp_rank}/{t.dp_size})"
+        return f"MPU(tp={t.tp_rank}/{t.tp_size}, dp={t.dp_rank}/{t.dp_size}, cp={t.cp_rank}/{t.cp_size})"

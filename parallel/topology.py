@@ -1,12 +1,21 @@
-"""Process topology: tensor-parallel groups of consecutive ranks, data-parallel across them.
+"""Process topology: tensor-parallel groups of consecutive ranks, context- and data-parallel across them.
 
-With world size W and tensor-parallel size T (W % T == 0, D = W // T):
+With world size W, tensor-parallel size T and context-parallel size C (W % (T*C) == 0), rank
+r = data_rank * C*T + cp_rank * T + tp_rank (Megatron's order: tp fastest, then cp, then dp):
 
-    TP group g (g = 0..D-1):  ranks [g*T, g*T + 1, ..., g*T + T-1]
-    DP group t (t = 0..T-1):  ranks [t, T + t, 2T + t, ...]
+    TP group g (g = 0..W/T-1):  ranks [g*T, ..., g*T + T-1]
+    DP group t (t = 0..T-1):    ranks [t, T + t, 2T + t, ...]   (every rank with tp_rank t)
+    CP group:                   the C ranks with the same data_rank and tp_rank, T apart
 
-so rank r has tp_rank = r % T and dp_rank = r // T. Consecutive ranks share a
-node on a cluster, so the chatty TP collectives stay on NVLink.
+Consecutive ranks share a node on a cluster, so the chatty TP collectives stay on NVLink; the
+CP ranks (a K/V all-gather per layer) come next.
+
+"DP" here is DeepSpeed's data-parallel group: the ranks that hold the same parameters (the same
+TP shard) and average their gradients: data x context parallel (Megatron's "data-parallel with
+context-parallel" group), so ZeRO partitions and gradient reduction run over dp_size = W / T
+ranks. Samples are split only over `data_size` = W / (T*C) (`data_rank`): the C ranks of a CP
+group read the same window, each computing two of its 2C chunks (loomtrain.parallel.context).
+At cp 1 data_* and dp_* are the same.
 
 `torch.distributed.new_group` must be called by every rank, for every group, in
 the same order, even for groups the rank is not in; `Topology` does exactly that.
@@ -69,6 +78,19 @@ def check_tp(model_cfg, tp: int, world_size: int | None = None) -> None:
         _fail(f"parallel.tp={tp}: {problem}; the tp sizes that split this model: {sizes}")
 
 
+def check_cp(cp: int, world_size: int | None = None, tp: int = 1, seq_len: int | None = None) -> None:
+    """Raise a one-line ValueError naming `parallel.cp` when the world does not split into
+    tp x cp x dp, or a sequence does not split into 2 x cp equal chunks."""
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        _fail(f"parallel.cp: must be a positive integer, got {cp!r}")
+    if world_size is not None and world_size % (tp * cp):
+        _fail(f"parallel.cp={cp}: world size {world_size} is not divisible by tp x cp = {tp} x {cp}")
+    if seq_len is not None and cp > 1 and seq_len % (2 * cp):
+        _fail(
+            f"parallel.cp={cp}: train.seq_len={seq_len} must be divisible by 2 x cp = {2 * cp} (chunks i and 2cp-1-i)"
+        )
+
+
 def ranks_by_host(hosts) -> dict[str, list[int]]:
     """host -> its global ranks, hosts in the order of their first rank."""
     out: dict[str, list[int]] = {}
@@ -128,21 +150,27 @@ class Topology:
     rank: int
     tp: int = 1
     model_cfg: object = field(default=None, repr=False)
+    cp: int = 1
     tp_group: object = field(default=None, init=False, repr=False)
     dp_group: object = field(default=None, init=False, repr=False)
+    cp_group: object = field(default=None, init=False, repr=False)
     tp_ranks: list = field(default_factory=list, init=False)
     dp_ranks: list = field(default_factory=list, init=False)
+    cp_ranks: list = field(default_factory=list, init=False)
     _subgroups: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         import torch.distributed as dist
 
         check_tp(self.model_cfg, self.tp, self.world_size)
+        check_cp(self.cp, self.world_size, self.tp)
         if not 0 <= self.rank < self.world_size:
             _fail(f"rank {self.rank} is outside world size {self.world_size}")
         tp_groups, dp_groups = self.layout(self.world_size, self.tp)
         self.tp_ranks = tp_groups[self.dp_rank]
         self.dp_ranks = dp_groups[self.tp_rank]
+        cp_groups = self.cp_layout(self.world_size, self.tp, self.cp)
+        self.cp_ranks = next(g for g in cp_groups if self.rank in g)
         if dist.is_available() and dist.is_initialized():
             if dist.get_world_size() != self.world_size:
                 _fail(
@@ -158,6 +186,11 @@ class Topology:
                 g = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.dp_group = g
+            if self.cp > 1:  # after the TP and DP groups, so that cp 1 creates the groups it always did
+                for ranks in cp_groups:
+                    g = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        self.cp_group = g
         elif self.world_size > 1:
             _fail(f"Topology(world_size={self.world_size}) needs torch.distributed initialised first")
 
@@ -167,6 +200,15 @@ class Topology:
         tp_groups = [list(range(g * tp, (g + 1) * tp)) for g in range(world_size // tp)]
         dp_groups = [list(range(i, world_size, tp)) for i in range(tp)]
         return tp_groups, dp_groups
+
+    @staticmethod
+    def cp_layout(world_size: int, tp: int, cp: int) -> list[list[int]]:
+        """CP groups as lists of global ranks, in creation order."""
+        out = []
+        for d in range(world_size // (tp * cp)):
+            for t in range(tp):
+                out.append([d * cp * tp + c * tp + t for c in range(cp)])
+        return out
 
     # Ranks and sizes --------------------------------------------------------
     @property
@@ -184,6 +226,23 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         return self.rank // self.tp
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    @property
+    def data_size(self) -> int:
+        """How many ways the samples are split (dp_size / cp)."""
+        return self.world_size // (self.tp * self.cp)
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // (self.tp * self.cp)
 
     def tp_subgroup(self, size: int):
         """This rank's group among blocks of `size` consecutive ranks inside each TP group

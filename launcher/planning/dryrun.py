@@ -68,6 +68,12 @@ class OneRankTopology:
     dp_rank: int = 0
     tp_ranks: list = field(default_factory=list)
     dp_ranks: list = field(default_factory=list)
+    # no context parallelism: the data split is the DP one
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: object = None
+    data_size: int = 1
+    data_rank: int = 0
 
     @property
     def tp_size(self) -> int:

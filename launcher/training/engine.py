@@ -37,8 +37,10 @@ _NEVER = 10**12
 
 
 def ds_config(cfg: RunConfig, dp_size: int) -> dict[str, Any]:
+    """dp_size: DeepSpeed's data-parallel size (data x context parallel: the ranks holding the same
+    parameters); the samples split over dp_size / parallel.cp of them (Topology.data_size)."""
     t, p = cfg.train, cfg.parallel
-    grad_accum = t.grad_accum_steps(dp_size)
+    grad_accum = t.grad_accum_steps(max(1, dp_size // p.cp))
     p.check_offload()  # the stages the config allows, not DeepSpeed's wider set
     zero: dict[str, Any] = {"stage": p.zero_stage}
     if p.offload_optimizer:

@@ -230,7 +230,10 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
     if recorded is not None:
         norm = recorded
     take_digest = getattr(ctx.train_stream, "take_samples_digest", None)  # benchmarks feed fixed batches
-    return StepOutput(total / grad_accum, norm, data_wait, take_digest() if take_digest else None)
+    digest = take_digest() if take_digest else None
+    if digest is not None and getattr(ctx.topology, "cp_rank", 0) > 0:  # a CP group reads one window: count it once
+        digest = 0
+    return StepOutput(total / grad_accum, norm, data_wait, digest)
 
 
 @torch.no_grad()
@@ -436,7 +439,7 @@ def _set_up(
         ctx = build_context(cfg, env, topology, run_dir, model, tokenizer, shard_dir, train_stream)
         hook_list.on_train_start(ctx)  # resume happens here
     rank_log.write(f"start-up: peak RSS {host_memory.peak_rss_bytes() / 2**30:.3f} GiB")
-    grad_accum = cfg.train.grad_accum_steps(topology.dp_size)
+    grad_accum = cfg.train.grad_accum_steps(topology.data_size)
     if env.is_logging_rank:  # after the resume: a refused one leaves the earlier config.yaml as it was
         save_config(cfg, run_dir / "config.yaml")
 
@@ -455,7 +458,8 @@ def _set_up(
     log.message(
         f"loomtrain: {cfg.run.name}: {param_count(cfg.model) / 1e6:.2f} M params, world {env.world_size} "
         f"on {env.n_hosts} host{'s' if env.n_hosts > 1 else ''} "
-        f"(tp {topology.tp_size} x dp {topology.dp_size}), {env.device.type}, {t.precision}, "
+        f"(tp {topology.tp_size} x {f'cp {topology.cp_size} x ' if topology.cp_size > 1 else ''}"
+        f"dp {topology.data_size}), {env.device.type}, {t.precision}, "
         f"zero {cfg.parallel.zero_stage}, grad_accum {grad_accum}, steps {start_step}->{t.max_steps}"
     )
     if env.n_hosts > 1:

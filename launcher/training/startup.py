@@ -27,9 +27,10 @@ from loomtrain.launcher.training import engine
 from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.model import init_tensors
 from loomtrain.parallel import Topology
+from loomtrain.parallel.context import apply_context_parallel
 from loomtrain.parallel.lora import apply_lora_parallel
 from loomtrain.parallel.materialize import allocate_shards, materialize, sharded_meta_model
-from loomtrain.parallel.topology import check_tp, check_tp_placement
+from loomtrain.parallel.topology import check_cp, check_tp, check_tp_placement
 
 
 def seed_everything(seed: int) -> None:
@@ -45,8 +46,9 @@ def build_topology(cfg: RunConfig, env: DistEnv) -> Topology:
     try:
         check_tp(cfg.model, cfg.parallel.tp, env.world_size)
         check_tp_placement(cfg.parallel.tp, env.hosts, cfg.parallel.allow_cross_host_tp)
-        return Topology(env.world_size, env.rank, cfg.parallel.tp, model_cfg=cfg.model)
-    except ValueError as exc:  # check_tp's and check_tp_placement's one-line messages name parallel.tp
+        check_cp(cfg.parallel.cp, env.world_size, cfg.parallel.tp, cfg.train.seq_len)
+        return Topology(env.world_size, env.rank, cfg.parallel.tp, model_cfg=cfg.model, cp=cfg.parallel.cp)
+    except ValueError as exc:  # check_tp's, check_cp's and check_tp_placement's one-line messages name their key
         raise ConfigError(str(exc)) from exc
 
 
@@ -64,6 +66,7 @@ def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensor
     reading only its TP slices (an optimizer starts fresh); at ZeRO-3 they are partitioned
     after that, so such a rank briefly holds its whole TP shard."""
     model = sharded_meta_model(cfg.model, topology, cfg.parallel.sequence_parallel)
+    model = apply_context_parallel(model, topology)  # parallel.cp: hooks only, no parameter changes
     # DeepSpeed casts parameters to bf16/fp16 but not buffers; materialize casts both, or the
     # RoPE / sinusoidal tables would promote activations back to fp32.
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
@@ -211,15 +214,16 @@ def held_out_questions(cfg: RunConfig, shard_dir, topology: Topology, tok: Token
 
 
 def _stream(cfg: RunConfig, shard_dir, split: str, topology: Topology, tok: Tokenizer, prefetch: int) -> TokenStream:
-    """This DP rank's stream of `split`, in train.micro_batch_size x train.seq_len batches."""
+    """This data rank's stream of `split`, in train.micro_batch_size x train.seq_len batches (the
+    ranks of a CP group read the same windows; each computes its chunks of them)."""
     t = cfg.train
     return TokenStream(
         shard_dir,
         split,
         seq_len=t.seq_len,
         micro_batch_size=t.micro_batch_size,
-        dp_rank=topology.dp_rank,
-        dp_size=topology.dp_size,
+        dp_rank=topology.data_rank,
+        dp_size=topology.data_size,
         seed=t.seed,
         prefetch=prefetch,
         expected_tokenizer_hash=tok.hash,
