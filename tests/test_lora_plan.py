@@ -50,6 +50,9 @@ def test_plan_of_8b_lora_rank16_model_states_at_most_035_of_full():
     assert lora.states.params == pytest.approx(2 * (full.params.per_rank + lora.params.adapters_per_rank))
     assert lora.states.optimizer == pytest.approx(12 * lora.params.adapters_per_rank / 4)
     assert any("LoRA rank 16" in note for note in lora.notes)
+    # a checkpoint holds the adapters: their fp32 masters and Adam moments, 12 B each
+    assert lora.host.checkpoint_bytes == pytest.approx(12 * lora.params.adapters)
+    assert full.host.checkpoint_bytes == pytest.approx(12 * full.params.total)
 
 
 def _gib_cells(out: str, label: str) -> list[float]:

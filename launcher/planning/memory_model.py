@@ -427,6 +427,8 @@ def make_plan(
         zero_stage=stage,
         device_states_on_host=on_host,
         on_cpu=gpu == "cpu",
+        checkpoint_params=pc.adapters or None,  # model.lora: checkpoints hold the adapters only
+        checkpoint_per_rank=pc.adapters_per_rank or None,
         **host,
     )
     notes = []
