@@ -293,7 +293,9 @@ def _work_tokenizer(
 def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar, records) -> None:
     """Input files `todo` -> their parts, streaming units through the worker pool in input order."""
     pending = iter(todo)
-    current = {"i": None, "writer": None, "stats": None}
+    # "i": -1 before the first file (None: all done), so that inputs with no units at all (empty
+    # files) still get their (empty) parts when the stream ends
+    current = {"i": -1, "writer": None, "stats": None}
 
     def advance(to) -> None:  # finish the current file and any with no units before `to`
         while current["i"] != to:

@@ -354,3 +354,41 @@ def test_a_manifest_of_another_format_is_named_and_never_resumed(tmp_path, data_
     (skip,) = [line for line in out.splitlines() if "skipping" in line]
     assert skip.startswith(f"checkpoint: skipping {manifest.parent}: ") and says in skip
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'}" in out
+
+
+# ------------------------------------------------------------------ Why 7 and 8: preprocess's input and output
+
+
+def test_an_empty_input_file_is_blamed_not_the_output(tmp_path, capsys):
+    from loomtrain.launcher.cli.preprocess import main as preprocess_main
+
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    out = tmp_path / "out"
+    assert preprocess_main(["--input", str(tmp_path / "empty.jsonl"), "--output", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"loomtrain preprocess: error: inputs hold no text: {tmp_path / 'empty.jsonl'}"
+    assert not out.exists() and (tmp_path / "empty.jsonl").read_bytes() == b""
+
+
+def test_preprocess_output_with_one_slash_is_refused_not_a_folder(tmp_path, capsys, monkeypatch):
+    from loomtrain.launcher.cli.preprocess import main as preprocess_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.txt").write_text("some text\n")
+    assert preprocess_main(["--input", str(tmp_path / "in.txt"), "--output", "s3:/bkt/x", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.strip()
+        == "loomtrain preprocess: error: --output s3:/bkt/x: a URI has two slashes after its scheme (s3://bkt/x)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
+def test_resume_from_a_missing_bucket_says_so(tmp_path, data_cache, s3_bucket):
+    uri = f"{s3_bucket[:-1]}q/run/checkpoints/step_00000002"
+    out = train(tmp_path / "run", data_cache, f"checkpoint.resume={uri}", rc=2)
+    (line,) = [line for line in out.splitlines() if line.startswith("loomtrain:")]
+    assert line == (
+        f"loomtrain: config error: checkpoint.resume={uri!r}: not a usable checkpoint: bucket "
+        f"{s3_bucket[5:-1] + 'q'!r} does not exist"
+    )

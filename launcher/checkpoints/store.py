@@ -759,7 +759,7 @@ def verify_object(uri: str, checksums: bool = True) -> Verdict:
         manifest = json.loads(objs.read(MANIFEST))
         files = manifest["files"]
     except FileNotFoundError:
-        return Verdict(False, "no manifest.json (partial write)")
+        return Verdict(False, _no_manifest(objs))
     except (ValueError, KeyError, TypeError) as e:
         return Verdict(False, f"unreadable manifest.json ({e})")
     if format_problem(manifest):
@@ -773,6 +773,23 @@ def verify_object(uri: str, checksums: bool = True) -> Verdict:
         if checksums and "sha256" in info and hashlib.sha256(objs.read(rel)).hexdigest() != info["sha256"]:
             return Verdict(False, f"{rel} fails its sha256 checksum")
     return Verdict(True, manifest=manifest)
+
+
+def _no_manifest(objs: Objects) -> str:
+    """Why a checkpoint URI has no manifest: a partial write (other objects are there), nothing at
+    all under it, or no such bucket (told apart: the fix differs)."""
+    try:
+        if objs.sizes():
+            return "no manifest.json (partial write)"
+        if hasattr(objs.fs, "call_s3"):
+            bucket = objs.path.split("/", 1)[0]
+            try:
+                objs.fs.call_s3("head_bucket", Bucket=bucket)
+            except FileNotFoundError:
+                return f"bucket {bucket!r} does not exist"
+    except Exception as exc:  # noqa: BLE001  (the store itself: unreachable, credentials)
+        return store_failure(exc) or first_line(exc)
+    return "nothing there (no object under this prefix)"
 
 
 def verify_at(location: str | os.PathLike, checksums: bool = True) -> Verdict:

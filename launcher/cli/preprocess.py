@@ -110,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--truncate needs --seq-len (the run's train.seq_len)")
     if args.seq_len < 0:
         parser.error(f"--seq-len: expected the run's train.seq_len (a positive number of tokens), got {args.seq_len}")
+    from loomtrain.storage import location_problem
+
+    problem = location_problem(args.output)  # s3:/bkt/x would be written as a local folder ./s3:/bkt/x
+    if problem:
+        print(f"loomtrain preprocess: error: --output {args.output}: {problem}", file=sys.stderr)
+        return 2
     executor = RayTasks(args.address) if args.ray else None
     try:
         if executor is not None:
