@@ -464,6 +464,13 @@ def _set_up(
     )
     if env.n_hosts > 1:
         log.message(f"loomtrain: {env.placement()}; process group over {env.interface}")
+    if cfg.model.lora.enabled:
+        held = [(p.numel(), p.requires_grad) for p in ctx.model.parameters()]
+        adapters, every = sum(n for n, trains in held if trains), sum(n for n, _ in held)
+        log.message(
+            f"loomtrain: LoRA rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.targets)}: "
+            f"{adapters:,} adapter params train ({adapters / every:.2%} of this rank's); the base is frozen"
+        )
     if getattr(train_stream, "document_masking", False):
         log.message(
             "loomtrain: document masking: attention stays inside each packed document and positions restart "
