@@ -392,3 +392,30 @@ def test_resume_from_a_missing_bucket_says_so(tmp_path, data_cache, s3_bucket):
         f"loomtrain: config error: checkpoint.resume={uri!r}: not a usable checkpoint: bucket "
         f"{s3_bucket[5:-1] + 'q'!r} does not exist"
     )
+
+
+# ------------------------------------------------------------------ Why 4: a dead --ray address
+
+
+@pytest.mark.parametrize("listening", [False, True])
+def test_train_on_ray_at_a_dead_address_is_one_line_within_seconds(tmp_path, listening):
+    import socket
+    import time
+
+    server = socket.create_server(("127.0.0.1", 0))  # accepts, never answers (the dashboard mix-up)
+    port = server.getsockname()[1]
+    if not listening:
+        server.close()
+        port = 1
+    t0 = time.monotonic()
+    try:
+        proc = launch.run_loomtrain(
+            "train", TINY, "--ray", f"ray.address=127.0.0.1:{port}", f"run.dir={tmp_path / 'run'}", rc=2
+        )
+    finally:
+        server.close()
+    took = time.monotonic() - t0
+    line = launch.one_line(proc.stderr)
+    why = "it accepts connections but does not answer as a Ray GCS within 5 s" if listening else "cannot connect"
+    assert line.startswith(f"loomtrain: config error: ray.address 127.0.0.1:{port}: {why}"), line
+    assert took < 30 and not (tmp_path / "run").exists()

@@ -132,6 +132,10 @@ def _preflight(cfg, args: argparse.Namespace) -> str | None:
         from loomtrain.launcher.checkpoints.weight_source import check_init_from
 
         check_init_from(cfg)
+    if args.ray:  # a cluster that does not answer: one line in seconds, not Ray's endless retries
+        _probe_ray(
+            cfg.ray.address or os.environ.get("RAY_ADDRESS", ""), "ray.address" if cfg.ray.address else "RAY_ADDRESS"
+        )
     if args.ray or args.force:
         return None
     from loomtrain.launcher.planning.fit import check_fits, local_ranks_from_env
@@ -141,6 +145,21 @@ def _preflight(cfg, args: argparse.Namespace) -> str | None:
     except ValueError as exc:  # a config the estimate cannot size
         raise ConfigError(str(exc)) from None
     return None if verdict.fits else verdict.message
+
+
+def _probe_ray(address: str, what: str) -> None:
+    """The probe `preprocess --ray` makes of its address (a TCP connect, then one GCS or Ray Client
+    request, each bounded by a few seconds); ConfigError naming the key otherwise. No address: a
+    local instance, nothing to probe."""
+    if not address:
+        return
+    from loomtrain.data_pipeline import DataError
+    from loomtrain.launcher.cluster.preprocess_tasks import probe_ray_address
+
+    try:
+        probe_ray_address(address, what)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _first_missing(run_dir: Path) -> Path | None:

@@ -58,6 +58,17 @@ def _check_reachable(address: str, what: str) -> None:
         )
 
 
+def probe_ray_address(address: str, what: str = "ray.address") -> None:
+    """A driver's Ray address checked before it connects (`preprocess --ray`, `train --ray`):
+    well formed, and a cluster answers there within REACH_TIMEOUT_S; DataError naming it otherwise."""
+    try:
+        check_ray_address(address, what)
+    except AddressError as exc:
+        raise DataError(str(exc)) from None
+    if address:
+        _check_reachable(address, what)
+
+
 def _answers_grpc(target: str) -> bool:
     """A gRPC channel to HOST:PORT gets ready (an HTTP/2 server answered) within the deadline."""
     import grpc
@@ -166,13 +177,7 @@ class RayTasks:
         """Before anything is written: the address is well formed and a cluster answers there
         within a few seconds (DataError naming it otherwise); no address: a local instance."""
         what = "--address" if self.address else "RAY_ADDRESS"
-        address = self.address or os.environ.get("RAY_ADDRESS") or ""
-        try:
-            check_ray_address(address, what)
-        except AddressError as exc:
-            raise DataError(str(exc)) from None
-        if address:
-            _check_reachable(address, what)
+        probe_ray_address(self.address or os.environ.get("RAY_ADDRESS") or "", what)
 
     def __call__(
         self, jobs, tokenizer, text_field, skip_bad_lines, *, max_in_flight, on_file, log=None, records=None
