@@ -138,7 +138,8 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
                         # the whole stdlib (~32 M byte tokens) takes a few seconds this way.
                         workers=1,
                         sources=[f"stdlib:{sysconfig.get_paths()['stdlib']} ({len(files)} files)"],
-                        log=log,
+                        # its summary names the cache folder the shards are renamed into, not the build's
+                        log=log and (lambda line: log(line.replace(str(tmp), str(shard_dir)))),
                     )
                     replace_dir(tmp, shard_dir)  # over an incomplete leftover (no index.json)
                 finally:

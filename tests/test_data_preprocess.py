@@ -388,3 +388,11 @@ def test_one_document_cannot_be_split(tmp_path):
         pp.preprocess_files([tmp_path / "one.txt"], tmp_path / "s", val_fraction=0.05, progress=False, log=None)
     index = pp.preprocess_files([tmp_path / "one.txt"], tmp_path / "s", val_fraction=0, progress=False, log=None)
     assert index["splits"]["train"]["num_docs"] == 1
+
+
+def test_the_embedded_corpus_summary_names_the_cache_folder_not_the_build(tmp_path):
+    lines = []
+    shard_dir, _ = prepare_data(DataConfig(max_files=3, tokenizer="byte", cache_dir=str(tmp_path)), log=lines.append)
+    summary = [line for line in lines if line.startswith("preprocess: 3 files")]
+    assert len(summary) == 1 and summary[0].endswith(f"-> {shard_dir}"), lines
+    assert ".tmp-" not in "\n".join(lines)
