@@ -41,7 +41,8 @@ def _train(run_dir: Path, cache: Path, *extra: str, nproc: int = 1, rc: int | No
 def test_adapter_checkpoint_resumes_exactly_and_refuses_another_base(tmp_path):
     cache = tmp_path / "cache"
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    _train(whole, cache, "train.max_steps=6")
+    banner = _train(whole, cache, "train.max_steps=6").stdout
+    assert "loomtrain: LoRA rank 4 on q, v, o, down: 4,736 adapter params train" in banner, banner[:2000]
     _train(cut, cache, "train.max_steps=3")
 
     ckpt = cut / "checkpoints" / "step_00000003"
