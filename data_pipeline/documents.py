@@ -129,6 +129,8 @@ def jsonl_values(payload, where: int, stats: dict):
             value = json.loads(line)
         except json.JSONDecodeError as exc:
             yield lineno, None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+        except RecursionError:  # a line nested thousands deep: a data error, not a traceback
+            yield lineno, None, "JSON nested too deeply (deeper than Python's recursion limit)"
         else:
             yield lineno, value, None
 

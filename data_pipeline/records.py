@@ -67,7 +67,7 @@ def detect_format(files: list[Path], text_field: str) -> str:
                     continue
                 try:
                     obj = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError):
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                     return "text"  # the text reader names the bad line
                 if isinstance(obj, dict) and text_field not in obj:
                     if "messages" in obj:
@@ -136,25 +136,15 @@ def question_tokens(tokenizer, text: str) -> list[int]:
 
 
 def _render(chat: dict, messages: list[dict], cue: bool, eos_token: str) -> str:
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from loomtrain.data_pipeline.chat_template import render
 
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(chat["chat_template"]).render(
-        messages=messages,
-        add_generation_prompt=cue,
-        bos_token=chat["bos_token"],
-        eos_token=chat["eos_token"] or eos_token,
-    )
+    return render(chat, messages, cue, eos_token)
 
 
 def _template_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     """(text, is_target) pieces rendered by the tokenizer's own chat template."""
     from jinja2 import TemplateError
+    from loomtrain.data_pipeline.chat_template import TemplateLimit, limit_line
 
     out, done = [], ""
     try:
@@ -171,6 +161,8 @@ def _template_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]
             out += [(cue[len(done) :], False), (full[len(cue) :], True)]
             done = full
         whole = _render(tokenizer.chat, messages, False, tokenizer.eos_token)
+    except TemplateLimit as exc:  # the template's fault, not the record's: --skip-bad-lines does not skip it
+        raise DataError(limit_line(getattr(tokenizer, "source", ""), exc)) from None
     except TemplateError as exc:
         raise ValueError(f"the tokenizer's chat template refused the conversation: {exc}") from None
     if not whole.startswith(done):

@@ -186,20 +186,10 @@ class HFTokenizer:
         if self.chat is None:
             return None
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from loomtrain.data_pipeline.chat_template import render
 
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat["chat_template"]).render(
-                messages=[{"role": "user", "content": text}],
-                add_generation_prompt=True,
-                bos_token=self.chat["bos_token"],
-                eos_token=self.chat["eos_token"] or self.eos_token,
-            )
+        try:  # under the rendering limits (chat_template.py); a template past them is no user turn
+            return render(self.chat, [{"role": "user", "content": text}], True, self.eos_token)
         except TemplateError:
             return None
 

@@ -419,3 +419,63 @@ def test_train_on_ray_at_a_dead_address_is_one_line_within_seconds(tmp_path, lis
     why = "it accepts connections but does not answer as a Ray GCS within 5 s" if listening else "cannot connect"
     assert line.startswith(f"loomtrain: config error: ray.address 127.0.0.1:{port}: {why}"), line
     assert took < 30 and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ Why 5: chat templates and JSON that could hurt
+
+
+HANGS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+HUGE = "{{ 'x' * 200000000 }}"
+RECURSES = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        (HANGS, "more than 2 s for one conversation"),
+        (HUGE, "a value of 200,000,000 items (more than 8,388,608)"),
+        (RECURSES, "recursion deeper than Python's limit (a macro that calls itself?)"),
+    ],
+)
+def test_a_chat_template_past_its_limits_is_one_line_naming_the_tokenizer(
+    tmp_path, bpe, capsys, monkeypatch, template, says
+):
+    import json
+    import time
+
+    from loomtrain.data_pipeline import chat_template
+    from loomtrain.launcher.cli.preprocess import main as preprocess_main
+
+    monkeypatch.setattr(chat_template, "RENDER_TIME_S", 2.0)  # the same watchdog as at 10 s, sooner
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    bpe.save(str(tok_dir / "tokenizer.json"))
+    config = {"chat_template": template + "{% for m in messages %}{{ m.content }}{% endfor %}", "eos_token": ""}
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"prompt": "hi", "response": "there"}) + "\n")
+    t0 = time.monotonic()
+    argv = ["--input", str(src), "--output", str(tmp_path / "out"), "--tokenizer", str(tok_dir / "tokenizer.json")]
+    assert preprocess_main([*argv, "--no-progress", "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"loomtrain preprocess: error: {tok_dir / 'tokenizer.json'}: its chat template exceeds loomtrain's rendering "
+        f"limits ({says}); fix the template (tokenizer_config.json's chat_template or chat_template.jinja beside it)"
+    ), err
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "out").exists()
+
+
+def test_a_json_line_nested_too_deep_is_a_one_line_data_error(tmp_path, capsys):
+    from loomtrain.launcher.cli.preprocess import main as preprocess_main
+
+    src = tmp_path / "chat.jsonl"
+    first = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+    src.write_text(first + '{"messages": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    argv = ["--input", str(src), "--output", str(tmp_path / "out"), "--format", "chat", "--no-progress"]
+    assert preprocess_main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"loomtrain preprocess: error: {src}:2: JSON nested too deeply (deeper than Python's recursion limit); "
+        "--skip-bad-lines skips and counts such records"
+    )
+    assert not (tmp_path / "out").exists()
