@@ -94,3 +94,20 @@ def apply_context_parallel(model: nn.Module, topology) -> nn.Module:
         block.attn.kv_exchange = KVExchange(topology.cp_group, cp, f"blocks.{i}.cp_kv")
     model.cp_plan = dict(cp=cp, cp_rank=topology.cp_rank)
     return model
+
+
+def stand_in_context_parallel(model: nn.Module, cp: int) -> nn.Module:
+    """CP rank 0 of `cp`, alone (`loomtrain dryrun`): its tokens cut as in a cluster run, and an
+    exchange that tiles its own keys and values cp times, so the window's K/V have the shapes,
+    memory and attention work of the all-gathered ones (not their values). No-op at cp 1."""
+    if cp == 1:
+        return model
+    model.register_forward_pre_hook(_slice_hook(cp, 0), with_kwargs=True)
+
+    def tiled(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k.repeat(1, 1, cp, 1), v.repeat(1, 1, cp, 1)
+
+    for block in model.blocks:
+        block.attn.kv_exchange = tiled
+    model.cp_plan = dict(cp=cp, cp_rank=0, stand_in=True)
+    return model

@@ -162,3 +162,25 @@ def test_a_model_given_its_whole_window_as_a_slice_equals_the_plain_forward(posi
         block.attn.kv_exchange = lambda k, v: (k, v)
     got = model(tokens, targets=targets, window_slice=WindowSlice(torch.arange(24), 24))
     torch.testing.assert_close(got, want)
+
+
+def test_plan_counts_activations_per_cp_rank_and_suggests_a_cp_that_fits():
+    """configs/long-context.yaml (Llama 3.2 1B's shape, 131,072-token windows): cp 4 keeps a
+    rank's activations well under cp 1's (a quarter of the tokens, plus the window's K/V); at
+    cp 1 without recompute it does not fit an H100, and the plan names the cp that does."""
+    from loomtrain.launcher.planning.memory_plan import format_plan, load_plan, suggestions
+
+    _, p4 = load_plan(str(ROOT / "configs/long-context.yaml"), [], None, "h100", 0.4)
+    _, p1 = load_plan(str(ROOT / "configs/long-context.yaml"), ["parallel.cp=1"], None, "h100", 0.4)
+    assert p4.cp == 4 and p4.dp == 8 and p4.fits  # ZeRO's group: dp 2 x cp 4
+    assert p4.activations.total < 0.3 * p1.activations.total
+    assert "world 16 = tp 2 x cp 4 x dp 2" in format_plan(p4)
+    _, tight = load_plan(
+        str(ROOT / "configs/long-context.yaml"),
+        ["parallel.cp=1", "parallel.activation_checkpointing=false"],
+        None,
+        "h100",
+        0.4,
+    )
+    assert not tight.fits and tight.cp_that_fits == 2
+    assert suggestions(tight)[0].startswith("parallel.cp=2 (splits each sequence of 131072 tokens over 2 ranks")

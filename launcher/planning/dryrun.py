@@ -46,6 +46,7 @@ from loomtrain.launcher.training.engine import build_engine
 from loomtrain.launcher.training.startup import apply_block_options
 from loomtrain.model import init_tensors
 from loomtrain.parallel import padded_vocab_size
+from loomtrain.parallel.context import stand_in_context_parallel
 from loomtrain.parallel.lora import apply_lora_parallel
 from loomtrain.parallel.materialize import materialize, sharded_meta_model
 
@@ -102,6 +103,7 @@ def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Mo
     model = sharded_meta_model(cfg.model, topology, cfg.parallel.sequence_parallel)
     materialize(model, init_tensors(cfg.model, cfg.train.seed), device=device, dtype=dtype)
     model = apply_lora_parallel(model, cfg.model.lora, topology, seed=cfg.train.seed)  # model.lora
+    model = stand_in_context_parallel(model, cfg.parallel.cp)  # parallel.cp: seq / cp tokens, the window's K/V
     return apply_block_options(model, cfg)
 
 
@@ -234,7 +236,9 @@ def format_table(
     peak_label = "peak allocated (CUDA)" if device.type == "cuda" else "peak RSS growth (CPU)"
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     head = (
-        f"dryrun: one rank of {cluster.world_size} = tp {cluster.tp} x dp {cluster.dp}, ZeRO-{cluster.zero_stage}, "
+        f"dryrun: one rank of {cluster.world_size} = tp {cluster.tp} x "
+        + (f"cp {cluster.cp} x dp {cluster.dp // cluster.cp}" if cluster.cp > 1 else f"dp {cluster.dp}")
+        + f", ZeRO-{cluster.zero_stage}, "
         f"{t.precision}, micro-batch {t.micro_batch_size} x seq {t.seq_len}, "
         f"{cluster.params.per_rank / 1e6:,.1f} M params on this rank; measured on {dev_name}"
     )
@@ -339,7 +343,9 @@ def dry_run(
     cfg.train.global_batch_size = cfg.train.micro_batch_size
     device = _local_device(cfg)
     local_gpu = "cpu" if device.type == "cpu" else gpu
-    local = mm.make_plan(cfg, cfg.parallel.tp, local_gpu, mfu)
+    # parallel.cp: this rank's seq / cp tokens at a world of one CP group (its plan divides ZeRO's
+    # states over those cp ranks, which the dry run at dp 1 holds whole)
+    local = mm.make_plan(cfg, cfg.parallel.tp * cfg.parallel.cp, local_gpu, mfu)
 
     init_distributed(cfg)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))

@@ -260,7 +260,13 @@ def activation_bytes(
     sequence_parallel: bool = False,
     checkpointing: bool = False,
     device_type: str = "cuda",
+    cp: int = 1,
 ) -> Activations:
+    """Per rank. With context parallelism (cp > 1) a rank holds seq / cp tokens of each sequence,
+    and each layer's attention also keeps the whole window's K and V (all-gathered over the CP
+    group, saved for its backward): (seq - seq / cp) more tokens of K and V per layer."""
+    full = seq
+    seq = seq // cp
     s, b, h, a, L = seq, micro, cfg.d_model, cfg.n_heads, cfg.n_layers
     p = _DTYPE_BYTES[precision]
     f = cfg.ffn_dim
@@ -271,9 +277,10 @@ def activation_bytes(
     replicated = p * (4 * h) + drop * 2 * h  # 2 norm inputs, QKV input, MLP input; 2 masks
     sharded = p * (q + 2 * kv + q)  # Q, K, V, attention output (wo input)
     sharded += p * (4 * f if cfg.activation == "swiglu" else 2 * f)  # MLP inner tensors
-    scores = drop * 5 * a * s + (1 - drop) * 2 * a * s  # softmax out (+mask, dropout out), eager only
+    scores = drop * 5 * a * full + (1 - drop) * 2 * a * full  # softmax out (+mask, dropout out), eager only
     rep_div = tp if sequence_parallel else 1
-    per_layer = s * b * (replicated / rep_div + sharded / tp)
+    gathered_kv = (full - s) * b * p * 2 * kv / tp  # CP: the other ranks' keys and values
+    per_layer = s * b * (replicated / rep_div + sharded / tp) + gathered_kv
     per_layer_eager = per_layer + s * b * (scores * p / 2) / tp
     if checkpointing:
         inputs = L * s * b * p * h / rep_div
@@ -287,7 +294,9 @@ def activation_bytes(
         output,
         layers + output,
         layers_eager + output,
-        "flash/SDPA (no s x s scores)" + (", full recompute" if checkpointing else ""),
+        "flash/SDPA (no s x s scores)"
+        + (f", seq / cp {cp} per rank" if cp > 1 else "")
+        + (", full recompute" if checkpointing else ""),
     )
 
 
@@ -355,6 +364,8 @@ class Plan:
     tokens_per_s_per_rank: float
     host: Any = None  # host_model.HostPlan: host RAM per node, checkpoint size, save time
     notes: list[str] = field(default_factory=list)
+    cp: int = 1  # context parallel: dp above is ZeRO's group, data x cp; samples split dp / cp ways
+    cp_that_fits: int | None = None  # when it does not fit: the smallest parallel.cp whose activations would
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -371,10 +382,13 @@ def make_plan(
     arguments of host_model.host_plan (gpus_per_node, node_ram_gib, storage_gbps)."""
     cfg: ModelConfig = run.model
     par, tr = run.parallel, run.train
-    tp, stage, prec = par.tp, par.zero_stage, tr.precision
-    if world_size < 1 or world_size % tp:
-        raise ValueError(f"--world-size {world_size} must be a positive multiple of parallel.tp={tp}")
-    dp = world_size // tp
+    tp, stage, prec, cp = par.tp, par.zero_stage, tr.precision, par.cp
+    if world_size < 1 or world_size % (tp * cp):
+        raise ValueError(
+            f"--world-size {world_size} must be a positive multiple of parallel.tp={tp}"
+            + (f" x parallel.cp={cp}" if cp > 1 else "")
+        )
+    dp = world_size // tp  # ZeRO's group: data x cp (the ranks holding the same parameters)
     # The DeepSpeed config the engine will use (it refuses a batch that does not split and an
     # offload at a stage that cannot take it): its accumulation and its reduce bucket.
     ds = ds_config(run, dp)
@@ -396,6 +410,7 @@ def make_plan(
         par.sequence_parallel,
         par.activation_checkpointing,
         "cpu" if gpu == "cpu" else "cuda",
+        cp,
     )
     reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
     bucket, fp32_grads = ds_buffers(trainable, stage, dp, prec, par.offload_optimizer, bucket_elems)
@@ -414,7 +429,7 @@ def make_plan(
     # The assumed MFU holds for the hardware FLOPs; recomputation adds work MFU ignores.
     step_time = hw * tokens / (world_size * peak * mfu)
     payload, sent = tp_comm_bytes_per_microbatch(
-        cfg, tr.seq_len, tr.micro_batch_size, tp, prec, par.activation_checkpointing
+        cfg, tr.seq_len // cp, tr.micro_batch_size, tp, prec, par.activation_checkpointing
     )
     on_host = (states.total + acts.total + bucket + fp32_grads) if gpu == "cpu" else states.offloaded
     hp = host_plan(
@@ -478,4 +493,33 @@ def make_plan(
         tokens_per_s_per_rank=tokens / step_time / world_size,
         host=hp,
         notes=notes,
+        cp=cp,
+        cp_that_fits=None
+        if dev.memory_gib * GiB >= total
+        else _cp_that_fits(run, world_size, total - acts.total, dev, gpu),
     )
+
+
+def _cp_that_fits(run: Any, world_size: int, rest: float, dev: Device, gpu: str) -> int | None:
+    """The smallest parallel.cp above the run's whose activations, with everything else as it is
+    (ZeRO's group stays data x cp), fit the device; None if none does at this world size."""
+    par, tr = run.parallel, run.train
+    cp = par.cp * 2
+    while world_size % (par.tp * cp) == 0 and tr.seq_len % (2 * cp) == 0:
+        data = world_size // (par.tp * cp)
+        if tr.global_batch_size % (tr.micro_batch_size * data) == 0:
+            acts = activation_bytes(
+                run.model,
+                tr.seq_len,
+                tr.micro_batch_size,
+                par.tp,
+                tr.precision,
+                par.sequence_parallel,
+                par.activation_checkpointing,
+                "cpu" if gpu == "cpu" else "cuda",
+                cp,
+            )
+            if rest + acts.total <= dev.memory_gib * GiB:
+                return cp
+        cp *= 2
+    return None

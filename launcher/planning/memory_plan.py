@@ -38,7 +38,9 @@ def format_plan(p: mm.Plan, config: str = "") -> str:
     dp_s = f" / dp {p.dp}"
     stage = p.zero_stage
     lines = [
-        f"plan {config}: world {p.world_size} = tp {p.tp} x dp {p.dp}, ZeRO-{stage}, {p.precision}, on {p.device.name}",
+        f"plan {config}: world {p.world_size} = tp {p.tp} x "
+        + (f"cp {p.cp} x dp {p.dp // p.cp} (ZeRO over dp x cp = {p.dp})" if p.cp > 1 else f"dp {p.dp}")
+        + f", ZeRO-{stage}, {p.precision}, on {p.device.name}",
         f"model      {_si(pc.total)} params (ModelConfig arithmetic: {_si(p.analytic_params)}); "
         f"per TP rank {_si(pc.per_rank)} ({_si(pc.replicated_per_rank)} replicated over TP)",
         f"batch      global {p.tokens_per_step // p.seq_len} x seq {p.seq_len} = {p.tokens_per_step:,} tokens/step; "
@@ -100,6 +102,11 @@ def format_plan(p: mm.Plan, config: str = "") -> str:
 
 def suggestions(p: mm.Plan) -> list[str]:
     out = []
+    if p.cp_that_fits:
+        out.append(
+            f"parallel.cp={p.cp_that_fits} (splits each sequence of {p.seq_len} tokens over {p.cp_that_fits} ranks: "
+            f"activations are {p.activations.total / GiB:.1f} GiB)"
+        )
     if p.zero_stage < 3 and p.dp > 1:
         out.append(f"parallel.zero_stage={p.zero_stage + 1} (shards more model states over dp={p.dp})")
     if p.activations.total > p.states.total / 4 and p.micro_batch > 1:
