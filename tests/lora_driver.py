@@ -4,8 +4,9 @@
         --common k=v ... --variant NAME k=v ...
 
 Besides what zero_driver writes, each rank writes OUT/NAME/base.rank{R}.json: the sha256 of
-every frozen parameter's bytes when training starts (after any resume) and when it ends, and
-the names of the parameters the optimizer holds.
+every frozen parameter's bytes when training starts (after any resume) and when it ends, the
+names of the trainable parameters, the size of Adam's moments on this rank, and the dtypes of
+the frozen base and of the moments.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class BaseDigest(Hooks):
         # Adam's moments on this rank (ZeRO >= 1: this DP rank's partition of the flat trainables)
         record["exp_avg_numel"] = sum(s["exp_avg"].numel() for s in states if "exp_avg" in s)
         record["trainable_numel"] = sum(p.numel() for p in ctx.engine.module.parameters() if p.requires_grad)
+        record["base_dtypes"] = sorted({str(p.dtype) for p in ctx.engine.module.parameters() if not p.requires_grad})
+        record["moment_dtypes"] = sorted({str(s["exp_avg"].dtype) for s in states if "exp_avg" in s})
         (self.out / f"base.rank{ctx.dist.rank}.json").write_text(json.dumps(record))
 
 

@@ -4,7 +4,8 @@
   checkpointing, follow one process (2 accumulation steps, same global batch) within 1e-5
   over 6 fp32 steps; a model with one KV head (replicated on both TP ranks) too;
 * the frozen base is bitwise the same after training, only lora_A / lora_B train, and the
-  optimizer's moments cover the adapters alone, split over the DP ranks (ZeRO 1/2).
+  optimizer's moments cover the adapters alone, split over the DP ranks (ZeRO 1/2); in bf16
+  the base is held in bf16 and the adapters' moments in fp32.
 
 Two launches of tests/lora_driver.py (one process; one torchrun of 4) run every variant.
 """
@@ -41,7 +42,7 @@ COMMON = [
 ]
 TP2 = ["parallel.tp=2"]
 KV1 = ["model.n_kv_heads=1"]
-VARIANTS_1 = {"ref": [], "ref_kv1": KV1}
+VARIANTS_1 = {"ref": [], "ref_kv1": KV1, "bf16": ["train.precision=bf16", "parallel.zero_stage=1"]}
 VARIANTS_4 = {
     "z1": [*TP2, "parallel.zero_stage=1"],
     "z2": [*TP2, "parallel.zero_stage=2"],
@@ -90,10 +91,10 @@ def test_tp2_dp2_follows_single_process(runs, name):
     assert got[-1] < got[0] - 0.05  # the adapters train (6 steps from B = 0: a small drop)
 
 
-@pytest.mark.parametrize("name", ["ref", "z1", "z2"])
+@pytest.mark.parametrize("name", ["ref", "z1", "z2", "bf16"])
 def test_base_frozen_bitwise_and_only_adapters_optimized(runs, name):
     ranks = sorted((runs / name).glob("base.rank*.json"))
-    assert len(ranks) == (1 if name == "ref" else 4)
+    assert len(ranks) == (1 if name in VARIANTS_1 else 4)
     held = []
     for path in ranks:
         got = json.loads(path.read_text())
@@ -103,7 +104,7 @@ def test_base_frozen_bitwise_and_only_adapters_optimized(runs, name):
         # 2 layers x 7 targets (SwiGLU: gate, up, down; q, k, v, o) x (A, B)
         assert len(got["trainable"]) == 2 * 7 * 2
         held.append((got["exp_avg_numel"], got["trainable_numel"]))
-    if name == "ref":
+    if name in VARIANTS_1:
         assert held[0][0] == held[0][1]  # Adam's moments: the adapters', nothing else
     else:  # ranks 0, 1 are DP rank 0 at TP ranks 0, 1 (topology: TP groups are consecutive ranks)
         for tp_rank in (0, 1):
@@ -111,3 +112,13 @@ def test_base_frozen_bitwise_and_only_adapters_optimized(runs, name):
             trainable = dp_ranks[0][1]
             assert sum(m for m, _ in dp_ranks) >= trainable  # the partitions cover the adapters
             assert max(m for m, _ in dp_ranks) <= trainable // 2 + 64  # each DP rank holds about half
+
+
+def test_bf16_holds_the_base_in_bf16_and_the_adapters_moments_in_fp32(runs):
+    got = json.loads((runs / "bf16" / "base.rank0.json").read_text())
+    assert got["base_dtypes"] == ["torch.bfloat16"]
+    assert got["moment_dtypes"] == ["torch.float32"]
+    assert got["start"] == got["end"]
+    assert got["exp_avg_numel"] == got["trainable_numel"]
+    bf16, fp32 = _losses(runs / "bf16"), _losses(runs / "ref")
+    assert max(abs(a - b) for a, b in zip(bf16, fp32)) < 5e-2  # the same run, in bf16 rounding
