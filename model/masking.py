@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .positions import document_positions
+
 # Bytes of float32 scores a query block may take ([B, H, rows, keys]): 32 MiB.
 _BLOCK_BYTES = 32 << 20
 
@@ -49,18 +51,24 @@ class MaskSpec:
     k_docs: torch.Tensor | None = None  # [B, Tk]
     window_docs: torch.Tensor | None = None  # [B, window length]: the whole window's ids
     window_len: int | None = None  # set when the queries are a slice of a longer window
+    q_doc_start: torch.Tensor | None = None  # [B, Tq]: where each query's document starts in the window
     _bounds: dict = field(default_factory=dict, repr=False)  # (rows, window) -> key ranges, shared by layers
 
     @classmethod
     def for_tokens(cls, t: int, device, document_ids=None, window_slice: WindowSlice | None = None) -> MaskSpec:
         """The mask of a forward over t tokens: the whole window (document_ids [B, t] or None), or
         a slice of it (document_ids then the whole window's [B, window_slice.length])."""
+        starts = None
+        if document_ids is not None:  # keys before a query's document are never seen: not visited
+            width = document_ids.shape[1]
+            starts = torch.arange(width, device=device) - document_positions(document_ids)
         if window_slice is None:
             pos = torch.arange(t, device=device)
-            return cls(pos, pos, document_ids, document_ids)
+            return cls(pos, pos, document_ids, document_ids, q_doc_start=starts)
         idx = window_slice.index.to(device)
         docs = None if document_ids is None else document_ids[:, idx]
-        return cls(idx, idx, docs, docs, document_ids, window_slice.length)
+        starts = None if starts is None else starts[:, idx]
+        return cls(idx, idx, docs, docs, document_ids, window_slice.length, starts)
 
     @property
     def sliced(self) -> bool:
@@ -74,7 +82,9 @@ class MaskSpec:
     def whole_window(self) -> MaskSpec:
         """The same queries against every key of the window, in window order."""
         k_pos = torch.arange(self.window_len, device=self.q_pos.device)
-        return MaskSpec(self.q_pos, k_pos, self.q_docs, self.window_docs, self.window_docs, self.window_len)
+        return MaskSpec(
+            self.q_pos, k_pos, self.q_docs, self.window_docs, self.window_docs, self.window_len, self.q_doc_start
+        )
 
     def allowed(self, s: int, e: int, ks: int, ke: int, window: int | None) -> torch.Tensor:
         """bool [B or 1, 1, e - s, ke - ks]: queries s:e against keys ks:ke."""
@@ -91,8 +101,8 @@ class MaskSpec:
         return self.allowed(0, len(self.q_pos), 0, len(self.k_pos), window)
 
     def key_bounds(self, rows: int, window: int | None) -> list[tuple[int, int, int, int]]:
-        """[(s, e, ks, ke)]: each query block and the keys its causal and window bounds reach
-        (keys ascending). Computed once per forward (one read of O(T / rows) numbers), shared
+        """[(s, e, ks, ke)]: each query block and the keys its causal, window and document bounds
+        reach (keys ascending). Computed once per forward (one read of O(T / rows) numbers), shared
         by every layer."""
         key = (rows, window)
         if key not in self._bounds:
@@ -102,7 +112,11 @@ class MaskSpec:
             q_max = torch.stack([self.q_pos[s:e].max() for s, e in zip(starts, ends)])
             q_min = torch.stack([self.q_pos[s:e].min() for s, e in zip(starts, ends)])
             hi = torch.searchsorted(self.k_pos, q_max, right=True)
-            lo = torch.searchsorted(self.k_pos, q_min - window + 1) if window is not None else torch.zeros_like(hi)
+            first = q_min - window + 1 if window is not None else torch.zeros_like(q_min)
+            if self.q_doc_start is not None:
+                doc = torch.stack([self.q_doc_start[:, s:e].min() for s, e in zip(starts, ends)])
+                first = torch.maximum(first, doc)
+            lo = torch.searchsorted(self.k_pos, first)
             bounds = torch.stack([lo, hi]).tolist()
             self._bounds[key] = [(s, e, a, b) for s, e, a, b in zip(starts, ends, *bounds)]
         return self._bounds[key]

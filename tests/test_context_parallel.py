@@ -184,3 +184,16 @@ def test_plan_counts_activations_per_cp_rank_and_suggests_a_cp_that_fits():
     )
     assert not tight.fits and tight.cp_that_fits == 2
     assert suggestions(tight)[0].startswith("parallel.cp=2 (splits each sequence of 131072 tokens over 2 ranks")
+
+
+def test_keys_before_a_querys_document_are_skipped_and_the_result_is_the_same():
+    q, k, v = (x[:1] for x in _qkv(t=64))
+    ids = (torch.arange(64) // 10)[None]  # documents of 10 tokens
+    spec = MaskSpec.for_tokens(64, "cpu", ids)
+    bounds = spec.key_bounds(8, None)
+    assert sum(ke - ks for _, _, ks, ke in bounds) < sum(e for _, e, _, _ in bounds)  # fewer keys than causal
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense(None), enable_gqa=True)
+    got = blocked_attention(q, k, v, spec, None, gqa=True, rows=8)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g))
