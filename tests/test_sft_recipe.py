@@ -108,7 +108,7 @@ def test_sft_tiny_trains_on_answers_and_its_eval_loss_falls(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "sample 0: prompt '<|user|>\\nComplete this function: def " in out, out[-2000:]
     assert "loomtrain: document masking: attention stays inside each packed document" in out  # on for chat data
-    assert "(kernel: SDPA with a dense per-sequence mask" in out  # the banner names the kernel
+    assert "(kernel: blocked attention, each query block's mask built from the document ids" in out  # names the kernel
 
     assert generate_main([str(run_dir), "--chat", ASK + "def add(a, b):", "--max-new-tokens", "8"]) == 0
     reply = capsys.readouterr().out  # the reply alone: 24 steps from scratch say little (often spaces)

@@ -474,7 +474,7 @@ def _set_up(
     if getattr(train_stream, "document_masking", False):
         log.message(
             "loomtrain: document masking: attention stays inside each packed document and positions restart "
-            "(kernel: SDPA with a dense per-sequence mask; no varlen or flex-attention kernel yet)"
+            "(kernel: blocked attention, each query block's mask built from the document ids: O(T) mask memory)"
         )
     if start_step >= t.max_steps:
         log.message(
