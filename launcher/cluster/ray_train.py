@@ -381,13 +381,15 @@ def train_worker(config: dict) -> None:
 
 def _connect(cfg: RunConfig, need_cpus: int) -> None:
     import ray
+    from loomtrain.launcher.cluster.ray_console import DriverConsole
 
     if ray.is_initialized():
         return
+    quiet = DriverConsole.connect_kwargs  # no process's output streamed here: loomtrain carries its own
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     # No runtime_env here: inside a Ray Job the job's own (working_dir) applies.
     if address:  # "auto" = the cluster `ray start` runs on this machine
-        ray.init(address=address)
+        ray.init(address=address, **quiet)
         return
     cpus = os.cpu_count() or 1
     if need_cpus > cpus:
@@ -396,7 +398,7 @@ def _connect(cfg: RunConfig, need_cpus: int) -> None:
             "(oversubscribed: slower, but it runs)",
             file=sys.stderr,
         )
-    ray.init(num_cpus=max(cpus, need_cpus))
+    ray.init(num_cpus=max(cpus, need_cpus), **quiet)
 
 
 def _resources(cfg: RunConfig) -> dict[str, float]:
@@ -485,7 +487,7 @@ def _run(cfg: RunConfig, stop, console):
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     need = cfg.ray.num_workers * cfg.ray.cpus_per_worker
     _connect(cfg, need)
-    console.take_over_lines()  # after ray.init, which installs Ray's printer
+    console.start()  # the workers' lines, once Ray is connected
     if stop is not None:
         stop.install()
     import ray
@@ -509,7 +511,10 @@ def _run(cfg: RunConfig, stop, console):
     started_at = time.time()
     trainer = build_trainer(cfg, started_at=started_at)
     try:
-        return trainer.fit()
+        try:
+            return trainer.fit()
+        finally:
+            console.flush()  # every worker line before the driver says how the run ended
     except Exception as exc:
         if _startup_error(exc):
             now = ray.cluster_resources()  # a node lost mid-run took its share with it
