@@ -21,11 +21,17 @@ Otherwise the built-in template, the same for the byte and BPE tokenizers:
 
 Every record ends with EOS (one that is no target is added when the last turn is not the
 assistant's), so records are documents as the rest of the pipeline knows them.
+
+A conversation's turns go: an optional system message first, then user and assistant in turn;
+another order is refused naming file:line. A message's content is text: a special token's
+spelling inside it (`<|endoftext|>`, a fake `<|user|>` turn) is encoded as characters, never as
+the token; special tokens come only from the template's own markup (see _encode).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +104,20 @@ def record_messages(obj, fmt: str) -> list[dict]:
             raise ValueError(f"messages[{i}].role is {m.get('role')!r}, expected system, user or assistant")
         if not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}].content is {type(m.get('content')).__name__}, expected a string")
+    _check_turn_order([m["role"] for m in messages])
     return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _check_turn_order(roles: list[str]) -> None:
+    """An optional system message first, then user and assistant in turn (what chat templates
+    and models expect; a template may render other orders silently into something else)."""
+    rule = "turns go: an optional system message first, then user and assistant in turn"
+    start = 1 if roles and roles[0] == "system" else 0
+    for i in range(start, len(roles)):
+        want = "user" if (i - start) % 2 == 0 else "assistant"
+        if roles[i] != want:
+            after = f" after {roles[i - 1]!r}" if i else " first"
+            raise ValueError(f"messages[{i}].role is {roles[i]!r}{after}, expected {want!r} ({rule})")
 
 
 EOS = object()  # a segment that is the EOS token itself (the byte tokenizer has no text for it)
@@ -108,14 +127,51 @@ ASSISTANT_CUE = "<|assistant|>\n"  # the built-in template's start of the assist
 
 
 def _builtin_segments(messages: list[dict]) -> list[tuple[object, bool]]:
-    """(text or EOS, is_target) pieces of the built-in template."""
+    """(text or EOS, is_target) pieces of the built-in template; each message's content stands as
+    its sentinel (encoded as text, never as special tokens: see _encode)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if m["role"] == "assistant":
-            out += [(ASSISTANT_CUE, False), (m["content"], True), (EOS, True)]
+            out += [(ASSISTANT_CUE, False), (_sentinel(i), True), (EOS, True)]
         else:
-            out.append((f"<|{m['role']}|>\n{m['content']}\n", False))
+            out.append((f"<|{m['role']}|>\n{_sentinel(i)}\n", False))
     return out
+
+
+# Message content is text: `<|endoftext|>` or a fake `<|user|>` turn inside it must not become the
+# special token itself (a model would learn to end answers early, a user could forge turns). So
+# templates render each content as a sentinel (private-use characters no text holds), and the
+# pieces between sentinels (the template's own markup) are encoded with special tokens, the
+# contents without (transformers' split_special_tokens). A template that transforms the content
+# (its rendering with the contents differs from the sentinels' replaced) is rendered as before.
+_SENTINEL = re.compile("\ue000(\\d+)\ue001")
+
+
+def _sentinel(i: int) -> str:
+    return f"\ue000{i}\ue001"
+
+
+def _encode(tokenizer, text: str, contents: list[str]) -> list[int]:
+    """A rendered piece -> ids: markup with special tokens, each sentinel's content as plain text."""
+    plain = getattr(tokenizer, "encode_plain", tokenizer.encode)
+    ids, pos = [], 0
+    for m in _SENTINEL.finditer(text):
+        if m.start() > pos:
+            ids += tokenizer.encode(text[pos : m.start()])
+        content = contents[int(m.group(1))]
+        ids += plain(content) if content else []
+        pos = m.end()
+    if pos < len(text):
+        ids += tokenizer.encode(text[pos:])
+    return ids
+
+
+def _with_sentinels(messages: list[dict]) -> list[dict]:
+    return [{"role": m["role"], "content": _sentinel(i)} for i, m in enumerate(messages)]
+
+
+def _filled(text: str, contents: list[str]) -> str:
+    return _SENTINEL.sub(lambda m: contents[int(m.group(1))], text)
 
 
 def question_tokens(tokenizer, text: str) -> list[int]:
@@ -128,11 +184,13 @@ def question_tokens(tokenizer, text: str) -> list[int]:
         from jinja2 import TemplateError
 
         try:
-            return tokenizer.encode(_render(tokenizer.chat, messages, True, tokenizer.eos_token))
+            shaped = _render(tokenizer.chat, _with_sentinels(messages), True, tokenizer.eos_token)
+            real = _render(tokenizer.chat, messages, True, tokenizer.eos_token)
         except TemplateError as exc:
             raise ValueError(f"the tokenizer's chat template refused the message: {exc}") from None
+        return _encode(tokenizer, shaped, [text]) if _filled(shaped, [text]) == real else tokenizer.encode(real)
     segments = [*_builtin_segments(messages), (ASSISTANT_CUE, False)]
-    return [t for piece, _ in segments for t in tokenizer.encode(piece)]
+    return [t for piece, _ in segments for t in _encode(tokenizer, piece, [text])]
 
 
 def _render(chat: dict, messages: list[dict], cue: bool, eos_token: str) -> str:
@@ -142,7 +200,19 @@ def _render(chat: dict, messages: list[dict], cue: bool, eos_token: str) -> str:
 
 
 def _template_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
-    """(text, is_target) pieces rendered by the tokenizer's own chat template."""
+    """(text, is_target) pieces rendered by the tokenizer's own chat template: with each content
+    as its sentinel when the template keeps contents as they are, else with the contents."""
+    contents = [m["content"] for m in messages]
+    real = _rendered_segments(tokenizer, messages)
+    try:
+        shaped = _rendered_segments(tokenizer, _with_sentinels(messages))
+    except ValueError:  # a template that looks into the contents: rendered with them
+        return real
+    same = [(_filled(text, contents), target) for text, target in shaped] == real
+    return shaped if same else real
+
+
+def _rendered_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     from jinja2 import TemplateError
     from loomtrain.data_pipeline.chat_template import TemplateLimit, limit_line
 
@@ -177,10 +247,11 @@ def record_tokens(obj, fmt: RecordFormat, tokenizer) -> tuple[np.ndarray, np.nda
     eos_id = tokenizer.eos_id
     chat = getattr(tokenizer, "chat", None)
     segments = _template_segments(tokenizer, messages) if chat else _builtin_segments(messages)
+    contents = [m["content"] for m in messages]
     ids: list[int] = []
     mask: list[int] = []
     for text, target in segments:
-        piece = [eos_id] if text is EOS else tokenizer.encode(text) if text else []
+        piece = [eos_id] if text is EOS else _encode(tokenizer, text, contents) if text else []
         ids += piece
         mask += [1 if (target or fmt.train_on_prompt) else 0] * len(piece)
     if not ids or ids[-1] != eos_id:  # every document ends with EOS

@@ -164,6 +164,15 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as text: a special token's spelling inside it (`<|endoftext|>`) is encoded as its
+        characters, not as the token (a chat message's content; transformers' split_special_tokens)."""
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = False
+
     def encode_batch_np(self, texts: list[str]) -> list[np.ndarray]:
         dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
         return [np.asarray(e.ids, dtype=dtype) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
