@@ -5,8 +5,11 @@ The test fault `ckpt_slow:STEP:SECONDS` (tests/fault_plugin.py) makes the writer
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -39,16 +42,38 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return {f"{n}/{k}": r.get(n, k) for n in r.names() for k in (None, "exp_avg", "exp_avg_sq")}
 
 
+def _staging_buffers():
+    """The checkpoint hook's StagingBuffers of the run in this process (the hook is the loop's own)."""
+    from loomtrain.launcher.checkpoints.background import StagingBuffers
+
+    gc.collect()  # an earlier run's hook (never prepared) is gone, or at least told apart below
+    found = [o for o in gc.get_objects() if type(o) is StagingBuffers and (o or o._filler is not None)]
+    assert len(found) == 1, found
+    return found[0]
+
+
 def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path, data_cache):
+    from loomtrain.launcher.checkpoints.background import BACKGROUND_NICE
     from loomtrain.launcher.hooks import Hooks
     from loomtrain.launcher.training.loop import run_training
 
     class StepTimes(Hooks):
         def __init__(self):
             self.ends = {}
+            self.buffers: dict = {}
+            self.staging = None
+            self.nice: dict = {}
 
         def on_step_end(self, ctx, metrics):
             self.ends[ctx.state.step] = time.time()
+            if ctx.state.step == 2:  # before the first save: its buffers are made (and touched) already
+                self.staging = _staging_buffers()
+                self.staging.ready()
+                self.buffers = dict(self.staging)
+            if ctx.state.step == 4:  # the step-3 writer sleeps (ckpt_slow): its threads' priorities
+                threads = [t for t in threading.enumerate() if t.name.startswith("checkpoint-")]
+                self.nice = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads}
+                self.nice["training"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     sync = run_training(_cfg(tmp_path / "sync", data_cache, "checkpoint.async_save=false"))
     times = StepTimes()
@@ -70,6 +95,14 @@ def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path
     assert rec["async"] and rec["error"] is None and rec["blocked_s"] < 1.0
     during = [s for s, t in times.ends.items() if rec["write_start"] < t < rec["write_end"]]
     assert {4, 5} <= set(during), (rec, times.ends)
+    # the snapshots copied into the buffers made at the start (none made anew at a save): the
+    # weight and both moments of every parameter
+    staging = times.staging
+    assert len(times.buffers) == len(a) and times.buffers.keys() == staging.keys()
+    assert all(staging[k] is buf for k, buf in times.buffers.items())
+    # the writer's threads ran nicer than training, which kept its own priority
+    base = times.nice.pop("training")
+    assert times.nice.get("checkpoint-step-3") == min(19, base + BACKGROUND_NICE), times.nice
     assert (tmp_path / "async" / "checkpoints" / "latest").read_text().strip() == "step_00000009"
 
 

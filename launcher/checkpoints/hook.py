@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loomtrain.launcher.checkpoints.background import BackgroundSave
+from loomtrain.launcher.checkpoints.background import BackgroundSave, StagingBuffers
 from loomtrain.launcher.checkpoints.parts import Training
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
 from loomtrain.launcher.checkpoints.state import (
@@ -75,7 +75,8 @@ class CheckpointHook(Hooks):
         self.last_saved = -1
         self.in_flight: BackgroundSave | None = None
         self.saves: list[dict] = []  # per save: step, blocked_s, write/publish times (ctx.checkpoint_saves)
-        self.staging: dict = {}  # the async snapshots' host buffers, reused (save() waits for the last first)
+        # the async snapshots' host buffers, reused (save() waits for the last first)
+        self.staging = StagingBuffers()
 
     # Hooks -----------------------------------------------------------------------------
     def on_train_start(self, ctx: TrainContext) -> None:
@@ -86,6 +87,8 @@ class CheckpointHook(Hooks):
         where = checkpoint_location(self.cfg, ctx.run_dir)
         self.store = open_store(where, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
         ctx.checkpoint_saves = self.saves
+        if c.async_save and c.every_steps:  # the buffers made and touched now, not in the first save's stall
+            self.staging.prepare(self._training(ctx))
         found, error = None, None
         if ctx.dist.rank == 0:
             try:

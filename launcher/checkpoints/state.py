@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 from loomtrain.durable import json_bytes
-from loomtrain.launcher.checkpoints.ds_state import MOMENTS
+from loomtrain.launcher.checkpoints.ds_state import MOMENTS, held_range, held_values, named_params, written_range
 from loomtrain.launcher.checkpoints.parts import PARTS, Training
 from loomtrain.launcher.checkpoints.shards import (
     GRID_COLS,
@@ -139,10 +139,29 @@ def _write_tensors(store: CheckpointStore, tmp, rel: str, tensors: dict, *how) -
     return write_safetensors(path, tensors, *how, sink=sink)
 
 
-def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp) -> None:
+def staging_specs(training: Training) -> dict:
+    """(name, key) -> (shape, dtype, pinned) of the host buffers an async snapshot of this rank
+    copies its weights and moments into (parts.Tensors.take's keys); read from the fp32 master
+    values only (the moments are made like them, and Adam's lazily made state is not touched
+    here). A buffer that turns out not to fit is made anew at the snapshot (parts._to_host)."""
+    engine, topology = training.engine, training.topology
+    specs = {}
+    for name, p in named_params(engine):
+        ha, _ = held_range(engine, p, topology)
+        a, b = written_range(engine, p, topology)
+        if b <= a:
+            continue
+        master = held_values(engine, p, None)
+        for k in (None, *MOMENTS):
+            specs[(name, k)] = ((b - a,), master.dtype, master.device.type == "cuda")
+    return specs
+
+
+def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp, on_thread=None) -> None:
     """Write this rank's files into the temp directory (on an object store: straight into the
     step's prefix), hashing as it writes, then its index part and file list (the list last:
-    its presence says this rank is done)."""
+    its presence says this rank is done). `on_thread`: called first on each helper thread
+    (background.py lowers their priority with it)."""
     rank = snap.rank
     files: dict[str, dict] = {}
     index_part: dict = {}
@@ -152,7 +171,7 @@ def write_snapshot(snap: Snapshot, store: CheckpointStore, tmp) -> None:
         moments = {f"{name}/{k}": values[k] for name, (_, values) in snap.pieces.items() for k in MOMENTS}
         # The two files are written (and hashed whole) on their own threads while this one hashes
         # the tiles: the disk, not the hashing, sets the pace.
-        with ThreadPoolExecutor(2, thread_name_prefix="checkpoint-write") as writers:
+        with ThreadPoolExecutor(2, thread_name_prefix="checkpoint-write", initializer=on_thread) as writers:
             model_file = writers.submit(_write_tensors, store, tmp, model_rel, weights, {"format": FORMAT}, False)
             optim_file = writers.submit(_write_tensors, store, tmp, optim_rel, moments, {"format": FORMAT}, False)
             for name, (region, values) in snap.pieces.items():
