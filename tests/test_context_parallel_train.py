@@ -111,3 +111,23 @@ def test_a_mid_run_checkpoint_resumes_exactly_at_the_same_or_another_cp(tmp_path
         next((tmp_path / f"resumed_cp{cp}" / "checkpoints").glob("step_*/data/dp_00000.json")).read_text()
     )
     assert data["global_position"] == 6 * 4  # 6 steps of 4 samples: nothing repeated or skipped
+
+
+def test_cp2_on_chat_records_weights_each_rank_by_its_own_targets(tmp_path, data_cache):
+    """Chat records (only the answers are targets; packed, document-masked): a window's two CP
+    halves hold unequal numbers of targets, so each rank's mean must be weighted by its own count
+    for the step to be the mean over the global batch's targets, as in one process."""
+    from loomtrain.data_pipeline.preprocess import preprocess_files
+    from loomtrain.data_pipeline.stream import TokenStream
+    from loomtrain.parallel.context import chunk_index
+    from test_packed_documents import chat_jsonl
+
+    preprocess_files([chat_jsonl(tmp_path / "chat.jsonl")], tmp_path / "shards", "byte", progress=False, log=None)
+    with TokenStream(tmp_path / "shards", seq_len=96, micro_batch_size=1, prefetch=0) as s:
+        y = next(s)[1]
+    halves = [int((y[:, chunk_index(96, 2, r)] != -100).sum()) for r in range(2)]
+    assert halves[0] != halves[1], halves
+    sft = [f"data.path={tmp_path / 'shards'}", "model.max_seq_len=128", "train.seq_len=96", "model.positions=rope"]
+    want = _train(tmp_path / "one", data_cache, *sft)
+    got = _train(tmp_path / "cp2", data_cache, *sft, "parallel.cp=2", nproc=2)
+    print(f"\ncp 2 vs 1 process (chat records): max |loss diff| = {_close(got, want, range(1, 7)):.2e}")

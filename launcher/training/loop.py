@@ -74,6 +74,7 @@ from loomtrain.model import flops_per_token as model_flops_per_token
 from loomtrain.model import param_count
 from loomtrain.model.loss import IGNORE_INDEX
 from loomtrain.parallel import Topology, gathered_logits
+from loomtrain.parallel.context import chunk_index
 from torch import nn
 
 # data/samples_hash is the samples' digest sum modulo 2**40: each DP rank sends its part
@@ -186,6 +187,15 @@ def _forward(engine, batch):
     return engine(x, targets=y, document_ids=docs[0]) if docs else engine(x, targets=y)
 
 
+def _own_targets(batch, topology) -> int:
+    """The targets (not -100) of a micro batch that this rank's loss covers: with parallel.cp, its
+    chunks of the window only (the stream hands every CP rank the whole window)."""
+    y, cp = batch[1], getattr(topology, "cp_size", 1)
+    if cp > 1:
+        y = y[:, chunk_index(y.shape[1], cp, topology.cp_rank)]
+    return int((y != IGNORE_INDEX).sum())
+
+
 def _loss_weights(batches, ctx: TrainContext, grad_accum: int) -> list[torch.Tensor] | None:
     """What each micro batch's mean loss is multiplied by so that the step's loss is the mean over
     the target tokens of the whole global batch: n_micro * dp * grad_accum / N_global, where N_global,
@@ -196,7 +206,7 @@ def _loss_weights(batches, ctx: TrainContext, grad_accum: int) -> list[torch.Ten
     stream = ctx.train_stream
     if not (getattr(stream, "document_masking", False) or getattr(stream, "loss_masked", False)):
         return None
-    counts = [int((b[1] != IGNORE_INDEX).sum()) for b in batches]  # on the host: the stream's tensors
+    counts = [_own_targets(b, ctx.topology) for b in batches]  # on the host: the stream's tensors
     total = torch.tensor(float(sum(counts)), dtype=torch.float32, device=ctx.dist.device)
     dp = ctx.topology.dp_size
     if dp > 1:
@@ -255,7 +265,7 @@ def evaluate(ctx: TrainContext) -> dict[str, float]:
             batch = next(stream)
             loss = _forward(engine, _to(batch, device))
             if weighted:  # this batch's mean x its targets (counted on the host: the stream's tensors)
-                n = int((batch[1] != IGNORE_INDEX).sum())
+                n = _own_targets(batch, ctx.topology)
                 total += loss.double() * n
                 targets += n
             else:
