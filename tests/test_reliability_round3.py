@@ -535,3 +535,29 @@ def test_special_tokens_inside_a_message_are_text(tmp_path, bpe, template):
     assert list(ids).count(eos) == (3 if template else 1)
     assert forged in tok.decode(ids) and "ok<|endoftext|>" in tok.decode(ids)
     assert question_tokens(tok, "<|endoftext|>").count(eos) == (1 if template else 0)  # generate --chat too
+
+
+# ------------------------------------------------------------------ Why 10: the lone run's port
+
+LONE_RUN = """
+import socket, sys
+import torch, torch.distributed as dist
+from loomtrain.launcher import distributed
+from loomtrain.launcher.config import RunConfig
+
+taken = socket.create_server(("127.0.0.1", 0))  # another process took the port a picker would pick
+distributed.free_port = lambda host="127.0.0.1": taken.getsockname()[1]
+cfg = RunConfig()
+cfg.train.device = "cpu"
+env = distributed.init_distributed(cfg)
+t = torch.ones(1)
+dist.all_reduce(t)
+print("lone run:", env.launcher, int(t.item()), distributed.os.environ["MASTER_PORT"] != str(taken.getsockname()[1]))
+"""
+
+
+def test_a_lone_run_binds_its_port_as_it_picks_it():
+    import sys
+
+    proc = launch.run_child([sys.executable, "-c", LONE_RUN])
+    assert "lone run: local 1 True" in proc.stdout, proc.stdout + proc.stderr
