@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import errno
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -224,7 +225,37 @@ def _run_here(cfg) -> int:
     except NonFiniteError as exc:
         print(f"loomtrain: training stopped: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:  # a peer gone mid-collective (gloo): one line naming its host
+        line = lost_peer_line(exc, run_dir(cfg))
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        return 1
     return exit_code(result.stopped_by)  # SIGTERM: 0; Ctrl-C: 130; SIGHUP: 129
+
+
+# gloo's words for a peer that went away: "Read error [198.18.0.2]:59535: Connection reset by peer",
+# "Connection closed by peer [198.18.0.2]:59535"
+_PEER_GONE = (
+    re.compile(r"(?:Read|Write) error \[([^\]]+)\]:\d+: (Connection reset by peer|Connection refused|Broken pipe)"),
+    re.compile(r"(Connection closed by peer) \[([^\]]+)\]:\d+"),
+)
+
+
+def lost_peer_line(exc: BaseException, run_dir: Path) -> str | None:
+    """The one line for a collective that failed because a peer's connection went (its host was
+    killed, lost power or left the network), naming that host's address; None for anything else."""
+    text = str(exc)
+    for i, pattern in enumerate(_PEER_GONE):
+        m = pattern.search(text)
+        if m:
+            addr, cause = (m.group(1), m.group(2)) if i == 0 else (m.group(2), m.group(1))
+            return (
+                f"loomtrain: lost a host: {addr} ({cause} in a collective): that host or its ranks are gone; "
+                f"the ranks' logs are in {run_dir / 'logs'}; run the same command on every host to resume from "
+                "the newest checkpoint"
+            )
+    return None
 
 
 def disk_error_line(exc: OSError, run_dir: Path, storage: str = "") -> str:
