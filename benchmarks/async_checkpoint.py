@@ -11,7 +11,9 @@ steps, world 1, OMP_NUM_THREADS=1, each launch its own process, in alternating r
 and it prints per mode the median wall time of the whole command, the extra time of sync and of
 async over `none` (all three end with the same last save, which training waits for), async's
 extra as a share of sync's (target <= 0.4), and the time each save blocked training ("training
-blocked X s" for async, the save itself for sync), the first one shown on its own.
+blocked X s" for async, the save itself for sync), the first one shown on its own, and the CPU
+time (user + system) of the whole command: on a shared machine the wall times drift with the
+load, the CPU time far less.
 
     python benchmarks/async_checkpoint.py [--rounds 3] [--steps 9] [--every 3] [--dir DIR] [--tiny]
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,16 +51,19 @@ def launch(mode: str, run_dir: Path, args, steps: int | None = None) -> dict:
     cmd += [f"run.dir={run_dir}", f"data.cache_dir={run_dir.parent / 'data'}", "log.progress=plain"]
     cmd += ["log.tensorboard=false", "checkpoint.resume=never", *ckpt]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=3600)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if p.returncode != 0:
         sys.exit(f"async_checkpoint: the {mode} run failed:\n{(p.stdout + p.stderr)[-3000:]}")
     saves = []
     for m in BLOCKED.finditer(p.stdout + p.stderr):
         step, took, blocked = int(m[1]), float(m[2]), m[3]
         saves.append((step, float(blocked) if blocked is not None else took))
-    return {"wall": wall, "saves": sorted(saves)}
+    return {"wall": wall, "cpu": cpu, "saves": sorted(saves)}
 
 
 def main() -> None:
@@ -77,8 +83,15 @@ def main() -> None:
             order = MODES if r % 2 == 0 else MODES[::-1]  # none, sync, async; then async, sync, none
             for mode in order:
                 runs[mode].append(launch(mode, Path(d) / f"{mode}-{r}", args))
-                print(f"round {r + 1} {mode:>5}: {runs[mode][-1]['wall']:.1f} s (load {common.loadavg()})", flush=True)
+                last = runs[mode][-1]
+                blocked = " ".join(f"{b:.2f}" for _, b in last["saves"])
+                print(
+                    f"round {r + 1} {mode:>5}: {last['wall']:.1f} s, CPU {last['cpu']:.1f} s, saves blocked "
+                    f"[{blocked}] s (load {common.loadavg()})",
+                    flush=True,
+                )
     wall = {m: statistics.median(x["wall"] for x in runs[m]) for m in MODES}
+    cpu = {m: statistics.median(x["cpu"] for x in runs[m]) for m in MODES}
     extra = {m: wall[m] - wall["none"] for m in ("sync", "async")}
     # per round too: each mode against the `none` run of the same round (less of the machine's drift)
     share = [
@@ -91,11 +104,12 @@ def main() -> None:
         f"async_checkpoint: {model} model, fp32, world 1, OMP_NUM_THREADS=1, {args.steps} steps, a save every "
         f"{args.every} steps; median of {args.rounds} alternating rounds (load now {common.loadavg()})"
     )
-    print(f"{'mode':>6} {'wall s':>8} {'extra s':>8} {'first save blocked s':>21} {'later saves blocked s':>22}")
+    head = f"{'mode':>6} {'wall s':>8} {'extra s':>8} {'CPU s':>8}"
+    print(f"{head} {'first save blocked s':>21} {'later saves blocked s':>22}")
     for m in MODES:
         firsts = [x["saves"][0][1] for x in runs[m] if x["saves"]]
         laters = [b for x in runs[m] for _, b in x["saves"][1:]]
-        cells = [f"{m:>6}", f"{wall[m]:>8.1f}", f"{extra.get(m, 0.0):>8.1f}"]
+        cells = [f"{m:>6}", f"{wall[m]:>8.1f}", f"{extra.get(m, 0.0):>8.1f}", f"{cpu[m]:>8.1f}"]
         cells.append(f"{'max ' + format(max(firsts), '.2f') if firsts else '-':>21}")
         cells.append(f"{'max ' + format(max(laters), '.2f') if laters else '-':>22}")
         print(" ".join(cells))

@@ -47,6 +47,12 @@ def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
             marks=pytest.mark.slow,
         ),
         pytest.param(
+            "async_checkpoint.py",
+            ["--rounds", "1"],
+            ["async extra / sync extra", "first save blocked"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
             "checkpoint_speed.py",
             ["--layouts", "1x2", "--rounds", "1"],
             ["save/disk", "x floor", "async s"],
