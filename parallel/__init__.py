@@ -1,17 +1,19 @@
-"""loomtrain.parallel: tensor x data parallel topology and the tensor-parallel plan.
+"""loomtrain.parallel: tensor x context x data parallel topology, the tensor-parallel plan, context parallelism.
 
-    topo = Topology(world_size, rank, tp)          # after torch.distributed is initialised
+    topo = Topology(world_size, rank, tp, cp=cp)   # after torch.distributed is initialised
     model = parallelize(model, topo, sequence_parallel=False)   # in place; no-op at tp 1
+    model = apply_context_parallel(model, topo)    # parallel.cp (loomtrain.parallel.context); no-op at cp 1
     loss = model(x, targets=y)                     # vocab-parallel loss, logits never gathered
     engine, *_ = deepspeed.initialize(model=model, ..., mpu=topo.mpu)
-    stream = ...(dp_rank=topo.dp_rank, dp_size=topo.dp_size)   # TP ranks see the same data
+    stream = ...(dp_rank=topo.data_rank, dp_size=topo.data_size)   # TP and CP ranks see the same data
 
 Files: topology (groups, checks), collectives (autograd collectives, byte counts),
 layers (column/row/vocab-parallel layers, vocab-parallel cross-entropy), plan
 (the one definition of the TP layout: ShardSpec, shard_spec, spec_of, shard_tensor,
 join_shards, gather_shards; parallelize, gathered_logits, full_state_dict),
 materialize (start-up: a meta model, then only this rank's shards, one full parameter
-at a time), mpu (for DeepSpeed).
+at a time), mpu (for DeepSpeed; its data-parallel group is dp x cp), context (context parallelism:
+each sequence's chunks per CP rank, the K/V all-gather).
 `check_tp(model_cfg, tp, world_size)` validates a config before any worker starts.
 """
 
@@ -23,6 +25,8 @@ _EXPORTS = {
     "MPU": "mpu",
     "Topology": "topology",
     "check_tp": "topology",
+    "check_cp": "topology",
+    "apply_context_parallel": "context",
     "padded_vocab_size": "topology",
     "ShardSpec": "plan",
     "full_state_dict": "plan",
@@ -40,6 +44,8 @@ __all__ = [
     "ShardSpec",
     "Topology",
     "check_tp",
+    "check_cp",
+    "apply_context_parallel",
     "full_state_dict",
     "gather_shards",
     "join_shards",
