@@ -66,7 +66,7 @@ def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path
 
         def on_step_end(self, ctx, metrics):
             self.ends[ctx.state.step] = time.time()
-            if ctx.state.step == 2:  # before the first save: its buffers are made (and touched) already
+            if ctx.state.step == 2:  # before the first save (step 3): its buffers are made (and touched)
                 self.staging = _staging_buffers()
                 self.staging.ready()
                 self.buffers = dict(self.staging)

@@ -15,7 +15,7 @@ So that the steps a save overlaps go at their own pace (issue 42), the writer's 
 at a lower scheduling priority (BACKGROUND_NICE, per thread: the training thread is not
 touched), back to the process's own once a rank waits for the save (then nothing else runs);
 and the snapshot's host buffers (StagingBuffers) are allocated and first touched on a thread
-of their own right after the engine is built, not in the first save's stall.
+of their own after the first step (the checkpoint hook), not in the first save's stall.
 """
 
 from __future__ import annotations
@@ -81,18 +81,21 @@ class StagingBuffers(dict):
     """The async snapshots' host buffers, (name, key) -> tensor (parts.Training.staging), kept
     from one save to the next. `prepare()` allocates them on a niced thread and writes zeros
     into them: a first touch costs a page fault per 4 KiB page (~7 us here, 2.6 s for 1.2 GB),
-    paid then, while training goes on, instead of in the first save's stall. A snapshot's
+    paid then, while training goes on, instead of in the first save's stall (the hook calls it
+    after the first step: start-up's memory peak stays the model's). A snapshot's
     first `get` waits for that thread (restored to full priority first)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._filler: threading.Thread | None = None
+        self.started = False  # prepare() was called
         self._niced = _Niced()
         self.prepared_s: float | None = None  # how long the filler took (for the benchmark)
 
     def prepare(self, training) -> None:
         """Start filling buffers of the shapes the snapshot will copy into (read here, on the
         calling thread: the engine is not touched from the filler)."""
+        self.started = True
         try:
             specs = staging_specs(training)
         except Exception:  # noqa: BLE001  (an engine this cannot read: the snapshot makes its buffers, as before)

@@ -87,8 +87,6 @@ class CheckpointHook(Hooks):
         where = checkpoint_location(self.cfg, ctx.run_dir)
         self.store = open_store(where, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
         ctx.checkpoint_saves = self.saves
-        if c.async_save and c.every_steps:  # the buffers made and touched now, not in the first save's stall
-            self.staging.prepare(self._training(ctx))
         found, error = None, None
         if ctx.dist.rank == 0:
             try:
@@ -195,6 +193,10 @@ class CheckpointHook(Hooks):
 
     def on_step_end(self, ctx: TrainContext, metrics: dict[str, Any]) -> None:
         every = self.cfg.checkpoint.every_steps
+        if every and self.cfg.checkpoint.async_save and not self.staging.started:
+            # the async snapshot's buffers made and touched from here on, in the background: not in
+            # the first save's stall, nor in start-up's memory peak
+            self.staging.prepare(self._training(ctx))
         step = ctx.state.step
         signum = ctx.stop_signal if ctx.stop_requested else 0
         stop_at = self.cfg.checkpoint.stop_at_step
