@@ -1,6 +1,6 @@
 """What checkpoints cost a real training run, end to end: no interval saves vs synchronous vs async.
 
-The command a user runs (issue 42): `loomtrain train configs/tiny.yaml` with the 101 M model
+The command a user runs: `loomtrain train configs/tiny.yaml` with the 101 M model
 (d_model 1024, 8 layers, 16 heads, seq_len 128, micro and global batch 4, fp32, no eval), 9
 steps, world 1, OMP_NUM_THREADS=1, each launch its own process, in alternating rounds:
 

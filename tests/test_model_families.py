@@ -1,4 +1,4 @@
-"""The model options of Llama 3.x, Qwen2/2.5, Qwen3 and Mistral (issue 36) compute what
+"""The model options of Llama 3.x, Qwen2/2.5, Qwen3 and Mistral compute what
 transformers computes: tiny random models built with transformers' own classes, their weights
 copied into a loomtrain Transformer, give the same fp32 logits (1e-4) and greedy tokens; the
 sliding window also with packed documents, past the window in generation, and at tp 2 (with

@@ -11,7 +11,7 @@ flight when the next one starts, or when the run stops (SIGTERM, checkpoint.stop
 A crash while a save is in flight leaves only its `.tmp-*` directory: the previous
 checkpoint stays `latest`.
 
-So that the steps a save overlaps go at their own pace (issue 42), the writer's threads run
+So that the steps a save overlaps go at their own pace, the writer's threads run
 at a lower scheduling priority (BACKGROUND_NICE, per thread: the training thread is not
 touched), back to the process's own once a rank waits for the save (then nothing else runs);
 and the snapshot's host buffers (StagingBuffers) are allocated and first touched on a thread
