@@ -384,6 +384,17 @@ def test_preprocess_output_with_one_slash_is_refused_not_a_folder(tmp_path, caps
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
 
 
+def test_export_output_with_one_slash_is_refused_not_a_folder(tmp_path, capsys, monkeypatch):
+    from loomtrain.launcher import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    assert cli.main(["export", str(tmp_path / "run"), "--output", "s3:/bkt/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "loomtrain export: --output=s3:/bkt/x: a URI has two slashes after its scheme (s3://bkt/x)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_resume_from_a_missing_bucket_says_so(tmp_path, data_cache, s3_bucket):
     uri = f"{s3_bucket[:-1]}q/run/checkpoints/step_00000002"
     out = train(tmp_path / "run", data_cache, f"checkpoint.resume={uri}", rc=2)

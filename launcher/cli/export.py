@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from loomtrain.storage import location_problem
+
+    for what, location in (("RUN_DIR", args.run_dir), ("--output", args.output)):
+        problem = location_problem(location)  # s3:/bkt/x would be written as a local folder ./s3:/bkt/x
+        if problem:
+            print(f"loomtrain export: {what}={location}: {problem}", file=sys.stderr)
+            return 2
     try:
         export = export_peft if args.format == "peft" else export_hf  # peft: a LoRA run's adapters
         export(args.run_dir, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size)
