@@ -292,3 +292,39 @@ def test_an_import_replaces_a_previous_import_of_the_same_source_only(tmp_path, 
         f"loomtrain import: --output {out}: holds an import of {src.resolve()}, not of {hf_model.resolve()}; "
         "choose a new or empty directory (nothing in it was touched)"
     )
+
+
+@pytest.mark.slow
+def test_init_from_a_nan_in_one_tp_ranks_half_ends_every_rank_in_the_same_line(tmp_path, src, data_cache):
+    """At tp 2 each rank reads only its own rows of q_proj: a NaN in the last row stopped rank 1
+    with the right line while rank 0 went on into DeepSpeed's first collective and ended in a
+    gloo traceback (exit 1). Every rank now prints rank 1's line and exits 2."""
+    run = tmp_path / "run"
+    assert cli.main(import_cmd(src, run)) == 0
+    path = edit_tensor(src, Q_PROJ, lambda t: t.index_fill_(0, torch.tensor([t.shape[0] - 1]), float("nan")))
+    argv = loomtrain_cmd(
+        "train",
+        run / "config.yaml",
+        f"run.dir={tmp_path / 'ft'}",
+        f"model.init_from={src}",
+        f"data.tokenizer={src}",
+        f"data.cache_dir={data_cache}",
+        "data.max_files=10",
+        "train.max_steps=2",
+        "train.seq_len=32",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=4",
+        "parallel.tp=2",
+        "checkpoint.every_steps=0",
+        *QUIET,
+        nproc=2,
+    )
+    proc = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    # each rank's line (two processes on one pipe: they may interleave), then torchrun's summary
+    expected = f"loomtrain: config error: model.init_from: {path}: tensor {Q_PROJ!r} holds 64 NaN of 2,048 values read"
+    assert proc.stderr.count(expected) == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("Traceback") == 1 and "ChildFailedError" in proc.stderr, proc.stderr[-3000:]
+    assert "gloo" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # not 1: a config error
+    assert not (tmp_path / "ft" / "checkpoints").exists()

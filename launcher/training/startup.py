@@ -21,7 +21,7 @@ from loomtrain.launcher.checkpoints.lora_base import base_reference
 from loomtrain.launcher.checkpoints.weight_source import init_from
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.config_loader import ConfigError
-from loomtrain.launcher.distributed import DistEnv, barrier
+from loomtrain.launcher.distributed import DistEnv, all_gather_objects, barrier
 from loomtrain.launcher.rundir import checkpoint_location, data_cache_dir
 from loomtrain.launcher.training import engine
 from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
@@ -75,13 +75,7 @@ def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensor
         after = engine.zero3_partitioner(cfg, topology, dtype or torch.float32)
     if cfg.model.init_from and tensors is None:
         allocate_shards(model, device=device, dtype=dtype)
-        init_from(
-            model,
-            cfg.model,
-            log=print if topology.rank == 0 else _quiet,
-            run_dir=checkpoint_location(cfg),  # where a restart finds the run's checkpoints
-            resume=cfg.checkpoint.resume,
-        )
+        _init_from_on_every_rank(model, cfg, topology)
         for name, param in model.named_parameters():
             if after is not None:
                 after(name, param)
@@ -90,6 +84,27 @@ def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensor
         tensors = init_tensors(cfg.model, cfg.train.seed)
     materialize(model, tensors, device=device, dtype=dtype, after_param=after)
     return apply_block_options(_with_lora(model, cfg, topology), cfg)
+
+
+def _init_from_on_every_rank(model: torch.nn.Module, cfg: RunConfig, topology: Topology) -> None:
+    """model.init_from into this rank's shards; a refusal on any rank is every rank's. Each rank
+    reads and checks only its own TP slices, so a NaN in one half of a tensor stops one rank: the
+    others would go on into DeepSpeed's first collective and end in a gloo traceback. The ranks
+    agree through the store (all_gather_objects) and each raises the first rank's one line."""
+    error = None
+    try:
+        init_from(
+            model,
+            cfg.model,
+            log=print if topology.rank == 0 else _quiet,
+            run_dir=checkpoint_location(cfg),  # where a restart finds the run's checkpoints
+            resume=cfg.checkpoint.resume,
+        )
+    except ConfigError as exc:
+        error = str(exc)
+    first = next((e for e in all_gather_objects(error) if e), None)
+    if first is not None:
+        raise ConfigError(first)
 
 
 def _with_lora(model: torch.nn.Module, cfg: RunConfig, topology: Topology) -> torch.nn.Module:
