@@ -95,10 +95,11 @@ def _fsynced_then_renamed(log, target: Path) -> bool:
 
 def test_every_writer_goes_through_the_durable_write(tmp_path, disk_log):
     """Shards, tokenizer, config, checkpoint store and final weights all fsync, rename, fsync the directory."""
-    text = tmp_path / "corpus.txt"
-    text.write_text("hello durable world\n" * 50)
+    texts = [tmp_path / f"corpus{i}.txt" for i in range(10)]  # a .txt file is one document
+    for text in texts:
+        text.write_text("hello durable world\n" * 5)
     out = tmp_path / "shards"
-    preprocess_files([text], out, "byte", val_fraction=0.1, workers=1, progress=False, log=lambda *a: None)
+    preprocess_files(texts, out, "byte", val_fraction=0.1, workers=1, progress=False, log=lambda *a: None)
     for name in ("index.json", "tokenizer.json", "train_00000.bin", "train.docs.bin"):  # in the work folder
         assert _fsynced_then_renamed(disk_log, tmp_path / "shards.partial" / name), name
     assert _fsynced_then_renamed(disk_log, out)  # which is then published whole

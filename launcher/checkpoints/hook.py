@@ -153,7 +153,10 @@ class CheckpointHook(Hooks):
         """An earlier run's metrics, final weights and TensorBoard files go aside (into `aside`,
         where its checkpoints went, when they went there): in RUN_DIR, and in run.storage (final/,
         tb/) when that is a URI; the same code for both (rundir.supersede)."""
-        supersede(Path(ctx.run_dir), aside if isinstance(aside, Path) else None, log=log)
+        local = aside if isinstance(aside, Path) else None
+        if is_uri(aside):  # the same superseded-TIME name in both places, even a second later
+            local = Path(ctx.run_dir) / "checkpoints" / str(aside).rstrip("/").rsplit("/", 1)[-1]
+        supersede(Path(ctx.run_dir), local, log=log)
         if self.cfg.run.storage:
             supersede(self.cfg.run.storage, aside if is_uri(aside) else None, log=log)
 
