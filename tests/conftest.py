@@ -28,7 +28,6 @@ LONG_MODULES_FIRST = (
     "test_benchmark_scripts",
     "test_readme_in_order",
     "test_checkpoint_s3",
-    "test_pip_resolves",
 )
 
 
