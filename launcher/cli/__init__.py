@@ -10,12 +10,8 @@ module only when it runs, so `loomtrain --help` never imports torch, DeepSpeed o
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import importlib
-import os
 import sys
-import threading
 
 # subcommand -> (module in this package, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -64,7 +60,6 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv_given = argv
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
@@ -78,26 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     # The jobs module serves several commands; it gets the command name first.
     if name == "jobs":
         return int(module.main([command, *rest]) or 0)
-    rc = int(module.main(rest) or 0)
-    if argv_given is None and command == "train":  # the program, not a test calling main()
-        end_process(rc)
-    return rc
-
-
-def end_process(rc: int) -> None:
-    """End a training process with `rc` once its own threads and exit handlers are done (the
-    process group destroyed, the files closed), skipping the interpreter's finalization: there
-    gloo's and the TCPStore's C++ threads can outlive the objects they use, and a run that has
-    already printed its one line and chosen its exit status aborts ("terminate called without
-    an active exception", SIGABRT) instead."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(rc)
+    return int(module.main(rest) or 0)
 
 
 if __name__ == "__main__":
