@@ -370,23 +370,17 @@ def superseded_name() -> str:
     return time.strftime("superseded-%Y%m%d-%H%M%S")
 
 
-def supersede(location: Path | str, dest: Path | str | None, log=None) -> Path | str | None:
+def supersede(location: Path | str, name: str | None, log=None) -> Path | str | None:
     """Move an earlier attempt's outputs (OUTPUTS) in a run directory, or in run.storage (a URI:
-    final/ and the tb/ mirror with its metrics.jsonl), into `dest` (a folder or prefix below
-    `location`; LOCATION/checkpoints/superseded-TIME when None). Nothing is deleted: an object
-    store's move copies first (launcher/set_aside.py)."""
+    final/ and the tb/ mirror with its metrics.jsonl), into LOCATION/checkpoints/NAME (a
+    superseded-TIME name, made now when None). Nothing is deleted: an object store's move
+    copies first (launcher/set_aside.py)."""
     from loomtrain.launcher.set_aside import entries, move_aside
 
-    found = sorted(name for name, size in entries(location, OUTPUTS).items() if size != 0)
+    found = sorted(entry for entry, size in entries(location, OUTPUTS).items() if size != 0)
     if not found:
-        return dest
-    if dest is None:
-        rel = f"checkpoints/{superseded_name()}"
-    elif is_uri(location):
-        rel = str(dest)[len(str(location).rstrip("/")) + 1 :]
-    else:
-        rel = os.path.relpath(os.path.abspath(dest), os.path.abspath(location))
-    dest = move_aside(location, found, rel)
+        return None
+    dest = move_aside(location, found, f"checkpoints/{name or superseded_name()}")
     (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
         f"checkpoint: fresh start: moved the earlier {', '.join(found)} to {dest}"
     )

@@ -52,7 +52,7 @@ from loomtrain.launcher.config_loader import ConfigError, to_yaml
 from loomtrain.launcher.distributed import all_gather_objects, barrier, broadcast_str
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.observe.watchdog import io_phase
-from loomtrain.launcher.rundir import checkpoint_location, supersede
+from loomtrain.launcher.rundir import checkpoint_location, supersede, superseded_name
 from loomtrain.storage import is_uri, store_failure
 
 
@@ -152,13 +152,12 @@ class CheckpointHook(Hooks):
     def _supersede(self, ctx: TrainContext, aside, log) -> None:
         """An earlier run's metrics, final weights and TensorBoard files go aside (into `aside`,
         where its checkpoints went, when they went there): in RUN_DIR, and in run.storage (final/,
-        tb/) when that is a URI; the same code for both (rundir.supersede)."""
-        local = aside if isinstance(aside, Path) else None
-        if is_uri(aside):  # the same superseded-TIME name in both places, even a second later
-            local = Path(ctx.run_dir) / "checkpoints" / str(aside).rstrip("/").rsplit("/", 1)[-1]
-        supersede(Path(ctx.run_dir), local, log=log)
+        tb/) when that is a URI; the same code for both (rundir.supersede). One superseded-TIME
+        name for both places, chosen once: two clocks read a second apart would split them."""
+        name = str(aside).rstrip("/").rsplit("/", 1)[-1] if aside is not None else superseded_name()
+        supersede(Path(ctx.run_dir), name, log=log)
         if self.cfg.run.storage:
-            supersede(self.cfg.run.storage, aside if is_uri(aside) else None, log=log)
+            supersede(self.cfg.run.storage, name, log=log)
 
     def _load_first_good(self, ctx: TrainContext, found: str, log) -> dict:
         """Load `found`; if a rank finds a damaged file while reading, every rank hears of it
