@@ -101,6 +101,9 @@ class Hooks:
     def on_train_end(self, ctx: TrainContext) -> None:
         pass
 
+    def close(self) -> None:
+        """However the run ends (after on_train_end, or on an exception): stop what runs in the background."""
+
 
 class HookList(Hooks):
     def __init__(self, hooks: Iterable[Hooks] = ()) -> None:
@@ -121,3 +124,7 @@ class HookList(Hooks):
     def on_train_end(self, ctx: TrainContext) -> None:
         for hook in self.hooks:
             hook.on_train_end(ctx)
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.close()

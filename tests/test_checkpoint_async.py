@@ -106,6 +106,29 @@ def test_async_checkpoints_equal_sync_ones_and_steps_overlap_the_writer(tmp_path
     assert (tmp_path / "async" / "checkpoints" / "latest").read_text().strip() == "step_00000009"
 
 
+def test_an_error_mid_save_leaves_no_writer_thread_and_a_lone_rank_publishes(tmp_path, data_cache):
+    """A run that ends on an exception while a save is in flight waits for its writer: a daemon
+    thread still inside torch when the interpreter finalizes aborts the process (SIGABRT,
+    "terminate called without an active exception"; a read-only run dir mid-run did that).
+    A lone rank has every part, so the save it was writing is published, as a sync save was."""
+    from loomtrain.launcher.hooks import Hooks
+    from loomtrain.launcher.training.loop import run_training
+
+    class FailAtStep4(Hooks):
+        def on_step_end(self, ctx, metrics):
+            if ctx.state.step == 4:  # the step-3 writer sleeps 2 s (ckpt_slow): still writing
+                assert any(t.name == "checkpoint-step-3" for t in threading.enumerate())
+                raise RuntimeError("injected at step 4")
+
+    with fault_plugin.planned("ckpt_slow:3:2"), pytest.raises(RuntimeError, match="injected at step 4"):
+        run_training(_cfg(tmp_path / "run", data_cache), hooks=[FailAtStep4()])
+    left = [t.name for t in threading.enumerate() if t.name.startswith("checkpoint-")]
+    assert left == [], left
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000003"
+    assert (root / "step_00000003" / "manifest.json").is_file()
+
+
 def _cmd(run: Path, cache: Path, *extra: str) -> list[str]:
     return loomtrain_cmd("train", TINY, *SMALL, f"run.dir={run}", f"data.cache_dir={cache}", *extra)
 

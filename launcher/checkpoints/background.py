@@ -140,6 +140,7 @@ class BackgroundSave:
         self.path: Path | str | None = None
         self.write_start = self.write_end = self.published_at = None
         self._niced = _Niced()
+        self._abandoned = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-step-{snap.step}", daemon=True)
 
     def start(self) -> BackgroundSave:
@@ -162,6 +163,9 @@ class BackgroundSave:
             return
         try:
             while not self.store.parts_done(self.tmp, self.snap.world):
+                if self._abandoned.is_set():  # the run is ending on an error: no one else may finish
+                    self.error = RuntimeError(f"checkpoint step {self.step}: abandoned as the run ended")
+                    return
                 time.sleep(self.store.poll_s)
             self.path = publish_snapshot(self.store, self.tmp, self.step, self.snap.world)
             self.published_at = time.time()
@@ -179,6 +183,15 @@ class BackgroundSave:
         self._niced.restore()  # the rank waits for it: nothing to yield to any more
         self._thread.join()
         return self
+
+    def abandon(self) -> None:
+        """The run is ending on an error: let this rank's writing finish (its files are whole, or
+        the step stays a `.tmp-*` the next start tidies), rank 0 publishing only if every rank's
+        part is already there, and wait for the thread. Never leave it running: a daemon thread
+        inside torch when the interpreter finalizes aborts the process (pthread_exit's forced
+        unwind through a noexcept frame: "terminate called without an active exception")."""
+        self._abandoned.set()
+        self.wait()
 
     def record(self) -> dict:
         return {

@@ -216,6 +216,14 @@ class CheckpointHook(Hooks):
             self.save(ctx, reason="end")
         self.wait(ctx)
 
+    def close(self) -> None:
+        """The run ends (on an exception, the save in flight was never waited for): no writer or
+        staging thread outlives the loop (see BackgroundSave.abandon)."""
+        bg, self.in_flight = self.in_flight, None
+        if bg is not None:
+            bg.abandon()
+        self.staging.ready()
+
     # Saving -----------------------------------------------------------------------------
     def wait(self, ctx: TrainContext) -> None:
         """Wait for the save in flight (every rank; rank 0 until it is published, and until

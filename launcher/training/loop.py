@@ -465,6 +465,7 @@ def _set_up(
         storage=cfg.run.storage,  # with a URI, TensorBoard follows a mirror there
     )
     opened.callback(log.close)
+    opened.callback(hook_list.close)  # before the log closes: a save that publishes meanwhile reports there
     log.message(
         f"loomtrain: {cfg.run.name}: {param_count(cfg.model) / 1e6:.2f} M params, world {env.world_size} "
         f"on {env.n_hosts} host{'s' if env.n_hosts > 1 else ''} "
