@@ -253,9 +253,10 @@ class DriverConsole:
     def flush(self) -> bool:
         """Print every line the workers have sent so far; False once the sink cannot be reached
         (Ray shut down, the driver's node lost), which is said in the log, never raised."""
-        if self._sink is None:
-            return False
         import ray
+
+        if self._sink is None or not ray.is_initialized():  # never connected, or already disconnected
+            return False
 
         with self._print_lock:
             try:

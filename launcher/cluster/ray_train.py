@@ -472,12 +472,21 @@ def run(cfg: RunConfig, stop=None):
     """Run `cfg` on Ray; returns Ray's Result. Raises RayStartError / Ray's errors.
     `stop` (a StopRequest) is installed once Ray is connected: ray.init sets its own
     SIGTERM handler (sys.exit), which would end the driver without a save."""
-    import ray  # noqa: F401  (its loggers exist before the console takes them over)
+    import ray  # its loggers exist before the console takes them over
     from loomtrain.launcher.cluster.ray_console import DriverConsole
 
     cfg = absolutize(cfg)
     with DriverConsole(cfg.run.dir) as console:
-        return _run(cfg, stop, console)
+        ours = not ray.is_initialized()  # connected here (the CLI), not by a caller that goes on using it
+        try:
+            return _run(cfg, stop, console)
+        finally:
+            if ours and ray.is_initialized():
+                # Disconnect while the console still sends Ray's lines to ray_driver.log: Ray's
+                # error listener lives until the disconnect, and a GCS message that came after the
+                # console was handed back (a lost node's "Raylet is terminated ...") reached the console.
+                console.flush()
+                ray.shutdown()
 
 
 def _run(cfg: RunConfig, stop, console):
