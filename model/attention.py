@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import masking
 from .cache import LayerKV
 from .config import ModelConfig
-from .masking import MaskSpec, blocked_attention
+from .masking import MaskSpec
 from .norms import RMSNorm
 from .positions import alibi_bias, alibi_slopes, apply_rope
 
@@ -161,7 +162,7 @@ class Attention(nn.Module):
         if mask is None:
             mask = MaskSpec.for_tokens(t, q.device)
         if dropout == 0.0:
-            return blocked_attention(q, k, v, mask, window, self.alibi_slopes, gqa)
+            return masking.blocked_attention(q, k, v, mask, window, self.alibi_slopes, gqa)
         allowed = mask.dense(window)
         attn_mask = allowed
         if self.alibi_slopes is not None:

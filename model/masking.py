@@ -167,7 +167,6 @@ class _Blocked(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-@torch.compiler.disable
 def blocked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -182,3 +181,13 @@ def blocked_attention(
     ALiBi slopes [H] optional); equals SDPA with `spec.dense(window)` in value and gradients."""
     rows = rows or block_rows(q.shape[0], q.shape[1], k.shape[2])
     return _Blocked.apply(q, k, v, spec, window, slopes, gqa, rows)
+
+
+def leave_out_of_compile() -> None:
+    """torch.compile traces around `blocked_attention`, never into it: its Python loop over query
+    blocks runs eagerly (a graph break at the call). Called by whoever compiles (parallel.compile),
+    not at import: `torch.compiler.disable` imports torch._dynamo, 1-2 s of every process's
+    start-up, compiled or not."""
+    global blocked_attention
+    if not hasattr(blocked_attention, "_torchdynamo_disable"):
+        blocked_attention = torch.compiler.disable(blocked_attention)

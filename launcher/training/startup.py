@@ -26,6 +26,7 @@ from loomtrain.launcher.rundir import checkpoint_location, data_cache_dir
 from loomtrain.launcher.training import engine
 from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.model import init_tensors
+from loomtrain.model.masking import leave_out_of_compile
 from loomtrain.parallel import Topology
 from loomtrain.parallel.context import apply_context_parallel
 from loomtrain.parallel.lora import apply_lora_parallel
@@ -129,6 +130,7 @@ def apply_block_options(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Modu
     if cfg.parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.parallel.compile:
+        leave_out_of_compile()
         for block in model.blocks:
             block.compile()
     return model
