@@ -28,6 +28,7 @@ LONG_MODULES_FIRST = (
     "test_benchmark_scripts",
     "test_readme_in_order",
     "test_checkpoint_s3",
+    "test_pip_resolves",
 )
 
 
