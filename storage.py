@@ -29,11 +29,16 @@ This module sits at the package root beside durable.py: data_pipeline/ and launc
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
 import threading
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+
+from loomtrain.durable import TMP_PREFIX, atomic_write, fsync_path, replace_dir, write_durable
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
@@ -511,6 +516,223 @@ class Objects:
     def copy_tree(self, rel: str, dest_rel: str) -> None:
         self.fs.invalidate_cache()
         self.fs.copy(self._key(rel), self._key(dest_rel), recursive=True)
+
+    # What the checkpoint store asks of every backend (Folder below answers the same) ----------
+    local = False
+    renames = False  # no rename: a checkpoint is written where it stays, its manifest the commit
+    noun = "object"
+    poll_s = 0.25  # listing is a request to the store
+
+    @property
+    def root(self) -> str:
+        return self.uri
+
+    def replace(self, rel: str, data: bytes) -> None:
+        """A small object readers poll (a pointer): a PUT appears whole."""
+        self.write(rel, data)
+
+    def sink(self, rel: str):
+        """(where, the stream to write to) for a streaming writer."""
+        return self.name(rel), self.upload(rel)
+
+    def describe(self, rel: str) -> dict:
+        """Its file-list entry: size and sha256 (read back whole)."""
+        data = self.read(rel)
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def sha256(self, rel: str) -> str:
+        return hashlib.sha256(self.read(rel)).hexdigest()
+
+    def write_folder(self, rel: str, fill) -> dict[str, dict]:
+        """Files a library writes into a folder of its own: filled in a local temporary folder,
+        uploaded -> {relative path: file-list entry}."""
+        import tempfile
+
+        out = {}
+        with tempfile.TemporaryDirectory(prefix="loomtrain-upload-") as folder:
+            fill(folder)
+            for p in sorted(Path(folder).rglob("*")):
+                if p.is_file():
+                    data, key = p.read_bytes(), f"{rel}/{p.relative_to(folder)}"
+                    self.write(key, data)
+                    out[key] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return out
+
+    def make_folder(self, rel: str) -> None:
+        """(an object store has no folders)"""
+
+    def sync(self, rel: str = "", tree: bool = True) -> None:
+        """(a PUT is durable when it returns)"""
+
+    def retire(self, rel: str) -> str:
+        """Make a checkpoint invisible at once, before its objects go: its manifest first."""
+        self.delete(f"{rel}/manifest.json")
+        return rel
+
+    def bucket_exists(self) -> bool:
+        """Is the bucket there? (S3's HeadBucket answers 404 for a missing bucket, 403 for refused
+        credentials: the library's error passes through for the latter)"""
+        bucket = self.path.split("/", 1)[0]
+        try:
+            if hasattr(self.fs, "call_s3"):
+                self.fs.call_s3("head_bucket", Bucket=bucket)
+                return True
+            return self.fs.exists(bucket)
+        except FileNotFoundError:
+            return False
+
+    def absent(self) -> str:
+        """Why nothing is under this prefix: no such bucket, or simply nothing there."""
+        if not self.bucket_exists():
+            return f"bucket {self.path.split('/', 1)[0]!r} does not exist"
+        return "nothing there (no object under this prefix)"
+
+
+class Folder:
+    """A local folder behind Objects' interface: the checkpoint store's one code path runs on
+    both. What only a local disk does lives here: every file written is fsynced, a pointer is
+    replaced by a rename, a checkpoint is written under a temporary name and published whole by
+    one rename (`renames`), the folders are fsynced for a rename to hold, and a streaming writer
+    writes the file itself (`sink`: a path, no stream)."""
+
+    local = True
+    renames = True
+    noun = "file"
+    poll_s = 0.05
+
+    def __init__(self, path: str | os.PathLike):
+        self.root = Path(os.path.expanduser(os.fspath(path)))
+
+    @property
+    def uri(self) -> str:
+        return str(self.root)
+
+    def child(self, rel: str) -> Folder:
+        return Folder(self.root / rel)
+
+    def name(self, rel: str = "") -> Path:
+        return self.root / rel if rel else self.root
+
+    def entries(self, rel: str = "") -> dict[str, str]:
+        folder = self.root / rel
+        if not folder.is_dir():
+            return {}
+        return {p.name: "directory" if p.is_dir() else "file" for p in folder.iterdir()}
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        folder = self.root / rel
+        if not folder.is_dir():
+            return {}
+        return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+    def exists(self, rel: str) -> bool:
+        return (self.root / rel).exists()
+
+    def read(self, rel: str) -> bytes:
+        try:
+            return (self.root / rel).read_bytes()
+        except (IsADirectoryError, NotADirectoryError):
+            raise FileNotFoundError(str(self.root / rel)) from None
+
+    def write(self, rel: str, data: bytes) -> None:
+        """Written in place and fsynced (its folder is published later by a rename)."""
+        write_durable(self.root / rel, data)
+
+    def replace(self, rel: str, data: bytes) -> None:
+        atomic_write(self.root / rel, data)
+
+    def sink(self, rel: str):
+        return self.root / rel, None
+
+    def describe(self, rel: str) -> dict:
+        path = self.root / rel
+        fsync_path(path)
+        return {"size": path.stat().st_size, "sha256": self.sha256(rel)}
+
+    def sha256(self, rel: str) -> str:
+        return sha256_file(self.root / rel)
+
+    def write_folder(self, rel: str, fill) -> dict[str, dict]:
+        folder = self.root / rel
+        folder.mkdir(parents=True, exist_ok=True)
+        fill(str(folder))
+        files = [str(p.relative_to(self.root)) for p in sorted(folder.rglob("*")) if p.is_file()]
+        return {f: self.describe(f) for f in files}
+
+    def make_folder(self, rel: str) -> None:
+        (self.root / rel).mkdir(parents=True)
+        fsync_path(self.root)
+
+    def sync(self, rel: str = "", tree: bool = True) -> None:
+        """fsync the folder (and, with `tree`, every folder below): what a rename needs to hold."""
+        top = self.root / rel
+        for folder in sorted({p.parent for p in top.rglob("*") if p.is_file()} | {top}) if tree else [top]:
+            fsync_path(folder)
+
+    def rename(self, rel: str, dest_rel: str) -> Path:
+        """Publish a finished folder whole (an earlier one of that name is replaced)."""
+        return replace_dir(self.root / rel, self.root / dest_rel)
+
+    def retire(self, rel: str) -> str:
+        """Renamed out of sight first, so a crash mid-delete never leaves a half-deleted
+        checkpoint (the next start removes the `.tmp-del-*` leftover)."""
+        doomed = f"{TMP_PREFIX}del-{Path(rel).name}.{uuid.uuid4().hex[:8]}"
+        os.rename(self.root / rel, self.root / doomed)
+        return doomed
+
+    def delete(self, rel: str) -> None:
+        (self.root / rel).unlink(missing_ok=True)
+
+    def delete_tree(self, rel: str) -> None:
+        path = self.root / rel
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    def bucket_exists(self) -> bool:
+        return True
+
+    def absent(self) -> str:
+        return "nothing there (an empty folder)" if self.root.is_dir() else "not a directory"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def location(where: str | os.PathLike, what: str = "location") -> Objects | Folder:
+    """The backend for a location: a Folder for a local path, Objects for a URI (`what` names
+    the option in a one-line error for a URI whose scheme is unknown)."""
+    return Objects(str(where), what) if is_uri(where) else Folder(where)
+
+
+def below(where: str | os.PathLike, rel: str = "") -> Path | str:
+    """A location, or one below it, as the store names it: a Path for a local path, a URI
+    string (no trailing slash) for an object store."""
+    if is_uri(where):
+        base = str(where).rstrip("/")
+        return f"{base}/{rel.strip('/')}" if rel else base
+    return Path(where) / rel if rel else Path(where)
+
+
+def same_location(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    if is_uri(a) or is_uri(b):
+        return is_uri(a) and is_uri(b) and str(a).rstrip("/") == str(b).rstrip("/")
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def inside(where: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """Is `where` the location `root` or one below it?"""
+    if is_uri(where) or is_uri(root):
+        w, r = str(where).rstrip("/"), str(root).rstrip("/")
+        return is_uri(where) and is_uri(root) and (w == r or w.startswith(r + "/"))
+    w, r = Path(where).resolve(), Path(root).resolve()
+    return w == r or r in w.parents
 
 
 class Upload:

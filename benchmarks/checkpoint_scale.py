@@ -55,11 +55,10 @@ SMALL = [
 
 def checkpoint_store(args):
     """The run's checkpoint store: its run directory, or (--storage s3) a prefix of its own in the bucket."""
-    from loomtrain.launcher.checkpoints.store import CheckpointStore, ObjectCheckpointStore
+    from loomtrain.launcher.checkpoints.store import CheckpointStore
 
-    if args.storage:
-        return ObjectCheckpointStore(f"{args.storage}/{Path(args.run_dir).name}", keep_last=10, log=lambda m: None)
-    return CheckpointStore(args.run_dir, keep_last=10, log=lambda m: None)
+    where = f"{args.storage}/{Path(args.run_dir).name}" if args.storage else args.run_dir
+    return CheckpointStore(where, keep_last=10, log=lambda m: None)
 
 
 def bytes_written(path, rank: int) -> int:
@@ -135,7 +134,7 @@ def worker(args) -> None:
         if rank == 0:
             from loomtrain.launcher.checkpoints.objects import Objects
 
-            Objects(store.storage).delete_tree("")
+            Objects(str(store.base)).delete_tree("")
     out = {
         "rank": rank,
         "rss": rss,

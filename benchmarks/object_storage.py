@@ -5,7 +5,7 @@ so its CPU is not in the measured processes).
 Throughput (per rank, each layout in processes of its own, fp32, alternating rounds): every
 rank measures
 
-    save        save_checkpoint into an ObjectCheckpointStore, synchronous: what a save does
+    save        save_checkpoint into a CheckpointStore on run.storage, synchronous: what a save does
                 (serialize, hash every tile, stream each file up as a multipart upload with
                 parts in flight, the part list, rank 0's manifest and `latest`)
     upload      objects.Upload alone (the uploader a save streams into) fed this rank's files
@@ -177,7 +177,7 @@ def upload_alone(objects, files: list[tuple[Path, str]]) -> None:
 def worker(args) -> None:
     from loomtrain.launcher.checkpoints.objects import Objects
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint
-    from loomtrain.launcher.checkpoints.store import ObjectCheckpointStore, wait_for_deletions
+    from loomtrain.launcher.checkpoints.store import CheckpointStore, wait_for_deletions
     from loomtrain.launcher.distributed import barrier
 
     run_dir = Path(args.run_dir)
@@ -185,7 +185,7 @@ def worker(args) -> None:
     ctx, training = common.checkpoint_rig(model_args(args), args.tp, run_dir)
     rank = ctx.dist.rank
     storage = f"{args.storage}/{run_dir.name}"
-    store = ObjectCheckpointStore(storage, keep_last=1, log=lambda m: None)
+    store = CheckpointStore(storage, keep_last=1, log=lambda m: None)
     bulk = Objects(storage).child(f"bulk/rank_{rank:05d}")
     fs = bulk.fs
     mine = f"rank_{rank:05d}"

@@ -20,7 +20,7 @@ from loomtrain.data_pipeline.shards import SPLITS, VERSION, DataError, check_tok
 from loomtrain.data_pipeline.staging import partial_dir
 from loomtrain.data_pipeline.tokenizer import Tokenizer, load_tokenizer
 from loomtrain.durable import replace_dir
-from loomtrain.storage import is_uri
+from loomtrain.storage import below, is_uri
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -99,7 +99,7 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
     """
     if data_cfg.path:
         # A URI stays a string (object storage, read in place): never a Path, which would be ./s3:/...
-        shard_dir = data_cfg.path.rstrip("/") if is_uri(data_cfg.path) else Path(data_cfg.path)
+        shard_dir = below(data_cfg.path)
         read_shard_index(shard_dir)  # a clear error before the tokenizer is looked at
         tok = _load_tokenizer(data_cfg.tokenizer, shard_dir)
         verify_shards(shard_dir, tok.hash)
@@ -157,7 +157,7 @@ def prepare_sources(data_cfg, cache_dir=None, *, log=None) -> tuple[Path | list[
     list [(shard_dir, weight), ...], every directory checked and all made by one tokenizer."""
     if not data_cfg.sources:
         return prepare_data(data_cfg, cache_dir, log=log)
-    dirs = [src.path.rstrip("/") if is_uri(src.path) else Path(src.path) for src in data_cfg.sources]
+    dirs = [below(src.path) for src in data_cfg.sources]
     indexes = []
     for i, d in enumerate(dirs):
         try:

@@ -36,8 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loomtrain.durable import atomic_write, naming
-from loomtrain.storage import is_uri
+from loomtrain.durable import naming
+from loomtrain.storage import location
 
 if TYPE_CHECKING:
     from loomtrain.launcher.config import RunConfig
@@ -116,67 +116,51 @@ def _loomtrain_config(path: Path) -> bool:
 
 # A run directory (a Path) and run.storage (a URI: its prefix) are checked by the same rules;
 # these two read either.
-def _entries(location: Path | str) -> list[str]:
+def _entries(where: Path | str) -> list[str]:
     """The names directly under a folder or prefix, but the lock and the lease (sorted)."""
-    if is_uri(location):
-        from loomtrain.storage import Objects
-
-        names = Objects(str(location), "run.storage").entries()
-    else:
-        names = [p.name for p in Path(location).iterdir()]
-    return sorted(n for n in names if n not in (LOCK, LEASE))
+    return sorted(n for n in location(where, "run.storage").entries() if n not in (LOCK, LEASE))
 
 
-def _has(location: Path | str, rel: str) -> bool:
-    if is_uri(location):
-        from loomtrain.storage import Objects
-
-        return Objects(str(location), "run.storage").exists(rel)
-    return (Path(location) / rel).exists()
+def _has(where: Path | str, rel: str) -> bool:
+    return location(where, "run.storage").exists(rel)
 
 
-def is_loomtrain_run(location: Path | str) -> bool:
+def is_loomtrain_run(where: Path | str) -> bool:
     """Does a run directory, or run.storage's prefix, hold a loomtrain run (its marker, or what
     an older loomtrain left there)?"""
-    if _has(location, MARKER) or any(_has(location, sign) for sign in LEGACY_SIGNS):
+    if _has(where, MARKER) or any(_has(where, sign) for sign in LEGACY_SIGNS):
         return True
-    if is_uri(location):
+    if not location(where, "run.storage").local:
         return False
-    return (Path(location) / "config.yaml").is_file() and _loomtrain_config(Path(location) / "config.yaml")
+    return (Path(where) / "config.yaml").is_file() and _loomtrain_config(Path(where) / "config.yaml")
 
 
-def check_marker(location: Path | str, what: str = "run.dir") -> None:
+def check_marker(where: Path | str, what: str = "run.dir") -> None:
     """Refuse a folder (run.dir) or a prefix (run.storage, `what`) that holds files but is no
     loomtrain run (writes nothing)."""
-    uri = is_uri(location)
-    if not uri:
-        location = Path(location)
-        if not location.exists():
+    local = location(where, what).local
+    if local:
+        where = Path(where)
+        if not where.exists():
             return
-        if not location.is_dir():
-            raise RunDirError(f"{what}={location}: exists and is not a directory")
-    entries = _entries(location)
-    if entries and not is_loomtrain_run(location):
+        if not where.is_dir():
+            raise RunDirError(f"{what}={where}: exists and is not a directory")
+    entries = _entries(where)
+    if entries and not is_loomtrain_run(where):
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-        where = "prefix" if uri else "folder"
+        kind = "folder" if local else "prefix"
         raise RunDirError(
-            f"{what}={location}: not a loomtrain run {where if uri else 'directory'} (it holds {len(entries)} "
+            f"{what}={where}: not a loomtrain run {'directory' if local else kind} (it holds {len(entries)} "
             f"{'entry' if len(entries) == 1 else 'entries'}: {shown}, "
-            f"and no {MARKER}); pick a new or empty {where}, e.g. {what}={str(location).rstrip('/')}/run"
+            f"and no {MARKER}); pick a new or empty {kind}, e.g. {what}={str(where).rstrip('/')}/run"
         )
 
 
-def write_marker(location: Path | str) -> None:
+def write_marker(where: Path | str) -> None:
     record = json.dumps({"format": 1, "created": time.time(), "host": socket.gethostname()}) + "\n"
-    if is_uri(location):
-        from loomtrain.storage import join, write_object
-
-        if not _has(location, MARKER):
-            write_object(join(str(location), MARKER), record.encode())
-        return
-    path = Path(location) / MARKER
-    if not path.exists():
-        atomic_write(path, record)
+    objs = location(where, "run.storage")
+    if not objs.exists(MARKER):
+        objs.replace(MARKER, record.encode())
 
 
 # ------------------------------------------------------------------ lock

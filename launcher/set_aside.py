@@ -21,13 +21,13 @@ import os
 import time
 from pathlib import Path
 
-from loomtrain.storage import filesystem, in_flight, is_local, is_uri, listing
+from loomtrain.storage import below, filesystem, in_flight, is_local, listing
 
 MANIFEST = "manifest.json"  # the commit point of a checkpoint and of final/ in an object store
 
 
 def _location(base: Path | str, rel: str) -> Path | str:
-    return Path(base) / rel if not is_uri(base) else f"{str(base).rstrip('/')}/{rel}"
+    return below(base, rel)
 
 
 def entries(location: Path | str, patterns: tuple[str, ...]) -> dict[str, int]:

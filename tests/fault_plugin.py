@@ -29,7 +29,7 @@ the product:
     ckpt_slow:STEP:SECONDS     every rank's writer sleeps before writing step STEP (write_snapshot
                                wrapped where checkpoints/hook.py and background.py call it)
     ckpt_pause:STEP:SECONDS    rank 0 sleeps after step STEP's files are written and fsynced,
-                               before the manifest (store.py's write_json_durable wrapped)
+                               before the manifest (CheckpointStore._write_manifest wrapped)
 
 sigstop and exit strike once per run directory (a marker RUN_DIR/.test_fault_KIND_RANK_STEP
 keeps a restarted worker group from striking again).
@@ -266,17 +266,16 @@ def _wrap_checkpoints(write: bool, publish: bool) -> None:
     while planned (the writer's modules are imported only then: they bring in torch)."""
     from loomtrain.launcher.checkpoints import store
 
-    if publish and "write_json_durable" not in _wrapped:
-        durable = _wrapped["write_json_durable"] = store.write_json_durable
+    if publish and "write_manifest" not in _wrapped:
+        original_manifest = _wrapped["write_manifest"] = store.CheckpointStore._write_manifest
 
-        def write_json_durable(path, obj, *args, **kwargs):
-            if Path(path).name == store.MANIFEST:  # publish: every file is written and fsynced
-                _pause("checkpoint_publish", obj["step"])
-            return durable(path, obj, *args, **kwargs)
+        def write_manifest(self, at, manifest):  # publish: every file is written and durable
+            _pause("checkpoint_publish", manifest["step"])
+            return original_manifest(self, at, manifest)
 
-        store.write_json_durable = write_json_durable
-    elif not publish and "write_json_durable" in _wrapped:
-        store.write_json_durable = _wrapped.pop("write_json_durable")
+        store.CheckpointStore._write_manifest = write_manifest
+    elif not publish and "write_manifest" in _wrapped:
+        store.CheckpointStore._write_manifest = _wrapped.pop("write_manifest")
     if write == ("write_snapshot" in _wrapped):
         return
     from loomtrain.launcher.checkpoints import background, state

@@ -28,13 +28,13 @@ import torch
 from launch import TINY, child_env, loomtrain_cmd, losses, output, run_child
 from loomtrain.launcher.checkpoints.objects import Objects, Upload
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, Region, ShardedReader, tile_hashes
-from loomtrain.launcher.checkpoints.store import MANIFEST, ObjectCheckpointStore, open_store
+from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, open_store
 from loomtrain.storage import object_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _publish(store: ObjectCheckpointStore, step: int, files: dict[str, bytes], world: int = 2) -> str:
+def _publish(store: CheckpointStore, step: int, files: dict[str, bytes], world: int = 2) -> str:
     """A checkpoint of `files`, written as `world` ranks do (each its share, then its part)."""
     tmp = store.begin(step)
     names = sorted(files)
@@ -53,7 +53,7 @@ def test_object_store_protocol_scan_retention_and_resume_targets(s3_bucket):
     storage = f"{s3_bucket}/runs/a"
     logs: list[str] = []
     store = open_store(storage, keep_last=2, keep_every=4, log=logs.append)
-    assert isinstance(store, ObjectCheckpointStore) and store.root == f"{storage}/checkpoints"
+    assert not store.objects.local and store.root == f"{storage}/checkpoints"
     assert store.published() == [] and store.find_resumable() is None and store.latest_pointer() is None
     files = {"trainer.json": b'{"step": 1}', "model/rank_00000.bin": os.urandom(3000), "rng/r.bin": b"x" * 10}
 

@@ -183,7 +183,7 @@ def as_v2(step_dir):
     """Rewrite a checkpoint as format v2 wrote it: the same files, sha256 tile checksums."""
     import json
 
-    from loomtrain.launcher.checkpoints.store import sha256_file
+    from loomtrain.storage import sha256_file
     from safetensors.torch import load_file
 
     index_path, manifest_path = step_dir / "model" / "index.json", step_dir / "manifest.json"

@@ -81,7 +81,6 @@ from loomtrain.launcher.checkpoints.store import (
     read_checkpoint_file,
     run_store_at,
     verify,
-    verify_at,
 )
 from loomtrain.launcher.checkpoints.weight_source import open_source as open_weights
 from loomtrain.model import ModelConfig
@@ -201,7 +200,7 @@ def _open_uri(uri: str) -> Source:
     try:
         ckpt = None
         if read_object(join(uri, MANIFEST)) is not None and read_object(join(uri, "trainer.json")) is not None:
-            v = verify_at(uri, checksums=False)
+            v = verify(uri, checksums=False)
             if not v.ok:
                 raise ExportError(f"{uri}: not a usable checkpoint: {v.reason}")
             ckpt = uri

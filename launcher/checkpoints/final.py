@@ -48,7 +48,6 @@ from loomtrain.durable import json_bytes, replace_dir, write_durable, write_json
 from loomtrain.launcher.checkpoints.ds_state import full_shape
 from loomtrain.launcher.checkpoints.lora_final import final_params
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter, write_safetensors
-from loomtrain.launcher.checkpoints.store import sha256_file
 from loomtrain.launcher.distributed import all_gather_objects, barrier, current_rank, current_world_size
 from loomtrain.parallel.plan import gather_shards, spec_of
 from loomtrain.storage import (
@@ -58,6 +57,7 @@ from loomtrain.storage import (
     is_uri,
     join,
     read_object,
+    sha256_file,
     upload_files,
     write_object,
 )

@@ -53,7 +53,7 @@ from loomtrain.launcher.distributed import all_gather_objects, barrier, broadcas
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.observe.watchdog import io_phase
 from loomtrain.launcher.rundir import checkpoint_location, supersede, superseded_name
-from loomtrain.storage import is_uri, store_failure
+from loomtrain.storage import below, store_failure
 
 
 def _other_model_hint(resume: str, ctx: TrainContext) -> str:
@@ -97,19 +97,19 @@ class CheckpointHook(Hooks):
                 # Sizes only here: each rank verifies the checksums of what it reads (load_checkpoint).
                 path = self.store.resolve_resume(c.resume, checksums=False)
                 found = None if path is None else str(path)
-                if found is None and c.resume in ("auto", "") and is_uri(where):
+                if found is None and c.resume in ("auto", "") and not self.store.objects.local:
                     self._local_checkpoints_left_behind(ctx, where, log)
             except ValueError as exc:
                 error = str(exc)
             except Exception as exc:  # the object store's own errors: one line on every rank, no hang
-                if not is_uri(where):
+                if self.store.objects.local:
                     raise
                 error = store_error(where, exc)
         error = broadcast_str(error)
         if error:
             raise ConfigError(error)
         found = broadcast_str(found)
-        if found is not None and is_uri(found) and self.store.owns(found):  # named if a later save fails
+        if found is not None and self.store.owns(found):  # named if a later save fails
             self.store.latest_known = found.rstrip("/").rsplit("/", 1)[-1]
         barrier()
         if found is None:
@@ -120,7 +120,7 @@ class CheckpointHook(Hooks):
         self._tidy(ctx, fresh=False, log=log)
         self.last_saved = ctx.state.step
         found = trainer["path"]
-        ctx.resumed_from = found if is_uri(found) else Path(found)
+        ctx.resumed_from = below(found)
         lay = trainer["layout"]
         log(
             f"resumed from {found} (step {ctx.state.step}, saved at tp {lay['tp']} x dp {lay['dp']} "
@@ -253,7 +253,7 @@ class CheckpointHook(Hooks):
         try:
             return self._save(ctx, reason)
         except Exception as exc:  # a full or read-only disk, an object store gone: one line, `latest` untouched
-            if is_write_error(exc) or (is_uri(self.store.root) and store_failure(exc)):
+            if is_write_error(exc) or store_failure(exc):
                 raise write_error(exc, self.store, ctx.state.step) from None
             raise
 

@@ -23,8 +23,8 @@ import json
 from pathlib import Path
 
 from loomtrain.launcher.checkpoints.final import FINAL_MANIFEST
-from loomtrain.launcher.checkpoints.store import sha256_file
 from loomtrain.launcher.distributed import broadcast_str, current_rank
+from loomtrain.storage import sha256_file
 
 KEY = "lora_base"
 

@@ -78,7 +78,7 @@ from loomtrain.launcher.checkpoints.store import (
     read_manifest,
 )
 from loomtrain.launcher.distributed import barrier, current_rank, current_world_size
-from loomtrain.storage import is_uri
+from loomtrain.storage import below
 
 FORMAT = CHECKPOINT_FORMAT  # "loomtrain-sharded-v3" (store.py: the manifest's format check knows it too)
 # The formats a resume reads -> their tile checksum: v2 (before December 2026's faster save) had
@@ -250,7 +250,7 @@ TILE_KEYS = ["exp_avg", "exp_avg_sq", None]  # the order of the tile hashes (sor
 
 def _location(path: str | os.PathLike) -> Path | str:
     """A checkpoint folder (Path) or a checkpoint URI (str, never a Path: `s3://` is no path)."""
-    return str(path).rstrip("/") if is_uri(path) else Path(path)
+    return below(path)
 
 
 def _file_of(path, rel: str):

@@ -22,10 +22,12 @@ is reported in one line naming it, and the next older one is tried. The
 `latest` pointer is for people and tools: the scan does not trust it, so a
 checkpoint published just before a crash (pointer not yet updated) is not lost.
 
-With run.storage a URI (s3://bucket/prefix, ...) the same protocol runs in an object store
-(`ObjectCheckpointStore`, below; `open_store` picks the backend by location): no rename there,
-so every rank writes straight into `step_N/`, the manifest written last is the commit point and
-`latest` is an object written after it (see the class). The writers and readers (state.py,
+With run.storage a URI (s3://bucket/prefix, ...) the same protocol runs in an object store,
+by the same code: the store reads and writes through a backend (loomtrain.storage: `Folder` for
+a local path, `Objects` for a URI) and what only a disk does stays in the Folder. An object
+store has no rename, so there every rank writes straight into `step_N/`, the manifest written
+last is the commit point (a step without one is an interrupted write, removed at the next
+start) and `latest` is an object written after it. The writers and readers (state.py,
 shards.py) ask the store, not the filesystem: `write_file`, `tensor_sink`, `write_folder`,
 `parts_done`, `read_manifest`, `read_checkpoint_file`.
 
@@ -40,11 +42,9 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,17 +52,11 @@ from typing import Any
 
 from loomtrain.durable import (
     TMP_PREFIX,
-    atomic_write,
-    fsync_path,
     json_bytes,
-    replace_dir,
-    write_durable,
-    write_json_durable,
 )
-from loomtrain.launcher.checkpoints.objects import Objects
 from loomtrain.launcher.rundir import superseded_name
 from loomtrain.launcher.set_aside import move_aside
-from loomtrain.storage import first_line, is_uri, store_failure
+from loomtrain.storage import below, first_line, inside, location, same_location, store_failure
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -76,27 +70,6 @@ _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 def step_dirname(step: int) -> str:
     return f"step_{int(step):08d}"
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                break
-            h.update(block)
-    return h.hexdigest()
-
-
-def describe_files(root: str | os.PathLike, relpaths: Iterable[str]) -> dict[str, dict]:
-    """{relpath: {"size", "sha256"}} for files under root (fsyncing each first)."""
-    out = {}
-    for rel in relpaths:
-        p = Path(root) / rel
-        fsync_path(p)
-        out[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
-    return out
 
 
 def format_problem(manifest: dict) -> str:
@@ -132,32 +105,37 @@ class Verdict:
 
 
 def verify(path: str | os.PathLike, checksums: bool = True) -> Verdict:
-    """Is this published checkpoint complete and intact?"""
-    path = Path(path)
-    mpath = path / MANIFEST
-    if not path.is_dir():
-        return Verdict(False, "not a directory")
-    if not mpath.is_file():
-        return Verdict(False, "no manifest.json (partial write)")
+    """Is this published checkpoint (a folder or a URI) complete and intact? One listing for the
+    sizes; a file without a sha256 (model/, optim/) has one per tile in the index, checked by
+    every reader of the tile: here its size only."""
+    objs = location(path, "checkpoint")
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json.loads(objs.read(MANIFEST))
         files = manifest["files"]
+    except FileNotFoundError:
+        return Verdict(False, _no_manifest(objs))
     except (ValueError, KeyError, TypeError) as e:
         return Verdict(False, f"unreadable manifest.json ({e})")
     if format_problem(manifest):
         return Verdict(False, format_problem(manifest))
+    sizes = objs.sizes()
     for rel, info in sorted(files.items()):
-        p = path / rel
-        if not p.is_file():
-            return Verdict(False, f"missing file {rel}")
-        size = p.stat().st_size
-        if size != info["size"]:
-            return Verdict(False, f"{rel} has {size} bytes, manifest says {info['size']} (truncated?)")
-        # A file without a sha256 (model/, optim/) has one per tile in the index, checked by
-        # every reader of the tile: here its size only.
-        if checksums and "sha256" in info and sha256_file(p) != info["sha256"]:
+        if rel not in sizes:
+            return Verdict(False, f"missing {objs.noun} {rel}")
+        if sizes[rel] != info["size"]:
+            return Verdict(False, f"{rel} has {sizes[rel]} bytes, manifest says {info['size']} (truncated?)")
+        if checksums and "sha256" in info and objs.sha256(rel) != info["sha256"]:
             return Verdict(False, f"{rel} fails its sha256 checksum")
     return Verdict(True, manifest=manifest)
+
+
+def _no_manifest(objs) -> str:
+    """Why a checkpoint location has no manifest: a partial write (other files are there), nothing
+    at all under it, or no such bucket (told apart: the fix differs)."""
+    try:
+        return "no manifest.json (partial write)" if objs.sizes() else objs.absent()
+    except Exception as exc:  # noqa: BLE001  (the store itself: unreachable, credentials)
+        return store_failure(exc) or first_line(exc)
 
 
 def pruned(published: list[tuple[int, Any]], keep_last: int, keep_every: int, pointer: str | None) -> list:
@@ -173,195 +151,236 @@ def pruned(published: list[tuple[int, Any]], keep_last: int, keep_every: int, po
 
 
 class CheckpointStore:
-    """File-level checkpoint directories of one run (rank-agnostic helpers)."""
+    """The checkpoints of one run (rank-agnostic helpers), under RUN_DIR/checkpoints (a Folder)
+    or {run.storage}/checkpoints (Objects): one code path for both; what only a disk does
+    (fsync, the temporary name and the rename that publishes it) is the Folder's."""
 
     def __init__(
         self,
-        run_dir: str | os.PathLike,
+        location_: str | os.PathLike,
         keep_last: int = 3,
         keep_every: int = 0,
         log: Callable[[str], None] | None = None,
     ):
-        self.root = Path(run_dir) / "checkpoints"
+        self.base = below(location_)  # RUN_DIR, or run.storage: where the run keeps checkpoints/
+        self.objects = location(location_, "run.storage").child("checkpoints")
+        self.root = self.objects.root
+        self.poll_s = self.objects.poll_s  # how often an async save's rank 0 looks for the other ranks' parts
         self.keep_last = int(keep_last)
         self.keep_every = int(keep_every)
+        self.latest_known: str | None = None  # the newest checkpoint published or read here
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
-    # What every backend offers (store.py: a local folder; ObjectCheckpointStore: run.storage) --
-    poll_s = 0.05  # how often an async save's rank 0 looks for the other ranks' parts
+    def _failure(self, exc: BaseException) -> str:
+        return store_error(self.base, exc, "run.dir" if self.objects.local else "run.storage")
 
     def verify(self, path, checksums: bool = True) -> Verdict:
         return verify(path, checksums=checksums)
 
     def check_reachable(self) -> None:
-        """ValueError in one line when the store cannot be used (a local folder always can)."""
+        """One line for an unreachable endpoint, refused credentials or a missing bucket (a local
+        folder always can be used)."""
+        try:
+            found = self.objects.bucket_exists()
+        except Exception as exc:  # noqa: BLE001  (credentials, endpoint, network: said in one line)
+            raise ValueError(store_error(self.base, exc)) from None
+        if not found:
+            raise ValueError(
+                f"run.storage={self.base}: bucket {self.objects.path.split('/', 1)[0]!r} does not exist (or these "
+                "credentials cannot see it); create it or point run.storage at another"
+            )
 
     def where(self, path, rel: str = ""):
         """A checkpoint's file (or the checkpoint itself) as messages name it."""
-        return Path(path) / rel if rel else Path(path)
+        return below(path, rel)
+
+    def _at(self, tmp):
+        """The files of one step being written (tmp: its folder or URI)."""
+        return self.objects.child(str(tmp).rstrip("/").rsplit("/", 1)[-1])
+
+    # Paths ------------------------------------------------------------------------------
+    def final_dir(self, step: int):
+        return self.objects.name(step_dirname(step))
+
+    def _stage(self, step: int) -> str:
+        """Where a step is written: a temporary name renamed when published (a folder), or where
+        it stays (an object store: no rename; the manifest written last is the commit point)."""
+        return (TMP_PREFIX if self.objects.renames else "") + step_dirname(step)
+
+    def temp_dir(self, step: int):
+        return self.objects.name(self._stage(step))
+
+    def published(self) -> list[tuple[int, Any]]:
+        """(step, location) of every published checkpoint, oldest first (not verified). In an
+        object store a step without a manifest is an interrupted write, not listed; in a folder
+        every step_N was renamed into place complete (one without a manifest is damaged: listed,
+        and named by the scan)."""
+        out = []
+        for name, kind in self.objects.entries().items():
+            m = _STEP_RE.match(name)
+            if m and kind == "directory" and (self.objects.renames or self.objects.exists(f"{name}/{MANIFEST}")):
+                out.append((int(m.group(1)), self.objects.name(name)))
+        return sorted(out)
+
+    # Writing ----------------------------------------------------------------------------
+    def begin(self, step: int):
+        """Rank 0, before the others write: an earlier attempt at this step goes, manifest first."""
+        stage = self._stage(step)
+        self.objects.delete(f"{stage}/{MANIFEST}")
+        self.objects.delete_tree(stage)
+        self.objects.make_folder(f"{stage}/{PARTS_DIR}")
+        return self.temp_dir(step)
 
     def write_file(self, tmp, rel: str, data: bytes) -> dict:
         """Write `data` durably at tmp/rel -> its file-list entry (size, sha256)."""
-        write_durable(Path(tmp) / rel, data)
+        self._at(tmp).write(rel, data)
         return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def write_raw(self, tmp, rel: str, data: bytes) -> None:
-        write_durable(Path(tmp) / rel, data)
+        self._at(tmp).write(rel, data)
 
     def read_file(self, tmp, rel: str) -> bytes:
-        return (Path(tmp) / rel).read_bytes()
+        return self._at(tmp).read(rel)
 
     def tensor_sink(self, tmp, rel: str):
-        """(what a streaming safetensors writer writes to, its sink): here a path and no sink."""
-        return Path(tmp) / rel, None
+        """(what a streaming safetensors writer writes to, its stream): a path and no stream on a
+        disk, a URI and a multipart upload in an object store."""
+        return self._at(tmp).sink(rel)
 
     def write_folder(self, tmp, rel: str, fill: Callable[[str], None]) -> dict[str, dict]:
         """Files a library writes into a folder of its own (a tokenizer's save): fill(folder),
         then their file-list entries."""
-        folder = Path(tmp) / rel
-        folder.mkdir(exist_ok=True)
-        fill(str(folder))
-        return describe_files(tmp, [str(p.relative_to(tmp)) for p in sorted(folder.rglob("*")) if p.is_file()])
+        return self._at(tmp).write_folder(rel, fill)
+
+    def add_part(self, tmp, rank: int, relpaths: Iterable[str] | dict[str, dict]) -> None:
+        """One rank's contribution: size + sha256 of the files it wrote. Given a dict
+        {relpath: {"size", "sha256"}} (hashed while writing, files already durable) it is taken
+        as it is; given paths, they are made durable and hashed here."""
+        at = self._at(tmp)
+        files = dict(relpaths) if isinstance(relpaths, dict) else {rel: at.describe(rel) for rel in relpaths}
+        at.write(f"{PARTS_DIR}/rank_{rank:05d}.json", json_bytes(files))
 
     def parts_done(self, tmp, world: int) -> bool:
         """Has every rank finished writing (its file list exists)? A rank that failed says so."""
-        parts = Path(tmp) / PARTS_DIR
-        failed = sorted(parts.glob("rank_*.failed"))
+        at = self._at(tmp)
+        names = set(at.entries(PARTS_DIR))
+        failed = sorted(n for n in names if n.endswith(".failed"))
         if failed:
-            raise RuntimeError(f"{failed[0]}: {failed[0].read_text().strip()}")
-        return all((parts / f"rank_{r:05d}.json").is_file() for r in range(world))
+            text = at.read(f"{PARTS_DIR}/{failed[0]}").decode(errors="replace").strip()
+            raise RuntimeError(f"{self.where(tmp, PARTS_DIR + '/' + failed[0])}: {text}")
+        return all(f"rank_{r:05d}.json" in names for r in range(world))
 
     def mark_failed(self, tmp, rank: int, error: BaseException) -> None:
         try:
-            write_durable(Path(tmp) / PARTS_DIR / f"rank_{rank:05d}.failed", f"{error}\n".encode())
-        except OSError:
+            self._at(tmp).write(f"{PARTS_DIR}/rank_{rank:05d}.failed", f"{error}\n".encode())
+        except Exception:  # noqa: BLE001  (the store itself may be what failed)
             pass
 
-    # Paths -----------------------------------------------------------------
-    def final_dir(self, step: int) -> Path:
-        return self.root / step_dirname(step)
-
-    def temp_dir(self, step: int) -> Path:
-        return self.root / (TMP_PREFIX + step_dirname(step))
-
-    def published(self) -> list[tuple[int, Path]]:
-        """(step, path) of every published directory, oldest first (not verified)."""
-        if not self.root.is_dir():
-            return []
-        out = []
-        for p in self.root.iterdir():
-            m = _STEP_RE.match(p.name)
-            if m and p.is_dir():
-                out.append((int(m.group(1)), p))
-        return sorted(out)
-
-    # Writing ----------------------------------------------------------------
-    def begin(self, step: int) -> Path:
-        """Create a fresh, empty temp directory for `step` (rank 0, before the others write)."""
-        tmp = self.temp_dir(step)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / PARTS_DIR).mkdir(parents=True)
-        fsync_path(self.root)
-        return tmp
-
-    def add_part(self, tmp: str | os.PathLike, rank: int, relpaths: Iterable[str] | dict[str, dict]) -> None:
-        """One rank's contribution: size + sha256 of the files it wrote. Given a dict
-        {relpath: {"size", "sha256"}} (hashed while writing, files already fsynced) it is
-        taken as it is; given paths, they are fsynced and hashed here."""
-        tmp = Path(tmp)
-        files = dict(relpaths) if isinstance(relpaths, dict) else describe_files(tmp, relpaths)
-        write_json_durable(tmp / PARTS_DIR / f"rank_{rank:05d}.json", files)
-
-    def publish(self, tmp: str | os.PathLike, step: int, meta: dict) -> Path:
-        """Rank 0, after every rank's add_part: manifest last, rename, then `latest`."""
-        tmp = Path(tmp)
+    def publish(self, tmp, step: int, meta: dict):
+        """Rank 0, after every rank's part: the manifest last (the commit point; a folder is then
+        renamed into place), then `latest`."""
+        at = self._at(tmp)
         files: dict[str, dict] = {}
-        parts = tmp / PARTS_DIR
-        for part in sorted(parts.glob("rank_*.json")):
-            files.update(json.loads(part.read_text()))
-        # Anything written without a part entry (e.g. by a library) is described here.
-        rest = [
-            str(p.relative_to(tmp))
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file() and PARTS_DIR not in p.relative_to(tmp).parts and str(p.relative_to(tmp)) not in files
-        ]
-        rest = [r for r in rest if r != MANIFEST]
-        files.update(describe_files(tmp, rest))
-        shutil.rmtree(parts)
-        for d in sorted({p.parent for p in tmp.rglob("*") if p.is_file()} | {tmp}):
-            fsync_path(d)
+        for name in sorted(n for n in at.entries(PARTS_DIR) if n.startswith("rank_") and n.endswith(".json")):
+            files.update(json.loads(at.read(f"{PARTS_DIR}/{name}")))
+        sizes = at.sizes()
+        for rel, info in sorted(files.items()):  # every write completed, at its size
+            if sizes.get(rel) != info["size"]:
+                raise RuntimeError(
+                    f"{self.where(tmp, rel)}: {sizes.get(rel, 'no')} bytes stored, {info['size']} written"
+                )
+        for rel in sorted(sizes):  # anything written without a part entry (e.g. by a library)
+            if rel not in files and rel != MANIFEST and not rel.startswith(PARTS_DIR + "/"):
+                files[rel] = at.describe(rel)
+        at.delete_tree(PARTS_DIR)
+        at.sync()
         manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), **meta, "files": files}
-        write_json_durable(tmp / MANIFEST, manifest)
-        # Re-saving a step (e.g. resumed and saved again) replaces it.
-        final = replace_dir(tmp, self.final_dir(step))
-        atomic_write(self.root / LATEST, final.name + "\n")
-        self.apply_retention()
-        return final
+        self._write_manifest(at, manifest)
+        if self.objects.renames:  # re-saving a step (resumed and saved again) replaces it
+            self.objects.rename(self._stage(step), step_dirname(step))
+        self.objects.replace(LATEST, (step_dirname(step) + "\n").encode())
+        self.latest_known = step_dirname(step)  # what a failure later names without asking the store
+        try:
+            self.apply_retention()
+        except Exception as exc:  # noqa: BLE001  (published all the same; the next save prunes again)
+            self.log(f"checkpoint: step {step} saved, but pruning older ones failed: {self._failure(exc)}")
+        return self.final_dir(step)
+
+    def _write_manifest(self, at, manifest: dict) -> None:
+        """The commit point: every file is written and durable, nothing is visible yet."""
+        at.write(MANIFEST, json_bytes(manifest))
 
     def latest_pointer(self) -> str | None:
-        p = self.root / LATEST
         try:
-            return p.read_text().strip() or None
-        except OSError:
+            pointer = self.objects.read(LATEST).decode().strip() or None
+        except (OSError, UnicodeDecodeError):
             return None
+        self.latest_known = pointer
+        return pointer
 
-    # Housekeeping -----------------------------------------------------------
-    def clean_temp(self) -> list[Path]:
-        """Remove leftovers of interrupted writes (rank 0, at start, before any save)."""
+    # Housekeeping -----------------------------------------------------------------------
+    def clean_temp(self) -> list:
+        """Remove leftovers of interrupted writes (rank 0, at start, before any save): `.tmp-*`
+        in a folder, step prefixes without a manifest in an object store."""
         removed = []
-        if not self.root.is_dir():
-            return removed
-        for p in self.root.iterdir():
-            if p.name.startswith(TMP_PREFIX):
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-                removed.append(p)
-                self.log(f"checkpoint: removed leftover {p} (interrupted write)")
+        for name, kind in self.objects.entries().items():
+            unpublished = (
+                not self.objects.renames
+                and kind == "directory"
+                and _STEP_RE.match(name)
+                and not self.objects.exists(f"{name}/{MANIFEST}")
+            )
+            if name.startswith(TMP_PREFIX) or unpublished:
+                self.objects.delete_tree(name)
+                removed.append(self.objects.name(name))
+                self.log(f"checkpoint: removed leftover {removed[-1]} (interrupted write)")
         return removed
 
     def set_aside(self) -> Path | str | None:
         """Move every published checkpoint (and `latest`) into checkpoints/superseded-TIME/:
         a fresh start (checkpoint.resume=never) neither resumes from them later nor lets
         retention mix them with its own. Nothing is deleted: a folder is renamed, an object
-        store's prefix copied, checked, then deleted manifest first (launcher/set_aside.py).
-        The same code for both backends."""
+        store's prefix copied, checked, then deleted manifest first (launcher/set_aside.py)."""
         names = [str(path).rstrip("/").rsplit("/", 1)[-1] for _, path in self.published()]
         if not names:
             return None
         pointer = [LATEST] if self.latest_pointer() is not None else []
         dest = move_aside(self.root, names + pointer, superseded_name())
-        if not is_uri(self.root):
-            fsync_path(self.root)
+        self.objects.sync(tree=False)
         self.log(f"checkpoint: checkpoint.resume=never: moved {len(names)} earlier checkpoint(s) to {dest}")
         return dest
 
-    def apply_retention(self) -> list[Path]:
-        """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step."""
-        removed, doomed = [], []
-        for _, path in pruned(self.published(), self.keep_last, self.keep_every, self.latest_pointer()):
-            # Rename first so a crash mid-delete never leaves a half-deleted "published" dir
-            # (the next start removes a `.tmp-*` leftover).
-            doomed.append(self.root / f"{TMP_PREFIX}del-{path.name}.{uuid.uuid4().hex[:8]}")
-            os.rename(path, doomed[-1])
-            removed.append(path)
-        if doomed:
-            _delete_in_background(doomed)
+    def apply_retention(self) -> list:
+        """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step. A pruned
+        checkpoint goes out of sight at once (renamed aside, or its manifest deleted first),
+        its bytes in the background."""
+        removed, retired = [], []
+        for step, where in pruned(self.published(), self.keep_last, self.keep_every, self.latest_pointer()):
+            retired.append(self.objects.retire(step_dirname(step)))
+            removed.append(where)
+        if retired:
+            _in_background([lambda n=n: self._delete_quietly(n) for n in retired])
         return removed
 
-    # Reading ----------------------------------------------------------------
-    def find_resumable(self, checksums: bool = True) -> Path | None:
+    def _delete_quietly(self, name: str) -> None:
+        """A pruned checkpoint's bytes (already out of sight: a failure here leaves a leftover
+        the next start removes)."""
+        try:
+            self.objects.delete_tree(name)
+        except Exception as exc:  # noqa: BLE001
+            self.log(f"checkpoint: could not delete all of {self.objects.name(name)}: {self._failure(exc)}")
+
+    # Reading ----------------------------------------------------------------------------
+    def find_resumable(self, checksums: bool = True):
         """The newest complete checkpoint; broken newer ones are reported and skipped."""
         found, broken = self._scan(checksums)
         for bad, reason in broken:
             self.log(f"checkpoint: skipping {bad}: {reason}; trying the previous one")
         return found
 
-    def _scan(self, checksums: bool) -> tuple[Path | None, list[tuple[Path, str]]]:
+    def _scan(self, checksums: bool) -> tuple[Any, list[tuple[Any, str]]]:
         """(newest verified checkpoint or None, [(newer broken one, why)])."""
-        broken: list[tuple[Path, str]] = []
+        broken: list[tuple[Any, str]] = []
         for _, path in reversed(self.published()):
             v = self.verify(path, checksums=checksums)
             if v.ok:
@@ -369,13 +388,13 @@ class CheckpointStore:
             broken.append((path, v.reason))
         return None, broken
 
-    def resume_point(self, checksums: bool = True) -> Path | None:
+    def resume_point(self, checksums: bool = True):
         """What a restart continues from: the newest complete checkpoint, or None when
         there is none at all. When checkpoints exist but none verifies, ValueError in
         one line naming each: the run must not silently start again at step 0."""
         found, broken = self._scan(checksums)
         if found is None and broken:
-            each = "; ".join(f"{p.name}: {reason}" for p, reason in broken)
+            each = "; ".join(f"{str(p).rstrip('/').rsplit('/', 1)[-1]}: {reason}" for p, reason in broken)
             raise ValueError(
                 f"no usable checkpoint in {self.root} ({each}); to start afresh set checkpoint.resume=never "
                 "(moves them aside, deletes nothing) or pick another run.dir"
@@ -385,21 +404,13 @@ class CheckpointStore:
         return found
 
     def owns(self, path: str | os.PathLike) -> bool:
-        """Is `path` this run's directory or one of its own checkpoints?"""
-        if is_uri(path):
-            return False
-        p, root = Path(path).resolve(), self.root.resolve()
-        return p == root.parent or p == root or root in p.parents
+        """Is `path` this run's directory (or run.storage) or one of its own checkpoints?"""
+        return same_location(path, self.base) or inside(path, self.root)
 
-    @property
-    def base(self):
-        """Where the run keeps its checkpoints: RUN_DIR (checkpoints/ below it)."""
-        return self.root.parent
+    def is_base(self, location_: str | os.PathLike) -> bool:
+        return same_location(location_, self.base)
 
-    def is_base(self, location: str | os.PathLike) -> bool:
-        return not is_uri(location) and Path(location).resolve() == self.root.parent.resolve()
-
-    def resolve_resume(self, resume: str, checksums: bool = True) -> Path | str | None:
+    def resolve_resume(self, resume: str, checksums: bool = True):
         """checkpoint.resume: "auto" (newest complete, or None), "never", or a PATH or URI (a
         checkpoint, or a run directory / run.storage whose newest complete one is taken).
 
@@ -425,25 +436,20 @@ class CheckpointStore:
             if found is None:
                 raise ValueError(f"checkpoint.resume={resume!r}: no complete checkpoint under {other.root}")
             return found
-        v = verify_at(resume, checksums=checksums)
+        v = verify(resume, checksums=checksums)
         if not v.ok:
             raise ValueError(f"checkpoint.resume={resume!r}: not a usable checkpoint: {v.reason}")
-        return resume.rstrip("/") if is_uri(resume) else Path(resume)
+        return below(resume)
 
 
 _deletions: list[threading.Thread] = []
 
 
-def _delete_in_background(paths: list[Path]) -> None:
-    """Remove pruned checkpoints off the saving thread: freeing a checkpoint's GBs takes a
-    disk a good part of a second that no step needs to wait for. Deletions run one after
-    another; the run waits for them when it stops (`wait_for_deletions`), the process at exit
-    (a kill leaves `.tmp-del-*`, which the next start removes)."""
-    _in_background([lambda p=p: shutil.rmtree(p, ignore_errors=True) for p in paths])
-
-
 def _in_background(jobs: list[Callable[[], None]]) -> None:
-    """Deletions, one after another, off the saving thread (see _delete_in_background)."""
+    """Deletions of pruned checkpoints, one after another, off the saving thread: freeing a
+    checkpoint's GBs takes a disk a good part of a second that no step needs to wait for. The
+    run waits for them when it stops (`wait_for_deletions`), the process at exit (a kill leaves
+    a leftover, which the next start removes)."""
     before = _deletions[-1] if _deletions else None
 
     def run() -> None:
@@ -480,9 +486,9 @@ def is_write_error(exc: BaseException) -> bool:
 
 
 def write_error(exc: BaseException, store: CheckpointStore, step: int) -> CheckpointWriteError:
-    failure = store_failure(exc) if is_uri(store.root) else ""
+    failure = store_failure(exc)
     if failure:  # the object store went away (or refused us) mid-save: the store is not asked again
-        kept = getattr(store, "latest_known", None)
+        kept = store.latest_known
         err = CheckpointWriteError(
             f"checkpoint: cannot save step {step}: {failure}: {store.temp_dir(step)}; "
             + (
@@ -506,314 +512,38 @@ def write_error(exc: BaseException, store: CheckpointStore, step: int) -> Checkp
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
-    if is_uri(path):
-        return json.loads(Objects(str(path), "checkpoint").read(MANIFEST))
-    return json.loads((Path(path) / MANIFEST).read_text())
+    return json.loads(location(path, "checkpoint").read(MANIFEST))
 
 
 def read_checkpoint_file(path: str | os.PathLike, rel: str) -> bytes:
     """One file of a checkpoint (a folder or a URI), whole; a missing one is named in one line."""
-    if not is_uri(path):
-        return (Path(path) / rel).read_bytes()
     try:
-        return Objects(str(path), "checkpoint").read(rel)
+        return location(path, "checkpoint").read(rel)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{str(path).rstrip('/')}/{rel}: missing") from None
+        raise FileNotFoundError(f"{below(path, rel)}: missing") from None
 
 
 def checkpoint_has(path: str | os.PathLike, rel: str, manifest: dict) -> bool:
-    """Does the checkpoint hold `rel`? (an object store: its published manifest says so)"""
-    if is_uri(path):
-        return rel in manifest.get("files", {})
-    return (Path(path) / rel).exists()
+    """Does the checkpoint hold `rel`? (its published manifest says so: it lists every file)"""
+    return rel in manifest.get("files", {})
 
 
-# Object storage (run.storage=URI) -----------------------------------------------------------
-class ObjectCheckpointStore(CheckpointStore):
-    """The same protocol in an object store, under {run.storage}/checkpoints/:
-
-        step_00000100/...              every rank uploads its own files straight here, then its
-                                       part (.parts/rank_R.json: sizes and sha256 computed while
-                                       writing); rank 0 merges the parts, deletes .parts/ and
-                                       writes manifest.json last
-        latest                         an object naming the newest step, written after the manifest
-
-    An object store has no rename: a checkpoint exists iff its manifest does. A step prefix
-    without one is an interrupted write: the scan ignores it and rank 0 removes it at the next
-    start (clean_temp), as it removes `.tmp-*` folders on disk. Retention deletes the manifest
-    first (the checkpoint is gone at once, never half there), then the rest in the background."""
-
-    poll_s = 0.25  # listing `.parts/` is a request to the store
-
-    def __init__(
-        self,
-        storage: str,
-        keep_last: int = 3,
-        keep_every: int = 0,
-        log: Callable[[str], None] | None = None,
-    ):
-        self.storage = str(storage).rstrip("/")
-        self.latest_known: str | None = None  # the newest checkpoint published or read here
-        self.objects = Objects(self.storage, "run.storage").child("checkpoints")
-        self.root = self.objects.uri
-        self.keep_last = int(keep_last)
-        self.keep_every = int(keep_every)
-        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-
-    @property
-    def base(self) -> str:
-        return self.storage
-
-    def is_base(self, location) -> bool:
-        return is_uri(location) and str(location).rstrip("/") == self.storage
-
-    def owns(self, path) -> bool:
-        p = str(path).rstrip("/")
-        return is_uri(path) and (p == self.storage or p == self.root or p.startswith(self.root + "/"))
-
-    def where(self, path, rel: str = "") -> str:
-        return f"{str(path).rstrip('/')}/{rel}" if rel else str(path).rstrip("/")
-
-    def _at(self, tmp) -> Objects:
-        """The objects of one step's prefix (tmp: its URI)."""
-        return self.objects.child(str(tmp).rstrip("/").rsplit("/", 1)[-1])
-
-    # Paths ------------------------------------------------------------------------------
-    def final_dir(self, step: int) -> str:
-        return self.objects.name(step_dirname(step))
-
-    def temp_dir(self, step: int) -> str:  # no rename: a checkpoint is written where it stays
-        return self.final_dir(step)
-
-    def _steps(self) -> list[tuple[int, str]]:
-        out = []
-        for name, kind in self.objects.entries().items():
-            m = _STEP_RE.match(name)
-            if m and kind == "directory":
-                out.append((int(m.group(1)), name))
-        return sorted(out)
-
-    def published(self) -> list[tuple[int, str]]:
-        """(step, URI) of every checkpoint with a manifest, oldest first (not verified)."""
-        return [(step, self.objects.name(n)) for step, n in self._steps() if self.objects.exists(f"{n}/{MANIFEST}")]
-
-    # Writing ----------------------------------------------------------------------------
-    def begin(self, step: int) -> str:
-        """Rank 0, before the others write: an earlier attempt at this step goes, manifest first."""
-        name = step_dirname(step)
-        self.objects.delete(f"{name}/{MANIFEST}")
-        self.objects.delete_tree(name)
-        return self.final_dir(step)
-
-    def write_file(self, tmp, rel: str, data: bytes) -> dict:
-        self._at(tmp).write(rel, data)
-        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-    def write_raw(self, tmp, rel: str, data: bytes) -> None:
-        self._at(tmp).write(rel, data)
-
-    def read_file(self, tmp, rel: str) -> bytes:
-        return self._at(tmp).read(rel)
-
-    def tensor_sink(self, tmp, rel: str):
-        return self.where(tmp, rel), self._at(tmp).upload(rel)
-
-    def write_folder(self, tmp, rel: str, fill: Callable[[str], None]) -> dict[str, dict]:
-        import tempfile
-
-        out = {}
-        with tempfile.TemporaryDirectory(prefix="loomtrain-upload-") as folder:
-            fill(folder)
-            for p in sorted(Path(folder).rglob("*")):
-                if p.is_file():
-                    out[f"{rel}/{p.relative_to(folder)}"] = self.write_file(
-                        tmp, f"{rel}/{p.relative_to(folder)}", p.read_bytes()
-                    )
-        return out
-
-    def add_part(self, tmp, rank: int, relpaths: Iterable[str] | dict[str, dict]) -> None:
-        at = self._at(tmp)
-        if isinstance(relpaths, dict):
-            files = dict(relpaths)
-        else:
-            files = {}
-            for rel in relpaths:
-                data = at.read(rel)
-                files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        at.write(f"{PARTS_DIR}/rank_{rank:05d}.json", json_bytes(files))
-
-    def parts_done(self, tmp, world: int) -> bool:
-        at = self._at(tmp)
-        names = set(at.entries(PARTS_DIR))
-        failed = sorted(n for n in names if n.endswith(".failed"))
-        if failed:
-            text = at.read(f"{PARTS_DIR}/{failed[0]}").decode(errors="replace").strip()
-            raise RuntimeError(f"{self.where(tmp, PARTS_DIR + '/' + failed[0])}: {text}")
-        return all(f"rank_{r:05d}.json" in names for r in range(world))
-
-    def mark_failed(self, tmp, rank: int, error: BaseException) -> None:
-        try:
-            self._at(tmp).write(f"{PARTS_DIR}/rank_{rank:05d}.failed", f"{error}\n".encode())
-        except Exception:  # noqa: BLE001  (the store itself may be what failed)
-            pass
-
-    def publish(self, tmp, step: int, meta: dict) -> str:
-        """Rank 0, after every rank's part: the manifest (the commit point), then `latest`."""
-        at = self._at(tmp)
-        files: dict[str, dict] = {}
-        for name in sorted(n for n in at.entries(PARTS_DIR) if n.startswith("rank_") and n.endswith(".json")):
-            files.update(json.loads(at.read(f"{PARTS_DIR}/{name}")))
-        sizes = at.sizes()
-        for rel, info in sorted(files.items()):  # every upload completed, at its size
-            if sizes.get(rel) != info["size"]:
-                raise RuntimeError(f"{at.name(rel)}: {sizes.get(rel, 'no')} bytes stored, {info['size']} written")
-        for rel in sorted(sizes):  # anything written without a part entry (e.g. the merged index)
-            if rel not in files and rel != MANIFEST and not rel.startswith(PARTS_DIR + "/"):
-                data = at.read(rel)
-                files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        at.delete_tree(PARTS_DIR)
-        manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), **meta, "files": files}
-        at.write(MANIFEST, json_bytes(manifest))
-        self.objects.write(LATEST, (step_dirname(step) + "\n").encode())
-        self.latest_known = step_dirname(step)  # what a failure later names without asking the store
-        try:
-            self.apply_retention()
-        except Exception as exc:  # noqa: BLE001  (published all the same; the next save prunes again)
-            self.log(f"checkpoint: step {step} saved, but pruning older ones failed: {store_error(self.storage, exc)}")
-        return self.final_dir(step)
-
-    def latest_pointer(self) -> str | None:
-        try:
-            pointer = self.objects.read(LATEST).decode().strip() or None
-        except (FileNotFoundError, UnicodeDecodeError):
-            return None
-        self.latest_known = pointer
-        return pointer
-
-    # Housekeeping -----------------------------------------------------------------------
-    def clean_temp(self) -> list[str]:
-        """Remove step prefixes without a manifest (interrupted writes; rank 0, at start)."""
-        removed = []
-        for _, name in self._steps():
-            if not self.objects.exists(f"{name}/{MANIFEST}"):
-                self.objects.delete_tree(name)
-                removed.append(self.objects.name(name))
-                self.log(f"checkpoint: removed leftover {removed[-1]} (interrupted write)")
-        return removed
-
-    def apply_retention(self) -> list[str]:
-        """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step; a pruned
-        checkpoint loses its manifest first (gone at once), then its objects in the background."""
-        removed, names = [], []
-        for step, uri in pruned(self.published(), self.keep_last, self.keep_every, self.latest_pointer()):
-            name = step_dirname(step)
-            self.objects.delete(f"{name}/{MANIFEST}")
-            removed.append(uri)
-            names.append(name)
-        if names:
-            _in_background([lambda n=n: self._delete_quietly(n) for n in names])
-        return removed
-
-    def _delete_quietly(self, name: str) -> None:
-        """A pruned checkpoint's objects (its manifest is gone already: a failure here leaves
-        a prefix without one, which the next start removes)."""
-        try:
-            self.objects.delete_tree(name)
-        except Exception as exc:  # noqa: BLE001
-            self.log(f"checkpoint: could not delete all of {self.objects.name(name)}: {store_error(self.storage, exc)}")
-
-    def verify(self, path, checksums: bool = True) -> Verdict:
-        return verify_object(str(path), checksums=checksums)
-
-    def check_reachable(self) -> None:
-        """One line for an unreachable endpoint, refused credentials or a missing bucket (told
-        apart: S3's HeadBucket answers 404 for a missing bucket, 403 for refused credentials)."""
-        bucket = self.objects.path.split("/", 1)[0]
-        fs = self.objects.fs
-        try:
-            if hasattr(fs, "call_s3"):
-                fs.call_s3("head_bucket", Bucket=bucket)
-                found = True
-            else:
-                found = fs.exists(bucket)
-        except FileNotFoundError:
-            found = False
-        except Exception as exc:  # noqa: BLE001  (credentials, endpoint, network: said in one line)
-            raise ValueError(store_error(self.storage, exc)) from None
-        if not found:
-            raise ValueError(
-                f"run.storage={self.storage}: bucket {bucket!r} does not exist (or these credentials cannot see "
-                "it); create it or point run.storage at another"
-            )
-
-
-def store_error(storage: str, exc: BaseException) -> str:
-    """One line for an object store's own error (endpoint down, credentials refused, no bucket)."""
-    return f"run.storage={storage}: {store_failure(exc) or first_line(exc)}"
-
-
-def verify_object(uri: str, checksums: bool = True) -> Verdict:
-    """Is this checkpoint in an object store complete and intact? (one listing for the sizes)"""
-    objs = Objects(uri, "checkpoint")
-    try:
-        manifest = json.loads(objs.read(MANIFEST))
-        files = manifest["files"]
-    except FileNotFoundError:
-        return Verdict(False, _no_manifest(objs))
-    except (ValueError, KeyError, TypeError) as e:
-        return Verdict(False, f"unreadable manifest.json ({e})")
-    if format_problem(manifest):
-        return Verdict(False, format_problem(manifest))
-    sizes = objs.sizes()
-    for rel, info in sorted(files.items()):
-        if rel not in sizes:
-            return Verdict(False, f"missing object {rel}")
-        if sizes[rel] != info["size"]:
-            return Verdict(False, f"{rel} has {sizes[rel]} bytes, manifest says {info['size']} (truncated?)")
-        if checksums and "sha256" in info and hashlib.sha256(objs.read(rel)).hexdigest() != info["sha256"]:
-            return Verdict(False, f"{rel} fails its sha256 checksum")
-    return Verdict(True, manifest=manifest)
-
-
-def _no_manifest(objs: Objects) -> str:
-    """Why a checkpoint URI has no manifest: a partial write (other objects are there), nothing at
-    all under it, or no such bucket (told apart: the fix differs)."""
-    try:
-        if objs.sizes():
-            return "no manifest.json (partial write)"
-        if hasattr(objs.fs, "call_s3"):
-            bucket = objs.path.split("/", 1)[0]
-            try:
-                objs.fs.call_s3("head_bucket", Bucket=bucket)
-            except FileNotFoundError:
-                return f"bucket {bucket!r} does not exist"
-    except Exception as exc:  # noqa: BLE001  (the store itself: unreachable, credentials)
-        return store_failure(exc) or first_line(exc)
-    return "nothing there (no object under this prefix)"
-
-
-def verify_at(location: str | os.PathLike, checksums: bool = True) -> Verdict:
-    """verify() for a checkpoint folder or a checkpoint URI."""
-    return verify_object(str(location), checksums) if is_uri(location) else verify(location, checksums)
+def store_error(storage, exc: BaseException, what: str = "run.storage") -> str:
+    """One line for a store's own error (endpoint down, credentials refused, no bucket; a disk's)."""
+    return f"{what}={storage}: {store_failure(exc) or first_line(exc)}"
 
 
 def open_store(
-    location: str | os.PathLike, keep_last: int = 3, keep_every: int = 0, log: Callable[[str], None] | None = None
+    location_: str | os.PathLike, keep_last: int = 3, keep_every: int = 0, log: Callable[[str], None] | None = None
 ) -> CheckpointStore:
     """The checkpoints of a run: under RUN_DIR (a folder) or run.storage (a URI)."""
-    cls = ObjectCheckpointStore if is_uri(location) else CheckpointStore
-    return cls(location, keep_last=keep_last, keep_every=keep_every, log=log)
+    return CheckpointStore(location_, keep_last=keep_last, keep_every=keep_every, log=log)
 
 
-def run_store_at(location: str | os.PathLike, log=None) -> CheckpointStore | None:
+def run_store_at(location_: str | os.PathLike, log=None) -> CheckpointStore | None:
     """The store of a run directory or run.storage given as checkpoint.resume (None when
-    `location` is a checkpoint itself, or nothing)."""
-    if is_uri(location):
-        objs = Objects(str(location), "checkpoint.resume")
-        if not objs.exists(MANIFEST) and objs.entries("checkpoints"):
-            return ObjectCheckpointStore(str(location), log=log)
-        return None
-    path = Path(location)
-    if path.is_dir() and not (path / MANIFEST).exists() and (path / "checkpoints").is_dir():
-        return CheckpointStore(path, log=log)
+    `location_` is a checkpoint itself, or nothing)."""
+    objs = location(location_, "checkpoint.resume")
+    if not objs.exists(MANIFEST) and objs.entries().get("checkpoints") == "directory":
+        return CheckpointStore(location_, log=log)
     return None
