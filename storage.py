@@ -29,6 +29,7 @@ This module sits at the package root beside durable.py: data_pipeline/ and launc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -561,6 +562,19 @@ class Objects:
     def make_folder(self, rel: str) -> None:
         """(an object store has no folders)"""
 
+    @contextlib.contextmanager
+    def local_copy(self, names: list[str]):
+        """A local folder holding those of `names` that are here (for a library that reads only
+        files: a tokenizer); removed afterwards."""
+        import tempfile
+
+        present = set(self.entries())
+        with tempfile.TemporaryDirectory(prefix="loomtrain-copy-") as folder:
+            for name in names:
+                if name in present:
+                    Path(folder, name).write_bytes(self.read(name))
+            yield folder
+
     def sync(self, rel: str = "", tree: bool = True) -> None:
         """(a PUT is durable when it returns)"""
 
@@ -662,6 +676,10 @@ class Folder:
     def make_folder(self, rel: str) -> None:
         (self.root / rel).mkdir(parents=True)
         fsync_path(self.root)
+
+    def local_copy(self, names: list[str]):
+        """(the folder itself)"""
+        return contextlib.nullcontext(str(self.root))
 
     def sync(self, rel: str = "", tree: bool = True) -> None:
         """fsync the folder (and, with `tree`, every folder below): what a rename needs to hold."""

@@ -15,12 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from loomtrain.data_pipeline.preprocess import preprocess_files
-from loomtrain.data_pipeline.remote import load_remote_tokenizer, open_shard_set, read_shard_index
-from loomtrain.data_pipeline.shards import SPLITS, VERSION, DataError, check_tokenizer_hash
+from loomtrain.data_pipeline.remote import load_shard_tokenizer, open_shard_set
+from loomtrain.data_pipeline.shards import SPLITS, VERSION, DataError, check_tokenizer_hash, read_index
 from loomtrain.data_pipeline.staging import partial_dir
 from loomtrain.data_pipeline.tokenizer import Tokenizer, load_tokenizer
 from loomtrain.durable import replace_dir
-from loomtrain.storage import below, is_uri
+from loomtrain.storage import below
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -68,7 +68,7 @@ def verify_shards(shard_dir, expected_tokenizer_hash: str | None) -> dict:
     """Index present, tokenizer matches, every shard file of every split complete. In object
     storage: every shard object of the size the index says (one listing); token ids are then
     checked as they are read, as scanning them all would download the dataset."""
-    index = read_shard_index(shard_dir)
+    index = read_index(shard_dir)
     check_tokenizer_hash(index, shard_dir, expected_tokenizer_hash)
     for split in SPLITS:
         if split in index["splits"]:
@@ -82,7 +82,7 @@ def _load_tokenizer(spec, shard_dir):
     """data.tokenizer for shards in `shard_dir`: "bpe" means the directory's own tokenizer.json."""
     if spec != "bpe":
         return load_tokenizer(spec)
-    return load_remote_tokenizer(shard_dir) if is_uri(shard_dir) else load_tokenizer(shard_dir)
+    return load_shard_tokenizer(shard_dir)
 
 
 def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer]:
@@ -100,7 +100,7 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
     if data_cfg.path:
         # A URI stays a string (object storage, read in place): never a Path, which would be ./s3:/...
         shard_dir = below(data_cfg.path)
-        read_shard_index(shard_dir)  # a clear error before the tokenizer is looked at
+        read_index(shard_dir)  # a clear error before the tokenizer is looked at
         tok = _load_tokenizer(data_cfg.tokenizer, shard_dir)
         verify_shards(shard_dir, tok.hash)
         return shard_dir, tok
@@ -161,7 +161,7 @@ def prepare_sources(data_cfg, cache_dir=None, *, log=None) -> tuple[Path | list[
     indexes = []
     for i, d in enumerate(dirs):
         try:
-            indexes.append(read_shard_index(d))
+            indexes.append(read_index(d))
         except DataError as exc:
             raise DataError(f"data.sources[{i}].path: {exc}") from None
     tok = _load_tokenizer(data_cfg.tokenizer, dirs[0])

@@ -24,8 +24,6 @@ never a batch of mixed bytes. Elsewhere a short read is caught the same way.
 from __future__ import annotations
 
 import errno
-import os
-import tempfile
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,14 +31,22 @@ from functools import partial
 
 import numpy as np
 from loomtrain.data_pipeline.shards import (
-    INDEX,
     DataError,
     check_tokenizer_hash,
     doc_starts_from,
-    parse_index,
     read_index,
 )
-from loomtrain.storage import StorageError, first_line, is_uri, join, listing, object_store, read_object
+from loomtrain.storage import (
+    StorageError,
+    below,
+    first_line,
+    is_uri,
+    join,
+    listing,
+    location,
+    object_store,
+    read_object,
+)
 
 FETCH_THREADS = 16  # ranged GETs in flight per stream: a GET's latency, not bandwidth, bounds a window's read
 
@@ -74,34 +80,21 @@ def read_whole(uri: str, missing: str) -> bytes:
     return data
 
 
-def read_remote_index(uri: str) -> dict:
-    open_store(uri)  # an unknown scheme or missing library: a DataError naming data.path
-    data = read_whole(
-        join(uri, INDEX),
-        "not found: not a complete shard directory (make one with `loomtrain preprocess --output URI`)",
-    )
-    return parse_index(data, join(uri, INDEX))
-
-
-def read_shard_index(location) -> dict:
-    """A shard directory's index, checked: a path (shards.read_index) or a URI."""
-    return read_remote_index(str(location)) if is_uri(location) else read_index(location)
-
-
-def load_remote_tokenizer(uri: str):
-    """The tokenizer a shard directory in object storage holds (its tokenizer.json, and
-    tokenizer_config.json when there is one: a chat template), read into a temp folder."""
+def load_shard_tokenizer(shard_dir):
+    """The tokenizer a shard directory holds (its tokenizer.json, and tokenizer_config.json when
+    there is one: a chat template), a folder or a URI alike."""
     from loomtrain.data_pipeline.tokenizer import CHAT_CONFIG, load_tokenizer
 
-    fs, path = open_store(uri)
-    names = list_directory(fs, path, uri)
-    with tempfile.TemporaryDirectory(prefix="loomtrain-tokenizer-") as tmp:
-        for name in ("tokenizer.json", CHAT_CONFIG):
-            if name in names or name == "tokenizer.json":
-                data = read_whole(join(uri, name), "not found (the shard directory's tokenizer)")
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(data)
-        return load_tokenizer(tmp)
+    objs = location(shard_dir, "data.path")
+    try:
+        if "tokenizer.json" not in objs.entries():
+            raise DataError(f"{below(shard_dir, 'tokenizer.json')}: not found (the shard directory's tokenizer)")
+        with objs.local_copy(["tokenizer.json", CHAT_CONFIG]) as folder:
+            return load_tokenizer(folder)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (the store's own error: no credentials, no bucket)
+        raise DataError(f"{shard_dir}: cannot read the shard directory's tokenizer ({first_line(exc)})") from None
 
 
 class WindowCache:
@@ -264,7 +257,7 @@ class RemoteShardSet:
     ):
         self.dir = str(uri).rstrip("/")
         self.fs, self._path = open_store(self.dir)
-        self.index = read_remote_index(self.dir)
+        self.index = read_index(self.dir)
         check_tokenizer_hash(self.index, self.dir, expected_tokenizer_hash)
         if split not in self.index["splits"]:
             raise DataError(f"{self.dir}: no split {split!r} (has {', '.join(self.index['splits'])})")
@@ -401,8 +394,6 @@ def open_shard_set(location, split: str, expected_tokenizer_hash: str | None, ca
 __all__ = [
     "RemoteShardSet",
     "WindowCache",
-    "load_remote_tokenizer",
+    "load_shard_tokenizer",
     "open_shard_set",
-    "read_remote_index",
-    "read_shard_index",
 ]

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 from loomtrain.durable import AtomicFile, atomic_write_json
+from loomtrain.storage import below, first_line, location
 
 FORMAT = "loomtrain-shards"
 VERSION = 2
@@ -150,15 +151,20 @@ class SplitWriter:
 
 
 def read_index(shard_dir: str | os.PathLike) -> dict:
-    shard_dir = Path(shard_dir)
-    path = shard_dir / INDEX
-    if not shard_dir.is_dir():
-        raise DataError(f"data directory not found: {shard_dir}")
-    if not path.is_file():
-        raise DataError(
-            f"{shard_dir} has no {INDEX}: not a complete shard directory (make one with `loomtrain preprocess`)"
-        )
-    return parse_index(path.read_bytes(), path)
+    """A shard directory's index (a folder or a URI), checked; what is wrong in one line."""
+    try:
+        objs = location(shard_dir, "data.path")
+        data = objs.read(INDEX)
+    except ValueError as exc:  # a URI of an unknown scheme, or its library missing
+        raise DataError(str(exc)) from None
+    except FileNotFoundError:
+        if not objs.entries():
+            raise DataError(f"data directory not found: {shard_dir}") from None
+        how = "`loomtrain preprocess`" + ("" if objs.local else " --output URI")
+        raise DataError(f"{shard_dir} has no {INDEX}: not a complete shard directory (make one with {how})") from None
+    except Exception as exc:  # noqa: BLE001  (unreadable, or the store's own error: no credentials, no bucket)
+        raise DataError(f"{below(shard_dir, INDEX)}: cannot read it ({first_line(exc)})") from None
+    return parse_index(data, below(shard_dir, INDEX))
 
 
 def parse_index(data: bytes, path) -> dict:
