@@ -5,8 +5,9 @@ A rank never downloads a split. It reads its own samples' windows (tokens [i*T, 
 a packed window), one ranged GET each (two where a window crosses shard files), and only the
 small files whole: index.json, tokenizer.json and, when documents are packed, {split}.docs.bin.
 
-    RemoteShardSet(uri, split, hash, cache)   ShardSet's interface (read, read_mask, doc_starts, ...)
-                                              over a shard directory in object storage
+    PinnedObject(fs, path, uri, info, what)   one object of a shard directory, pinned to the size
+                                              and ETag listed; shards.ShardSet reads a split in
+                                              object storage through these
     WindowCache(capacity_bytes)               the windows fetched ahead (a pool of threads) and,
                                               after use, kept up to capacity_bytes (LRU)
 
@@ -27,21 +28,14 @@ import errno
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 
-import numpy as np
 from loomtrain.data_pipeline.shards import (
     DataError,
-    check_tokenizer_hash,
-    doc_starts_from,
-    read_index,
 )
 from loomtrain.storage import (
     StorageError,
     below,
     first_line,
-    is_uri,
-    join,
     listing,
     location,
     object_store,
@@ -183,7 +177,7 @@ class WindowCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class _Object:
+class PinnedObject:
     """One object of a shard directory, pinned to the size and ETag the listing gave."""
 
     def __init__(self, fs, path: str, uri: str, info: dict, what: str):
@@ -243,156 +237,15 @@ class _Object:
         return data
 
 
-class RemoteShardSet:
-    """One split of a shard directory in object storage, read window by window (see the module
-    docstring); the interface of shards.ShardSet. `cache` is the stream's WindowCache (shared by
-    its sources); without one, reads are fetched as they come."""
-
-    def __init__(
-        self,
-        uri: str,
-        split: str = "train",
-        expected_tokenizer_hash: str | None = None,
-        cache: WindowCache | None = None,
-    ):
-        self.dir = str(uri).rstrip("/")
-        self.fs, self._path = open_store(self.dir)
-        self.index = read_index(self.dir)
-        check_tokenizer_hash(self.index, self.dir, expected_tokenizer_hash)
-        if split not in self.index["splits"]:
-            raise DataError(f"{self.dir}: no split {split!r} (has {', '.join(self.index['splits'])})")
-        self.split = split
-        self.dtype = np.dtype(self.index["dtype"])
-        self._le = "<" + self.dtype.str[1:]
-        self.tokenizer_hash = self.index["tokenizer"]["hash"]
-        self.eos_id = self.index["tokenizer"]["eos_id"]
-        self.vocab_size = self.index["tokenizer"]["vocab_size"]
-        self._check_ids = np.iinfo(self.dtype).max >= self.vocab_size
-        self.cache = cache if cache is not None else WindowCache(0)
-        self._own_cache = cache is None
-        info = self.index["splits"][split]
-        listed = list_directory(self.fs, self._path, self.dir)
-        self.objects: list[_Object] = []
-        self.files: list[str] = []
-        sizes = []
-        for shard in info["shards"]:
-            obj = self._object(listed, shard["file"], shard["num_tokens"] * self.dtype.itemsize, "shard", shard)
-            if shard["num_tokens"]:
-                self.objects.append(obj)
-                self.files.append(obj.uri)
-                sizes.append(shard["num_tokens"])
-        self.starts = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(np.int64)
-        self.num_tokens = int(self.starts[-1])
-        if self.num_tokens != info["num_tokens"]:
-            raise DataError(
-                f"{self.dir}: split {split!r} shards hold {self.num_tokens} tokens, index says {info['num_tokens']}"
-            )
-        self.records = self.index.get("records", "text")
-        # Not None: the split has a loss mask (1 = target), read window by window with read_mask.
-        self.mask: _Object | None = None
-        if "loss_mask" in info:
-            self.mask = self._object(listed, info["loss_mask"], self.num_tokens, "loss mask", None)
-        self._doc_starts: np.ndarray | None = None
-
-    def _object(self, listed: dict, name: str, expected: int, what: str, shard: dict | None) -> _Object:
-        uri = join(self.dir, name)
-        found = listed.get(name)
-        actual = int(found.get("size") or 0) if found is not None else None
-        if actual != expected:
-            says = f"{shard['num_tokens']} tokens = {expected} bytes" if shard else f"{expected} bytes"
-            raise DataError(
-                f"{what} {uri} is {'missing' if found is None else 'truncated or corrupt'}: index says {says}, "
-                f"the object has {actual if actual is not None else 0} bytes"
-            )
-        return _Object(self.fs, f"{self._path}/{name}", uri, found, what)
-
-    @property
-    def doc_starts(self) -> np.ndarray:
-        """int64 start offset of every document of the split ({split}.docs.bin, read whole once)."""
-        if self._doc_starts is None:
-            info = self.index["splits"][self.split]
-            name = info.get("doc_offsets")
-            uri = join(self.dir, name) if name else None
-            data = read_whole(uri, "missing") if name else None
-            self._doc_starts = doc_starts_from(data, info, self.dir, self.split, uri)
-        return self._doc_starts
-
-    # Windows ------------------------------------------------------------------
-    def _pieces(self, start: int, length: int) -> list[tuple[int, int, int]]:
-        """Tokens [start, start + length) as (object number, first byte, end byte) per shard crossed."""
-        if start < 0 or start + length > self.num_tokens:
-            raise IndexError(f"token range [{start}, {start + length}) outside split of {self.num_tokens}")
-        size = self.dtype.itemsize
-        i = int(np.searchsorted(self.starts, start, side="right")) - 1
-        offset, need, out = start - int(self.starts[i]), length, []
-        while need:
-            take = min(need, int(self.starts[i + 1] - self.starts[i]) - offset)
-            out.append((i, offset * size, (offset + take) * size))
-            need -= take
-            i, offset = i + 1, 0
-        return out
-
-    def _window(self, obj: _Object, a: int, b: int) -> bytes:
-        return self.cache.get((obj.uri, a, b), partial(obj.fetch, a, b))
-
-    def _window_ahead(self, obj: _Object, a: int, b: int) -> None:
-        self.cache.ahead((obj.uri, a, b), partial(obj.fetch, a, b))
-
-    def prefetch(self, start: int, length: int) -> None:
-        """Fetch tokens [start, start + length) ahead (read() then finds them)."""
-        for i, a, b in self._pieces(start, length):
-            self._window_ahead(self.objects[i], a, b)
-
-    def prefetch_mask(self, start: int, length: int) -> None:
-        if self.mask is not None and length:
-            self._window_ahead(self.mask, start, start + length)
-
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the split, crossing shard files as needed."""
-        parts = []
-        for i, a, b in self._pieces(start, length):
-            obj = self.objects[i]
-            part = np.frombuffer(self._window(obj, a, b), dtype=self._le)
-            if self._check_ids and part.size and int(part.max()) >= self.vocab_size:
-                bad = int(np.flatnonzero(part >= self.vocab_size)[0])
-                offset = a // self.dtype.itemsize + bad
-                raise DataError(
-                    f"{obj.uri}: token id {int(part[bad])} at token offset {offset} "
-                    f"(byte {offset * self.dtype.itemsize}) is >= the vocabulary size {self.vocab_size}; "
-                    "the shard is corrupt or was made by another tokenizer"
-                )
-            parts.append(part.astype(self.dtype, copy=False))
-        if not parts:
-            return np.zeros(0, self.dtype)
-        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
-
-    def read_mask(self, start: int, length: int) -> np.ndarray:
-        """uint8 [length]: 1 where token start + i is a target (all ones without a loss mask)."""
-        if self.mask is None:
-            return np.ones(length, dtype=np.uint8)
-        if not length:
-            return np.zeros(0, np.uint8)
-        return np.frombuffer(self._window(self.mask, start, start + length), np.uint8).copy()
-
-    def check_ids(self, chunk_tokens: int = 0) -> None:
-        """Ids are checked on every read (a whole-split scan would download the split)."""
-
-    def close(self) -> None:
-        if self._own_cache:
-            self.cache.close()
-
-
-def open_shard_set(location, split: str, expected_tokenizer_hash: str | None, cache: WindowCache | None):
-    """A split of a shard directory: memory-mapped (a path, as ever) or read window by window (a URI)."""
+def open_shard_set(where, split: str, expected_tokenizer_hash: str | None, cache: WindowCache | None):
+    """A split of a shard directory: memory-mapped (a folder) or read window by window (a URI)."""
     from loomtrain.data_pipeline.shards import ShardSet
 
-    if is_uri(location):
-        return RemoteShardSet(str(location), split, expected_tokenizer_hash, cache)
-    return ShardSet(location, split, expected_tokenizer_hash)
+    return ShardSet(where, split, expected_tokenizer_hash, cache)
 
 
 __all__ = [
-    "RemoteShardSet",
+    "PinnedObject",
     "WindowCache",
     "load_shard_tokenizer",
     "open_shard_set",

@@ -520,8 +520,6 @@ class TokenStream:
             sources, idx = self.locate(self.rank_positions(r))
             for k, i in zip(sources.tolist(), idx.tolist()):
                 src = self.sources[k]
-                if not hasattr(src, "prefetch"):  # a source on disk in a mixture: memory-mapped
-                    continue
                 if self.document_masking:
                     for a, b in self.windows[k].ranges(i):
                         src.prefetch(a, b - a)

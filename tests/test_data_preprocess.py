@@ -323,7 +323,7 @@ def test_error_truncated_shard_detected(tmp_path):
     with pytest.raises(
         DataError,
         match=rf"shard .*train_00000.bin is truncated or corrupt: index says {size // 2} tokens = {size} bytes, "
-        rf"file has {size - 10} bytes",
+        rf"the file has {size - 10} bytes",
     ):
         prepare_data(DataConfig(path=str(tmp_path / "o")))
     with pytest.raises(DataError, match="no index.json: not a complete shard directory"):
