@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import xxhash
-from loomtrain.storage import is_uri, object_store
+from loomtrain.storage import below, location
 
 GRID_ROWS, GRID_COLS = 32, 8
 # name -> a new hash object, for the tile checksums of an index (its format says which: state.READS)
@@ -363,77 +363,61 @@ _NUMPY = {
 }  # BF16: raw, converted by torch
 
 
-class _MappedFile:
-    """A safetensors file mapped into memory: each tensor a zero-copy numpy view, so a reader
-    touches only the pages it reads. The header is checked against the file's size first (a
-    truncated file is named, never a SIGBUS)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            try:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n)) if 8 + n <= size else None
-            except (struct.error, ValueError, UnicodeDecodeError):
-                header = None
-            if not isinstance(header, dict):
-                raise CorruptCheckpoint(f"{path}: not a readable safetensors file (damaged header)")
-            header.pop("__metadata__", None)
-            end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-            if 8 + n + end > size:
-                raise CorruptCheckpoint(f"{path}: {size} bytes, its header says {8 + n + end} (truncated?)")
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        self._header, self._base = header, 8 + n
-
-    def tensor(self, name: str) -> tuple[np.ndarray, str]:
-        """(the tensor's values as a flat array of its raw type, its safetensors dtype)."""
-        try:
-            info = self._header[name]
-            dtype = info["dtype"]
-            lo, hi = (int(v) for v in info["data_offsets"])
-            count = (hi - lo) // np.dtype(_NUMPY[dtype]).itemsize
-        except (KeyError, TypeError, ValueError):
-            raise CorruptCheckpoint(f"{self.path}: no tensor {name!r} (named by the checkpoint index)") from None
-        return np.frombuffer(self._map, dtype=_NUMPY[dtype], count=count, offset=self._base + lo), dtype
-
-
 # Ranged reads closer than this are fetched as one GET (a request costs about as much as this many bytes).
 MERGE_GAP_BYTES = 1 << 20
-HEADER_GUESS = 64 << 10  # the first GET of an object: its header, usually whole
+HEADER_GUESS = 64 << 10  # the first read of a file: its header, usually whole
 
 
-class _RangedFile:
-    """A safetensors object in an object store, read with ranged GETs: the header once, then of
-    each tensor only the element ranges asked for (`spans`), fetched concurrently. The tensor is
-    handed back as an array of its full length whose other values are never read (zeros, not
-    even allocated: the pages of a large np.zeros are mapped only when written)."""
+class _SafetensorsFile:
+    """A safetensors file of a checkpoint, its header checked against its size first (a
+    truncated file is named, never a SIGBUS). Local: memory-mapped, each tensor a zero-copy view,
+    so a reader touches only the pages it reads. In an object store: read with ranged GETs, the
+    header once, then of each tensor only the element ranges asked for (`spans`), fetched
+    concurrently, handed back as an array of its full length whose other values are never read
+    (zeros, not even allocated: the pages of a large np.zeros are mapped only when written)."""
 
-    def __init__(self, fs, key: str, name: str):
-        self.fs, self.key, self.path = fs, key, name
+    def __init__(self, objs, rel: str):
+        self.path = objs.name(rel)
         self.bytes_fetched = 0
-        try:
-            size = int(fs.info(key)["size"])
-            head = fs.cat_file(key, start=0, end=min(size, HEADER_GUESS)) if size else b""
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"{name}: missing (named by the checkpoint index)") from None
+        self._map = None
+        if objs.local:
+            if not Path(self.path).is_file():
+                raise CorruptCheckpoint(f"{self.path}: missing (named by the checkpoint index)")
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+
+            def read(a: int, b: int) -> bytes:
+                return bytes(self._map[a:b])
+        else:
+            self._fs, self._key = objs.fs, f"{objs.path}/{rel}"
+            try:
+                size = int(self._fs.info(self._key)["size"])
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{self.path}: missing (named by the checkpoint index)") from None
+
+            def read(a: int, b: int) -> bytes:
+                return self._fs.cat_file(self._key, start=a, end=b)
+
+        head = read(0, min(size, HEADER_GUESS)) if size else b""
         header = None
         try:
             (n,) = struct.unpack("<Q", head[:8])
             if 8 + n <= size:
-                raw = head[8 : 8 + n] if 8 + n <= len(head) else fs.cat_file(key, start=8, end=8 + n)
-                header = json.loads(raw)
+                header = json.loads(head[8 : 8 + n] if 8 + n <= len(head) else read(8, 8 + n))
         except (struct.error, ValueError, UnicodeDecodeError):
             header = None
         if not isinstance(header, dict):
-            raise CorruptCheckpoint(f"{name}: not a readable safetensors file (damaged header)")
+            raise CorruptCheckpoint(f"{self.path}: not a readable safetensors file (damaged header)")
         header.pop("__metadata__", None)
         end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
         if 8 + n + end > size:
-            raise CorruptCheckpoint(f"{name}: {size} bytes, its header says {8 + n + end} (truncated?)")
+            raise CorruptCheckpoint(f"{self.path}: {size} bytes, its header says {8 + n + end} (truncated?)")
         self._header, self._base = header, 8 + n
 
     def tensor(self, name: str, spans: list[tuple[int, int]] | None = None) -> tuple[np.ndarray, str]:
+        """(the tensor's values as a flat array of its raw type, its safetensors dtype); in an
+        object store only `spans` (element ranges; None: all) are fetched."""
         try:
             info = self._header[name]
             dtype = info["dtype"]
@@ -442,13 +426,15 @@ class _RangedFile:
             count = (hi - lo) // item
         except (KeyError, TypeError, ValueError):
             raise CorruptCheckpoint(f"{self.path}: no tensor {name!r} (named by the checkpoint index)") from None
+        if self._map is not None:
+            return np.frombuffer(self._map, dtype=_NUMPY[dtype], count=count, offset=self._base + lo), dtype
         out = np.zeros(count, dtype=_NUMPY[dtype])
         ranges = _merge_spans(spans if spans is not None else [(0, count)], MERGE_GAP_BYTES // item)
         if not ranges:
             return out, dtype
         starts = [self._base + lo + a * item for a, _ in ranges]
         ends = [self._base + lo + b * item for _, b in ranges]
-        got = self.fs.cat_ranges([self.key] * len(ranges), starts, ends, on_error="return")
+        got = self._fs.cat_ranges([self._key] * len(ranges), starts, ends, on_error="return")
         for (a, b), data in zip(ranges, got):
             if isinstance(data, FileNotFoundError):
                 raise CorruptCheckpoint(f"{self.path}: missing (named by the checkpoint index)")
@@ -514,15 +500,14 @@ class ShardedReader:
 
     def __init__(self, root: str | os.PathLike, index: dict, files: dict, keys: list, checksum: str = TILE_CHECKSUM):
         # A URI (run.storage): the objects are read with ranged GETs of the tiles wanted only.
-        self.remote = is_uri(root)
-        self.root = str(root).rstrip("/") if self.remote else Path(root)
-        self._store = object_store(self.root, "checkpoint") if self.remote else None
+        self._objs = location(root, "checkpoint")
+        self.root = below(root)
         self.params = index["params"]
         self.files = files
         self.keys = keys
         self.checksum = checksum
         self.bytes_read = 0
-        self._open: dict[str, _MappedFile] = {}
+        self._open: dict[str, _SafetensorsFile] = {}
 
     def names(self) -> list[str]:
         return list(self.params)
@@ -543,18 +528,11 @@ class ShardedReader:
         return sum(getattr(f, "bytes_fetched", 0) for f in self._open.values())
 
     def _where(self, rel: str):
-        return f"{self.root}/{rel}" if self.remote else self.root / rel
+        return below(self.root, rel)
 
-    def _file(self, rel: str) -> _MappedFile | _RangedFile:
+    def _file(self, rel: str) -> _SafetensorsFile:
         if rel not in self._open:
-            if self.remote:
-                fs, base = self._store
-                self._open[rel] = _RangedFile(fs, f"{base.rstrip('/')}/{rel}", self._where(rel))
-                return self._open[rel]
-            path = self.root / rel
-            if not path.is_file():
-                raise CorruptCheckpoint(f"{path}: missing (named by the checkpoint index)")
-            self._open[rel] = _MappedFile(path)
+            self._open[rel] = _SafetensorsFile(self._objs, rel)
         return self._open[rel]
 
     def full(self, name: str, key: str | None = None) -> torch.Tensor:
@@ -593,10 +571,8 @@ class ShardedReader:
                 for tg in range(c0 // cs, (c1 - 1) // cs + 1)
             }
             touched = sorted(touched)
-            if self.remote:  # only the touched tiles travel
-                data, dtype = self._file(rel).tensor(tname, _tile_spans(reg, [tiles[t] for t in touched]))
-            else:
-                data, dtype = self._file(rel).tensor(tname)
+            # from an object store only the touched tiles travel
+            data, dtype = self._file(rel).tensor(tname, _tile_spans(reg, [tiles[t] for t in touched]))
             if len(data) != reg.numel:
                 raise CorruptCheckpoint(
                     f"{self._where(rel)}: {tname} has {len(data)} values, the index says {reg.numel}"
