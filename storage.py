@@ -277,10 +277,10 @@ def list_objects(uri: str) -> dict[str, dict]:
     return out
 
 
-def read_object(uri: str, start: int | None = None, end: int | None = None) -> bytes | None:
-    """The object's bytes (only [start, end) with either given: a ranged read), or None when
-    there is none."""
-    fs, path = object_store(uri)
+def read_object(uri: str | os.PathLike, start: int | None = None, end: int | None = None) -> bytes | None:
+    """The object's (or a local file's) bytes (only [start, end) with either given: a ranged
+    read), or None when there is none."""
+    fs, path = filesystem(uri)
     try:
         return fs.cat_file(path, start=start, end=end)
     except FileNotFoundError:
@@ -736,6 +736,14 @@ def below(where: str | os.PathLike, rel: str = "") -> Path | str:
         base = str(where).rstrip("/")
         return f"{base}/{rel.strip('/')}" if rel else base
     return Path(where) / rel if rel else Path(where)
+
+
+def absolute(where: str) -> str:
+    """A location as a process in another working directory reads it: a path made absolute
+    (`~` expanded), a URI (or nothing) as it is."""
+    if not where or is_uri(where):
+        return where
+    return str(Path(os.path.expanduser(os.fspath(where))).absolute())
 
 
 def same_location(a: str | os.PathLike, b: str | os.PathLike) -> bool:

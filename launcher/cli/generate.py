@@ -90,33 +90,29 @@ def pick_device(requested: str) -> str:
 def load_model(path: str, device: str):
     """-> (model, tokenizer, what was loaded): final weights where there are some, else the
     newest complete checkpoint of a run, or the checkpoint directory `path` names."""
-    from pathlib import Path
 
     import torch
     from loomtrain.data_pipeline import load_tokenizer
     from loomtrain.launcher.checkpoints.export import ExportError, open_source
-    from loomtrain.launcher.checkpoints.final import FinalWeightsError, find_final_uri
+    from loomtrain.launcher.checkpoints.final import FINAL_MANIFEST, FinalWeightsError
     from loomtrain.launcher.checkpoints.lora_weights import BaseMismatch, merge_adapters
     from loomtrain.launcher.checkpoints.store import MANIFEST
     from loomtrain.launcher.checkpoints.weight_source import load_final
     from loomtrain.model import Transformer
-    from loomtrain.storage import is_uri
+    from loomtrain.storage import below, location
 
-    if is_uri(path):  # never a path: s3://b/x would read a folder ./s3:/b/x
-        from loomtrain.storage import Objects
-
-        # a checkpoint (its manifest beside trainer.json) is read as export reads it, not as a final/
-        if not Objects(path, "RUN_DIR").exists("trainer.json") and find_final_uri(path) is not None:
-            model, tok = load_final(path, device=device)
-            return model, tok, "final weights"
-        src = path  # a checkpoint, or a run storage's newest one (else export's line: no final/)
-    else:
-        p = Path(path)
-        is_checkpoint = (p / MANIFEST).is_file() and (p / "trainer.json").is_file()
-        if not is_checkpoint and (p.is_file() or not (p / "checkpoints").is_dir() or (p / "final").is_dir()):
-            model, tok = load_final(path, device=device)
-            return model, tok, "final weights"
-        src = p
+    # A folder or a URI alike (never a path for a URI: s3://b/x would read a folder ./s3:/b/x).
+    # A checkpoint (its manifest beside trainer.json) is read as export reads it; a run's final/
+    # (committed: its manifest written), final weights themselves or a file, as final weights; a
+    # run with checkpoints and no committed final/, its newest checkpoint (else export's line).
+    objs = location(path, "RUN_DIR")
+    entries = objs.entries()
+    is_checkpoint = entries.get(MANIFEST) == "file" and entries.get("trainer.json") == "file"
+    has_final = objs.exists(f"final/{FINAL_MANIFEST}")
+    if not is_checkpoint and (entries.get("checkpoints") != "directory" or has_final):
+        model, tok = load_final(path, device=device)
+        return model, tok, "final weights"
+    src = below(path)
     try:
         source = merge_adapters(open_source(src))  # a LoRA checkpoint: its base + adapters, merged
     except (ExportError, BaseMismatch) as exc:

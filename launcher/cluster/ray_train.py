@@ -75,10 +75,9 @@ from loomtrain.durable import atomic_write, replace_dir, temp_name
 from loomtrain.launcher.cluster.recovery import Recovery, restart_note
 from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
-from loomtrain.launcher.rundir import local_path
 from loomtrain.launcher.training import plugins
 from loomtrain.launcher.training.stopping import signal_name
-from loomtrain.storage import join
+from loomtrain.storage import absolute, join
 
 RAY_RUN_NAME = "ray_train"
 POINTER_FILE = "loomtrain_pointer.json"
@@ -88,26 +87,19 @@ ATTEMPTS_FILE = "ray_attempts.jsonl"
 # ----------------------------------------------------------------- helpers
 
 
-def _is_uri(s: str) -> bool:
-    return "://" in s
-
-
 def absolutize(cfg: RunConfig) -> RunConfig:
     """Workers run in a directory Ray chooses: make the config's paths absolute."""
 
-    def ab(p: str) -> str:
-        return p if (not p or _is_uri(p)) else str(local_path(p).absolute())
-
-    run = dataclasses.replace(cfg.run, dir=ab(cfg.run.dir))
+    run = dataclasses.replace(cfg.run, dir=absolute(cfg.run.dir))
     data = dataclasses.replace(
         cfg.data,
-        path=ab(cfg.data.path),
-        cache_dir=ab(cfg.data.cache_dir),
-        tokenizer=cfg.data.tokenizer if cfg.data.tokenizer in BUILTIN_TOKENIZERS else ab(cfg.data.tokenizer),
+        path=absolute(cfg.data.path),
+        cache_dir=absolute(cfg.data.cache_dir),
+        tokenizer=cfg.data.tokenizer if cfg.data.tokenizer in BUILTIN_TOKENIZERS else absolute(cfg.data.tokenizer),
     )
     resume = cfg.checkpoint.resume
-    ckpt = dataclasses.replace(cfg.checkpoint, resume=resume if resume in RESUME_MODES else ab(resume))
-    ray_ = dataclasses.replace(cfg.ray, storage=ab(cfg.ray.storage))
+    ckpt = dataclasses.replace(cfg.checkpoint, resume=resume if resume in RESUME_MODES else absolute(resume))
+    ray_ = dataclasses.replace(cfg.ray, storage=absolute(cfg.ray.storage))
     return dataclasses.replace(cfg, run=run, data=data, checkpoint=ckpt, ray=ray_)
 
 

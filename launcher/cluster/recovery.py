@@ -42,7 +42,7 @@ from typing import Any
 from loomtrain.durable import atomic_write
 from loomtrain.launcher.distributed import all_gather_objects
 from loomtrain.launcher.hooks import TrainContext
-from loomtrain.storage import StorageError, is_uri, join, read_object, write_object
+from loomtrain.storage import StorageError, join, read_object, write_object
 
 PROGRESS_FILE = "ray_progress.json"
 
@@ -190,7 +190,7 @@ def restart_note(attempts: Path | str, run_started_at: float, alive: list[str]) 
     lost, not replaced)', or '' when this driver's run never started an attempt. `attempts`:
     RUN_DIR's file, or with run.storage its copy there (a URI)."""
     try:
-        text = (read_object(attempts) or b"").decode() if is_uri(attempts) else Path(attempts).read_text()
+        text = (read_object(attempts) or b"").decode()
         mine = [json.loads(line) for line in text.splitlines()]
     except (OSError, ValueError):  # StorageError included: the note is an aside to the error
         return ""
