@@ -18,6 +18,12 @@ Objects, one primitive each (a failure is one line naming the object: StorageErr
     upload_file / upload_files  local files up, several in flight on transfer_pool() (in_flight);
                                 download_verified: down, checked against a manifest, cached
     Objects(uri)                a prefix (the checkpoint store's view: errors pass through)
+    Folder(path)                a local folder behind Objects' interface: what only a disk does
+                                (fsync, the rename that publishes, a memory map) lives in it
+    location(where, what)       Folder or Objects for a path or a URI: the one place callers
+                                (checkpoint store, shard reader, run markers) tell them apart
+    below(where, rel)           a location as messages and pointers name it (a Path, or a URI)
+    same_location / inside      compare locations of either kind; absolute(where) for a worker
     Upload                      a streaming multipart upload, parts in flight on transfer_pool()
 
 Credentials and the endpoint come from the storage library's standard chain (for S3:
@@ -713,6 +719,21 @@ class Folder:
 
     def absent(self) -> str:
         return "nothing there (an empty folder)" if self.root.is_dir() else "not a directory"
+
+
+@contextlib.contextmanager
+def output_folder(where: str | os.PathLike, publish, staging: str | os.PathLike | None = None):
+    """The local folder a command writes its output in (an export, an import): `where` itself for
+    a path (the writer publishes it with its own rename), or a folder under `staging` that
+    `publish(folder, uri)` uploads once it is complete (a URI: an object store has no rename)."""
+    if not is_uri(where):
+        yield Path(os.path.expanduser(os.fspath(where)))
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="loomtrain-out-", dir=staging) as tmp:
+        yield Path(tmp) / "out"
+        publish(Path(tmp) / "out", str(where).rstrip("/"))
 
 
 def sha256_file(path: str | os.PathLike) -> str:

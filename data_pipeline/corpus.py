@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from loomtrain.data_pipeline.preprocess import preprocess_files
-from loomtrain.data_pipeline.remote import load_shard_tokenizer, open_shard_set
+from loomtrain.data_pipeline.remote import load_shard_tokenizer
+from loomtrain.data_pipeline.shard_set import open_shard_set
 from loomtrain.data_pipeline.shards import SPLITS, VERSION, DataError, check_tokenizer_hash, read_index
 from loomtrain.data_pipeline.staging import partial_dir
 from loomtrain.data_pipeline.tokenizer import Tokenizer, load_tokenizer

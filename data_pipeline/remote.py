@@ -237,16 +237,8 @@ class PinnedObject:
         return data
 
 
-def open_shard_set(where, split: str, expected_tokenizer_hash: str | None, cache: WindowCache | None):
-    """A split of a shard directory: memory-mapped (a folder) or read window by window (a URI)."""
-    from loomtrain.data_pipeline.shards import ShardSet
-
-    return ShardSet(where, split, expected_tokenizer_hash, cache)
-
-
 __all__ = [
     "PinnedObject",
     "WindowCache",
     "load_shard_tokenizer",
-    "open_shard_set",
 ]

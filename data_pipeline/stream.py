@@ -45,8 +45,9 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from loomtrain.data_pipeline.remote import WindowCache, open_shard_set
-from loomtrain.data_pipeline.shards import DataError, ShardSet
+from loomtrain.data_pipeline.remote import WindowCache
+from loomtrain.data_pipeline.shard_set import ShardSet, open_shard_set
+from loomtrain.data_pipeline.shards import DataError
 from loomtrain.storage import is_uri
 
 STATE_VERSION = 1

@@ -21,7 +21,7 @@ from loomtrain.data_pipeline import (
     train_bpe,
 )
 from loomtrain.data_pipeline import preprocess as pp
-from loomtrain.data_pipeline.shards import ShardSet
+from loomtrain.data_pipeline.shard_set import ShardSet
 from loomtrain.launcher.cli import preprocess as preprocess_cli
 from loomtrain.launcher.config import DataConfig
 

@@ -11,7 +11,7 @@ import pytest
 from loomtrain.data_pipeline.instructions import ASK, corpus_chats, function_chats, main, write_jsonl
 from loomtrain.data_pipeline.preprocess import preprocess_files
 from loomtrain.data_pipeline.records import question_tokens
-from loomtrain.data_pipeline.shards import ShardSet
+from loomtrain.data_pipeline.shard_set import ShardSet
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -48,7 +48,6 @@ import json
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,11 +85,13 @@ from loomtrain.launcher.checkpoints.weight_source import open_source as open_wei
 from loomtrain.model import ModelConfig
 from loomtrain.storage import (
     StorageError,
+    below,
     delete_objects,
     download_verified,
     is_uri,
     join,
-    list_objects,
+    location,
+    output_folder,
     read_object,
     upload_files,
 )
@@ -462,37 +463,27 @@ def write_weights(recipes: dict[str, Recipe], out: Path, dtype: torch.dtype, max
     return names
 
 
-def _earlier_export(path: Path) -> bool:
-    names = {p.name for p in path.iterdir()}
-    return "config.json" in names and ("model.safetensors" in names or "model.safetensors.index.json" in names)
-
-
-def _check_output(out: Path) -> None:
-    if out.is_file() or (out.exists() and not out.is_dir()):
-        raise ExportError(
-            f"--output {out}: is a file; expected a directory to create (or an earlier export to replace)"
-        )
-    if out.is_dir() and any(out.iterdir()) and not _earlier_export(out):
-        raise ExportError(
-            f"--output {out}: a non-empty directory that is not an earlier export; "
-            f"choose a new or empty directory (nothing in it was touched)"
-        )
-
-
 def _export_names(name: str) -> bool:
-    """A file an export writes (what an earlier export at a URI may hold, a cut-short one too)."""
+    """A file an export writes (what an earlier export may hold, a cut-short one too)."""
     small = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", WEIGHTS_INDEX)
     return name in small or (name.startswith("model") and name.endswith(".safetensors"))
 
 
-def _check_output_uri(uri: str) -> None:
-    listed = list_objects(uri)
-    others = sorted(rel for rel in listed if not _export_names(rel))
+def check_export_output(output, ours: Callable[[str], bool] = _export_names, what: str = "an earlier export") -> None:
+    """--output (a folder or a prefix) is new or empty, or holds only files an export writes
+    (`ours`: an earlier export, replaced); never a file, nor a place holding anything else.
+    Refused in one line, with nothing there touched."""
+    objs = location(output, "--output")
+    kind = "directory" if objs.local else "prefix"
+    if objs.local and Path(output).exists() and not Path(output).is_dir():
+        raise ExportError(f"--output {output}: is a file; expected a directory to create (or {what} to replace)")
+    entries = objs.entries()
+    others = sorted(name for name, type_ in entries.items() if type_ != "file" or not ours(name))
     if others:
-        more = f" and {len(listed) - 1} more objects" if len(listed) > 1 else ""
+        more = f" and {len(entries) - 1} more {objs.noun}s" if len(entries) > 1 else ""
         raise ExportError(
-            f"--output {uri}: holds {others[0]}{more}, not an earlier export; "
-            f"choose a new or empty prefix (nothing in it was touched)"
+            f"--output {output}: holds {others[0]}{more}, not {what}; choose a new or empty {kind} "
+            "(nothing in it was touched)"
         )
 
 
@@ -515,13 +506,10 @@ def export_hf(
     max_bytes = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
     try:
         with naming_objects():
-            if not is_uri(output):
-                return _export(src, Path(output), dtype, max_bytes, shown=str(output))
-            _check_output_uri(str(output))
-            with tempfile.TemporaryDirectory(prefix="export-", dir=staging_folder()) as tmp:
-                _export(src, Path(tmp) / "export", dtype, max_bytes, shown=str(output))
-                publish_export(Path(tmp) / "export", str(output))
-            return str(output)
+            check_export_output(output)
+            with output_folder(output, publish_export, staging_folder()) as out:
+                _export(src, out, dtype, max_bytes, shown=str(output))
+            return below(output)
     except StorageError as exc:
         raise ExportError(str(exc)) from None
 
@@ -529,7 +517,6 @@ def export_hf(
 def _export(src: str | Path, out: Path, dtype: str, max_bytes: int, shown: str) -> Path:
     """The export into the local folder `out` (`shown`: what the user named it)."""
     torch_dtype = DTYPES[dtype]
-    _check_output(out)
     try:
         source = merge_adapters(open_source(src))  # a LoRA checkpoint: base + adapters merged
     except BaseMismatch as exc:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import tempfile
 from pathlib import Path
 
 from loomtrain.data_pipeline import DataError, load_tokenizer
@@ -48,7 +47,7 @@ from loomtrain.launcher.checkpoints.hf_source import HFImportError, open_hf
 from loomtrain.launcher.checkpoints.safetensors_source import WeightSource, check_complete, model_tensor_names
 from loomtrain.launcher.config import DataConfig, RunConfig, RunSection, TrainConfig
 from loomtrain.launcher.config_loader import to_yaml
-from loomtrain.storage import StorageError, delete_objects, is_uri, join, list_objects, read_object, upload_files
+from loomtrain.storage import StorageError, delete_objects, is_uri, join, location, output_folder, upload_files
 
 FORMATS = ("hf",)
 
@@ -96,61 +95,39 @@ def write_run_config(out: Path, model_cfg, src_name: str, uri: str | None = None
     return out / "config.yaml"
 
 
-def _imported_from(out: Path) -> str | None:
-    """The source a previous import into `out` came from (config.yaml's first line), or None."""
-    try:
-        with open(out / "config.yaml", encoding="utf-8", errors="replace") as f:
-            first = f.readline()
-    except OSError:
-        return None
-    return _source_in(first)
-
-
 def _source_in(first: str) -> str | None:
     """The source config.yaml's first line names, or None when it is not an import's."""
     head, tail = IMPORTED_FROM.split("{}")
     return first[len(head) : -len(tail)] if first.startswith(head) and first.endswith(tail) else None
 
 
-def check_output(out: Path, src: Path) -> None:
-    """--output is absent, an empty directory, or a previous import of the same source (which
-    the import replaces); never a file, the source itself or a folder holding anything else.
-    Refused in one line, with nothing there changed."""
-    untouched = "choose a new or empty directory (nothing in it was touched)"
-    if out.exists() and not out.is_dir():
-        raise HFImportError(f"--output {out}: is a file; expected a new or empty directory")
-    if not out.is_dir():
-        return
-    if out.resolve() == src.resolve():
-        raise HFImportError(f"--output {out}: is the source directory itself; {untouched}")
-    entries = sorted(p.name for p in out.iterdir())
+def check_output(output, src: Path, src_name: str) -> None:
+    """--output (a folder or a prefix) is absent, empty, or a previous import of the same source
+    (which the import replaces); never a file, the source itself or a place holding anything
+    else. Refused in one line, with nothing there changed."""
+    objs = location(output, "--output")
+    untouched = f"choose a new or empty {'directory' if objs.local else 'prefix'} (nothing in it was touched)"
+    if objs.local:
+        out = Path(output)
+        if out.exists() and not out.is_dir():
+            raise HFImportError(f"--output {out}: is a file; expected a new or empty directory")
+        if out.is_dir() and out.resolve() == src.resolve():
+            raise HFImportError(f"--output {out}: is the source directory itself; {untouched}")
+    entries = sorted(objs.entries())
     if not entries:
         return
-    previous = _imported_from(out)
-    if set(entries) <= IMPORT_ENTRIES and previous == str(src.resolve()):
-        return
-    if set(entries) <= IMPORT_ENTRIES and previous is not None:
-        raise HFImportError(f"--output {out}: holds an import of {previous}, not of {src.resolve()}; {untouched}")
-    others = [e for e in entries if e not in IMPORT_ENTRIES] or entries
-    more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
-    raise HFImportError(f"--output {out}: holds {others[0]}{more}, not a previous import of {src}; {untouched}")
-
-
-def check_output_uri(uri: str, src_name: str) -> None:
-    """check_output for an --output URI: what is under it decides, as a folder's entries do."""
-    untouched = "choose a new or empty prefix (nothing in it was touched)"
-    entries = sorted({rel.split("/")[0] for rel in list_objects(uri)})
-    if not entries:
-        return
-    raw = read_object(join(uri, "config.yaml"))
-    previous = _source_in(raw.decode("utf-8", "replace").split("\n")[0] + "\n") if raw else None
+    try:
+        first = objs.read("config.yaml").decode("utf-8", "replace").split("\n")[0] + "\n"
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        first = ""
+    previous = _source_in(first)
     if set(entries) <= IMPORT_ENTRIES and previous == src_name:
         return
     if set(entries) <= IMPORT_ENTRIES and previous is not None:
-        raise HFImportError(f"--output {uri}: holds an import of {previous}, not of {src_name}; {untouched}")
+        raise HFImportError(f"--output {output}: holds an import of {previous}, not of {src_name}; {untouched}")
     others = [e for e in entries if e not in IMPORT_ENTRIES] or entries
     more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
-    raise HFImportError(f"--output {uri}: holds {others[0]}{more}, not a previous import of {src_name}; {untouched}")
+    raise HFImportError(f"--output {output}: holds {others[0]}{more}, not a previous import of {src_name}; {untouched}")
 
 
 def _first_missing(path: Path) -> Path | None:
@@ -206,17 +183,12 @@ def _import_hf(src: str | Path, output: str | Path) -> Path | str:
     except ModelIdError as exc:
         raise HFImportError(str(exc)) from None
     src_name = src_uri or str(src.resolve())
-    if is_uri(output):
-        out, uri = None, str(output)
-        check_output_uri(uri, src_name)
-    else:
-        out, uri = Path(output).expanduser().absolute(), None
-        try:
-            check_output(out, src)
-        except OSError as exc:  # a folder on the way that cannot be read
-            raise HFImportError(
-                f"--output {out}: cannot look into {exc.filename or out}: {exc.strerror or exc}"
-            ) from None
+    try:
+        check_output(output, src, src_name)
+    except OSError as exc:  # a folder on the way that cannot be read
+        raise HFImportError(
+            f"--output {output}: cannot look into {exc.filename or output}: {exc.strerror or exc}"
+        ) from None
     if not (src / "config.json").is_file():
         raise HFImportError(f"{src}: no config.json (expected a Hugging Face model directory)")
     source = open_hf(src)
@@ -224,13 +196,10 @@ def _import_hf(src: str | Path, output: str | Path) -> Path | str:
     tok = _load_tokenizer(source, src)
     # all read (each tensor checked to be finite) before anything is written
     state = {name: source.read(name) for name in model_tensor_names(source.model_cfg)}
-    if uri is None:
-        write_import(out, state, source, tok, src_name)
-    else:
-        with tempfile.TemporaryDirectory(prefix="import-", dir=staging_folder()) as tmp:
-            write_import(Path(tmp) / "run", state, source, tok, src_name, uri)
-            publish_import(Path(tmp) / "run", uri)
+    uri = None if location(output, "--output").local else str(output).rstrip("/")  # what the run config names
+    with output_folder(output, publish_import, staging_folder()) as out:
+        write_import(out.absolute(), state, source, tok, src_name, uri)
     n = sum(t.numel() for t in state.values())
     description = objects_named(source.description)
-    print(f"import: {description} -> {uri or out} ({n:,} parameters, tokenizer {tok.vocab_size} tokens)")
-    return uri or out
+    print(f"import: {description} -> {uri or out.absolute()} ({n:,} parameters, tokenizer {tok.vocab_size} tokens)")
+    return uri or out.absolute()

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 from loomtrain.durable import replace_dir, write_durable
 from loomtrain.launcher.checkpoints.export import (
     DTYPES,
     ExportError,
+    check_export_output,
     hf_architecture,
     open_source,
     staging_folder,
@@ -33,7 +33,7 @@ from loomtrain.launcher.checkpoints.hf_families import family_refs
 from loomtrain.launcher.checkpoints.lora_weights import BaseMismatch, merge_adapters
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
 from loomtrain.model.lora import is_adapter
-from loomtrain.storage import is_uri, upload_files
+from loomtrain.storage import below, output_folder, upload_files
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -72,20 +72,7 @@ def adapter_config(cfg, names: dict[str, str]) -> dict:
     }
 
 
-def _check_output(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ExportError(
-            f"--output {out}: is a file; expected a directory to create (or an earlier export to replace)"
-        )
-    if out.is_dir() and any(out.iterdir()) and not (out / ADAPTER_CONFIG).is_file():
-        raise ExportError(
-            f"--output {out}: a non-empty directory that is not an earlier adapter export; "
-            "choose a new or empty directory (nothing in it was touched)"
-        )
-
-
 def _write(src, out: Path, dtype: str, shown: str) -> Path:
-    _check_output(out)
     try:
         source = merge_adapters(open_source(src))  # also checks the base against the checkpoint
     except BaseMismatch as exc:
@@ -122,9 +109,11 @@ def export_peft(src, output, dtype: str = "fp32", **_) -> Path | str:
     """The adapter folder at `output` (a directory, or a URI: staged locally and uploaded)."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
-    if not is_uri(output):
-        return _write(src, Path(output), dtype, str(output))
-    with tempfile.TemporaryDirectory(prefix="export-", dir=staging_folder()) as tmp:
-        _write(src, Path(tmp) / "export", dtype, str(output))
-        upload_files(Path(tmp) / "export", [ADAPTER_WEIGHTS, ADAPTER_CONFIG], str(output))  # the config last
-    return str(output)
+    check_export_output(output, lambda name: name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG), "an earlier adapter export")
+
+    def publish(folder: Path, uri: str) -> None:
+        upload_files(folder, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], uri)  # the config last
+
+    with output_folder(output, publish, staging_folder()) as out:
+        _write(src, out, dtype, str(output))
+    return below(output)
