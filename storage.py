@@ -736,6 +736,14 @@ def output_folder(where: str | os.PathLike, publish, staging: str | os.PathLike 
         publish(Path(tmp) / "out", str(where).rstrip("/"))
 
 
+def local_folder(where: str | os.PathLike, cache, files: dict[str, dict | None]) -> Path:
+    """A local folder holding `files` of `where`: the folder itself, or for a URI this host's
+    verified copy of those objects (`cache(uri)`: its folder; download_verified)."""
+    if not is_uri(where):
+        return Path(where)
+    return download_verified(str(where), cache(str(where)), files)
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

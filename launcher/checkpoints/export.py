@@ -76,8 +76,8 @@ from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, Safetensors
 from loomtrain.launcher.checkpoints.state import ConsolidatedReader
 from loomtrain.launcher.checkpoints.store import (
     MANIFEST,
-    CheckpointStore,
     read_checkpoint_file,
+    read_manifest,
     run_store_at,
     verify,
 )
@@ -87,12 +87,9 @@ from loomtrain.storage import (
     StorageError,
     below,
     delete_objects,
-    download_verified,
-    is_uri,
-    join,
+    local_folder,
     location,
     output_folder,
-    read_object,
     upload_files,
 )
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -133,11 +130,6 @@ def parse_size(text: str) -> int:
 
 
 # Reading a run --------------------------------------------------------------------------
-def _model_config_from_yaml(path: Path):
-    data = yaml.safe_load(path.read_text())
-    return ModelConfig(**data["model"])
-
-
 class Source:
     """Full tensors by loomtrain name, one at a time: `shape(name)`, `get(name)` (fp32)."""
 
@@ -155,77 +147,57 @@ class Source:
 
 
 def open_source(src: str | Path) -> Source:
-    """The newest complete checkpoint of a run (or a checkpoint dir), else its final/; a URI: its final/."""
-    if is_uri(src):
-        return _open_uri(str(src))
-    src = Path(src)
-    if not src.exists():
+    """The newest complete checkpoint of a run (or a checkpoint itself), else its final/: a folder
+    or a URI alike. A checkpoint's tiles are read where they lie (ranged GETs from an object
+    store), each checked against its checksum; final/ in an object store is fetched into this
+    host's cache, checked against its manifest; so is a checkpoint's tokenizer/."""
+    objs = location(src, "export source")
+    if objs.local and not Path(src).exists():
         raise ExportError(f"{src}: no such run or checkpoint directory")
-    ckpt = None
-    if (src / MANIFEST).is_file() and (src / "trainer.json").is_file():
-        v = verify(src, checksums=False)  # sizes here; every tile read is checked against its sha256
-        if not v.ok:
-            raise ExportError(f"{src}: not a usable checkpoint: {v.reason}")
-        ckpt = src
-    elif (src / "checkpoints").is_dir():
-        ckpt = CheckpointStore(src, log=lambda m: print(m, file=sys.stderr)).find_resumable(checksums=False)
-    if ckpt is not None:
-        try:
-            reader = ConsolidatedReader(ckpt)
-        except CorruptCheckpoint as exc:
-            raise ExportError(str(exc)) from None
-        tok = ckpt / "tokenizer"
-        return Source(
-            {n: reader.reader.shape(n) for n in reader.names()},
-            reader.get,
-            _model_config_from_yaml(ckpt / "config.yaml"),
-            tok if tok.is_dir() else None,
-            f"checkpoint {ckpt}",
-        )
-    final = src if ((src / WEIGHTS).is_file() or (src / WEIGHTS_INDEX).is_file()) else src / "final"
-    if (final / WEIGHTS).is_file() or (final / WEIGHTS_INDEX).is_file():
-        try:
-            verify_final(final)
-            weights = open_weights(final)  # the reader model.init_from uses
-        except (FinalWeightsError, WeightSourceError) as exc:
-            raise ExportError(str(exc)) from None
-        shapes = {name: list(weights.shape(name)) for name in weights.refs}
-        return Source(shapes, weights.read, weights.model_cfg, weights.tokenizer_dir, f"final weights {final}")
-    raise ExportError(f"{src}: no complete checkpoint in {src}/checkpoints and no {src}/final/{WEIGHTS}")
-
-
-def _open_uri(uri: str) -> Source:
-    """open_source for a URI: a checkpoint there, else a run storage's newest complete checkpoint
-    (its tiles read with ranged GETs, each checked against its sha256), else its final/ (fetched
-    into this host's cache, checked against its manifest). Its tokenizer/ is fetched, verified."""
     try:
+        entries = objs.entries()
         ckpt = None
-        if read_object(join(uri, MANIFEST)) is not None and read_object(join(uri, "trainer.json")) is not None:
-            v = verify(uri, checksums=False)
+        if entries.get(MANIFEST) == "file" and entries.get("trainer.json") == "file":
+            v = verify(src, checksums=False)  # sizes here; every tile read is checked against its checksum
             if not v.ok:
-                raise ExportError(f"{uri}: not a usable checkpoint: {v.reason}")
-            ckpt = uri
+                raise ExportError(f"{src}: not a usable checkpoint: {v.reason}")
+            ckpt = below(src)
         else:
-            store = run_store_at(uri)
+            store = run_store_at(src, log=lambda m: print(m, file=sys.stderr))
             if store is not None:
                 ckpt = store.find_resumable(checksums=False)
-        if ckpt is None:
-            try:
-                source = open_source(fetch_final(uri))
-            except FinalWeightsError as exc:
-                raise ExportError(str(exc)) from None
-            source.what = objects_named(source.what)
-            return source
-        ckpt = str(ckpt)
-        reader = ConsolidatedReader(ckpt)
-        manifest = json.loads(read_checkpoint_file(ckpt, MANIFEST))
-        cfg = ModelConfig(**yaml.safe_load(read_checkpoint_file(ckpt, "config.yaml"))["model"])
-        tok = {rel: info for rel, info in manifest["files"].items() if rel.startswith(f"{TOKENIZER_DIR}/")}
-        tok_dir = download_verified(ckpt, weights_cache(ckpt), tok) / TOKENIZER_DIR if tok else None
-        shapes = {n: reader.reader.shape(n) for n in reader.names()}
-        return Source(shapes, reader.get, cfg, tok_dir, f"checkpoint {ckpt}")
+        return _final_source(src) if ckpt is None else _checkpoint_source(ckpt)
     except (CorruptCheckpoint, StorageError) as exc:
         raise ExportError(str(exc)) from None
+
+
+def _checkpoint_source(ckpt) -> Source:
+    reader = ConsolidatedReader(ckpt)
+    manifest = read_manifest(ckpt)
+    cfg = ModelConfig(**yaml.safe_load(read_checkpoint_file(ckpt, "config.yaml"))["model"])
+    tok = {rel: info for rel, info in manifest["files"].items() if rel.startswith(f"{TOKENIZER_DIR}/")}
+    tok_dir = local_folder(ckpt, weights_cache, tok) / TOKENIZER_DIR if tok else None
+    shapes = {n: reader.reader.shape(n) for n in reader.names()}
+    return Source(shapes, reader.get, cfg, tok_dir, f"checkpoint {ckpt}")
+
+
+def _final_source(src) -> Source:
+    """A run's final/ (or final weights themselves)."""
+    try:
+        if location(src).local:
+            src = Path(src)
+            final = src if ((src / WEIGHTS).is_file() or (src / WEIGHTS_INDEX).is_file()) else src / "final"
+            if not ((final / WEIGHTS).is_file() or (final / WEIGHTS_INDEX).is_file()):
+                raise ExportError(f"{src}: no complete checkpoint in {src}/checkpoints and no {src}/final/{WEIGHTS}")
+        else:
+            final = fetch_final(str(src))  # into this host's cache, checked against its manifest
+        verify_final(final)
+        weights = open_weights(final)  # the reader model.init_from uses
+    except (FinalWeightsError, WeightSourceError) as exc:
+        raise ExportError(str(exc)) from None
+    shapes = {name: list(weights.shape(name)) for name in weights.refs}
+    what = objects_named(f"final weights {final}")
+    return Source(shapes, weights.read, weights.model_cfg, weights.tokenizer_dir, what)
 
 
 # Variant checks ---------------------------------------------------------------------------
