@@ -34,7 +34,6 @@ from pathlib import Path
 
 from loomtrain.data_pipeline import DataError, load_tokenizer
 from loomtrain.durable import atomic_write
-from loomtrain.hf_cache import ModelIdError, resolve_model
 from loomtrain.launcher.checkpoints.final import (
     TOKENIZER_DIR,
     naming_objects,
@@ -44,7 +43,12 @@ from loomtrain.launcher.checkpoints.final import (
     write_final,
 )
 from loomtrain.launcher.checkpoints.hf_source import HFImportError, open_hf
-from loomtrain.launcher.checkpoints.safetensors_source import WeightSource, check_complete, model_tensor_names
+from loomtrain.launcher.checkpoints.safetensors_source import (
+    WeightSource,
+    WeightSourceError,
+    check_complete,
+    model_tensor_names,
+)
 from loomtrain.launcher.config import DataConfig, RunConfig, RunSection, TrainConfig
 from loomtrain.launcher.config_loader import to_yaml
 from loomtrain.storage import StorageError, delete_objects, is_uri, join, location, output_folder, upload_files
@@ -173,14 +177,12 @@ def import_hf(src: str | Path, output: str | Path) -> Path | str:
 
 
 def _import_hf(src: str | Path, output: str | Path) -> Path | str:
-    src_uri = str(src) if is_uri(src) else None
-    if src_uri:
-        from loomtrain.launcher.checkpoints.weight_source import fetch_weights
+    from loomtrain.launcher.checkpoints.weight_source import weights_folder
 
-        src = fetch_weights(src_uri)
+    src_uri = str(src) if is_uri(src) else None  # what the import names its source
     try:
-        src = Path(resolve_model(src))  # a model id: its snapshot folder in the local cache
-    except ModelIdError as exc:
+        src = weights_folder(src)  # a URI's objects fetched, a model id's snapshot in the local cache
+    except WeightSourceError as exc:
         raise HFImportError(str(exc)) from None
     src_name = src_uri or str(src.resolve())
     try:

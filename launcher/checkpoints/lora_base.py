@@ -30,12 +30,9 @@ KEY = "lora_base"
 
 
 def _folder(init_from: str) -> Path:
-    from loomtrain.hf_cache import resolve_model
-    from loomtrain.launcher.checkpoints.weight_source import fetch_weights
-    from loomtrain.storage import is_uri
+    from loomtrain.launcher.checkpoints.weight_source import weights_folder
 
-    path = fetch_weights(init_from) if is_uri(init_from) else resolve_model(init_from)
-    path = Path(path)
+    path = weights_folder(init_from)
     return path / "final" if (path / "final" / FINAL_MANIFEST).is_file() else path
 
 

@@ -151,17 +151,27 @@ def fetch_weights(uri: str) -> Path:
         raise WeightSourceError(str(exc)) from None
 
 
-def open_source(path: str | Path) -> WeightSource:
-    """A run's final/ (or its run directory) or a Hugging Face model directory, local or at a URI."""
-    if is_uri(path):
-        with naming_objects():
-            source = open_source(fetch_weights(str(path)))
-        source.description = objects_named(source.description)
-        return source
+def weights_folder(where: str | Path) -> Path:
+    """The local folder of the weights at `where`: a folder as it is, a Hugging Face model id's
+    snapshot in the local cache, a URI's objects fetched into this host's cache (checked)."""
+    if is_uri(where):
+        return fetch_weights(str(where))
     try:
-        path = resolve_model(path)  # a Hugging Face model id: its folder in the local cache
+        return Path(resolve_model(where))
     except ModelIdError as exc:
         raise WeightSourceError(str(exc)) from None
+
+
+def open_source(where: str | Path) -> WeightSource:
+    """A run's final/ (or its run directory) or a Hugging Face model directory, local or at a URI
+    (named by the URI in messages, though read from this host's copy)."""
+    with naming_objects():
+        source = _open_folder(weights_folder(where))
+    source.description = objects_named(source.description)
+    return source
+
+
+def _open_folder(path: Path) -> WeightSource:
     if not path.is_dir():
         raise WeightSourceError(
             f"{path}: no such directory (expected a run's final/, a run directory or a Hugging Face model directory)"
