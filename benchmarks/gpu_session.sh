@@ -10,7 +10,7 @@
 # important first, each under its own time limit and skipped when the remaining budget
 # (GPU_SESSION_BUDGET seconds, default 540) cannot hold it:
 #   eager      benchmarks/gpu.sh: the 1.34 B model, bf16, DeepSpeed ZeRO-1, flash SDPA
-#   tests      tests/test_gpu.py: the fused loss on CUDA (same numbers, less memory), bf16
+#   tests      tests/unit/test_gpu.py: the fused loss on CUDA (same numbers, less memory), bf16
 #              training, fp16 training with DeepSpeed's dynamic loss scaling
 #   compile    the eager benchmark with torch.compile per block (parallel.compile)
 #   loss       benchmarks/output_layer.py at that model's output layer (fused vs plain)
@@ -52,7 +52,7 @@ step() {  # step NAME LIMIT_S CMD...
 }
 
 step eager 150 bash benchmarks/gpu.sh
-step tests 150 env DS_ACCELERATOR=cuda "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu.py
+step tests 150 env DS_ACCELERATOR=cuda "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/unit/test_gpu.py
 step compile 210 bash benchmarks/gpu.sh --compile
 step loss 60 "$PYTHON" benchmarks/output_layer.py --device cuda --precision bf16 --tokens 16384 \
   --d-model 2048 --vocab 32768 --rows 512 4096

@@ -15,7 +15,7 @@ For each kustomization: yamllint its own YAML files, render it with
               placeholder such as YOUR_BUCKET. The repository's overlays are templates that
               hold both until you set them; `--templates` checks them as templates (CI's tests).
 Every finding is a `Problem(check, where, message)`; the exit status is 1 if
-there is any. tests/test_k8s_*.py run the same functions.
+there is any. tests/*/test_k8s_*.py run the same functions.
 
 Tools: kubectl from $LOOMTRAIN_KUBECTL, else the copy `k8s/get-kubectl.sh`
 installs, else `kubectl` on PATH. The KubeRay CRDs are vendored in

@@ -4,8 +4,13 @@ torchrun) go through tests/launch.py, which also holds the shrunk configs they t
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
+# The tests sit in three tiers (unit/, integration/, distributed/); the helpers here in tests/.
+# A few modules take a fixture-maker or a shrunk config from a module of another tier (test_tp's
+# COMMON, test_hf_model_ids' cache layout): every tier's folder is importable.
+sys.path[1:1] = [str(Path(__file__).parent / tier) for tier in ("unit", "integration", "distributed")]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
@@ -34,7 +39,11 @@ LONG_MODULES_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each module's own order stays
+    # Then the others by module name across the tiers (the order the suite has always run in: a
+    # module's place among the in-process ones matters, e.g. torch.profiler's with_stack start
+    # took minutes in a worker that had run many gloo groups before test_run_monitoring); stable:
+    # each module's own order stays.
+    items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), item.path.stem))
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ Sources, so that a reader can check each number:
   parameters. fp32 training keeps 4 + 4 + 8 (m, v; the optimizer updates the fp32
   model params in place) -- except that DeepSpeed's ZeRO optimizers (stages 1-3)
   keep their own fp32 copy of each partition even when the model is fp32, so fp32
-  at stages 1-3 is 4 + 4 + 12 (measured in tests/test_zero.py). Tensor
+  at stages 1-3 is 4 + 4 + 12 (measured in tests/distributed/test_zero.py). Tensor
   parallelism divides the sharded layers by tp before ZeRO divides by dp; norms,
   row-parallel biases and learned positions stay replicated. The vocabulary is
   padded to a multiple of tp (the vocab-parallel embedding's rows).

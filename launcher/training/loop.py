@@ -28,7 +28,7 @@ A step between log steps reads nothing back to the host and adds no collective t
 DeepSpeed's own: its loss (and grad norm) stay on the device until the next log step,
 which averages all of them over DP in one all-reduce and reads them in one copy
 (`_report_pending`); the ranks vote on a stop request on log steps and every
-train.stop_check_every_steps (`_votes_at`). tests/test_step_syncs.py counts them.
+train.stop_check_every_steps (`_votes_at`). tests/distributed/test_step_syncs.py counts them.
 
 Plug-in points: `hooks` (see loomtrain.launcher.hooks) for checkpoints and Ray;
 `startup.build_model` for TP; `engine.build_engine` for ZeRO / precision;

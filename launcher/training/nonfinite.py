@@ -1,6 +1,6 @@
 """Non-finite losses and gradients: skip the optimizer step, count it, stop after K in a row.
 
-Who skips (DeepSpeed 0.19.8, checked in tests/test_zero.py and tests/test_zero_units.py):
+Who skips (DeepSpeed 0.19.8, checked in tests/distributed/test_zero.py and tests/integration/test_zero_units.py):
 * fp16: DeepSpeed's dynamic loss scaler skips overflowing steps and lowers the scale;
 * bf16 (every ZeRO stage) and fp32 at ZeRO 1-3: DeepSpeed's optimizers skip a step
   whose global gradient norm is inf/NaN (bf16 `check_grad_overflow`, on by default);
