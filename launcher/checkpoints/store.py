@@ -313,7 +313,7 @@ class CheckpointStore:
     def latest_pointer(self) -> str | None:
         try:
             pointer = self.objects.read(LATEST).decode().strip() or None
-        except (OSError, UnicodeDecodeError):
+        except (FileNotFoundError, UnicodeDecodeError):  # a store's own error is raised, as any read's
             return None
         self.latest_known = pointer
         return pointer

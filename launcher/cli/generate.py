@@ -103,12 +103,13 @@ def load_model(path: str, device: str):
 
     # A folder or a URI alike (never a path for a URI: s3://b/x would read a folder ./s3:/b/x).
     # A checkpoint (its manifest beside trainer.json) is read as export reads it; a run's final/
-    # (committed: its manifest written), final weights themselves or a file, as final weights; a
-    # run with checkpoints and no committed final/, its newest checkpoint (else export's line).
+    # (committed: renamed into place on a disk, where one from before manifests has none; its
+    # manifest written in an object store), final weights themselves or a file, as final weights;
+    # a run with checkpoints and no committed final/, its newest checkpoint (else export's line).
     objs = location(path, "RUN_DIR")
     entries = objs.entries()
     is_checkpoint = entries.get(MANIFEST) == "file" and entries.get("trainer.json") == "file"
-    has_final = objs.exists(f"final/{FINAL_MANIFEST}")
+    has_final = (objs.renames and entries.get("final") == "directory") or objs.exists(f"final/{FINAL_MANIFEST}")
     if not is_checkpoint and (entries.get("checkpoints") != "directory" or has_final):
         model, tok = load_final(path, device=device)
         return model, tok, "final weights"
