@@ -157,13 +157,13 @@ class CheckpointStore:
 
     def __init__(
         self,
-        location_: str | os.PathLike,
+        where: str | os.PathLike,
         keep_last: int = 3,
         keep_every: int = 0,
         log: Callable[[str], None] | None = None,
     ):
-        self.base = below(location_)  # RUN_DIR, or run.storage: where the run keeps checkpoints/
-        self.objects = location(location_, "run.storage").child("checkpoints")
+        self.base = below(where)  # RUN_DIR, or run.storage: where the run keeps checkpoints/
+        self.objects = location(where, "run.storage").child("checkpoints")
         self.root = self.objects.root
         self.poll_s = self.objects.poll_s  # how often an async save's rank 0 looks for the other ranks' parts
         self.keep_last = int(keep_last)
@@ -407,8 +407,8 @@ class CheckpointStore:
         """Is `path` this run's directory (or run.storage) or one of its own checkpoints?"""
         return same_location(path, self.base) or inside(path, self.root)
 
-    def is_base(self, location_: str | os.PathLike) -> bool:
-        return same_location(location_, self.base)
+    def is_base(self, where: str | os.PathLike) -> bool:
+        return same_location(where, self.base)
 
     def resolve_resume(self, resume: str, checksums: bool = True):
         """checkpoint.resume: "auto" (newest complete, or None), "never", or a PATH or URI (a
@@ -534,16 +534,16 @@ def store_error(storage, exc: BaseException, what: str = "run.storage") -> str:
 
 
 def open_store(
-    location_: str | os.PathLike, keep_last: int = 3, keep_every: int = 0, log: Callable[[str], None] | None = None
+    where: str | os.PathLike, keep_last: int = 3, keep_every: int = 0, log: Callable[[str], None] | None = None
 ) -> CheckpointStore:
     """The checkpoints of a run: under RUN_DIR (a folder) or run.storage (a URI)."""
-    return CheckpointStore(location_, keep_last=keep_last, keep_every=keep_every, log=log)
+    return CheckpointStore(where, keep_last=keep_last, keep_every=keep_every, log=log)
 
 
-def run_store_at(location_: str | os.PathLike, log=None) -> CheckpointStore | None:
+def run_store_at(where: str | os.PathLike, log=None) -> CheckpointStore | None:
     """The store of a run directory or run.storage given as checkpoint.resume (None when
-    `location_` is a checkpoint itself, or nothing)."""
-    objs = location(location_, "checkpoint.resume")
+    `where` is a checkpoint itself, or nothing)."""
+    objs = location(where, "checkpoint.resume")
     if not objs.exists(MANIFEST) and objs.entries().get("checkpoints") == "directory":
-        return CheckpointStore(location_, log=log)
+        return CheckpointStore(where, log=log)
     return None
