@@ -544,8 +544,7 @@ class Objects:
 
     def describe(self, rel: str) -> dict:
         """Its file-list entry: size and sha256 (read back whole)."""
-        data = self.read(rel)
-        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return file_entry(self.read(rel))
 
     def sha256(self, rel: str) -> str:
         return hashlib.sha256(self.read(rel)).hexdigest()
@@ -562,7 +561,7 @@ class Objects:
                 if p.is_file():
                     data, key = p.read_bytes(), f"{rel}/{p.relative_to(folder)}"
                     self.write(key, data)
-                    out[key] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                    out[key] = file_entry(data)
         return out
 
     def make_folder(self, rel: str) -> None:
@@ -589,22 +588,25 @@ class Objects:
         self.delete(f"{rel}/manifest.json")
         return rel
 
+    @property
+    def bucket(self) -> str:
+        return self.path.split("/", 1)[0]
+
     def bucket_exists(self) -> bool:
         """Is the bucket there? (S3's HeadBucket answers 404 for a missing bucket, 403 for refused
         credentials: the library's error passes through for the latter)"""
-        bucket = self.path.split("/", 1)[0]
         try:
             if hasattr(self.fs, "call_s3"):
-                self.fs.call_s3("head_bucket", Bucket=bucket)
+                self.fs.call_s3("head_bucket", Bucket=self.bucket)
                 return True
-            return self.fs.exists(bucket)
+            return self.fs.exists(self.bucket)
         except FileNotFoundError:
             return False
 
     def absent(self) -> str:
         """Why nothing is under this prefix: no such bucket, or simply nothing there."""
         if not self.bucket_exists():
-            return f"bucket {self.path.split('/', 1)[0]!r} does not exist"
+            return f"bucket {self.bucket!r} does not exist"
         return "nothing there (no object under this prefix)"
 
 
@@ -742,6 +744,11 @@ def local_folder(where: str | os.PathLike, cache, files: dict[str, dict | None])
     if not is_uri(where):
         return Path(where)
     return download_verified(str(where), cache(str(where)), files)
+
+
+def file_entry(data: bytes) -> dict:
+    """A manifest's entry for a file written from memory: its size and sha256."""
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -38,7 +38,6 @@ is state.py's.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import os
 import re
@@ -56,7 +55,7 @@ from loomtrain.durable import (
 )
 from loomtrain.launcher.rundir import superseded_name
 from loomtrain.launcher.set_aside import move_aside
-from loomtrain.storage import below, first_line, inside, location, same_location, store_failure
+from loomtrain.storage import below, file_entry, first_line, inside, location, same_location, store_failure
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -186,7 +185,7 @@ class CheckpointStore:
             raise ValueError(store_error(self.base, exc)) from None
         if not found:
             raise ValueError(
-                f"run.storage={self.base}: bucket {self.objects.path.split('/', 1)[0]!r} does not exist (or these "
+                f"run.storage={self.base}: bucket {self.objects.bucket!r} does not exist (or these "
                 "credentials cannot see it); create it or point run.storage at another"
             )
 
@@ -234,7 +233,7 @@ class CheckpointStore:
     def write_file(self, tmp, rel: str, data: bytes) -> dict:
         """Write `data` durably at tmp/rel -> its file-list entry (size, sha256)."""
         self._at(tmp).write(rel, data)
-        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return file_entry(data)
 
     def write_raw(self, tmp, rel: str, data: bytes) -> None:
         self._at(tmp).write(rel, data)
