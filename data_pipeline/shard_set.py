@@ -8,7 +8,7 @@ import os
 from functools import partial
 
 import numpy as np
-from loomtrain.data_pipeline.remote import PinnedObject, WindowCache, list_directory, open_store
+from loomtrain.data_pipeline.remote import PinnedObject, WindowCache, list_directory
 from loomtrain.data_pipeline.shards import DataError, check_tokenizer_hash, doc_starts_from, read_index
 from loomtrain.storage import below, first_line, location
 
@@ -86,9 +86,8 @@ class ShardSet:
         """{file name: its info (size; in an object store its ETag)} of the directory, one listing."""
         if self.local:
             return {name: {"size": size} for name, size in self._objs.sizes().items() if "/" not in name}
-        fs, path = open_store(str(self.dir))
-        self._fs, self._path = fs, path
-        return list_directory(fs, path, str(self.dir))
+        self._fs, self._path = self._objs.fs, self._objs.path  # the filesystem read_index's check opened
+        return list_directory(self._fs, self._path, str(self.dir))
 
     def _segment(self, listed: dict, name: str, expected: int, what: str, says: str, dtype):
         found = listed.get(name)

@@ -114,38 +114,29 @@ def _loomtrain_config(path: Path) -> bool:
     return CONFIG_SECTIONS <= keys
 
 
-# A run directory (a Path) and run.storage (a URI: its prefix) are checked by the same rules;
-# these two read either.
-def _entries(where: Path | str) -> list[str]:
-    """The names directly under a folder or prefix, but the lock and the lease (sorted)."""
-    return sorted(n for n in location(where, "run.storage").entries() if n not in (LOCK, LEASE))
-
-
-def _has(where: Path | str, rel: str) -> bool:
-    return location(where, "run.storage").exists(rel)
-
-
+# A run directory (a Path) and run.storage (a URI: its prefix) are checked by the same rules,
+# through one storage.location each.
 def is_loomtrain_run(where: Path | str) -> bool:
     """Does a run directory, or run.storage's prefix, hold a loomtrain run (its marker, or what
     an older loomtrain left there)?"""
-    if _has(where, MARKER) or any(_has(where, sign) for sign in LEGACY_SIGNS):
+    objs = location(where, "run.storage")
+    if any(objs.exists(sign) for sign in (MARKER, *LEGACY_SIGNS)):
         return True
-    if not location(where, "run.storage").local:
-        return False
-    return (Path(where) / "config.yaml").is_file() and _loomtrain_config(Path(where) / "config.yaml")
+    return objs.local and (objs.root / "config.yaml").is_file() and _loomtrain_config(objs.root / "config.yaml")
 
 
 def check_marker(where: Path | str, what: str = "run.dir") -> None:
     """Refuse a folder (run.dir) or a prefix (run.storage, `what`) that holds files but is no
     loomtrain run (writes nothing)."""
-    local = location(where, what).local
+    objs = location(where, what)
+    local = objs.local
     if local:
         where = Path(where)
         if not where.exists():
             return
         if not where.is_dir():
             raise RunDirError(f"{what}={where}: exists and is not a directory")
-    entries = _entries(where)
+    entries = sorted(n for n in objs.entries() if n not in (LOCK, LEASE))  # the lock and lease aside
     if entries and not is_loomtrain_run(where):
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         kind = "folder" if local else "prefix"

@@ -152,7 +152,7 @@ def open_source(src: str | Path) -> Source:
     store), each checked against its checksum; final/ in an object store is fetched into this
     host's cache, checked against its manifest; so is a checkpoint's tokenizer/."""
     objs = location(src, "export source")
-    if objs.local and not Path(src).exists():
+    if objs.local and not objs.root.exists():
         raise ExportError(f"{src}: no such run or checkpoint directory")
     try:
         entries = objs.entries()
@@ -166,7 +166,7 @@ def open_source(src: str | Path) -> Source:
             store = run_store_at(src, log=lambda m: print(m, file=sys.stderr))
             if store is not None:
                 ckpt = store.find_resumable(checksums=False)
-        return _final_source(src) if ckpt is None else _checkpoint_source(ckpt)
+        return _final_source(src, objs) if ckpt is None else _checkpoint_source(ckpt)
     except (CorruptCheckpoint, StorageError) as exc:
         raise ExportError(str(exc)) from None
 
@@ -181,11 +181,11 @@ def _checkpoint_source(ckpt) -> Source:
     return Source(shapes, reader.get, cfg, tok_dir, f"checkpoint {ckpt}")
 
 
-def _final_source(src) -> Source:
-    """A run's final/ (or final weights themselves)."""
+def _final_source(src, objs) -> Source:
+    """A run's final/ (or final weights themselves); `objs`: `src`'s backend."""
     try:
-        if location(src).local:
-            src = Path(src)
+        if objs.local:
+            src = objs.root
             final = src if ((src / WEIGHTS).is_file() or (src / WEIGHTS_INDEX).is_file()) else src / "final"
             if not ((final / WEIGHTS).is_file() or (final / WEIGHTS_INDEX).is_file()):
                 raise ExportError(f"{src}: no complete checkpoint in {src}/checkpoints and no {src}/final/{WEIGHTS}")
@@ -447,7 +447,7 @@ def check_export_output(output, ours: Callable[[str], bool] = _export_names, wha
     Refused in one line, with nothing there touched."""
     objs = location(output, "--output")
     kind = "directory" if objs.local else "prefix"
-    if objs.local and Path(output).exists() and not Path(output).is_dir():
+    if objs.local and objs.root.exists() and not objs.root.is_dir():  # the folder output_folder writes
         raise ExportError(f"--output {output}: is a file; expected a directory to create (or {what} to replace)")
     entries = objs.entries()
     others = sorted(name for name, type_ in entries.items() if type_ != "file" or not ours(name))

@@ -112,7 +112,7 @@ def check_output(output, src: Path, src_name: str) -> None:
     objs = location(output, "--output")
     untouched = f"choose a new or empty {'directory' if objs.local else 'prefix'} (nothing in it was touched)"
     if objs.local:
-        out = Path(output)
+        out = objs.root  # `~` expanded: the folder output_folder writes
         if out.exists() and not out.is_dir():
             raise HFImportError(f"--output {out}: is a file; expected a new or empty directory")
         if out.is_dir() and out.resolve() == src.resolve():
