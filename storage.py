@@ -70,12 +70,15 @@ def known_scheme(location: str | os.PathLike) -> bool:
 _ONE_SLASH = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")
 
 
-def location_problem(location: str | os.PathLike) -> str:
+def location_problem(location: str | os.PathLike, local: str = "") -> str:
     """What is wrong with a location written as (or like) a URI, in words ("" when nothing is:
-    a URI of a scheme fsspec knows, or a plain path). Checked once for every option that takes a
-    location, so that `S3://b/x` or `s3:/b/x` never becomes a traceback later, or a local folder."""
+    a URI of a scheme fsspec knows, or a plain path; a plain path only when `local` says why). Checked
+    once for every option that takes a location, so that `S3://b/x` or `s3:/b/x` never becomes a
+    traceback later, or a local folder."""
     if not isinstance(location, str) or not location:
         return ""
+    if local and is_uri(location):
+        return f"expected a local directory path, not a URI ({local})"
     one = _ONE_SLASH.match(location)
     if one:  # s3:/bkt/x is a path ./s3:/bkt/x to the OS (a drive letter C:/ has one character)
         return f"a URI has two slashes after its scheme ({one.group(1)}://{location[one.end() :]})"

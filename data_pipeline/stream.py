@@ -48,7 +48,6 @@ import torch
 from loomtrain.data_pipeline.remote import WindowCache
 from loomtrain.data_pipeline.shard_set import ShardSet, open_shard_set
 from loomtrain.data_pipeline.shards import DataError
-from loomtrain.storage import is_uri
 
 STATE_VERSION = 1
 IGNORE_INDEX = -100  # a target not trained on (model/loss.py's, the Hugging Face convention)
@@ -332,8 +331,8 @@ class TokenStream:
         sources = _source_list(shard_dir)
         self.source_weights = [w for _, w in sources]  # as data.sources gives them (the blend normalises)
         self.blend = Blend(self.source_weights)
-        # One cache for all sources in object storage; None when every source is on disk.
-        self.cache = WindowCache(cache_bytes) if any(is_uri(path) for path, _ in sources) else None
+        # One cache for the sources in object storage (its fetch threads start when one is asked for).
+        self.cache = WindowCache(cache_bytes)
         self.sources: list[ShardSet] = []
         try:
             for path, _ in sources:
@@ -349,10 +348,10 @@ class TokenStream:
         except BaseException:
             for s in self.sources:
                 s.close()
-            if self.cache is not None:
-                self.cache.close()
+            self.cache.close()
             raise
         self.shards = self.sources[0]
+        self.reads_ahead = any(not s.local for s in self.sources)  # windows fetched before a batch asks
         self.split, self.seq_len, self.micro_batch_size = split, seq_len, micro_batch_size
         self.dp_rank, self.dp_size, self.seed, self.prefetch, self.shuffle = (
             dp_rank,
@@ -393,7 +392,7 @@ class TokenStream:
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
-        if self.cache is not None:
+        if self.reads_ahead:
             itemsize = max(s.dtype.itemsize for s in self.sources) + (1 if self.loss_masked else 0)
             batch_bytes = micro_batch_size * (seq_len + 1) * itemsize
             self._ahead_max = min(READ_AHEAD_BATCHES, max(1, cache_bytes // 2 // batch_bytes))
@@ -534,7 +533,7 @@ class TokenStream:
 
     def _batch(self, round_start: int):
         """(inputs, targets[, document_ids]) of this rank's micro batch, and the digest of its sample ids."""
-        if self.cache is not None:
+        if self.reads_ahead:
             self._read_ahead(round_start)
         positions = self.rank_positions(round_start)
         digest = int((_mix64(self.sample_ids(positions)) >> np.uint64(SAMPLE_DIGEST_SHIFT)).sum(dtype=np.uint64))
@@ -619,7 +618,7 @@ class TokenStream:
             self._stop.set()
             if thread is not threading.current_thread():
                 thread.join()
-        if self.cache is not None:
+        if self.reads_ahead:
             self.cache.drop_ahead()
             self._reset_read_ahead()
 
@@ -627,8 +626,7 @@ class TokenStream:
         self._halt()
         for s in self.sources:
             s.close()
-        if self.cache is not None:
-            self.cache.close()
+        self.cache.close()
 
     def __enter__(self):
         return self

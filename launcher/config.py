@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from loomtrain.hf_cache import ModelIdError, cached_snapshot, looks_like_model_id
 from loomtrain.launcher.addresses import check_ray_address
 from loomtrain.model.config import ModelConfig
-from loomtrain.storage import is_uri, known_scheme, location_problem
+from loomtrain.storage import known_scheme, location_problem
 
 
 def cuda_available() -> bool:
@@ -39,10 +39,11 @@ def check(ok: bool, key: str, expected: str, value: Any) -> None:
         raise ConfigError(f"{key}: expected {expected}, got {value!r}")
 
 
-def check_location(key: str, value: Any) -> None:
+def check_location(key: str, value: Any, local: str = "") -> None:
     """A location written as (or like) a URI: lower-case scheme fsspec knows, two slashes, a
-    bucket (storage.location_problem); `S3://b`, `s4://b`, `s3:/b` are refused here, once."""
-    problem = location_problem(value)
+    bucket (storage.location_problem); `S3://b`, `s4://b`, `s3:/b` are refused here, once.
+    `local`: only a local path will do, for the reason it says."""
+    problem = location_problem(value, local)
     if problem:
         raise ConfigError(f"{key}: {problem}, got {value!r}")
 
@@ -75,15 +76,10 @@ class RunSection:
 
     def validate(self, prefix: str) -> None:
         check(bool(self.dir), f"{prefix}.dir", "a directory path", self.dir)
-        check_location(f"{prefix}.dir", self.dir)
+        because = f"checkpoints and final weights go to object storage with {prefix}.storage"
+        check_location(f"{prefix}.dir", self.dir, local=because)
         check_location(f"{prefix}.storage", self.storage)
         check(self.storage_lease_s >= 2, f"{prefix}.storage_lease_s", "at least 2 (seconds)", self.storage_lease_s)
-        check(
-            not is_uri(self.dir),
-            f"{prefix}.dir",
-            f"a local directory path (checkpoints and final weights go to object storage with {prefix}.storage)",
-            self.dir,
-        )
         check(
             not self.storage or known_scheme(self.storage),
             f"{prefix}.storage",
@@ -108,24 +104,13 @@ class DataSource:
 
     def validate(self, prefix: str) -> None:
         check(bool(self.path), f"{prefix}.path", self.EXPECTED["path"], self.path)
-        check_shard_location(f"{prefix}.path", self.path)
+        check_location(f"{prefix}.path", self.path)  # a URI: of a scheme fsspec knows
         # A list item: the loader's finite-number rule covers section fields only.
         ok = math.isfinite(self.weight) and self.weight > 0
         check(ok, f"{prefix}.weight", self.EXPECTED["weight"], self.weight)
 
 
 BUILTIN_TOKENIZERS = ("byte", "bpe")
-
-
-def check_shard_location(key: str, value: str) -> None:
-    """A shard directory given as a URI must name a scheme fsspec knows (no store is reached here)."""
-    check_location(key, value)
-    check(
-        not is_uri(value) or known_scheme(value),
-        key,
-        "a shard directory path, or a URI of a storage scheme fsspec knows (s3://, gs://, az://, file://)",
-        value,
-    )
 
 
 @dataclass
@@ -179,7 +164,7 @@ class DataConfig:
             f"empty when {prefix}.path is set ({prefix}.path is the one-source form of {prefix}.sources)",
             "a list",
         )
-        check_shard_location(f"{prefix}.path", self.path)
+        check_location(f"{prefix}.path", self.path)  # a URI: of a scheme fsspec knows
         check_location(f"{prefix}.cache_dir", self.cache_dir)
         for i, src in enumerate(self.sources):
             src.validate(f"{prefix}.sources[{i}]")

@@ -128,6 +128,26 @@ def test_loader_runs_every_sections_own_validate_with_its_dotted_prefix(monkeypa
     "section, name, value, message",
     [
         ("run", "dir", "", "run.dir: expected a directory path, got ''"),
+        (
+            "run",
+            "dir",
+            "s3://b/runs",
+            "run.dir: expected a local directory path, not a URI (checkpoints and final weights go to object "
+            "storage with run.storage), got 's3://b/runs'",
+        ),
+        (
+            "data",
+            "path",
+            "S3://b/ds",
+            "data.path: a URI's scheme is written in lower case (s3://b/ds), got 'S3://b/ds'",
+        ),
+        (
+            "data",
+            "path",
+            "s4://b/ds",
+            "data.path: unknown storage scheme s4:// (expected s3://, gs://, az://, file://, or a local path), got "
+            "'s4://b/ds'",
+        ),
         ("model", "dropout", 1.0, "model.dropout: must be in [0, 1), got 1.0"),
         ("data", "val_fraction", 1.5, "data.val_fraction: expected a number in [0, 1), got 1.5"),
         ("parallel", "timeout_s", 0, "parallel.timeout_s: expected a positive number, got 0"),
