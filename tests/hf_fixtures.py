@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import transformers
+from small_configs import HF_TINY
 
 TEXT = [
     "def add(a, b):\n    return a + b\n",
@@ -36,15 +37,10 @@ def tiny_llama(directory, tok, vocab_size=None, **extra):
     """GQA 4/2, rope_theta 500000, untied, saved in shards; `extra` overrides LlamaConfig fields."""
     eos = tok.token_to_id("<|endoftext|>")
     fields = dict(
+        **HF_TINY,
         vocab_size=vocab_size or tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         rope_theta=500000.0,
         tie_word_embeddings=False,
-        max_position_embeddings=64,
         rms_norm_eps=1e-5,
         bos_token_id=eos,
         eos_token_id=eos,
@@ -113,13 +109,8 @@ def tiny_family(directory, tok, arch: str, vocab_size=None, **extra):
     eos = tok.token_to_id("<|endoftext|>")
     name, special = FAMILY_CONFIGS[arch]
     fields = dict(
+        **HF_TINY,
         vocab_size=vocab_size or tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
         rms_norm_eps=1e-5,
         bos_token_id=eos,
         eos_token_id=eos,

@@ -23,36 +23,7 @@ import time
 from pathlib import Path
 
 import fault_plugin
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
-
-# The tiny config shrunk for launched runs; a test appends what it changes (the later
-# key=value wins). A 2-layer model, d_model 64, 4 heads over 2 KV heads:
-SMALL_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"]
-# ... on 32-token sequences, micro and global batch 4, 2 warmup steps, 40 corpus files:
-SMALL = [
-    *SMALL_MODEL,
-    "model.max_seq_len=64",
-    "train.seq_len=32",
-    "train.micro_batch_size=4",
-    "train.global_batch_size=4",
-    "train.warmup_steps=2",
-    "data.max_files=40",
-]
-# One layer, d_model 32, on 16-token sequences in batches of 2: runs whose numbers no test reads.
-SMALLEST = [
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.max_seq_len=32",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=2",
-]
-# No evaluation, no samples, plain progress lines, no TensorBoard.
-QUIET = ["eval.every_steps=0", "eval.num_samples=0", "log.progress=plain", "log.tensorboard=false"]
+from small_configs import QUICK, QUIET, ROOT, SMALL, SMALL_MODEL, SMALLEST, TINY  # noqa: F401 (the tests' names for them)
 
 # The TensorBoard scalars every training run writes (metrics.jsonl has the same under plain
 # keys, memory in bytes where TensorBoard has GiB).
@@ -136,6 +107,30 @@ def run_child(
 def run_loomtrain(*args, nproc: int = 1, **how) -> subprocess.CompletedProcess:
     """`loomtrain ARGS` (under torchrun with `nproc` > 1) through `run_child(..., **how)`."""
     return run_child(loomtrain_cmd(*args, nproc=nproc), **how)
+
+
+def run_variants(driver: str, nproc: int, out: Path, cache: Path, common: list[str], variants: dict) -> None:
+    """One launch of tests/DRIVER (zero_driver.py, lora_driver.py) with `nproc` ranks: each
+    variant (name -> overrides on TINY and `common`) trained in turn, into out/NAME."""
+    argv = [ROOT / "tests" / driver, out, TINY, "--common", *common, f"data.cache_dir={cache}"]
+    for name, overrides in variants.items():
+        argv += ["--variant", name, *overrides]
+    run_child(python_cmd(*argv, nproc=nproc), timeout=900)
+
+
+def train_here(run: Path, data_cache: Path, *extra: str, rc: int = 0) -> str:
+    """`loomtrain train` on TINY with QUICK in this process (the CLI's main: run-dir claim, storage
+    lease, loop), its console output, after checking its exit status."""
+    import contextlib
+    import io
+
+    from loomtrain.launcher.cli import train as train_cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        got = train_cli.main([str(TINY), *QUICK, f"run.dir={run}", f"data.cache_dir={data_cache}", *extra])
+    assert got == rc, out.getvalue()[-4000:]
+    return out.getvalue()
 
 
 def output(proc: subprocess.CompletedProcess) -> str:

@@ -16,10 +16,8 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import SMALL_MODEL, python_cmd, records, run_child
+from launch import SMALL_MODEL, records, run_variants
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "configs" / "tiny.yaml"
 STEPS = 6
 RANK = 4
 COMMON = [
@@ -59,10 +57,7 @@ FP32_TOL = 1e-5
 
 
 def _driver(nproc: int, out: Path, cache: Path, variants: dict[str, list[str]]) -> None:
-    argv = [ROOT / "tests" / "lora_driver.py", out, TINY, "--common", *COMMON, f"data.cache_dir={cache}"]
-    for name, overrides in variants.items():
-        argv += ["--variant", name, *overrides]
-    run_child(python_cmd(*argv, nproc=nproc), timeout=900)
+    run_variants("lora_driver.py", nproc, out, cache, COMMON, variants)
 
 
 @pytest.fixture(scope="module")

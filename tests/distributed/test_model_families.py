@@ -23,22 +23,13 @@ from loomtrain.launcher.distributed import free_port
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.model.config import RopeScaling
 from loomtrain.model.positions import rope_inv_freq
+from small_configs import HF_TINY
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-4
-SIZES = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    attn_implementation="eager",
-)
+SIZES = dict(**HF_TINY, vocab_size=96, rms_norm_eps=1e-6, attn_implementation="eager")
 LLAMA3_ROPE = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
 )

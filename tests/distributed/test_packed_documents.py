@@ -12,6 +12,7 @@ import random
 
 import numpy as np
 import pytest
+import small_configs
 import torch
 import torch.nn.functional as F
 from loomtrain.data_pipeline.preprocess import preprocess_files
@@ -216,22 +217,13 @@ def chat_shards(tmp_path_factory):
 
 # A 1-layer model on 96-token windows of chat records, 2 steps of a global batch of 4.
 SFT = [
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.max_seq_len=128",
+    *small_configs.SFT,
+    *small_configs.QUIET,
     "model.positions=rope",
-    "train.seq_len=96",
-    "train.global_batch_size=4",
     "train.max_steps=2",
     "train.warmup_steps=0",
     "train.lr=1e-2",
     "train.eps=1.0",  # Adam's step ~ lr x gradient: rounding in a near-zero gradient stays rounding
-    "eval.every_steps=0",
-    "eval.num_samples=0",
-    "log.progress=plain",
-    "log.tensorboard=false",
     "checkpoint.every_steps=0",
 ]
 

@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import time
-from pathlib import Path
 
 import launch
 import pytest
@@ -31,21 +30,8 @@ from loomtrain.launcher.rundir import LEASE, MARKER
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = str(launch.TINY)
-SMALL = [*launch.SMALLEST, "train.warmup_steps=1", "data.max_files=20", "data.val_fraction=0.1", *launch.QUIET]
-
-
-def train(run: Path, data_cache: Path, *extra: str, rc: int = 0) -> str:
-    """`loomtrain train` in this process (the CLI's main: run-dir claim, storage lease, loop)."""
-    import contextlib
-    import io
-
-    from loomtrain.launcher.cli import train as train_cli
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        got = train_cli.main([TINY, *SMALL, f"run.dir={run}", f"data.cache_dir={data_cache}", *extra])
-    assert got == rc, out.getvalue()[-4000:]
-    return out.getvalue()
+SMALL = launch.QUICK
+train = launch.train_here
 
 
 def error_line(out: str) -> str:

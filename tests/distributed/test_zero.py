@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import SMALL_MODEL, child_env, python_cmd, records, run_child, run_loomtrain
+from launch import SMALL_MODEL, child_env, records, run_loomtrain, run_variants
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import memory_model as mm
 
@@ -83,10 +83,7 @@ BF16_TOL = 5e-3
 
 
 def _driver(nproc: int, out: Path, cache: Path, variants: dict[str, list[str]]) -> None:
-    argv = [ROOT / "tests" / "zero_driver.py", out, TINY, "--common", *COMMON, f"data.cache_dir={cache}"]
-    for name, overrides in variants.items():
-        argv += ["--variant", name, *overrides]
-    run_child(python_cmd(*argv, nproc=nproc), timeout=900)
+    run_variants("zero_driver.py", nproc, out, cache, COMMON, variants)
 
 
 @pytest.fixture(scope="module")

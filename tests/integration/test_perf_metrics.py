@@ -6,19 +6,10 @@ import pytest
 import torch
 from loomtrain.launcher.observe import metrics
 from loomtrain.model import ModelConfig, Transformer, flops_per_token, param_count
+from small_configs import LLAMA_STYLE, llama_style
 
 # The benchmark model (benchmarks/cpu_vs_hf.py): Llama flavour, untied.
-BENCH = dict(
-    vocab_size=8192,
-    d_model=256,
-    n_layers=4,
-    n_heads=8,
-    max_seq_len=256,
-    norm="rmsnorm",
-    activation="swiglu",
-    positions="rope",
-    tie_embeddings=False,
-)
+BENCH = dict(**LLAMA_STYLE, vocab_size=8192, d_model=256, n_layers=4, n_heads=8, max_seq_len=256)
 
 
 def test_flops_per_token_by_hand():
@@ -38,17 +29,7 @@ def test_flops_per_token_by_hand():
 
 def test_mfu_on_known_numbers():
     # the 1.34 B model of benchmarks/gpu.sh on an H100 at 55,000 tokens/s: 8.86 GFLOP/token -> 49%
-    cfg = ModelConfig(
-        vocab_size=32768,
-        d_model=2048,
-        n_layers=24,
-        n_heads=16,
-        max_seq_len=2048,
-        norm="rmsnorm",
-        activation="swiglu",
-        positions="rope",
-        tie_embeddings=False,
-    )
+    cfg = llama_style(vocab_size=32768, d_model=2048, n_layers=24, n_heads=16, max_seq_len=2048)
     fpt = flops_per_token(cfg, 2048)
     assert fpt == 6 * param_count(cfg, exclude_embeddings=True) + 12 * 24 * 16 * 128 * 2048
     assert fpt == 8_861_331_456

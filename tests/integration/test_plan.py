@@ -13,11 +13,13 @@ from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.model import ModelConfig
 from loomtrain.model.flops import param_count
+from small_configs import LLAMA_STYLE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 
 LLAMA_70B = dict(
+    **LLAMA_STYLE,
     vocab_size=128256,
     d_model=8192,
     n_layers=80,
@@ -25,10 +27,6 @@ LLAMA_70B = dict(
     n_kv_heads=8,
     ffn_hidden=28672,
     max_seq_len=8192,
-    norm="rmsnorm",
-    activation="swiglu",
-    positions="rope",
-    tie_embeddings=False,
 )
 
 

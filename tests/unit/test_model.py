@@ -8,6 +8,7 @@ import pytest
 import torch
 from loomtrain.model import Attention, ModelConfig, Transformer, param_count
 from loomtrain.model.positions import alibi_bias, alibi_slopes, apply_rope, rope_tables
+from small_configs import llama_style
 from torch import nn
 
 PLACEMENTS = ("pre", "post")
@@ -244,20 +245,7 @@ def test_num_params_equals_closed_form(i, placement, norm, activation, positions
 
 def test_params_and_flops_by_hand():
     # vocab 100, d 32, 2 layers, 4 heads of 8, 2 KV heads, SwiGLU hidden 64, RMSNorm, pre, RoPE, untied.
-    cfg = ModelConfig(
-        vocab_size=100,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=64,
-        max_seq_len=16,
-        norm="rmsnorm",
-        activation="swiglu",
-        positions="rope",
-        tie_embeddings=False,
-        bias=False,
-    )
+    cfg = llama_style(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
     model = Transformer(cfg)
     attn = 32 * 32 + 2 * 32 * 16 + 32 * 32  # wq, wk + wv (2 heads x 8), wo  = 3072
     ffn = 3 * 32 * 64  # up, gate, down                = 6144

@@ -9,6 +9,7 @@ import json
 import random
 
 import pytest
+import small_configs
 import torch
 import torch.nn.functional as F
 from loomtrain.data_pipeline.preprocess import preprocess_files
@@ -41,14 +42,8 @@ def chat_shards(tmp_path_factory):
 
 # A 1-layer model on 96-token windows of chat records (about three records a window).
 SFT = [
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.max_seq_len=128",
-    "train.seq_len=96",
+    *small_configs.SFT,
     "train.micro_batch_size=2",
-    "train.global_batch_size=4",
     "train.warmup_steps=0",
     "train.lr=1e-2",
     "log.progress=plain",
