@@ -2,13 +2,13 @@
 Hugging Face cache, wherever a Hugging Face model folder is accepted (`loomtrain import`,
 `model.init_from`, `data.tokenizer`).
 
-    resolve_model(location)   a local folder for `location`: an existing path as it is, else a
-                              model id's snapshot folder in the cache; a URI is returned untouched
-                              (storage.py reads it). Nothing is downloaded: a missing id is one
-                              line saying where it looked and how to fetch it.
+    resolve_model(location)   a cached model id's snapshot folder; anything else (a path, a URI)
+                              as it was given. Nothing is downloaded: a missing id is one line
+                              saying where it looked and how to fetch it.
     looks_like_model_id(s)    ORG/NAME or NAME, with an optional @REVISION
 
-Which string is what, in this order: a URI (`s3://...`) is a URI, never an id; a path that
+Which string is what, in this order: a URI (`s3://...`) is a URI, never an id (an id holds no
+`:`); a path that
 exists (a folder `org/name` under the working directory included) is that path; a string shaped
 like an id (no leading `/`, `./`, `~`, at most one `/`) is looked up in the cache; anything else
 is a path that does not exist, and its reader says so.
@@ -25,8 +25,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-
-from loomtrain.storage import is_uri
 
 # The hub's repo id rules: ORG/NAME (or a bare NAME), letters, digits, -, _, . ; no `--` or `..`.
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
@@ -51,7 +49,7 @@ def hub_cache_dir() -> Path:
 
 
 def looks_like_model_id(location: str | os.PathLike) -> bool:
-    if not isinstance(location, str) or is_uri(location) or location.startswith(("/", ".", "~")):
+    if not isinstance(location, str) or location.startswith(("/", ".", "~")):
         return False
     m = _MODEL_ID.match(location)
     if m is None or "--" in m.group("repo") or ".." in m.group("repo"):
@@ -88,11 +86,10 @@ def cached_snapshot(model_id: str) -> Path:
 
 
 def resolve_model(location: str | os.PathLike) -> str | Path:
-    """`location` as a reader takes it: a URI untouched, an existing path as a Path, a model id
-    as its cached snapshot folder (ModelIdError when not cached), anything else as a Path."""
-    if is_uri(location):
-        return str(location)
-    path = Path(location).expanduser()
-    if path.exists() or not looks_like_model_id(str(location)):
-        return path
+    """`location` as a reader takes it: a model id as its cached snapshot folder (ModelIdError
+    when not cached), anything else (an existing folder of that name, a path, a URI) as given,
+    `~` expanded (a URI has none to expand)."""
+    given = os.path.expanduser(os.fspath(location))
+    if not looks_like_model_id(location) or Path(given).exists():
+        return given
     return cached_snapshot(str(location))

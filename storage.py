@@ -741,12 +741,10 @@ def output_folder(where: str | os.PathLike, publish, staging: str | os.PathLike 
         publish(Path(tmp) / "out", str(where).rstrip("/"))
 
 
-def local_folder(where: str | os.PathLike, cache, files: dict[str, dict | None]) -> Path:
-    """A local folder holding `files` of `where`: the folder itself, or for a URI this host's
-    verified copy of those objects (`cache(uri)`: its folder; download_verified)."""
-    if not is_uri(where):
-        return Path(where)
-    return download_verified(str(where), cache(str(where)), files)
+def local_folder(where: str | os.PathLike, fetch, local=Path) -> Path:
+    """A local folder for the location `where`: `local(path)` of a path (the folder itself), or
+    what `fetch(uri)` makes of a URI's objects on this host (a verified copy in a cache, ...)."""
+    return fetch(str(where)) if is_uri(where) else Path(local(where))
 
 
 def file_entry(data: bytes) -> dict:

@@ -87,6 +87,7 @@ from loomtrain.storage import (
     StorageError,
     below,
     delete_objects,
+    download_verified,
     local_folder,
     location,
     output_folder,
@@ -176,7 +177,8 @@ def _checkpoint_source(ckpt) -> Source:
     manifest = read_manifest(ckpt)
     cfg = ModelConfig(**yaml.safe_load(read_checkpoint_file(ckpt, "config.yaml"))["model"])
     tok = {rel: info for rel, info in manifest["files"].items() if rel.startswith(f"{TOKENIZER_DIR}/")}
-    tok_dir = local_folder(ckpt, weights_cache, tok) / TOKENIZER_DIR if tok else None
+    fetch = lambda uri: download_verified(uri, weights_cache(uri), tok)  # noqa: E731 (the tokenizer's files only)
+    tok_dir = local_folder(ckpt, fetch) / TOKENIZER_DIR if tok else None
     shapes = {n: reader.reader.shape(n) for n in reader.names()}
     return Source(shapes, reader.get, cfg, tok_dir, f"checkpoint {ckpt}")
 

@@ -62,7 +62,16 @@ from loomtrain.launcher.config_loader import run_has_checkpoints
 from loomtrain.launcher.rundir import run_dir
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.parallel.plan import spec_of
-from loomtrain.storage import StorageError, download_verified, is_uri, join, list_objects, read_object
+from loomtrain.storage import (
+    StorageError,
+    below,
+    download_verified,
+    join,
+    list_objects,
+    local_folder,
+    read_object,
+    same_location,
+)
 from safetensors import SafetensorError
 
 # What a Hugging Face folder at a URI holds that is read: config, index, weights, tokenizer files.
@@ -76,9 +85,10 @@ def _final_dir(path: Path) -> Path | None:
     return None
 
 
-def weights_at(uri: str) -> bool:
-    """Does `uri` hold weights open_source reads (a committed final/, or a config.json)?"""
-    return find_final_uri(uri) is not None or read_object(join(uri, "config.json")) is not None
+def weights_at(where: str | os.PathLike) -> bool:
+    """Does `where` (a folder or a URI) hold weights open_source reads (a committed final/, or a
+    config.json)?"""
+    return find_final_uri(str(where)) is not None or read_object(join(where, "config.json")) is not None
 
 
 def _not_weights(uri: str) -> WeightSourceError:
@@ -154,10 +164,8 @@ def fetch_weights(uri: str) -> Path:
 def weights_folder(where: str | Path) -> Path:
     """The local folder of the weights at `where`: a folder as it is, a Hugging Face model id's
     snapshot in the local cache, a URI's objects fetched into this host's cache (checked)."""
-    if is_uri(where):
-        return fetch_weights(str(where))
     try:
-        return Path(resolve_model(where))
+        return local_folder(resolve_model(where), fetch_weights)
     except ModelIdError as exc:
         raise WeightSourceError(str(exc)) from None
 
@@ -309,55 +317,39 @@ def check_init_from(cfg: RunConfig) -> None:
     a config passes wherever its files are; `train`, `submit` and each rank's start call it."""
     if not cfg.model.init_from:
         return
-    if is_uri(cfg.model.init_from):
-        _check_init_from_uri(cfg)
-        return
     try:
-        src = resolve_model(cfg.model.init_from)  # a model id: its folder in the local Hugging Face cache
+        where = resolve_model(cfg.model.init_from)  # a model id: its folder in the local Hugging Face cache
     except ModelIdError as exc:
         if _has_checkpoints(cfg):
             return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
         raise ConfigError(f"model.init_from: {exc}") from None
-    if not src.exists() and _has_checkpoints(cfg):
-        return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
-    check(
-        src.is_dir(),
-        "model.init_from",
-        "a run's final/ directory, a run directory or a Hugging Face model directory",
-        cfg.model.init_from,
-    )
-    own = run_dir(cfg).absolute()
-    check(
-        src.absolute() not in (own, own / "final"),
-        "model.init_from",
-        f"weights outside run.dir={cfg.run.dir} (the run's end replaces its final/; give the new run its own run.dir)",
-        cfg.model.init_from,
-    )
-    open_matching(cfg.model)
-
-
-def _check_init_from_uri(cfg: RunConfig) -> None:
-    uri, own = cfg.model.init_from.rstrip("/"), cfg.run.storage.rstrip("/")
-    check(
-        not own or uri not in (own, join(own, "final")),
-        "model.init_from",
-        f"weights outside run.storage={cfg.run.storage} (the run's end replaces its final/; give the new run "
-        f"its own run.storage)",
-        cfg.model.init_from,
-    )
+    for key, own in (("run.dir", run_dir(cfg)), ("run.storage", cfg.run.storage)):
+        check(
+            not own or not any(same_location(where, o) for o in (own, below(own, "final"))),
+            "model.init_from",
+            f"weights outside {key}={getattr(cfg.run, key[4:])} (the run's end replaces its final/; give the new "
+            f"run its own {key})",
+            cfg.model.init_from,
+        )
     try:
-        there = weights_at(uri)
+        there = weights_at(where)
     except StorageError as exc:
         raise ConfigError(f"model.init_from: {exc}") from None
     if not there and _has_checkpoints(cfg):
         return  # the weights only seed the first start: a restart resumes from the run's own checkpoints
-    # Headers only: the machine that checks (a laptop submitting a job) need not hold the weights;
-    # each rank fetches and verifies them whole when it starts (init_from).
+    # Headers only from a URI: the machine that checks (a laptop submitting a job) need not hold
+    # the weights; each rank fetches and verifies them whole when it starts (init_from).
     with tempfile.TemporaryDirectory(prefix="init-from-", dir=staging_folder()) as tmp:
         try:
-            local = fetch_headers(uri, Path(tmp))
+            local = local_folder(where, lambda uri: fetch_headers(uri, Path(tmp)))
         except WeightSourceError as exc:
             raise _config_error(exc) from None
+        check(
+            local.is_dir(),
+            "model.init_from",
+            "a run's final/ directory, a run directory or a Hugging Face model directory",
+            cfg.model.init_from,
+        )
         open_matching(cfg.model, where=local)
 
 
@@ -372,15 +364,12 @@ def _has_checkpoints(cfg: RunConfig) -> bool:
 
 
 def _weights_gone(init_from: str) -> bool:
-    if is_uri(init_from):
-        try:
-            return not weights_at(init_from)
-        except StorageError:
-            return False  # open_matching names what is wrong
     try:
-        return not Path(resolve_model(init_from)).exists()
+        return not weights_at(resolve_model(init_from))
     except ModelIdError:
         return True
+    except StorageError:
+        return False  # open_matching names what is wrong
 
 
 def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str = "auto") -> None:
@@ -422,10 +411,11 @@ def load_final(run_or_final_dir: str | os.PathLike, device: str | torch.device =
     A missing or corrupt file raises FinalWeightsError naming it (a run killed while
     an older loomtrain wrote final/, a copy cut short, a disk error), never a
     safetensors / JSON traceback."""
-    if is_uri(run_or_final_dir):
-        with naming_objects():
-            return load_final(fetch_final(str(run_or_final_dir)), device)
-    path = _final_of(run_or_final_dir)
+    with naming_objects():
+        return _load_final(local_folder(run_or_final_dir, fetch_final, local=_final_of), device)
+
+
+def _load_final(path: Path, device: str | torch.device):
     weights_name = WEIGHTS_INDEX if (path / WEIGHTS_INDEX).exists() else WEIGHTS
     for name in (weights_name, MODEL_CONFIG, TOKENIZER_DIR):
         if not (path / name).exists():
