@@ -783,10 +783,16 @@ def absolute(where: str) -> str:
     return str(Path(os.path.expanduser(os.fspath(where))).absolute())
 
 
+def canonical(where: str | os.PathLike) -> str:
+    """A location's one spelling: a URI without its trailing slash, a path resolved (absolute,
+    `~` expanded, links followed)."""
+    if is_uri(where):
+        return str(where).rstrip("/")
+    return str(Path(os.path.expanduser(os.fspath(where))).resolve())
+
+
 def same_location(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    if is_uri(a) or is_uri(b):
-        return is_uri(a) and is_uri(b) and str(a).rstrip("/") == str(b).rstrip("/")
-    return Path(a).resolve() == Path(b).resolve()
+    return canonical(a) == canonical(b)  # a path's spelling starts with /, a URI's with its scheme
 
 
 def inside(where: str | os.PathLike, root: str | os.PathLike) -> bool:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from loomtrain.data_pipeline import DataError, load_tokenizer
 from loomtrain.durable import atomic_write
+from loomtrain.hf_cache import resolve_model
 from loomtrain.launcher.checkpoints.final import (
     TOKENIZER_DIR,
     naming_objects,
@@ -51,7 +52,15 @@ from loomtrain.launcher.checkpoints.safetensors_source import (
 )
 from loomtrain.launcher.config import DataConfig, RunConfig, RunSection, TrainConfig
 from loomtrain.launcher.config_loader import to_yaml
-from loomtrain.storage import StorageError, delete_objects, is_uri, join, location, output_folder, upload_files
+from loomtrain.storage import (
+    StorageError,
+    canonical,
+    delete_objects,
+    join,
+    location,
+    output_folder,
+    upload_files,
+)
 
 FORMATS = ("hf",)
 
@@ -179,12 +188,12 @@ def import_hf(src: str | Path, output: str | Path) -> Path | str:
 def _import_hf(src: str | Path, output: str | Path) -> Path | str:
     from loomtrain.launcher.checkpoints.weight_source import weights_folder
 
-    src_uri = str(src) if is_uri(src) else None  # what the import names its source
     try:
-        src = weights_folder(src)  # a URI's objects fetched, a model id's snapshot in the local cache
+        folder = weights_folder(src)  # a URI's objects fetched, a model id's snapshot in the local cache
     except WeightSourceError as exc:
         raise HFImportError(str(exc)) from None
-    src_name = src_uri or str(src.resolve())
+    src_name = canonical(resolve_model(src))  # what the import names its source: the URI, or the folder
+    src = folder
     try:
         check_output(output, src, src_name)
     except OSError as exc:  # a folder on the way that cannot be read
