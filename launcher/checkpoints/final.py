@@ -11,14 +11,14 @@ At the end of a run every rank writes its share (`save_final_sharded`: parameter
 to rank i % world; its TP shards and ZeRO partitions are joined one parameter at a time and
 streamed into the owner's file, so no rank holds more than one full parameter beyond its
 own state). `write_final` writes the same layout from full tensors in memory (`loomtrain
-import`, tests). Both write into a temp directory renamed into place. Readers check the
-manifest's sha256 (`verify_final`) before trusting a byte, and never unpickle anything.
-
-On object storage (`run.storage=s3://bucket/prefix`: final/ is {run.storage}/final/, same
-layout) there is no rename: manifest.json is the commit point, so final/ exists iff its
-manifest does. A writer first deletes an earlier manifest (the earlier final/ is gone from
-then on) and the rest of the prefix, uploads the files (each rank its own, from a local
-staging folder under run.dir), and writes the manifest last (`retract_final`, `publish_final`).
+import`, tests). Both run one protocol through storage.location's backend: on a disk into
+final.tmp/, renamed into place; on object storage (`run.storage=s3://bucket/prefix`: final/ is
+{run.storage}/final/, same layout) there is no rename: manifest.json is the commit point, so
+final/ exists iff its manifest does. A writer first deletes an earlier manifest (the earlier
+final/ is gone from then on) and the rest of the prefix, streams the files up (each rank its
+own, as a multipart upload: nothing is staged on a disk), and writes the manifest last
+(`publish_final` uploads a finished local final/ the same way). Readers check the manifest's
+sha256 (`verify_final`) before trusting a byte, and never unpickle anything.
 A reader of a URI (`fetch_final`) downloads the manifest's files into a local cache folder per
 URI and host (`weights_cache`), each checked against its size and sha256 as it streams in and
 kept for the next reader while neither its manifest entry nor its object changed, and hands
@@ -40,24 +40,27 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
+import posixpath
 from pathlib import Path
 
 import torch
-from loomtrain.durable import json_bytes, replace_dir, write_durable, write_json_durable
+from loomtrain.durable import json_bytes
 from loomtrain.launcher.checkpoints.ds_state import full_shape
 from loomtrain.launcher.checkpoints.lora_final import final_params
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter, write_safetensors
-from loomtrain.launcher.distributed import all_gather_objects, barrier, current_rank, current_world_size
+from loomtrain.launcher.distributed import all_gather_objects, current_rank, current_world_size
 from loomtrain.parallel.plan import gather_shards, spec_of
 from loomtrain.storage import (
     StorageError,
     delete_objects,
     download_verified,
-    is_uri,
+    file_entry,
+    first_line,
     join,
+    location,
     read_object,
     sha256_file,
+    store_failure,
     upload_files,
     write_object,
 )
@@ -67,9 +70,6 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 MODEL_CONFIG = "model_config.json"
 TOKENIZER_DIR = "tokenizer"
 FINAL_MANIFEST = "manifest.json"
-_PARTS = ".parts"
-# Each rank's local staging folder for an upload of final/ to object storage, under run.dir.
-UPLOAD_STAGING = ".tmp-final-upload"
 
 
 def final_location(storage: str, run_dir: str | os.PathLike) -> Path | str:
@@ -87,92 +87,131 @@ def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.P
     return write_final(state, model_cfg, tokenizer, out_dir)
 
 
-def write_final(state: dict[str, torch.Tensor], model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
+def write_final(state: dict[str, torch.Tensor], model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path | str:
     """The final directory from full tensors by loomtrain name (a tied output layer left out),
-    atomically (temp dir, then rename). `loomtrain import` writes through this too."""
-    tmp = _begin(Path(out_dir))
-    files = {WEIGHTS: write_safetensors(tmp / WEIGHTS, {k: v.contiguous() for k, v in state.items()})}
-    return _finish(tmp, Path(out_dir), files, model_cfg, tokenizer, weight_map=None)
+    by the protocol of save_final_sharded with one writer. `loomtrain import` writes through this."""
+    store, stage, name = _stage(out_dir)
+    _clear(store, stage)
+    where, sink = store.child(stage).sink(WEIGHTS)
+    entry = write_safetensors(where, {k: v.contiguous() for k, v in state.items()}, sink=sink)
+    _publish(store, stage, name, [{"files": {WEIGHTS: entry}, "weight_map": {}, "owners": 1}], model_cfg, tokenizer)
+    return store.name(name)
 
 
-def _begin(out_dir: Path) -> Path:
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+def _stage(out_dir: str | os.PathLike):
+    """(the backend holding final/, the name it is written under, its name): on a disk final.tmp,
+    renamed into place at the end; in an object store final/ itself (no rename: the manifest
+    written last is the commit point)."""
+    base, name = posixpath.split(str(out_dir).rstrip("/"))
+    store = location(base or ".")
+    return store, (f"{name}.tmp" if store.renames else name), name
 
 
-def _finish(tmp: Path, out_dir: Path, files: dict, model_cfg, tokenizer, weight_map: dict | None) -> Path:
-    """Rank 0: the small files, the manifest last, then the rename (an older final/ goes)."""
-    _small_files(tmp, files, model_cfg, tokenizer, weight_map)
-    shutil.rmtree(tmp / _PARTS, ignore_errors=True)
-    write_json_durable(tmp / FINAL_MANIFEST, {"files": files})
-    return replace_dir(tmp, out_dir)
-
-
-def _small_files(tmp: Path, files: dict, model_cfg, tokenizer, weight_map: dict | None) -> None:
-    """The index (several weight files), model_config.json and tokenizer/ into `tmp`; their
-    manifest entries added to `files` (which holds the weight files' already)."""
-    if weight_map is not None:
-        sizes = {f: files[f]["size"] for f in set(weight_map.values())}
-        write_json_durable(
-            tmp / WEIGHTS_INDEX, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-        )
-    write_durable(tmp / MODEL_CONFIG, json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
-    tokenizer.save(tmp / TOKENIZER_DIR)
-    for p in sorted(tmp.rglob("*")):
-        rel = str(p.relative_to(tmp))
-        if p.is_file() and rel not in files and _PARTS not in p.relative_to(tmp).parts:
-            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}  # small files
-
-
-def save_final_sharded(
-    engine, topology, model_cfg, tokenizer, out_dir: str | os.PathLike, staging: str | os.PathLike | None = None
-) -> Path | str:
+def save_final_sharded(engine, topology, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path | str:
     """Every rank calls this at the end of a run; each writes the parameters it owns (i % world),
     joined from TP shards and ZeRO partitions one at a time and streamed into its file, in the
-    training dtype (fp32 runs: the fp32 masters, bitwise). Rank 0 adds the index, config,
-    tokenizer and manifest and renames the directory into place.
-
-    `out_dir` a URI ({run.storage}/final): each rank writes its file into its own folder under
-    `staging` (a local folder: run.dir) and uploads it; no folder is shared (`_save_final_to_uri`)."""
-    if is_uri(out_dir):
-        if staging is None:
-            raise ValueError(f"final weights to {out_dir}: a local staging folder is needed")
-        return _save_final_to_uri(engine, topology, model_cfg, tokenizer, str(out_dir), Path(staging))
-    out_dir = Path(out_dir)
-    rank, world = current_rank(), current_world_size()
-    tmp = _begin(out_dir) if rank == 0 else out_dir.with_name(out_dir.name + ".tmp")
-    barrier()
-    part = _write_share(engine, topology, tmp)
-    write_json_durable(tmp / _PARTS / f"rank_{rank:05d}.json", part)
-    barrier()
-    if rank == 0:
-        parts = [json.loads((tmp / _PARTS / f"rank_{r:05d}.json").read_text()) for r in range(world)]
-        files, weight_map = _merged(parts)
-        _finish(tmp, out_dir, files, model_cfg, tokenizer, weight_map)
-    barrier()
-    return out_dir
+    training dtype (fp32 runs: the fp32 masters, bitwise). One protocol on a disk and in an object
+    store (storage.location): rank 0 clears the stage (an earlier attempt, its manifest first);
+    each rank streams its file into the stage (a file there, or a multipart upload: no folder is
+    shared between hosts); rank 0 adds the index, config and tokenizer and the manifest last, and
+    on a disk renames the stage into place (an older final/ goes then). A failure on any rank
+    fails every rank with that rank's one line (no rank waits on a collective for it)."""
+    store, stage, name = _stage(out_dir)
+    at = store.child(stage)
+    _on_rank0(lambda: _clear(store, stage))  # also the barrier: nothing is written before it
+    part = _write_share(engine, topology, at)
+    parts = all_gather_objects(part)
+    failed = [p["error"] for p in parts if p.get("error")]
+    if failed:
+        raise FinalWeightsError(failed[0])
+    _on_rank0(lambda: _publish(store, stage, name, parts, model_cfg, tokenizer))
+    return store.name(name)
 
 
-def _write_share(engine, topology, folder: Path) -> dict:
-    """This rank's parameters (i % world) into its file in `folder` (a collective: every rank
-    joins each parameter's gather); -> {"files": {name: manifest entry}, "weight_map", "owners"}."""
+def _on_rank0(work) -> None:
+    """`work()` on rank 0; its failure, in one line, raised on every rank (a collective)."""
+    error = None
+    if current_rank() == 0:
+        try:
+            work()
+        except (StorageError, OSError) as exc:
+            error = _failure(exc)
+    error = all_gather_objects(error)[0]
+    if error is not None:
+        raise FinalWeightsError(error)
+
+
+def _failure(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, StorageError) else store_failure(exc) or first_line(exc)
+
+
+def _clear(store, stage: str) -> None:
+    store.delete(f"{stage}/{FINAL_MANIFEST}")  # first: a reader finds no final/ from here on
+    store.delete_tree(stage)
+    store.make_folder(stage)
+
+
+def _publish(store, stage: str, name: str, parts: list[dict], model_cfg, tokenizer) -> None:
+    """Rank 0: the small files, the manifest last (the commit point), then a disk's rename."""
+    at = store.child(stage)
+    files, weight_map = _merged(parts)
+    if weight_map is not None:
+        sizes = {f: files[f]["size"] for f in set(weight_map.values())}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        files[WEIGHTS_INDEX] = _write(at, WEIGHTS_INDEX, json_bytes(index))
+    files[MODEL_CONFIG] = _write(
+        at, MODEL_CONFIG, (json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n").encode()
+    )
+    files.update(at.write_folder(TOKENIZER_DIR, lambda folder: tokenizer.save(Path(folder))))
+    at.sync()
+    at.write(FINAL_MANIFEST, json_bytes({"files": files}))
+    if store.renames:
+        store.rename(stage, name)
+
+
+def _write(at, rel: str, data: bytes) -> dict:
+    at.write(rel, data)
+    return file_entry(data)
+
+
+def _write_share(engine, topology, at) -> dict:
+    """This rank's parameters (i % world) streamed into its file at `at` (a collective: every rank
+    joins each parameter's gather, a rank whose write failed too) -> {"files": {name: manifest
+    entry}, "weight_map", "owners", "error": the failure in one line, or None}."""
     rank, world = current_rank(), current_world_size()
     params, read = final_params(engine)  # LoRA: the whole model, adapted weights merged
     owners = min(world, len(params))
     name = WEIGHTS if owners == 1 else f"model-{rank + 1:05d}-of-{owners:05d}.safetensors"
     mine = [(n, p) for i, (n, p) in enumerate(params) if i % world == rank]
-    writer = SafetensorsWriter(folder / name, [(n, p.dtype, full_shape(p)) for n, p in mine]) if mine else None
+    writer, sink, error = None, None, None
+    try:
+        if mine:
+            where, sink = at.sink(name)
+            writer = SafetensorsWriter(where, [(n, p.dtype, full_shape(p)) for n, p in mine], sink=sink)
+    except Exception as exc:
+        error = f"{at.name(name)}: cannot write it ({_failure(exc)})"
     for i, (n, p) in enumerate(params):
         full = gather_shards(read(n, p), spec_of(p), topology)  # collective
-        if writer is not None and i % world == rank:
-            writer.write(n, full.to(p.dtype).reshape(full_shape(p)))
+        if writer is not None and error is None and i % world == rank:
+            try:
+                writer.write(n, full.to(p.dtype).reshape(full_shape(p)))
+            except Exception as exc:  # a full disk, a refused upload: every rank is told after the loop
+                error = f"{at.name(name)}: cannot write it ({_failure(exc)})"
         del full
+    entry = None
+    if writer is not None and error is None:
+        try:
+            entry = writer.close()
+        except Exception as exc:
+            error = f"{at.name(name)}: cannot write it ({_failure(exc)})"
+    if error is not None and sink is not None:
+        with contextlib.suppress(Exception):
+            sink.abort()
     return {
-        "files": {name: writer.close()} if writer else {},
+        "files": {name: entry} if entry else {},
         "weight_map": {n: name for n, _ in mine},
         "owners": owners,
+        "error": error,
     }
 
 
@@ -183,59 +222,6 @@ def _merged(parts: list[dict]) -> tuple[dict, dict | None]:
         files.update(got["files"])
         weight_map.update(got["weight_map"])
     return files, (None if parts[0]["owners"] == 1 else weight_map)
-
-
-def _save_final_to_uri(engine, topology, model_cfg, tokenizer, uri: str, staging: Path) -> str:
-    """final/ on object storage: rank 0 retracts an earlier one (its manifest first); each rank
-    writes its file into staging/UPLOAD_STAGING/rank_N and uploads it; rank 0 adds the small
-    files and writes the manifest last, once every rank's file is up. An upload that fails on
-    any rank fails every rank with that rank's one line (no rank waits on a collective for it)."""
-    rank = current_rank()
-    mine = staging / UPLOAD_STAGING / f"rank_{rank:05d}"
-    shutil.rmtree(mine, ignore_errors=True)
-    mine.mkdir(parents=True)
-    error = None
-    if rank == 0:
-        try:
-            retract_final(uri)
-        except StorageError as exc:
-            error = str(exc)
-    retracted = all_gather_objects(error)[0]  # also the barrier: nothing is uploaded before the retraction
-    if retracted is not None:
-        _remove_staging(mine)
-        raise FinalWeightsError(retracted)
-    part = _write_share(engine, topology, mine)
-    try:
-        upload_files(mine, sorted(part["files"]), uri)
-    except StorageError as exc:
-        part["error"] = str(exc)
-    parts = all_gather_objects(part)
-    failed = [p["error"] for p in parts if p.get("error")]
-    if failed:
-        _remove_staging(mine)
-        raise FinalWeightsError(failed[0])
-    error = None
-    if rank == 0:
-        files, weight_map = _merged(parts)
-        own = set(files)
-        try:
-            _small_files(mine, files, model_cfg, tokenizer, weight_map)
-            upload_files(mine, sorted(set(files) - own), uri)
-            write_object(join(uri, FINAL_MANIFEST), json_bytes({"files": files}))  # the commit point, last
-        except StorageError as exc:
-            error = str(exc)
-    errors = all_gather_objects(error)
-    _remove_staging(mine)
-    if errors[0] is not None:
-        raise FinalWeightsError(errors[0])
-    return uri
-
-
-def _remove_staging(mine: Path) -> None:
-    """This rank's staging folder, and their parent once the last rank of the host left it."""
-    shutil.rmtree(mine, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        mine.parent.rmdir()
 
 
 def retract_final(uri: str) -> None:

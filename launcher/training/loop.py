@@ -729,6 +729,6 @@ def _save_final(ctx: TrainContext) -> Path | str:
     share of the full weights (see checkpoints.final.save_final_sharded)."""
     final = final_location(ctx.cfg.run.storage, ctx.run_dir)
     with io_phase("final weights"):
-        save_final_sharded(ctx.engine, ctx.topology, ctx.cfg.model, ctx.tokenizer, final, staging=ctx.run_dir)
+        save_final_sharded(ctx.engine, ctx.topology, ctx.cfg.model, ctx.tokenizer, final)
     ctx.metrics.message(f"final weights: {final if isinstance(final, str) else final.absolute()}")
     return final
