@@ -34,7 +34,6 @@ import dataclasses
 import math
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
 import time
@@ -46,7 +45,7 @@ import numpy as np
 from loomtrain.data_pipeline import documents
 from loomtrain.data_pipeline.documents import iter_units, jsonl_values, unit_texts
 from loomtrain.data_pipeline.records import TEXT, RecordFormat, check_format, detect_format, record_tokens
-from loomtrain.data_pipeline.remote_output import RemoteOutput
+from loomtrain.data_pipeline.remote_output import open_output
 from loomtrain.data_pipeline.shards import (
     FORMAT,
     INDEX,
@@ -59,14 +58,11 @@ from loomtrain.data_pipeline.shards import (
 from loomtrain.data_pipeline.staging import (
     Parts,
     Progress,
-    check_output,
     clear_assembly,
     open_partial,
-    publish,
 )
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from loomtrain.durable import atomic_write_json
-from loomtrain.storage import is_uri
 from tqdm import tqdm
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB per uint16 shard
@@ -412,14 +408,11 @@ def preprocess_files(
     if records is None:
         records = RecordFormat(detect_format(files, text_field))
     check_format(records, files)
-    remote = RemoteOutput(str(output), overwrite) if is_uri(output) else None
-    out = remote.staging if remote else Path(output)
-    at = Progress(out, files, shown=str(output) if remote else None)
+    sink = open_output(output, overwrite)  # a folder (renamed into place) or an object store (uploaded)
+    out = sink.staging
+    at = Progress(out, files, shown=sink.shown)
     try:
-        if remote:
-            remote.check()  # before anything is written, as check_output for a folder
-        else:
-            check_output(out, overwrite)
+        sink.check()  # before anything is written
         t0 = time.perf_counter()
         sizes = [p.stat() for p in files]
         total_bytes = sum(st.st_size for st in sizes)
@@ -482,9 +475,8 @@ def preprocess_files(
             finally:
                 bar.close()
         at.assembling = True
-        if remote:
-            remote.begin()
-        uploaded = partial(remote.upload, work) if remote else None  # each shard goes up as it is complete
+        sink.begin()
+        uploaded = partial(sink.upload, work)  # to an object store, each shard goes up as it is complete
         splits, stats = _assemble(work, parts, files, tokenizer, splitter, shard_tokens, on_file=uploaded)
         if splits["train"]["num_tokens"] == 0 and splits["val"]["num_tokens"] == 0:
             raise DataError(f"inputs hold no text: {', '.join(sources or [str(p) for p in files[:3]])}")
@@ -508,18 +500,13 @@ def preprocess_files(
             "sources": sources or [str(p) for p in files],
         }
         atomic_write_json(work / INDEX, index)
-        if remote:
-            remote.commit(work)
-            shutil.rmtree(work, ignore_errors=True)  # a local copy of what is now in the store
-        else:
-            publish(work, out)
+        sink.commit(work)
     except KeyboardInterrupt:  # Ctrl-C: what was kept is in OUTPUT.partial, and a rerun resumes from it
         raise at.interrupted() from None
     except OSError as exc:  # an input that cannot be read, a full or read-only output: named with the path
         raise at.os_error(exc) from None
     finally:
-        if remote:
-            remote.close()
+        sink.close()
     run = {
         "seconds": round(time.perf_counter() - t0, 3),
         "workers": workers,
@@ -533,7 +520,7 @@ def preprocess_files(
         log(
             f"preprocess: {len(files)} files, {doc} documents, {n_tok:,} tokens "
             f"(train {splits['train']['num_tokens']:,} / val {splits['val']['num_tokens']:,}) in {secs:.2f}s "
-            f"({n_tok / max(secs, 1e-9):,.0f} tokens/s, {workers} worker(s){where}) -> {output if remote else out}"
+            f"({n_tok / max(secs, 1e-9):,.0f} tokens/s, {workers} worker(s){where}) -> {sink.shown}"
             + (f"; skipped {stats['bad_lines']} bad lines" if stats["bad_lines"] else "")
             + (f"; replaced {stats['replaced_chars']} invalid UTF-8 sequences" if stats["replaced_chars"] else "")
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import tempfile
 import threading
 from concurrent.futures import Future, wait
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from loomtrain.data_pipeline.remote import open_store
 from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError
+from loomtrain.data_pipeline.staging import check_output, publish
 from loomtrain.data_pipeline.tokenizer import CHAT_CONFIG
 from loomtrain.storage import (
     StorageError,
@@ -35,6 +37,7 @@ from loomtrain.storage import (
     first_line,
     join,
     listing,
+    location,
     read_object,
     transfer_pool,
     upload_file,
@@ -56,9 +59,40 @@ def staging_dir(uri: str) -> Path:
     return Path(tempfile.gettempdir()) / "loomtrain-preprocess" / f"{name}-{key}"
 
 
+def open_output(output: str | Path, overwrite: bool) -> FolderOutput | RemoteOutput:
+    """Where preprocess writes, as its backend (storage.location) is: a folder, published by a
+    rename, or an object store, uploaded file by file and committed by index.json."""
+    if location(output, "--output").local:
+        return FolderOutput(Path(output), overwrite)
+    return RemoteOutput(str(output), overwrite)
+
+
+class FolderOutput:
+    """--output a folder: preprocess works in its .partial sibling (`staging` is the folder), and
+    the finished work folder is renamed onto it (staging.publish)."""
+
+    def __init__(self, out: Path, overwrite: bool):
+        self.staging, self.shown, self.overwrite = out, str(out), overwrite
+
+    def check(self) -> None:
+        check_output(self.staging, self.overwrite)
+
+    def begin(self) -> None:
+        """(nothing goes anywhere before the rename)"""
+
+    def upload(self, work: Path, name: str) -> None:
+        """(a file is in place once the work folder is renamed)"""
+
+    def commit(self, work: Path) -> None:
+        publish(work, self.staging)
+
+    def close(self) -> None:
+        """(nothing in flight)"""
+
+
 class RemoteOutput:
     def __init__(self, uri: str, overwrite: bool):
-        self.uri = str(uri).rstrip("/")
+        self.uri = self.shown = str(uri).rstrip("/")
         self.fs, self.path = open_store(self.uri, "--output")
         self.overwrite = overwrite
         self.staging = staging_dir(self.uri)
@@ -147,7 +181,8 @@ class RemoteOutput:
 
     def commit(self, work: Path) -> None:
         """Wait for the uploads, then the tokenizer, then index.json (the commit point); then
-        the marker and what an earlier output held that this one does not name go."""
+        the marker and what an earlier output held that this one does not name go, and the local
+        work folder (a copy of what is now in the store)."""
         for name in ("tokenizer.json", CHAT_CONFIG):
             if (work / name).is_file():
                 self.upload_kept(work, name)
@@ -163,6 +198,7 @@ class RemoteOutput:
             delete_objects(self.uri, stale)
         except StorageError as exc:
             raise self._fail(f"remove {stale[0]} of the earlier output (the new one is complete)", exc) from None
+        shutil.rmtree(work, ignore_errors=True)
 
     def upload_kept(self, work: Path, name: str) -> None:
         """Start uploading work/name, keeping the local file."""
@@ -178,4 +214,4 @@ class RemoteOutput:
         wait(uploads)
 
 
-__all__ = ["RemoteOutput", "staging_dir"]
+__all__ = ["FolderOutput", "RemoteOutput", "open_output", "staging_dir"]
