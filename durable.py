@@ -138,10 +138,6 @@ def write_durable(path: str | os.PathLike, data: bytes | str) -> None:
         os.fsync(f.fileno())
 
 
-def write_json_durable(path: str | os.PathLike, obj) -> None:
-    write_durable(path, json_bytes(obj))
-
-
 def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     """Publish the finished directory `tmp` as `final` with one rename (tmp and the parent
     fsynced). An earlier `final` is renamed to `.tmp-NAME.old` beside it first and deleted

@@ -33,13 +33,11 @@ from loomtrain.data_pipeline.shards import (
     DataError,
 )
 from loomtrain.storage import (
-    StorageError,
     below,
     first_line,
     listing,
     location,
     object_store,
-    read_object,
 )
 
 FETCH_THREADS = 16  # ranged GETs in flight per stream: a GET's latency, not bandwidth, bounds a window's read
@@ -61,17 +59,6 @@ def list_directory(fs, path: str, uri: str) -> dict[str, dict]:
     except Exception as exc:  # no credentials, no bucket, no connection: the library's own types
         raise DataError(f"{uri}: cannot list the shard directory ({first_line(exc)})") from None
     return {name: info for name, info in found.items() if info.get("type") == "file"}
-
-
-def read_whole(uri: str, missing: str) -> bytes:
-    """A small object, whole; `missing`: what a missing object means, for its error line."""
-    try:
-        data = read_object(uri)
-    except StorageError as exc:
-        raise DataError(str(exc)) from None
-    if data is None:
-        raise DataError(f"{uri}: {missing}")
-    return data
 
 
 def load_shard_tokenizer(shard_dir):
