@@ -725,8 +725,8 @@ def done_line(result: TrainResult, start_step: int, elapsed: float) -> str:
 
 
 def _save_final(ctx: TrainContext) -> Path | str:
-    """final/ (RUN_DIR/final, or {run.storage}/final staged under RUN_DIR): every rank writes its
-    share of the full weights (see checkpoints.final.save_final_sharded)."""
+    """final/ (RUN_DIR/final, or {run.storage}/final): every rank streams its share of the full
+    weights there (see checkpoints.final.save_final_sharded)."""
     final = final_location(ctx.cfg.run.storage, ctx.run_dir)
     with io_phase("final weights"):
         save_final_sharded(ctx.engine, ctx.topology, ctx.cfg.model, ctx.tokenizer, final)
