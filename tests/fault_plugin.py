@@ -30,6 +30,8 @@ the product:
                                wrapped where checkpoints/hook.py and background.py call it)
     ckpt_pause:STEP:SECONDS    rank 0 sleeps after step STEP's files are written and fsynced,
                                before the manifest (CheckpointStore._write_manifest wrapped)
+    final_full:RANK            rank RANK's file of the final weights fails at its first tensor
+                               with ENOSPC, a full disk or store (final.SafetensorsWriter wrapped)
 
 sigstop and exit strike once per run directory (a marker RUN_DIR/.test_fault_KIND_RANK_STEP
 keeps a restarted worker group from striking again).
@@ -38,6 +40,7 @@ keeps a restarted worker group from striking again).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -62,6 +65,7 @@ KINDS = {
     "gate": ("step_end", ("rank", "from", "path")),
     "ckpt_slow": ("checkpoint_write", ("step", "seconds")),
     "ckpt_pause": ("checkpoint_publish", ("step", "seconds")),
+    "final_full": ("final_write", ("rank",)),
 }
 
 
@@ -129,6 +133,7 @@ def configure(spec: str) -> None:
     global _SPEC, _PLAN
     _SPEC, _PLAN = spec, parse(spec)
     _wrap_checkpoints("checkpoint_write" in _PLAN, "checkpoint_publish" in _PLAN)
+    _wrap_final("final_write" in _PLAN)
 
 
 def hooks(cfg) -> list[Hooks]:
@@ -290,6 +295,29 @@ def _wrap_checkpoints(write: bool, publish: bool) -> None:
         state.write_snapshot = background.write_snapshot = write_snapshot
     else:
         state.write_snapshot = background.write_snapshot = _wrapped.pop("write_snapshot")
+
+
+def _wrap_final(on: bool) -> None:
+    """final_full: the final weights' writer, as final.py looks it up, replaced while planned."""
+    if on == ("final_writer" in _wrapped):
+        return
+    from loomtrain.launcher.checkpoints import final
+
+    if not on:
+        final.SafetensorsWriter = _wrapped.pop("final_writer")
+        return
+    original = _wrapped["final_writer"] = final.SafetensorsWriter
+
+    class FullWriter(original):
+        def write(self, name, tensor):
+            from loomtrain.launcher.distributed import current_rank
+
+            for fault in striking("final_write", None, current_rank()):
+                _say(fault.kind, 0, current_rank())
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(name, tensor)
+
+    final.SafetensorsWriter = FullWriter
 
 
 def _pause(where: str, step: int) -> None:

@@ -207,6 +207,7 @@ def _run_on_ray(cfg) -> int:
 
 
 def _run_here(cfg) -> int:
+    from loomtrain.launcher.checkpoints.final import FinalWeightsError
     from loomtrain.launcher.distributed import RendezvousError
     from loomtrain.launcher.training.loop import run_training
     from loomtrain.launcher.training.nonfinite import NonFiniteError
@@ -224,6 +225,9 @@ def _run_here(cfg) -> int:
         return 2
     except NonFiniteError as exc:
         print(f"loomtrain: training stopped: {exc}", file=sys.stderr)
+        return 1
+    except FinalWeightsError as exc:  # every rank says it: the failing rank's one line
+        print(f"loomtrain: final weights not written: {exc}; the run's checkpoints are kept", file=sys.stderr)
         return 1
     except RuntimeError as exc:  # a peer gone mid-collective (gloo): one line naming its host
         line = lost_peer_line(exc, run_dir(cfg))
