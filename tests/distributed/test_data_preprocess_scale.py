@@ -59,7 +59,7 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
 KILLER = """
 import os, signal, sys
 from pathlib import Path
-from loomtrain.data_pipeline import documents, preprocess as pp, staging
+from loomtrain.data_pipeline import documents, preprocess as pp, remote_output, staging
 calls = {"n": 0}
 original = staging.PartWriter.add
 def add(self, *a, **k):
@@ -72,8 +72,8 @@ def publish(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)
 if sys.argv[4] == "tokenizing":
     staging.PartWriter.add = add
-else:  # shards assembled, not yet published
-    pp.publish = publish
+else:  # shards assembled, not yet published (the folder output's rename)
+    remote_output.publish = publish
 files = documents.expand_inputs([sys.argv[1]])
 pp.preprocess_files(files, sys.argv[2], sys.argv[3], workers=1, val_fraction=0.1, shard_tokens=500,
                     sources=[sys.argv[1]], progress=False)
