@@ -134,7 +134,7 @@ def _on_rank0(work) -> None:
     if current_rank() == 0:
         try:
             work()
-        except (StorageError, OSError) as exc:
+        except Exception as exc:  # told to every rank: none may wait on a collective for rank 0
             error = _failure(exc)
     error = all_gather_objects(error)[0]
     if error is not None:
@@ -142,7 +142,7 @@ def _on_rank0(work) -> None:
 
 
 def _failure(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, StorageError) else store_failure(exc) or first_line(exc)
+    return str(exc) if isinstance(exc, (StorageError, FinalWeightsError)) else store_failure(exc) or first_line(exc)
 
 
 def _clear(store, stage: str) -> None:
@@ -155,6 +155,13 @@ def _publish(store, stage: str, name: str, parts: list[dict], model_cfg, tokeniz
     """Rank 0: the small files, the manifest last (the commit point), then a disk's rename."""
     at = store.child(stage)
     files, weight_map = _merged(parts)
+    stored = at.sizes()
+    for rel, info in sorted(files.items()):  # every rank's file is where rank 0 publishes
+        if stored.get(rel) != info["size"]:
+            raise StorageError(
+                f"{at.name(rel)}: {stored.get(rel, 'no')} bytes stored, {info['size']} written (ranks on "
+                "several hosts write final/ into one folder only on a filesystem they share: set run.storage)"
+            )
     if weight_map is not None:
         sizes = {f: files[f]["size"] for f in set(weight_map.values())}
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}

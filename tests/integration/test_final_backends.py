@@ -72,3 +72,21 @@ def test_a_write_that_fails_leaves_no_final_a_reader_takes_for_the_new_one(run_l
         assert not weights_at(where)
         with pytest.raises(FinalWeightsError, match=f"no {FINAL_MANIFEST}"):
             load_final(where)
+
+
+def test_a_rank_file_missing_where_rank_0_publishes_is_refused_naming_it(run_location):
+    """Ranks on hosts that share no filesystem, writing final/ into run.dir: rank 0 finds another
+    rank's file missing and publishes nothing (run.storage is the way)."""
+    from loomtrain.launcher.checkpoints.final import _publish, _stage
+
+    store, stage, name = _stage(storage.below(run_location, "final"))
+    store.make_folder(stage)
+    store.child(stage).write("model-00001-of-00002.safetensors", b"x" * 10)
+    parts = [
+        {"files": {f"model-0000{r + 1}-of-00002.safetensors": {"size": 10, "sha256": "0" * 64}}, "weight_map": {},
+         "owners": 2}
+        for r in range(2)
+    ]  # fmt: skip
+    with pytest.raises(storage.StorageError, match=r"model-00002-of-00002.safetensors: no bytes stored, 10 written"):
+        _publish(store, stage, name, parts, CFG, ByteTokenizer())
+    assert not weights_at(storage.below(run_location, "final"))
