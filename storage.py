@@ -292,7 +292,7 @@ def read_object(uri: str | os.PathLike, start: int | None = None, end: int | Non
     fs, path = filesystem(uri)
     try:
         return fs.cat_file(path, start=start, end=end)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a local path through a file is no object either)
         return None
     except Exception as exc:
         raise failed(uri, "read it", exc) from None

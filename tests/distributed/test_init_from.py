@@ -73,6 +73,19 @@ def test_imported_config_needs_its_own_run_dir_and_takes_an_hf_tokenizer_dir(imp
     assert cfg.model.init_from == str(run / "final") and cfg.model.n_kv_heads == 2
 
 
+def test_init_from_a_file_or_nothing_is_refused_in_one_line(imported, tmp_path):
+    _, _, run = imported
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    for where in (tmp_path / "model.safetensors", tmp_path / "nothing"):
+        cfg = load_config(run / "config.yaml", [f"run.dir={tmp_path / 'run'}", f"model.init_from={where}"])
+        with pytest.raises(ConfigError) as err:
+            check_init_from(cfg)
+        assert str(err.value) == (
+            "model.init_from: expected a run's final/ directory, a run directory or a Hugging Face model "
+            f"directory, got '{where}'"
+        )
+
+
 def test_submit_leaves_a_cluster_only_init_from_to_the_cluster(imported, capsys):
     from loomtrain.launcher.cluster.jobs import check_config
 
