@@ -586,9 +586,10 @@ class Objects:
     def sync(self, rel: str = "", tree: bool = True) -> None:
         """(a PUT is durable when it returns)"""
 
-    def retire(self, rel: str) -> str:
-        """Make a checkpoint invisible at once, before its objects go: its manifest first."""
-        self.delete(f"{rel}/manifest.json")
+    def retire(self, rel: str, commit: str) -> str:
+        """Make a folder of objects invisible at once, before they go: its commit object (a
+        checkpoint's manifest) first."""
+        self.delete(f"{rel}/{commit}")
         return rel
 
     @property
@@ -702,9 +703,9 @@ class Folder:
         """Publish a finished folder whole (an earlier one of that name is replaced)."""
         return replace_dir(self.root / rel, self.root / dest_rel)
 
-    def retire(self, rel: str) -> str:
+    def retire(self, rel: str, commit: str) -> str:
         """Renamed out of sight first, so a crash mid-delete never leaves a half-deleted
-        checkpoint (the next start removes the `.tmp-del-*` leftover)."""
+        checkpoint (the next start removes the `.tmp-del-*` leftover); `commit` is for a store."""
         doomed = f"{TMP_PREFIX}del-{Path(rel).name}.{uuid.uuid4().hex[:8]}"
         os.rename(self.root / rel, self.root / doomed)
         return doomed

@@ -355,7 +355,7 @@ class CheckpointStore:
         its bytes in the background."""
         removed, retired = [], []
         for step, where in pruned(self.published(), self.keep_last, self.keep_every, self.latest_pointer()):
-            retired.append(self.objects.retire(step_dirname(step)))
+            retired.append(self.objects.retire(step_dirname(step), MANIFEST))
             removed.append(where)
         if retired:
             _in_background([lambda n=n: self._delete_quietly(n) for n in retired])
