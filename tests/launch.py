@@ -109,13 +109,16 @@ def run_loomtrain(*args, nproc: int = 1, **how) -> subprocess.CompletedProcess:
     return run_child(loomtrain_cmd(*args, nproc=nproc), **how)
 
 
-def run_variants(driver: str, nproc: int, out: Path, cache: Path, common: list[str], variants: dict) -> None:
-    """One launch of tests/DRIVER (zero_driver.py, lora_driver.py) with `nproc` ranks: each
-    variant (name -> overrides on TINY and `common`) trained in turn, into out/NAME."""
-    argv = [ROOT / "tests" / driver, out, TINY, "--common", *common, f"data.cache_dir={cache}"]
-    for name, overrides in variants.items():
-        argv += ["--variant", name, *overrides]
-    run_child(python_cmd(*argv, nproc=nproc), timeout=900)
+def run_variants(driver: str, out: Path, common: list[str], by_ranks: dict[int, dict], timeout: float = 900) -> Path:
+    """tests/DRIVER (zero_driver.py, lora_driver.py) launched once per rank count of `by_ranks`
+    (one process, or torchrun of N): each of its variants (name -> overrides on TINY and `common`)
+    trained in turn into out/NAME, all sharing one data cache; -> out."""
+    for nproc, variants in by_ranks.items():
+        argv = [ROOT / "tests" / driver, out, TINY, "--common", *common, f"data.cache_dir={out / 'cache'}"]
+        for name, overrides in variants.items():
+            argv += ["--variant", name, *overrides]
+        run_child(python_cmd(*argv, nproc=nproc), timeout=timeout)
+    return out
 
 
 def train_here(run: Path, data_cache: Path, *extra: str, rc: int = 0) -> str:

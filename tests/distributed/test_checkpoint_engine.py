@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too: tests/ holds the helpers
 from launch import python_cmd, run_child  # noqa: E402
+from small_configs import llama_style  # noqa: E402
 
 HERE = Path(__file__).resolve()
 GLOBAL_BATCH, MICRO = 8, 2
@@ -48,24 +49,15 @@ def worker(argv: list[str]) -> None:
     from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.config import RunConfig
     from loomtrain.launcher.distributed import init_distributed
-    from loomtrain.model import ModelConfig, Transformer
+    from loomtrain.model import Transformer
     from loomtrain.parallel import Topology, parallelize
 
     cfg = RunConfig()
     cfg.train.device = "cpu"
     env = init_distributed(cfg)
     torch.manual_seed(0)
-    mcfg = ModelConfig(
-        vocab_size=67,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=1,
-        max_seq_len=SEQ,
-        norm="rmsnorm",
-        activation="swiglu",
-        positions="rope",
-        tie_embeddings=bool(a.tied),
+    mcfg = llama_style(
+        vocab_size=67, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, max_seq_len=SEQ, tie_embeddings=bool(a.tied)
     )
     topo = Topology(env.world_size, env.rank, a.tp, model_cfg=mcfg)
     model = parallelize(Transformer(mcfg, seed=1), topo)

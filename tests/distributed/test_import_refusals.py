@@ -62,6 +62,25 @@ def refused(capsys, tmp_path: Path, src: Path, out: Path) -> str:
 
 
 # Editing a saved model --------------------------------------------------------------------------
+def fine_tune_args(run: Path, src: Path, tmp_path: Path, data_cache: Path, *extra: str) -> list:
+    """`loomtrain train`'s arguments for two short steps of the imported run's config from `src`."""
+    return [
+        run / "config.yaml",
+        f"run.dir={tmp_path / 'ft'}",
+        f"model.init_from={src}",
+        f"data.tokenizer={src}",
+        f"data.cache_dir={data_cache}",
+        "data.max_files=10",
+        "train.max_steps=2",
+        "train.seq_len=32",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=4",
+        "checkpoint.every_steps=0",
+        *QUIET,
+        *extra,
+    ]
+
+
 def index_of(src: Path) -> dict:
     return json.loads((src / "model.safetensors.index.json").read_text())
 
@@ -231,23 +250,7 @@ def test_init_from_weights_holding_an_inf_is_refused_before_step_1(tmp_path, cap
     path = edit_tensor(src, Q_PROJ, with_value(float("inf")))
     capsys.readouterr()
     before = snapshot(tmp_path)
-    rc = cli.main(
-        [
-            "train",
-            str(run / "config.yaml"),
-            f"run.dir={tmp_path / 'ft'}",
-            f"model.init_from={src}",
-            f"data.tokenizer={src}",
-            f"data.cache_dir={data_cache}",
-            "data.max_files=10",
-            "train.max_steps=2",
-            "train.seq_len=32",
-            "train.micro_batch_size=4",
-            "train.global_batch_size=4",
-            "checkpoint.every_steps=0",
-            *QUIET,
-        ]
-    )
+    rc = cli.main(["train", *map(str, fine_tune_args(run, src, tmp_path, data_cache))])
     captured = capsys.readouterr()
     assert rc == 2, captured.out + captured.err
     assert captured.err == (
@@ -302,23 +305,7 @@ def test_init_from_a_nan_in_one_tp_ranks_half_ends_every_rank_in_the_same_line(t
     run = tmp_path / "run"
     assert cli.main(import_cmd(src, run)) == 0
     path = edit_tensor(src, Q_PROJ, lambda t: t.index_fill_(0, torch.tensor([t.shape[0] - 1]), float("nan")))
-    argv = loomtrain_cmd(
-        "train",
-        run / "config.yaml",
-        f"run.dir={tmp_path / 'ft'}",
-        f"model.init_from={src}",
-        f"data.tokenizer={src}",
-        f"data.cache_dir={data_cache}",
-        "data.max_files=10",
-        "train.max_steps=2",
-        "train.seq_len=32",
-        "train.micro_batch_size=4",
-        "train.global_batch_size=4",
-        "parallel.tp=2",
-        "checkpoint.every_steps=0",
-        *QUIET,
-        nproc=2,
-    )
+    argv = loomtrain_cmd("train", *fine_tune_args(run, src, tmp_path, data_cache, "parallel.tp=2"), nproc=2)
     proc = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     # each rank's line (two processes on one pipe: they may interleave), then torchrun's summary

@@ -56,17 +56,9 @@ REFERENCE = {"z1": "ref", "z2": "ref", "z1_sp_ac": "ref", "z2_kv1": "ref_kv1"}
 FP32_TOL = 1e-5
 
 
-def _driver(nproc: int, out: Path, cache: Path, variants: dict[str, list[str]]) -> None:
-    run_variants("lora_driver.py", nproc, out, cache, COMMON, variants)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lora")
-    cache = out / "cache"
-    _driver(1, out, cache, VARIANTS_1)
-    _driver(4, out, cache, VARIANTS_4)
-    return out
+    return run_variants("lora_driver.py", tmp_path_factory.mktemp("lora"), COMMON, {1: VARIANTS_1, 4: VARIANTS_4})
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -271,7 +271,7 @@ def test_other_dp_sizes_and_tensor_parallel_give_the_same_step(tmp_path, chat_sh
     """dp 4 x micro 1, and tp 2 x dp 2 x accumulation 2 with sequence parallelism at ZeRO 2 (the
     document mask per sequence, broadcast over local heads), == one process with micro 4. Both
     variants run in one torchrun of 4 (tests/zero_driver.py): one start-up for the two."""
-    from launch import ROOT, TINY, python_cmd, records, run_child
+    from launch import records, run_variants
     from loomtrain.launcher.training.loop import run_training
 
     ref_losses = run_training(sft_cfg(tmp_path / "one", chat_shards, "train.micro_batch_size=4")).losses
@@ -285,10 +285,7 @@ def test_other_dp_sizes_and_tensor_parallel_give_the_same_step(tmp_path, chat_sh
             "parallel.zero_stage=2",
         ],
     }
-    argv = [ROOT / "tests" / "zero_driver.py", tmp_path, TINY, "--common", *SFT, f"data.path={chat_shards}"]
-    for name, extra in variants.items():
-        argv += ["--variant", name, *extra]
-    run_child(python_cmd(*argv, nproc=4), cwd=tmp_path, timeout=600)
+    run_variants("zero_driver.py", tmp_path, [*SFT, f"data.path={chat_shards}"], {4: variants}, timeout=600)
     for name in variants:
         run_dir = tmp_path / name
         losses = [r["loss"] for r in records(run_dir) if "loss" in r]

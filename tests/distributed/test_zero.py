@@ -82,17 +82,9 @@ FP32_TOL = 1e-5
 BF16_TOL = 5e-3
 
 
-def _driver(nproc: int, out: Path, cache: Path, variants: dict[str, list[str]]) -> None:
-    run_variants("zero_driver.py", nproc, out, cache, COMMON, variants)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("zero")
-    cache = out / "cache"
-    _driver(1, out, cache, VARIANTS_1)
-    _driver(4, out, cache, VARIANTS_4)
-    return out
+    return run_variants("zero_driver.py", tmp_path_factory.mktemp("zero"), COMMON, {1: VARIANTS_1, 4: VARIANTS_4})
 
 
 def _metrics(run_dir: Path) -> list[dict]:
