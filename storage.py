@@ -798,11 +798,8 @@ def same_location(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 def inside(where: str | os.PathLike, root: str | os.PathLike) -> bool:
     """Is `where` the location `root` or one below it?"""
-    if is_uri(where) or is_uri(root):
-        w, r = str(where).rstrip("/"), str(root).rstrip("/")
-        return is_uri(where) and is_uri(root) and (w == r or w.startswith(r + "/"))
-    w, r = Path(where).resolve(), Path(root).resolve()
-    return w == r or r in w.parents
+    w, r = canonical(where), canonical(root)
+    return w == r or w.startswith(r.rstrip("/") + "/")  # (a path and a URI: never, as same_location)
 
 
 class Upload:

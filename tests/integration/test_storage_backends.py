@@ -24,6 +24,9 @@ def test_location_picks_the_backend_and_names_it(where):
     assert storage.same_location(at.name(), where)
     assert storage.same_location(at.name("a/b"), storage.below(where, "a/b"))
     assert storage.canonical(storage.below(where, "x/")) == storage.canonical(where) + "/x"
+    assert storage.inside(storage.below(where, "a/b"), where) and storage.inside(where, where)
+    assert not storage.inside(where, storage.below(where, "a")) and not storage.inside(where + "x", where)
+    assert not storage.inside(where, "s3://other" if at.local else "/") and storage.inside("/tmp/x", "/")
 
 
 def test_writes_reads_listings_and_deletes_answer_alike(where):
