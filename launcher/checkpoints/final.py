@@ -191,26 +191,30 @@ def _write_share(engine, topology, at) -> dict:
     name = WEIGHTS if owners == 1 else f"model-{rank + 1:05d}-of-{owners:05d}.safetensors"
     mine = [(n, p) for i, (n, p) in enumerate(params) if i % world == rank]
     writer, sink, error = None, None, None
+
+    def cannot(exc: BaseException) -> str:
+        return f"{at.name(name)}: cannot write it ({_failure(exc)})"
+
     try:
         if mine:
             where, sink = at.sink(name)
             writer = SafetensorsWriter(where, [(n, p.dtype, full_shape(p)) for n, p in mine], sink=sink)
     except Exception as exc:
-        error = f"{at.name(name)}: cannot write it ({_failure(exc)})"
+        error = cannot(exc)
     for i, (n, p) in enumerate(params):
         full = gather_shards(read(n, p), spec_of(p), topology)  # collective
         if writer is not None and error is None and i % world == rank:
             try:
                 writer.write(n, full.to(p.dtype).reshape(full_shape(p)))
             except Exception as exc:  # a full disk, a refused upload: every rank is told after the loop
-                error = f"{at.name(name)}: cannot write it ({_failure(exc)})"
+                error = cannot(exc)
         del full
     entry = None
     if writer is not None and error is None:
         try:
             entry = writer.close()
         except Exception as exc:
-            error = f"{at.name(name)}: cannot write it ({_failure(exc)})"
+            error = cannot(exc)
     if error is not None and sink is not None:
         with contextlib.suppress(Exception):
             sink.abort()
