@@ -167,7 +167,7 @@ def open_source(src: str | Path) -> Source:
             store = run_store_at(src, log=lambda m: print(m, file=sys.stderr))
             if store is not None:
                 ckpt = store.find_resumable(checksums=False)
-        return _final_source(src, objs) if ckpt is None else _checkpoint_source(ckpt)
+        return _final_source(src) if ckpt is None else _checkpoint_source(ckpt)
     except (CorruptCheckpoint, StorageError) as exc:
         raise ExportError(str(exc)) from None
 
@@ -177,22 +177,18 @@ def _checkpoint_source(ckpt) -> Source:
     manifest = read_manifest(ckpt)
     cfg = ModelConfig(**yaml.safe_load(read_checkpoint_file(ckpt, "config.yaml"))["model"])
     tok = {rel: info for rel, info in manifest["files"].items() if rel.startswith(f"{TOKENIZER_DIR}/")}
-    fetch = lambda uri: download_verified(uri, weights_cache(uri), tok)  # noqa: E731 (the tokenizer's files only)
-    tok_dir = local_folder(ckpt, fetch) / TOKENIZER_DIR if tok else None
+    tok_dir = None
+    if tok:  # the tokenizer's files only
+        tok_dir = local_folder(ckpt, lambda uri: download_verified(uri, weights_cache(uri), tok)) / TOKENIZER_DIR
     shapes = {n: reader.reader.shape(n) for n in reader.names()}
     return Source(shapes, reader.get, cfg, tok_dir, f"checkpoint {ckpt}")
 
 
-def _final_source(src, objs) -> Source:
-    """A run's final/ (or final weights themselves); `objs`: `src`'s backend."""
+def _final_source(src) -> Source:
+    """A run's final/ (or final weights themselves), a folder or a URI (fetched into this host's
+    cache, checked against its manifest)."""
     try:
-        if objs.local:
-            src = objs.root
-            final = src if ((src / WEIGHTS).is_file() or (src / WEIGHTS_INDEX).is_file()) else src / "final"
-            if not ((final / WEIGHTS).is_file() or (final / WEIGHTS_INDEX).is_file()):
-                raise ExportError(f"{src}: no complete checkpoint in {src}/checkpoints and no {src}/final/{WEIGHTS}")
-        else:
-            final = fetch_final(str(src))  # into this host's cache, checked against its manifest
+        final = local_folder(src, fetch_final, local=_local_final)
         verify_final(final)
         weights = open_weights(final)  # the reader model.init_from uses
     except (FinalWeightsError, WeightSourceError) as exc:
@@ -200,6 +196,15 @@ def _final_source(src, objs) -> Source:
     shapes = {name: list(weights.shape(name)) for name in weights.refs}
     what = objects_named(f"final weights {final}")
     return Source(shapes, weights.read, weights.model_cfg, weights.tokenizer_dir, what)
+
+
+def _local_final(src) -> Path:
+    """The final weights in a local run directory, or the folder itself when it holds them."""
+    src = Path(src).expanduser()
+    final = src if ((src / WEIGHTS).is_file() or (src / WEIGHTS_INDEX).is_file()) else src / "final"
+    if not ((final / WEIGHTS).is_file() or (final / WEIGHTS_INDEX).is_file()):
+        raise ExportError(f"{src}: no complete checkpoint in {src}/checkpoints and no {src}/final/{WEIGHTS}")
+    return final
 
 
 # Variant checks ---------------------------------------------------------------------------
