@@ -241,11 +241,14 @@ class RayReportHook(Hooks):
         if ctx.dist.rank == 0 and self.recovery is not None:
             self.recovery.restore(path)  # run.storage: the last attempt's rank 0 may have run elsewhere
         lines = path.read_text().splitlines() if ctx.dist.rank == 0 and path.exists() else []
+        # Leftovers of a report killed mid-way, on every host of this attempt: the rank 0 that staged
+        # one may have run on a host where no rank 0 runs now. Before the all-gather below, so no
+        # rank 0 has staged this attempt's first pointer yet.
+        shutil.rmtree(self.pointer_root, ignore_errors=True)
         extra = {}
         if self.recovery is not None:  # every rank: the hosts are all-gathered
             extra = self.recovery.attempt_fields(ctx, len(lines) + 1, json.loads(lines[-1]) if lines else None)
         if ctx.dist.rank == 0:
-            shutil.rmtree(self.pointer_root, ignore_errors=True)  # leftovers of a killed report
             rec = {
                 "attempt": len(lines) + 1,
                 "start_step": ctx.state.step,
