@@ -14,7 +14,7 @@ sys.path[1:1] = [str(Path(__file__).parent / tier) for tier in ("unit", "integra
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
-from s3_server import s3_bucket, s3_endpoint  # noqa: E402, F401 (fixtures: a local S3 server, a bucket per test)
+from s3_server import backend_root, s3_bucket, s3_endpoint  # noqa: E402, F401 (a local S3 server, a bucket per test)
 
 # The modules that take two minutes or more of a 2-core machine, longest first. The suite runs
 # in two processes that each take whole modules (README: --dist loadscope --no-loadscope-reorder,

@@ -75,6 +75,13 @@ def s3_bucket(s3_endpoint, monkeypatch) -> str:
     _forget_cached_filesystems()
 
 
+@pytest.fixture(params=["disk", "s3"])
+def backend_root(request, tmp_path) -> str:
+    """A location on each storage backend in turn (a test taking it runs twice): the test's own
+    folder, then a new bucket of the local server (storage.location picks Folder, then Objects)."""
+    return str(tmp_path) if request.param == "disk" else request.getfixturevalue("s3_bucket")
+
+
 def _forget_cached_filesystems() -> None:
     """fsspec caches filesystem instances by their arguments; one made under another test's
     environment (endpoint, credentials) must not be reused."""
@@ -162,6 +169,7 @@ __all__ = [
     "HOST_PORT",
     "S3_HOST",
     "TEST_CREDENTIALS",
+    "backend_root",
     "fetch_on",
     "free_port",
     "host_env",

@@ -325,18 +325,14 @@ def write_safetensors(
     (see SafetensorsWriter for whole_file_hash). With `sink` (an object-store upload) the
     bytes go there instead, `path` naming it; a failure aborts the upload."""
     specs = [(k, t.dtype, list(t.shape)) for k, t in tensors.items()]
-    if sink is None:
-        w = SafetensorsWriter(path, specs, metadata, whole_file_hash)
-        for k, t in tensors.items():
-            w.write(k, t)
-        return w.close()
     try:
         w = SafetensorsWriter(path, specs, metadata, whole_file_hash, sink=sink)
         for k, t in tensors.items():
             w.write(k, t)
         return w.close()
     except BaseException:
-        sink.abort()
+        if sink is not None:
+            sink.abort()
         raise
 
 

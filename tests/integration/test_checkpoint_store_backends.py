@@ -13,11 +13,9 @@ import pytest
 from loomtrain.launcher.checkpoints.store import LATEST, MANIFEST, CheckpointStore, verify, wait_for_deletions
 
 
-@pytest.fixture(params=["disk", "s3"])
-def run_location(request, tmp_path) -> str:
-    if request.param == "disk":
-        return str(tmp_path / "run")
-    return request.getfixturevalue("s3_bucket") + "/run"
+@pytest.fixture
+def run_location(backend_root) -> str:
+    return f"{backend_root}/run"
 
 
 def name_of(location) -> str:

@@ -18,11 +18,9 @@ from loomtrain.model import ModelConfig, Transformer
 CFG = ModelConfig(vocab_size=320, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=32)
 
 
-@pytest.fixture(params=["disk", "s3"])
-def run_location(request, tmp_path) -> str:
-    if request.param == "disk":
-        return str(tmp_path / "run")
-    return request.getfixturevalue("s3_bucket") + "/run"
+@pytest.fixture
+def run_location(backend_root) -> str:
+    return f"{backend_root}/run"
 
 
 def files_under(where: str) -> set[str]:

@@ -10,11 +10,9 @@ import pytest
 from loomtrain import storage
 
 
-@pytest.fixture(params=["disk", "s3"])
-def where(request, tmp_path) -> str:
-    if request.param == "disk":
-        return str(tmp_path / "store")
-    return request.getfixturevalue("s3_bucket") + "/store"
+@pytest.fixture
+def where(backend_root) -> str:
+    return f"{backend_root}/store"
 
 
 def test_location_picks_the_backend_and_names_it(where):

@@ -1,5 +1,6 @@
 """The layout-free sharded format on its own (no engine): pieces written at one (tp, dp) layout
-read back at another, exactly, reading about a rank's share, and corruption named."""
+read back at another, exactly, reading about a rank's share, and corruption named; the reader's
+tests run on a local folder (memory-mapped) and in the local S3 server (ranged GETs) alike."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from loomtrain import storage
 from loomtrain.launcher.checkpoints.shards import (
     CorruptCheckpoint,
     Region,
@@ -36,8 +38,10 @@ def dp_parts(numel, k):
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def save(tmp_path, tensors, dims, tp, dp):
-    """Every (tp rank, dp rank) writes its DP part of its TP shard of every tensor."""
+def save(root, tensors, dims, tp, dp):
+    """Every (tp rank, dp rank) writes its DP part of its TP shard of every tensor, under the
+    location `root` (a folder, or a prefix in an object store)."""
+    files = storage.location(root).child("m")
     index = {"params": {}}
     for name, full in tensors.items():
         index["params"][name] = {"shape": list(full.shape), "pieces": []}
@@ -55,10 +59,11 @@ def save(tmp_path, tensors, dims, tp, dp):
                 **region.to_json(),
                 "tiles": tile_hashes(region, full.shape, {"w": out[name]}),
             }
-        write_safetensors(tmp_path / "m" / f"rank_{rank}.safetensors", out)
+        where, stream = files.sink(f"rank_{rank}.safetensors")  # a path and no stream, or an upload
+        write_safetensors(where, out, sink=stream)
         for name in tensors:
             index["params"][name]["pieces"].append(pieces[name])
-    return ShardedReader(tmp_path, index, {None: ("m", "{name}")}, [None])
+    return ShardedReader(root, index, {None: ("m", "{name}")}, [None])
 
 
 TENSORS = {"emb": torch.randn(67, 12), "row": torch.randn(10, 24), "col": torch.randn(20, 9), "bias": torch.randn(33)}
@@ -66,8 +71,8 @@ DIMS = {"emb": 0, "row": 1, "col": 0, "bias": 0}
 
 
 @pytest.mark.parametrize("saved,target", [((1, 4), (2, 2)), ((2, 2), (2, 2)), ((2, 2), (1, 3)), ((4, 1), (2, 3))])
-def test_any_layout_reads_its_exact_share(tmp_path, saved, target):
-    reader = save(tmp_path, TENSORS, DIMS, *saved)
+def test_any_layout_reads_its_exact_share(backend_root, saved, target):
+    reader = save(backend_root, TENSORS, DIMS, *saved)
     tp, dp = target
     want_bytes = 0
     for name, full in TENSORS.items():
@@ -81,6 +86,8 @@ def test_any_layout_reads_its_exact_share(tmp_path, saved, target):
     # every tile touched at an edge may be read whole: a little over the exact share
     exact_full = sum(t.numel() * 4 for t in TENSORS.values())
     assert reader.bytes_read <= 1.35 * (want_bytes + exact_full)
+    if not storage.location(backend_root).local:  # ranged GETs: the tiles read and the files' headers
+        assert 0 < reader.bytes_fetched <= reader.bytes_read + 4096 * len(reader.files_read())
 
 
 def test_files_are_plain_safetensors_with_the_hash_computed_while_writing(tmp_path):
@@ -96,12 +103,12 @@ def test_files_are_plain_safetensors_with_the_hash_computed_while_writing(tmp_pa
             assert torch.equal(f.get_tensor(k), v)
 
 
-def test_a_flipped_value_is_named_by_the_rank_reading_it(tmp_path):
-    reader = save(tmp_path, TENSORS, DIMS, 1, 2)
-    path = tmp_path / "m" / "rank_1.safetensors"
-    raw = bytearray(path.read_bytes())
+def test_a_flipped_value_is_named_by_the_rank_reading_it(backend_root):
+    reader = save(backend_root, TENSORS, DIMS, 1, 2)
+    files = storage.location(backend_root).child("m")
+    raw = bytearray(files.read("rank_1.safetensors"))
     raw[-3] ^= 0xFF  # the last tensor's last value
-    path.write_bytes(bytes(raw))
+    files.write("rank_1.safetensors", bytes(raw))
     last = list(TENSORS)[-1]
     # a target that does not touch the damaged tile reads fine
     assert torch.equal(reader.read(last, None, Region(shard_box([33], None), (0, 4))), TENSORS[last][:4])
