@@ -15,7 +15,8 @@ Objects, one primitive each (a failure is one line naming the object: StorageErr
     listing(fs, path)           a prefix listed afresh (sizes, ETags); list_objects(uri) by URI
     read_object(uri, start, end)  an object's bytes, or a byte range of them (a ranged GET)
     write_object(uri, data)     one small object, whole; delete_objects: named ones, or a prefix
-    upload_file / upload_files  local files up, several in flight on transfer_pool() (in_flight);
+    upload_file / upload_folder  local files up, several in flight on transfer_pool() (in_flight),
+                                a folder's commit objects last;
                                 download_verified: down, checked against a manifest, cached
     Objects(uri)                a prefix (the checkpoint store's view: errors pass through)
     Folder(path)                a local folder behind Objects' interface: what only a disk does
@@ -342,10 +343,19 @@ def upload_file(local: str | os.PathLike, uri: str) -> None:
         raise failed(uri, f"upload {os.fspath(local)} to it", exc) from None
 
 
-def upload_files(local_dir: str | os.PathLike, relpaths: list[str], uri: str) -> None:
-    """local_dir/REL -> uri/REL for each REL, several in flight. The caller writes its commit
-    object after this."""
-    in_flight(lambda rel: upload_file(os.path.join(local_dir, rel), join(uri, rel)), relpaths)
+def upload_folder(local_dir: str | os.PathLike, uri: str, commits: tuple[str, ...]) -> None:
+    """A finished local folder onto object storage in place of whatever is under `uri` (an object
+    store has no rename), so that no reader takes a mix for a whole folder: the objects a reader
+    takes it by (`commits`, outermost last) go first, then the rest; every other file goes up,
+    several in flight; the commits last, in order."""
+    local = Path(local_dir)
+    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    for rel in reversed(commits):
+        delete_objects(uri, [rel])
+    delete_objects(uri)
+    in_flight(lambda rel: upload_file(local / rel, join(uri, rel)), [n for n in names if n not in commits])
+    for rel in commits:
+        upload_file(local / rel, join(uri, rel))
 
 
 FETCHED = ".fetched.json"  # download_verified's record of what the local folder holds
@@ -728,10 +738,10 @@ class Folder:
 
 
 @contextlib.contextmanager
-def output_folder(where: str | os.PathLike, publish, staging: str | os.PathLike | None = None):
+def output_folder(where: str | os.PathLike, commits: tuple[str, ...], staging: str | os.PathLike | None = None):
     """The local folder a command writes its output in (an export, an import): `where` itself for
-    a path (the writer publishes it with its own rename), or a folder under `staging` that
-    `publish(folder, uri)` uploads once it is complete (a URI: an object store has no rename)."""
+    a path (the writer publishes it with its own rename), or a folder under `staging` that goes
+    up once it is complete (`upload_folder`, `commits` last: a URI, as an object store has no rename)."""
     if not is_uri(where):
         yield Path(os.path.expanduser(os.fspath(where)))
         return
@@ -739,7 +749,7 @@ def output_folder(where: str | os.PathLike, publish, staging: str | os.PathLike 
 
     with tempfile.TemporaryDirectory(prefix="loomtrain-out-", dir=staging) as tmp:
         yield Path(tmp) / "out"
-        publish(Path(tmp) / "out", str(where).rstrip("/"))
+        upload_folder(Path(tmp) / "out", str(where).rstrip("/"), commits)
 
 
 def local_folder(where: str | os.PathLike, fetch, local=Path) -> Path:

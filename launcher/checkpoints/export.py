@@ -86,12 +86,10 @@ from loomtrain.model import ModelConfig
 from loomtrain.storage import (
     StorageError,
     below,
-    delete_objects,
     download_verified,
     local_folder,
     location,
     output_folder,
-    upload_files,
 )
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -466,17 +464,6 @@ def check_export_output(output, ours: Callable[[str], bool] = _export_names, wha
         )
 
 
-def publish_export(local: Path, uri: str) -> None:
-    """A finished local export onto object storage: an earlier one there goes (its config.json
-    first, so a reader never takes a half-replaced export for a whole one), then the files,
-    config.json last."""
-    names = sorted(p.name for p in local.iterdir() if p.is_file())
-    delete_objects(uri, ["config.json"])
-    delete_objects(uri)
-    upload_files(local, [n for n in names if n != "config.json"], uri)
-    upload_files(local, ["config.json"], uri)
-
-
 def export_hf(
     src: str | Path, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = DEFAULT_MAX_SHARD
 ) -> Path | str:
@@ -486,7 +473,7 @@ def export_hf(
     try:
         with naming_objects():
             check_export_output(output)
-            with output_folder(output, publish_export, staging_folder()) as out:
+            with output_folder(output, ("config.json",), staging_folder()) as out:  # a reader takes it by that
                 _export(src, out, dtype, max_bytes, shown=str(output))
             return below(output)
     except StorageError as exc:

@@ -17,7 +17,7 @@ final.tmp/, renamed into place; on object storage (`run.storage=s3://bucket/pref
 final/ exists iff its manifest does. A writer first deletes an earlier manifest (the earlier
 final/ is gone from then on) and the rest of the prefix, streams the files up (each rank its
 own, as a multipart upload: nothing is staged on a disk), and writes the manifest last
-(`publish_final` uploads a finished local final/ the same way). Readers check the manifest's
+(`loomtrain import` uploads a finished local final/ the same way: storage.upload_folder). Readers check the manifest's
 sha256 (`verify_final`) before trusting a byte, and never unpickle anything.
 A reader of a URI (`fetch_final`) downloads the manifest's files into a local cache folder per
 URI and host (`weights_cache`), each checked against its size and sha256 as it streams in and
@@ -26,8 +26,8 @@ that folder to the same readers as a local final/; a missing or damaged object i
 naming it. Messages about the cached copy name the object instead (`naming_objects`).
 
 Public for other writers/readers of final/: WEIGHTS, WEIGHTS_INDEX, MODEL_CONFIG,
-TOKENIZER_DIR, FINAL_MANIFEST, final_location, write_final, save_final_sharded, publish_final,
-retract_final, verify_final, broken, find_final_uri,
+TOKENIZER_DIR, FINAL_MANIFEST, final_location, write_final, save_final_sharded, verify_final,
+broken, find_final_uri,
 fetch_final, manifest_files, weights_cache, staging_folder, remember_copy, naming_objects, objects_named.
 Read by launcher/checkpoints/weight_source.py (`open_source`, `load_final`), the one reader of
 final/ and Hugging Face folders.
@@ -52,7 +52,6 @@ from loomtrain.launcher.distributed import all_gather_objects, current_rank, cur
 from loomtrain.parallel.plan import gather_shards, spec_of
 from loomtrain.storage import (
     StorageError,
-    delete_objects,
     download_verified,
     file_entry,
     first_line,
@@ -61,8 +60,6 @@ from loomtrain.storage import (
     read_object,
     sha256_file,
     store_failure,
-    upload_files,
-    write_object,
 )
 
 WEIGHTS = "model.safetensors"
@@ -233,24 +230,6 @@ def _merged(parts: list[dict]) -> tuple[dict, dict | None]:
         files.update(got["files"])
         weight_map.update(got["weight_map"])
     return files, (None if parts[0]["owners"] == 1 else weight_map)
-
-
-def retract_final(uri: str) -> None:
-    """Make a final/ at `uri` invisible (its manifest goes first: a reader then finds none),
-    then remove what else is under the prefix, so no stale shard outlives it."""
-    delete_objects(uri, [FINAL_MANIFEST])
-    delete_objects(uri)
-
-
-def publish_final(local_final: str | os.PathLike, uri: str) -> str:
-    """A finished local final/ (with its manifest) onto object storage at `uri`: an earlier
-    one retracted, the files uploaded several at a time, the manifest last."""
-    local_final = Path(local_final)
-    files = json.loads((local_final / FINAL_MANIFEST).read_text())["files"]
-    retract_final(uri)
-    upload_files(local_final, sorted(files), uri)
-    write_object(join(uri, FINAL_MANIFEST), (local_final / FINAL_MANIFEST).read_bytes())
-    return uri
 
 
 class FinalWeightsError(ValueError):

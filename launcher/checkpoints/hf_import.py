@@ -36,10 +36,10 @@ from loomtrain.data_pipeline import DataError, load_tokenizer
 from loomtrain.durable import atomic_write
 from loomtrain.hf_cache import resolve_model
 from loomtrain.launcher.checkpoints.final import (
+    FINAL_MANIFEST,
     TOKENIZER_DIR,
     naming_objects,
     objects_named,
-    publish_final,
     staging_folder,
     write_final,
 )
@@ -55,11 +55,9 @@ from loomtrain.launcher.config_loader import to_yaml
 from loomtrain.storage import (
     StorageError,
     canonical,
-    delete_objects,
     join,
     location,
     output_folder,
-    upload_files,
 )
 
 FORMATS = ("hf",)
@@ -169,14 +167,6 @@ def write_import(out: Path, state: dict, source: WeightSource, tok, src_name: st
         raise
 
 
-def publish_import(local: Path, uri: str) -> None:
-    """A finished local import onto object storage: config.yaml of an earlier one goes first,
-    then final/ (retracted and uploaded, its manifest last), then config.yaml."""
-    delete_objects(uri, ["config.yaml"])
-    publish_final(local / "final", join(uri, "final"))
-    upload_files(local, ["config.yaml"], uri)
-
-
 def import_hf(src: str | Path, output: str | Path) -> Path | str:
     try:
         with naming_objects():
@@ -208,7 +198,8 @@ def _import_hf(src: str | Path, output: str | Path) -> Path | str:
     # all read (each tensor checked to be finite) before anything is written
     state = {name: source.read(name) for name in model_tensor_names(source.model_cfg)}
     uri = None if location(output, "--output").local else str(output).rstrip("/")  # what the run config names
-    with output_folder(output, publish_import, staging_folder()) as out:
+    # On object storage a reader takes the import by its config.yaml, and its final/ by the manifest.
+    with output_folder(output, (f"final/{FINAL_MANIFEST}", "config.yaml"), staging_folder()) as out:
         write_import(out.absolute(), state, source, tok, src_name, uri)
     n = sum(t.numel() for t in state.values())
     description = objects_named(source.description)

@@ -33,7 +33,7 @@ from loomtrain.launcher.checkpoints.hf_families import family_refs
 from loomtrain.launcher.checkpoints.lora_weights import BaseMismatch, merge_adapters
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
 from loomtrain.model.lora import is_adapter
-from loomtrain.storage import below, output_folder, upload_files
+from loomtrain.storage import below, output_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -110,10 +110,6 @@ def export_peft(src, output, dtype: str = "fp32", **_) -> Path | str:
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
     check_export_output(output, lambda name: name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG), "an earlier adapter export")
-
-    def publish(folder: Path, uri: str) -> None:
-        upload_files(folder, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], uri)  # the config last
-
-    with output_folder(output, publish, staging_folder()) as out:
+    with output_folder(output, (ADAPTER_CONFIG,), staging_folder()) as out:  # the config last
         _write(src, out, dtype, str(output))
     return below(output)

@@ -117,7 +117,7 @@ def test_import_to_s3_generates_and_exports_s3_to_s3_as_from_disk(env, tmp_path,
         check_init_from(load_config(disk / "config.yaml", [f"run.storage={imp}", f"model.init_from={imp}/final"]))
     # an HF folder on S3 (sharded: an index and several files) reads as from disk
     hf_uri = f"{bucket}/hf"
-    storage.upload_files(hf, sorted(p.name for p in hf.iterdir()), hf_uri)
+    storage.upload_folder(hf, hf_uri, ("config.json",))
     remote, here = open_source(hf_uri), open_source(hf)
     assert remote.description == f"Hugging Face llama model {hf_uri}"
     assert all(torch.equal(remote.read(name), here.read(name)) for name in here.refs)

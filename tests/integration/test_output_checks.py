@@ -15,11 +15,9 @@ from loomtrain.launcher.checkpoints.hf_import import IMPORTED_FROM, HFImportErro
 from loomtrain.launcher.checkpoints.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 
-@pytest.fixture(params=["disk", "s3"])
-def output(request, tmp_path) -> str:
-    if request.param == "disk":
-        return str(tmp_path / "out")
-    return request.getfixturevalue("s3_bucket") + "/out"
+@pytest.fixture
+def output(backend_root) -> str:
+    return f"{backend_root}/out"
 
 
 def put(output: str, rel: str, data: bytes = b"{}") -> None:
