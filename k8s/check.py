@@ -9,12 +9,15 @@ For each kustomization: yamllint its own YAML files, render it with
   crd-schema  RayJob/RayCluster against the KubeRay CRDs' openAPIV3Schema,
               made strict as the API server is (see `strict_schema`);
   project     loomtrain's own rules (k8s/policy.py);
-  pod-security every pod the manifests make (the Ray head, workers and submitter
-              included) through checkov, a maintained policy checker: Pod Security
-              "restricted" and the rest of its Kubernetes checks, those that do not
-              apply here skipped with the reason (k8s/checkov/config.yaml);
-  security    loomtrain's own security rules (k8s/policy.py): Ray's dashboard and
-              auth token, services kept in the cluster, no credential in the manifests;
+  checkov     checkov, a maintained policy checker, on every pod the manifests make (the
+              Ray head, workers and submitter included), every Ray cluster, Service,
+              Ingress and claim: Pod Security "restricted" and the rest of its Kubernetes
+              checks, those that do not apply here skipped with the reason
+              (k8s/checkov/config.yaml), and the rules it lacks in its YAML policy
+              language (k8s/checkov/policies/: no hostPath, services and Ray's dashboard
+              kept inside the cluster, Ray's auth token, ReadWriteMany claims);
+  security    loomtrain's own security rules (k8s/policy.py): Guaranteed QoS, no
+              credential in the manifests;
   placeholder what must be filled in before an apply: an image with no registry or owner
               (`loomtrain:0.1.0-cpu` would be pulled as docker.io/library/loomtrain) and a
               placeholder such as YOUR_BUCKET. The repository's overlays are templates that
@@ -42,7 +45,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +74,7 @@ class SetupError(RuntimeError):
 
 @dataclass(frozen=True)
 class Problem:
-    check: str  # yamllint | render | k8s-schema | crd-schema | project | pod-security | security
+    check: str  # yamllint | render | k8s-schema | crd-schema | project | checkov | security
     where: str  # Kind/name (and which pod), or file:line
     message: str
 
@@ -137,14 +140,14 @@ def find_kubectl(install: bool = False) -> str:
 
 
 def find_checkov(install: bool = False) -> str:
-    """The checkov to run the pod-security check with, from a venv of its own."""
+    """The checkov to run the checkov check with, from a venv of its own."""
     return _tool(
         CHECKOV_ENV,
         tools_dir() / CHECKOV_PINNED / "bin" / "checkov",
         "get-checkov.sh",
         install,
         None,
-        "checkov not found (the pod-security check); k8s/get-checkov.sh installs it from PyPI into a venv of its own",
+        "checkov not found (the checkov check); k8s/get-checkov.sh installs it from PyPI into a venv of its own",
     )
 
 
@@ -422,24 +425,38 @@ def validate_custom(docs: Iterable[dict], crds: Path | None = None) -> list[Prob
 
 
 # --- pod security: checkov on every pod the manifests make ---------------------
-def pod_security(rendered: dict[Any, list[dict]], checkov: str | None = None) -> dict[Any, list[Problem]]:
-    """checkov's findings on the pods of each rendering, in one checkov run: each
-    pod template (a Deployment's, a RayJob's head, workers and submitter, ...)
-    becomes a Pod named by its index, so a finding names the pod it is about."""
+# What checkov is shown besides the pods: kinds its checks and k8s/checkov/policies/ look at.
+CHECKOV_KINDS = ("Service", "Ingress", "PersistentVolumeClaim")
+
+
+def checkov_objects(obj: dict) -> Iterator[tuple[str, dict]]:
+    """(where, object for checkov) of what checkov checks in a rendered object: each pod it makes
+    as a Pod (checkov does not look into a RayJob's pods), each Ray cluster as a RayCluster (a
+    RayJob's rayClusterSpec too), and a Service, Ingress or claim as it is."""
+    for where, _, tpl in policy.pod_templates(obj):
+        yield where, {"apiVersion": "v1", "kind": "Pod", "spec": tpl.get("spec") or {}}
+    for where, cspec in policy.ray_cluster_specs(obj):
+        yield where, {"apiVersion": "ray.io/v1", "kind": "RayCluster", "spec": cspec}
+    if obj.get("kind") in CHECKOV_KINDS:
+        yield name_of(obj), {key: value for key, value in obj.items() if key != "metadata"}
+
+
+def checkov_checks(rendered: dict[Any, list[dict]], checkov: str | None = None) -> dict[Any, list[Problem]]:
+    """checkov's findings on each rendering, in one checkov run: what `checkov_objects` makes of
+    its objects, each named by its index, so a finding names the object it is about."""
     checkov = checkov or find_checkov()
     wheres: dict[tuple[str, str], tuple[Any, str]] = {}
-    with tempfile.TemporaryDirectory(prefix="loomtrain-pods-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="loomtrain-checkov-") as tmp:
         for i, (key, docs) in enumerate(rendered.items()):
-            pods = []
+            shown = []
             for obj in docs:
-                for where, _, tpl in policy.pod_templates(obj):
-                    name = f"pod-{len(pods)}"
-                    # unset in the manifests: it is given at apply time (`kubectl apply -n`), as the guide does
-                    namespace = (obj.get("metadata") or {}).get("namespace") or "loomtrain"
-                    meta = {"name": name, "namespace": namespace}
-                    pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": tpl.get("spec") or {}})
+                # unset in the manifests: it is given at apply time (`kubectl apply -n`), as the guide does
+                namespace = (obj.get("metadata") or {}).get("namespace") or "loomtrain"
+                for where, made in checkov_objects(obj):
+                    name = f"object-{len(shown)}"
+                    shown.append({**made, "metadata": {"name": name, "namespace": namespace}})
                     wheres[(f"{i}.yaml", name)] = (key, where)
-            Path(tmp, f"{i}.yaml").write_text(yaml.safe_dump_all(pods))
+            Path(tmp, f"{i}.yaml").write_text(yaml.safe_dump_all(shown))
         cmd = [checkov, "--config-file", str(CHECKOV_CONFIG), "--external-checks-dir", str(CHECKOV_POLICIES)]
         proc = subprocess.run([*cmd, "-d", tmp], capture_output=True, text=True, timeout=600, cwd=tmp)
     try:
@@ -450,7 +467,7 @@ def pod_security(rendered: dict[Any, list[dict]], checkov: str | None = None) ->
     for report in reports if isinstance(reports, list) else [reports]:
         for failed in (report.get("results") or {}).get("failed_checks") or []:
             key, where = wheres[(Path(failed["file_path"]).name, failed["resource"].rpartition(".")[2])]
-            out[key].append(Problem("pod-security", where, f"[{failed['check_id']}] {failed['check_name']}"))
+            out[key].append(Problem("checkov", where, f"[{failed['check_id']}] {failed['check_name']}"))
     return out
 
 
@@ -504,10 +521,10 @@ def check(
     crds: Path | None = None,
     docs: list[dict] | None = None,
     placeholders: bool = False,
-    pods: list[Problem] | None = None,
+    found: list[Problem] | None = None,
 ) -> list[Problem]:
     """Every check on one kustomization directory (`docs`: its rendering, if done already;
-    `pods`: its pod-security findings, if checkov has run on it already);
+    `found`: its checkov findings, if checkov has run on it already);
     `placeholders`: also refuse what must be filled in before an apply (placeholder_rules)."""
     directory = Path(directory)
     problems = lint(manifest_files(directory))
@@ -519,7 +536,7 @@ def check(
     problems += validate_builtin(docs)
     problems += validate_custom(docs, crds)
     problems += [Problem("project", w, m) for w, m in policy.project_rules(docs, REPO)]
-    problems += pod_security({directory: docs})[directory] if pods is None else pods
+    problems += checkov_checks({directory: docs})[directory] if found is None else found
     problems += [Problem("security", w, m) for w, m in policy.security_rules(docs)]
     if placeholders:
         problems += placeholder_rules(docs)
@@ -543,13 +560,13 @@ def check_many(
 
     with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
         renders = list(pool.map(rendered, directories))
-    pods = pod_security({d: docs for d, docs in zip(directories, renders) if not isinstance(docs, RenderError)})
+    found = checkov_checks({d: docs for d, docs in zip(directories, renders) if not isinstance(docs, RenderError)})
     out = {}
     for d, docs in zip(directories, renders):
         if isinstance(docs, RenderError):
             out[d] = lint(manifest_files(d)) + [Problem("render", _rel(d), str(docs))]
         else:
-            out[d] = check(d, kubectl, crds, docs=docs, placeholders=placeholders, pods=pods[d])
+            out[d] = check(d, kubectl, crds, docs=docs, placeholders=placeholders, found=found[d])
     return out
 
 

@@ -1,10 +1,11 @@
 """loomtrain's own rules for its rendered Kubernetes manifests (used by k8s/check.py).
 
 `project_rules(docs, repo)` and `security_rules(docs)` take the objects that `kubectl kustomize`
-renders and return (where, "[rule id] message") pairs. Pod security in general is checkov's
-(k8s/checkov/); here is only what loomtrain knows: the run config fits the Ray cluster, pods
-outlive a save, run directories and TensorBoard sit on storage that lasts, credentials come from
-Secrets, and Ray's dashboard stays inside the cluster behind its token.
+renders and return (where, "[rule id] message") pairs. What one object's fields alone decide is
+checkov's (k8s/checkov/: pod security, services and Ray's dashboard kept inside the cluster behind
+its token, ReadWriteMany claims); here is what needs loomtrain's knowledge or several objects at
+once: the run config fits the Ray cluster, pods outlive a save, run directories and TensorBoard sit
+on storage that lasts, references resolve, credentials come from Secrets, Guaranteed QoS.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
 SECURITY_RULES = {
     "requests-equal-limits": "requests == limits for every resource a container asks for (Guaranteed QoS: "
     "a training pod is the last the kubelet evicts)",
-    "cluster-ip-only": "every Service, and the Ray head service with its dashboard, ClusterIP only; no Ingress",
-    "ray-token-auth": "every Ray cluster requires Ray's auth token (authOptions.mode: token): "
-    "its dashboard runs any code it is sent",
     "no-inline-credentials": "no credential value in the manifests: no literal env value, entrypoint or "
     "runtime-env variable named like a key, secret, token or password, and no Secret with data; pods read "
     "them from a Secret created outside the manifests (envFrom / secretKeyRef)",
@@ -138,15 +136,6 @@ def project_rules(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
     for obj in docs:
         by_kind.setdefault(obj.get("kind"), {})[(obj.get("metadata") or {}).get("name")] = obj
     out = [*_references(docs, by_kind), *_images(docs, repo), *_configmaps(by_kind.get("ConfigMap", {}))]
-    for name, pvc in by_kind.get("PersistentVolumeClaim", {}).items():
-        if "ReadWriteMany" not in ((pvc.get("spec") or {}).get("accessModes") or []):
-            out.append(
-                (
-                    f"PersistentVolumeClaim/{name}",
-                    "[pvc-rwx] accessModes must include ReadWriteMany: every "
-                    "Ray pod writes checkpoints and TensorBoard reads them",
-                )
-            )
     for obj in docs:
         for where, role, tpl in pod_templates(obj):
             pod = tpl.get("spec") or {}
@@ -551,38 +540,6 @@ def security_rules(docs: list[dict]) -> list[tuple[str, str]]:
         out += _inline_credentials(obj)
         for where, _, tpl in pod_templates(obj):
             out += [(where, m) for c in containers(tpl.get("spec") or {}) for m in _requests_equal_limits(c)]
-        kind = (obj.get("spec") or {}).get("type") or "ClusterIP"
-        if obj.get("kind") == "Service" and kind != "ClusterIP":
-            out.append(
-                (
-                    name_of(obj),
-                    f"[cluster-ip-only] Service type {kind} exposes it outside the cluster; use "
-                    "ClusterIP and kubectl port-forward",
-                )
-            )
-        if obj.get("kind") == "Ingress":
-            out.append((name_of(obj), "[cluster-ip-only] an Ingress exposes services outside the cluster"))
-        for where, cspec in ray_cluster_specs(obj):
-            head = cspec.get("headGroupSpec") or {}
-            service = ((head.get("headService") or {}).get("spec") or {}).get("type") or "ClusterIP"
-            for kind in sorted({head.get("serviceType") or "ClusterIP", service} - {"ClusterIP"}):
-                out.append(
-                    (
-                        where,
-                        f"[cluster-ip-only] the Ray head service is {kind}: that puts the dashboard "
-                        "(which runs arbitrary jobs) outside the cluster",
-                    )
-                )
-            if head.get("enableIngress"):
-                out.append((where, "[cluster-ip-only] enableIngress exposes the Ray dashboard outside the cluster"))
-            if (cspec.get("authOptions") or {}).get("mode") != "token":
-                out.append(
-                    (
-                        where,
-                        "[ray-token-auth] set authOptions.mode: token: without it any pod that reaches "
-                        "the Ray head can run code on the cluster",
-                    )
-                )
     return out
 
 

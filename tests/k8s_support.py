@@ -27,7 +27,7 @@ check = load_check()
 
 
 def installed_kubectl() -> str:
-    """kubectl to render with, and checkov for the pod-security check, each installed on first use
+    """kubectl to render with, and checkov for the checkov check, each installed on first use
     (k8s/get-kubectl.sh, k8s/get-checkov.sh); a tool that cannot be had fails the test."""
     try:
         check.find_checkov(install=True)

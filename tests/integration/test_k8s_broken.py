@@ -41,7 +41,7 @@ def results():
 def test_there_are_broken_cases_for_every_check():
     assert len(CASES) >= 30
     checks = {c for case in CASES for c, _ in expectations(case)}
-    assert checks == {"yamllint", "render", "k8s-schema", "crd-schema", "project", "pod-security", "security"}
+    assert checks == {"yamllint", "render", "k8s-schema", "crd-schema", "project", "checkov", "security"}
     for case in CASES:
         assert expectations(case), f"{case.name}: no `# expect:` line"
 
