@@ -18,9 +18,11 @@ Objects, one primitive each (a failure is one line naming the object: StorageErr
     upload_file / upload_folder  local files up, several in flight on transfer_pool() (in_flight),
                                 a folder's commit objects last;
                                 download_verified: down, checked against a manifest, cached
-    Objects(uri)                a prefix (the checkpoint store's view: errors pass through)
+    Objects(uri)                a prefix (the checkpoint store's view: errors pass through);
+                                move_aside: entries copied, checked, then deleted (no rename)
     Folder(path)                a local folder behind Objects' interface: what only a disk does
-                                (fsync, the rename that publishes, a memory map) lives in it
+                                (fsync, the rename that publishes or moves aside, a memory map)
+                                lives in it
     location(where, what)       Folder or Objects for a path or a URI: the one place callers
                                 (checkpoint store, shard reader, run markers) tell them apart
     below(where, rel)           a location as messages and pointers name it (a Path, or a URI)
@@ -42,6 +44,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -462,6 +465,8 @@ def download_verified(
 
 # A prefix, and streaming multipart uploads ----------------------------------------------------
 
+COMMIT = "manifest.json"  # the commit object of a checkpoint and of final/: Objects.move_aside deletes it first
+
 # A multipart upload sends parts of this size (S3 wants >= 5 MiB but the last), several at once.
 PART_BYTES = 16 << 20
 UPLOADS_IN_FLIGHT = 4  # of one object's parts
@@ -536,6 +541,53 @@ class Objects:
     def copy_tree(self, rel: str, dest_rel: str) -> None:
         self.fs.invalidate_cache()
         self.fs.copy(self._key(rel), self._key(dest_rel), recursive=True)
+
+    def move_aside(self, names: list[str], dest_rel: str) -> str:
+        """Move each of `names` (objects or prefixes directly under this one) to dest_rel/NAME;
+        returns that prefix. file:// has folders: each moves with one rename (Folder.move_aside).
+        An object store has no rename, so each is copied, the copy listed and checked, and only
+        then are the originals deleted (`_move`): a failure before the deletes leaves them as
+        they were (and a partial copy beside them, which a later move adds to under another name)."""
+        dest_rel = dest_rel.strip("/")
+        if is_local(self.fs):
+            Folder(self.path).move_aside(names, dest_rel)
+        else:
+            for name in names:
+                self._move(name, f"{dest_rel}/{name}")
+        return self.name(dest_rel)
+
+    def _move(self, rel: str, dest_rel: str) -> None:
+        """Copy every object at or below `rel` to `dest_rel`, check that each copy is there at
+        its size, then delete the originals, each prefix's commit object (COMMIT) first: a
+        checkpoint or final/ is gone whole at once, never half there."""
+        src, dst = self._key(rel), self._key(dest_rel)
+        self.fs.invalidate_cache()
+        one = self.fs.isfile(src)  # one object (`latest`), named "" below
+
+        def sizes(at_rel: str) -> dict[str, int]:
+            return {"": int(self.fs.info(self._key(at_rel)).get("size") or 0)} if one else self.sizes(at_rel)
+
+        def at(base: str, below_rel: str) -> str:
+            return f"{base}/{below_rel}" if below_rel else base
+
+        objects = sizes(rel)
+        if not objects:
+            return
+        in_flight(lambda r: self.fs.copy(at(src, r), at(dst, r)), sorted(objects))
+        self.fs.invalidate_cache()
+        copied = sizes(dest_rel)
+        for r, size in objects.items():
+            if copied.get(r) != size:
+                raise OSError(
+                    f"{at(dst, r)}: the copy has {copied.get(r, 'no')} bytes, {size} expected; nothing deleted"
+                )
+        first = [at(src, r) for r in objects if r == COMMIT or r.endswith("/" + COMMIT)]
+        if first:
+            self.fs.rm(first)
+        rest = [at(src, r) for r in objects if at(src, r) not in first]
+        if rest:
+            self.fs.rm(rest)
+        self.fs.invalidate_cache()
 
     # What the checkpoint store asks of every backend (Folder below answers the same) ----------
     local = False
@@ -712,6 +764,18 @@ class Folder:
     def rename(self, rel: str, dest_rel: str) -> Path:
         """Publish a finished folder whole (an earlier one of that name is replaced)."""
         return replace_dir(self.root / rel, self.root / dest_rel)
+
+    def move_aside(self, names: list[str], dest_rel: str) -> Path:
+        """Move each of `names` (files or folders directly under this one) to dest_rel/NAME,
+        each with one rename; returns that folder."""
+        dest = self.root / dest_rel.strip("/")
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            target = dest / name
+            if target.exists():  # two fresh starts within one second: keep both
+                target = dest / f"{name}.{time.time_ns()}"
+            os.rename(self.root / name, target)
+        return dest
 
     def retire(self, rel: str, commit: str) -> str:
         """Renamed out of sight first, so a crash mid-delete never leaves a half-deleted

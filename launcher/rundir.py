@@ -26,6 +26,7 @@ deleted, when a run starts again from step 0 (`supersede`).
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import socket
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loomtrain.durable import naming
-from loomtrain.storage import location
+from loomtrain.storage import filesystem, listing, location
 
 if TYPE_CHECKING:
     from loomtrain.launcher.config import RunConfig
@@ -345,17 +346,26 @@ def superseded_name() -> str:
     return time.strftime("superseded-%Y%m%d-%H%M%S")
 
 
-def supersede(location: Path | str, name: str | None, log=None) -> Path | str | None:
-    """Move an earlier attempt's outputs (OUTPUTS) in a run directory, or in run.storage (a URI:
-    final/ and the tb/ mirror with its metrics.jsonl), into LOCATION/checkpoints/NAME (a
-    superseded-TIME name, made now when None). Nothing is deleted: an object store's move
-    copies first (launcher/set_aside.py)."""
-    from loomtrain.launcher.set_aside import entries, move_aside
+def _outputs(where: Path | str) -> dict[str, int]:
+    """{name: bytes (-1 for a folder or prefix)} of the entries directly under `where` that
+    OUTPUTS names."""
+    fs, root = filesystem(where)
+    out = {}
+    for name, info in listing(fs, root.rstrip("/"), recursive=False).items():
+        if any(fnmatch.fnmatchcase(name, p) for p in OUTPUTS):
+            out[name] = int(info.get("size") or 0) if info.get("type", "file") == "file" else -1
+    return out
 
-    found = sorted(entry for entry, size in entries(location, OUTPUTS).items() if size != 0)
+
+def supersede(where: Path | str, name: str | None, log=None) -> Path | str | None:
+    """Move an earlier attempt's outputs (OUTPUTS) in a run directory, or in run.storage (a URI:
+    final/ and the tb/ mirror with its metrics.jsonl), into WHERE/checkpoints/NAME (a
+    superseded-TIME name, made now when None). Nothing is deleted: an object store's move
+    copies first (the backend's move_aside)."""
+    found = sorted(entry for entry, size in _outputs(where).items() if size != 0)
     if not found:
         return None
-    dest = move_aside(location, found, f"checkpoints/{name or superseded_name()}")
+    dest = location(where).move_aside(found, f"checkpoints/{name or superseded_name()}")
     (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
         f"checkpoint: fresh start: moved the earlier {', '.join(found)} to {dest}"
     )

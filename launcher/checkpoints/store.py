@@ -54,7 +54,6 @@ from loomtrain.durable import (
     json_bytes,
 )
 from loomtrain.launcher.rundir import superseded_name
-from loomtrain.launcher.set_aside import move_aside
 from loomtrain.storage import below, file_entry, first_line, inside, location, same_location, store_failure
 
 MANIFEST = "manifest.json"
@@ -339,12 +338,12 @@ class CheckpointStore:
         """Move every published checkpoint (and `latest`) into checkpoints/superseded-TIME/:
         a fresh start (checkpoint.resume=never) neither resumes from them later nor lets
         retention mix them with its own. Nothing is deleted: a folder is renamed, an object
-        store's prefix copied, checked, then deleted manifest first (launcher/set_aside.py)."""
+        store's prefix copied, checked, then deleted manifest first (the backend's move_aside)."""
         names = [str(path).rstrip("/").rsplit("/", 1)[-1] for _, path in self.published()]
         if not names:
             return None
         pointer = [LATEST] if self.latest_pointer() is not None else []
-        dest = move_aside(self.root, names + pointer, superseded_name())
+        dest = self.objects.move_aside(names + pointer, superseded_name())
         self.objects.sync(tree=False)
         self.log(f"checkpoint: checkpoint.resume=never: moved {len(names)} earlier checkpoint(s) to {dest}")
         return dest
