@@ -303,9 +303,7 @@ def read_object(uri: str | os.PathLike, start: int | None = None, end: int | Non
 
 
 def _parent_folder(fs, path: str) -> None:
-    from fsspec.implementations.local import LocalFileSystem
-
-    if isinstance(fs, LocalFileSystem):  # file:// has folders; object stores do not
+    if is_local(fs):  # file:// has folders; object stores do not
         fs.makedirs(fs._parent(path), exist_ok=True)
 
 
@@ -380,10 +378,9 @@ def download_verified(
     A missing object, one of another size than its manifest entry or failing its sha256 is a
     StorageError naming it, checked before anything is kept."""
     import fcntl
-    import hashlib
     import json
 
-    from loomtrain.durable import atomic_write, atomic_write_json, temp_name
+    from loomtrain.durable import atomic_write_json, temp_name
 
     local = Path(local_dir)
     written = written or {}
