@@ -535,10 +535,6 @@ class Objects:
         except FileNotFoundError:
             pass
 
-    def copy_tree(self, rel: str, dest_rel: str) -> None:
-        self.fs.invalidate_cache()
-        self.fs.copy(self._key(rel), self._key(dest_rel), recursive=True)
-
     def move_aside(self, names: list[str], dest_rel: str) -> str:
         """Move each of `names` (objects or prefixes directly under this one) to dest_rel/NAME;
         returns that prefix. file:// has folders: each moves with one rename (Folder.move_aside).
