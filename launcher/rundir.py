@@ -346,15 +346,15 @@ def superseded_name() -> str:
     return time.strftime("superseded-%Y%m%d-%H%M%S")
 
 
-def _outputs(where: Path | str) -> dict[str, int]:
-    """{name: bytes (-1 for a folder or prefix)} of the entries directly under `where` that
-    OUTPUTS names."""
+def _outputs(where: Path | str) -> list[str]:
+    """The entries directly under `where` that OUTPUTS names, sorted; an empty file is none."""
     fs, root = filesystem(where)
-    out = {}
+    found = []
     for name, info in listing(fs, root.rstrip("/"), recursive=False).items():
-        if any(fnmatch.fnmatchcase(name, p) for p in OUTPUTS):
-            out[name] = int(info.get("size") or 0) if info.get("type", "file") == "file" else -1
-    return out
+        empty = info.get("type", "file") == "file" and not int(info.get("size") or 0)
+        if not empty and any(fnmatch.fnmatchcase(name, p) for p in OUTPUTS):
+            found.append(name)
+    return sorted(found)
 
 
 def supersede(where: Path | str, name: str | None, log=None) -> Path | str | None:
@@ -362,7 +362,7 @@ def supersede(where: Path | str, name: str | None, log=None) -> Path | str | Non
     final/ and the tb/ mirror with its metrics.jsonl), into WHERE/checkpoints/NAME (a
     superseded-TIME name, made now when None). Nothing is deleted: an object store's move
     copies first (the backend's move_aside)."""
-    found = sorted(entry for entry, size in _outputs(where).items() if size != 0)
+    found = _outputs(where)
     if not found:
         return None
     dest = location(where).move_aside(found, f"checkpoints/{name or superseded_name()}")
