@@ -16,7 +16,7 @@ from pathlib import Path
 
 from loomtrain.data_pipeline.preprocess import preprocess_files
 from loomtrain.data_pipeline.remote import load_shard_tokenizer
-from loomtrain.data_pipeline.shard_set import open_shard_set
+from loomtrain.data_pipeline.shard_set import ShardSet
 from loomtrain.data_pipeline.shards import SPLITS, VERSION, DataError, check_tokenizer_hash, read_index
 from loomtrain.data_pipeline.staging import partial_dir
 from loomtrain.data_pipeline.tokenizer import Tokenizer, load_tokenizer
@@ -73,7 +73,7 @@ def verify_shards(shard_dir, expected_tokenizer_hash: str | None) -> dict:
     check_tokenizer_hash(index, shard_dir, expected_tokenizer_hash)
     for split in SPLITS:
         if split in index["splits"]:
-            shards = open_shard_set(shard_dir, split, None, None)
+            shards = ShardSet(shard_dir, split)
             shards.check_ids()
             shards.close()
     return index

@@ -204,8 +204,3 @@ class ShardSet:
         self.segments = []
         if not self.local and self._own_cache:
             self.cache.close()
-
-
-def open_shard_set(where, split: str, expected_tokenizer_hash: str | None, cache: WindowCache | None) -> ShardSet:
-    """A split of a shard directory: memory-mapped (a folder) or read window by window (a URI)."""
-    return ShardSet(where, split, expected_tokenizer_hash, cache)

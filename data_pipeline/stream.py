@@ -46,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from loomtrain.data_pipeline.remote import WindowCache
-from loomtrain.data_pipeline.shard_set import ShardSet, open_shard_set
+from loomtrain.data_pipeline.shard_set import ShardSet
 from loomtrain.data_pipeline.shards import DataError
 
 STATE_VERSION = 1
@@ -334,9 +334,12 @@ class TokenStream:
         # One cache for the sources in object storage (its fetch threads start when one is asked for).
         self.cache = WindowCache(cache_bytes)
         self.sources: list[ShardSet] = []
+        self.windows: list[PackedWindows] = []  # per source, with document masking
+        instruction = []
         try:
             for path, _ in sources:
-                self.sources.append(open_shard_set(path, split, expected_tokenizer_hash, self.cache))
+                self.sources.append(ShardSet(path, split, expected_tokenizer_hash, self.cache))
+                instruction.append(self.sources[-1].records != "text")
             hashes = {s.tokenizer_hash for s in self.sources}
             if len(hashes) > 1:
                 first = self.sources[0]
@@ -345,6 +348,10 @@ class TokenStream:
                     f"data.sources: {other.dir} was made by tokenizer {other.tokenizer_hash}, "
                     f"{first.dir} by {first.tokenizer_hash}; all sources must share one tokenizer"
                 )
+            self.document_masking = any(instruction) if document_masking is None else bool(document_masking)
+            if self.document_masking:
+                for s, whole in zip(self.sources, instruction):
+                    self.windows.append(self._pack(s, seq_len + 1, must_fit=whole))
         except BaseException:
             for s in self.sources:
                 s.close()
@@ -361,18 +368,8 @@ class TokenStream:
             shuffle,
         )
         self.tokenizer_hash = self.shards.tokenizer_hash
-        instruction = [s.records != "text" for s in self.sources]
-        self.document_masking = any(instruction) if document_masking is None else bool(document_masking)
         self.loss_masked = any(s.mask is not None for s in self.sources)
-        self.windows: list[PackedWindows] = []  # per source, with document masking
         if self.document_masking:
-            try:
-                for s, whole in zip(self.sources, instruction):
-                    self.windows.append(self._pack(s, seq_len + 1, must_fit=whole))
-            except BaseException:
-                for s in self.sources:
-                    s.close()
-                raise
             self.source_samples = [len(w) for w in self.windows]
         else:
             self.source_samples = [(s.num_tokens - 1) // seq_len if s.num_tokens else 0 for s in self.sources]
