@@ -145,11 +145,16 @@ def _missing_field(obj: dict, text_field: str) -> str:
     return f"no field {text_field!r} (fields: {listed}); if the text is in another field, pass {hint}"
 
 
+def zero_stats() -> dict:
+    """A unit's (or a file's, or the corpus's) counts of what reading its documents met."""
+    return {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
+
+
 def unit_texts(unit, text_field: str, skip_bad_lines: bool):
     """A unit's documents as strings, plus stats; raises DataError (file:line) on a
     bad JSONL line unless skip_bad_lines."""
     kind, path, where, payload, first, last, _ = unit
-    stats = {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
+    stats = zero_stats()
     if kind == "text":
         text, stats["replaced_chars"] = _decode(payload)
         return [text], stats

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 from loomtrain.data_pipeline import documents
-from loomtrain.data_pipeline.documents import iter_units, jsonl_values, unit_texts
+from loomtrain.data_pipeline.documents import iter_units, jsonl_values, unit_texts, zero_stats
 from loomtrain.data_pipeline.records import TEXT, RecordFormat, check_format, detect_format, record_tokens
 from loomtrain.data_pipeline.remote_output import open_output
 from loomtrain.data_pipeline.shards import (
@@ -89,7 +89,7 @@ def _tokenize_records(unit):
     A bad record is one line naming file:line (or skipped and counted with --skip-bad-lines)."""
     tok, fmt = _W["tokenizer"], _W["records"]
     _, path, where, payload, _, _, _ = unit
-    stats = {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
+    stats = zero_stats()
     dtype = token_dtype(tok.vocab_size)
     tokens, masks, lengths = [], [], []
     for lineno, record, problem in jsonl_values(payload, where, stats):
@@ -130,13 +130,13 @@ def _tokenize_unit(unit):
         cont = open_ = False
         stats["empty_docs"] += sum(1 for t in texts if not t)
         texts = [t for t in texts if t]
-    arrays = tok.encode_batch_np(texts)
-    pieces = []
-    for i, a in enumerate(arrays):
+    pieces, lengths = [], []
+    for i, a in enumerate(tok.encode_batch_np(texts)):
+        ends = not (open_ and i == len(texts) - 1)  # an open document's EOS comes in a later unit
         pieces.append(a.astype(dtype, copy=False))
-        if not (open_ and i == len(arrays) - 1):
+        if ends:
             pieces.append(eos)
-    lengths = [a.size + (0 if (open_ and i == len(arrays) - 1) else 1) for i, a in enumerate(arrays)]
+        lengths.append(a.size + int(ends))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
     return tokens, lengths, cont, open_, stats, None
 
@@ -204,10 +204,6 @@ def tokenize_file(path: str, tokenizer, text_field: str, skip_bad_lines: bool, r
     """One input file's unit results, in order (a Ray task: the file is read where it runs)."""
     _init_worker(tokenizer, text_field, skip_bad_lines, records)
     return [_tokenize_unit(unit) for unit in iter_units([Path(path)], text_field)]
-
-
-def _zero_stats() -> dict:
-    return {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
 
 
 def bpe_sample(files: list[Path], text_field: str, sample_bytes: int):
@@ -302,7 +298,7 @@ def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines,
             if nxt is None:
                 current["i"] = None
                 return
-            current.update(i=nxt, writer=parts.writer(nxt), stats=_zero_stats())
+            current.update(i=nxt, writer=parts.writer(nxt), stats=zero_stats())
 
     # Tagged with the file's position: the same file may be given twice.
     units = ((i, unit) for i in todo for unit in iter_units([files[i]], text_field))
@@ -337,7 +333,7 @@ def _assemble(
     splitter = ValSplit(splitter.f, splitter.seed, documents)
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: SplitWriter(work, s, dtype, shard_tokens, masked=parts.masked, on_file=on_file) for s in SPLITS}
-    stats, doc = _zero_stats(), 0
+    stats, doc = zero_stats(), 0
     try:
         for i in range(len(files)):
             tokens, lengths, st = parts.read(i)
@@ -436,7 +432,7 @@ def preprocess_files(
         if executor is not None:
 
             def write_part(i: int, results: list) -> None:
-                writer, stats = parts.writer(i), _zero_stats()
+                writer, stats = parts.writer(i), zero_stats()
                 for tokens, lengths, cont, open_, st, mask in results:
                     for k, v in st.items():
                         stats[k] += v
