@@ -208,13 +208,11 @@ class PinnedObject:
             raise DataError(
                 f"{self.what} {self.uri} disappeared during the run (it was listed with {self.size} bytes); {fix}"
             ) from None
-        except OSError as exc:
-            if exc.errno == errno.EBUSY or type(exc).__name__ == "FileExpired":  # If-Match failed
-                raise DataError(
+        except Exception as exc:
+            if isinstance(exc, OSError) and (exc.errno == errno.EBUSY or type(exc).__name__ == "FileExpired"):
+                raise DataError(  # If-Match failed
                     f"{self.what} {self.uri} changed during the run (its ETag is no longer {self.etag}); {fix}"
                 ) from None
-            raise DataError(f"{self.what} {self.uri}: cannot read bytes [{start}, {end}) ({first_line(exc)})") from None
-        except Exception as exc:
             raise DataError(f"{self.what} {self.uri}: cannot read bytes [{start}, {end}) ({first_line(exc)})") from None
         if len(data) != end - start:
             raise DataError(

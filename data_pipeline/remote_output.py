@@ -167,11 +167,11 @@ class RemoteOutput:
         if remove:  # a shard is assembled again from the parts on a rerun: its local copy can go
             local.unlink(missing_ok=True)
 
-    def upload(self, work: Path, name: str) -> None:
+    def upload(self, work: Path, name: str, keep: bool = False) -> None:
         """Start uploading work/name (a shard, docs or mask file just completed); its local copy
-        goes once it is up."""
+        goes once it is up, unless `keep`."""
         with self._lock:
-            self._uploads.append(transfer_pool().submit(self._put, work / name, name, True))
+            self._uploads.append(transfer_pool().submit(self._put, work / name, name, not keep))
 
     def _wait(self) -> None:
         with self._lock:
@@ -185,7 +185,7 @@ class RemoteOutput:
         work folder (a copy of what is now in the store)."""
         for name in ("tokenizer.json", CHAT_CONFIG):
             if (work / name).is_file():
-                self.upload_kept(work, name)
+                self.upload(work, name, keep=True)
         self._wait()
         self._put(work / INDEX, INDEX, False)
         index = json.loads((work / INDEX).read_text(encoding="utf-8"))
@@ -199,11 +199,6 @@ class RemoteOutput:
         except StorageError as exc:
             raise self._fail(f"remove {stale[0]} of the earlier output (the new one is complete)", exc) from None
         shutil.rmtree(work, ignore_errors=True)
-
-    def upload_kept(self, work: Path, name: str) -> None:
-        """Start uploading work/name, keeping the local file."""
-        with self._lock:
-            self._uploads.append(transfer_pool().submit(self._put, work / name, name, False))
 
     def close(self) -> None:
         """Stop: uploads not started are cancelled (a rerun does them again)."""
