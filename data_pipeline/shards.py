@@ -252,10 +252,8 @@ def write_arrays(
         w = SplitWriter(out, split, dtype, shard_tokens, masked=bool(masks))
         tokens = splits.get(split, np.zeros(0, dtype))
         lengths = doc_lengths.get(split, [tokens.size] if tokens.size else [])
-        if masks:
-            w.write_docs(tokens, np.asarray(lengths, dtype=np.int64), masks.get(split, np.zeros(0, np.uint8)))
-        elif tokens.size:
-            w.write_docs(tokens, np.asarray(lengths, dtype=np.int64))
+        mask = masks.get(split, np.zeros(0, np.uint8)) if masks else None
+        w.write_docs(tokens, np.asarray(lengths, dtype=np.int64), mask)
         info[split] = w.close()
     index = {
         "format": FORMAT,

@@ -158,9 +158,9 @@ class PartWriter:
     def __init__(self, parts: Parts, i: int):
         self.parts, self.i = parts, i
         # Fixed temp names: a rerun after a kill overwrites the half-written part's files.
-        self._tok = AtomicFile(parts._path(i, "tokens"), tmp=parts._path(i, "tokens.tmp"))
-        self._doc = AtomicFile(parts._path(i, "docs"), tmp=parts._path(i, "docs.tmp"))
-        self._mask = AtomicFile(parts._path(i, "mask"), tmp=parts._path(i, "mask.tmp")) if parts.masked else None
+        exts = ("tokens", "docs", "mask") if parts.masked else ("tokens", "docs")
+        self._files = {ext: AtomicFile(parts._path(i, ext), tmp=parts._path(i, f"{ext}.tmp")) for ext in exts}
+        self._tok, self._doc, self._mask = self._files["tokens"], self._files["docs"], self._files.get("mask")
         self.num_tokens, self.num_docs, self._open_len = 0, 0, None
 
     def add(self, tokens: np.ndarray, lengths, cont: bool, open_: bool, mask: np.ndarray | None = None) -> None:
@@ -192,19 +192,15 @@ class PartWriter:
     def finish(self, stats: dict) -> None:
         if self._open_len is not None:
             self._close_doc()
-        self._tok.commit()
-        self._doc.commit()
-        if self._mask is not None:
-            self._mask.commit()
+        for f in self._files.values():
+            f.commit()
         atomic_write_json(
             self.parts._path(self.i, "json"), {"num_tokens": self.num_tokens, "num_docs": self.num_docs, "stats": stats}
         )
 
     def abort(self) -> None:
-        self._tok.discard()
-        self._doc.discard()
-        if self._mask is not None:
-            self._mask.discard()
+        for f in self._files.values():
+            f.discard()
 
 
 def clear_assembly(work: Path) -> None:
