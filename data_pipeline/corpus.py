@@ -111,15 +111,9 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
         raise DataError("data.cache_dir: no cache directory for the embedded corpus (set data.cache_dir)")
     cache = Path(cache).expanduser()  # data.cache_dir=~/c: the home folder, not ./~/c (as run.dir)
     files = stdlib_files(data_cfg.max_files)
-    run_tok = None
-    if data_cfg.tokenizer == "byte":
-        tok_id = "byte"
-    elif data_cfg.tokenizer == "bpe":
-        tok_id = "bpe"
-    else:
-        run_tok = load_tokenizer(data_cfg.tokenizer)
-        tok_id = run_tok.hash
-    key = _corpus_key(files, data_cfg, tok_id)
+    # "byte" and "bpe" (trained on the corpus) are named as they are; any other by its hash
+    run_tok = None if data_cfg.tokenizer in ("byte", "bpe") else load_tokenizer(data_cfg.tokenizer)
+    key = _corpus_key(files, data_cfg, data_cfg.tokenizer if run_tok is None else run_tok.hash)
     shard_dir = cache / f"stdlib-{key}"
     if not (shard_dir / "index.json").is_file():
         cache.mkdir(parents=True, exist_ok=True)

@@ -476,13 +476,12 @@ def preprocess_files(
         splits, stats = _assemble(work, parts, files, tokenizer, splitter, shard_tokens, on_file=uploaded)
         if splits["train"]["num_tokens"] == 0 and splits["val"]["num_tokens"] == 0:
             raise DataError(f"inputs hold no text: {', '.join(sources or [str(p) for p in files[:3]])}")
-        dtype = token_dtype(tokenizer.vocab_size)
         # Nothing here depends on timing, workers or Ray: the same inputs give the same bytes.
         index = {
             "format": FORMAT,
             "version": VERSION,
             "records": records.format,
-            "dtype": dtype.name,
+            "dtype": parts.dtype.name,
             "tokenizer": {
                 "hash": tokenizer.hash,
                 "name": tokenizer.name,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import tokenizers
-from loomtrain.data_pipeline.shards import DataError
+from loomtrain.data_pipeline.shards import DataError, token_dtype
 from loomtrain.durable import atomic_write
 from loomtrain.hf_cache import ModelIdError, resolve_model
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -84,11 +84,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", errors="replace"))
 
-    def encode_np(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
-
     def encode_batch_np(self, texts: list[str]) -> list[np.ndarray]:
-        return [self.encode_np(t) for t in texts]
+        return [np.frombuffer(t.encode("utf-8", errors="replace"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         out = bytearray()
@@ -174,7 +171,7 @@ class HFTokenizer:
             self._tok.encode_special_tokens = False
 
     def encode_batch_np(self, texts: list[str]) -> list[np.ndarray]:
-        dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
+        dtype = token_dtype(self.vocab_size)
         return [np.asarray(e.ids, dtype=dtype) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
