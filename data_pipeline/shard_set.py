@@ -9,7 +9,7 @@ from functools import partial
 
 import numpy as np
 from loomtrain.data_pipeline.remote import PinnedObject, WindowCache, list_directory
-from loomtrain.data_pipeline.shards import DataError, check_tokenizer_hash, doc_starts_from, read_index
+from loomtrain.data_pipeline.shards import DataError, check_tokenizer_hash, read_index
 from loomtrain.storage import below, first_line, location
 
 
@@ -103,7 +103,8 @@ class ShardSet:
 
     @property
     def doc_starts(self) -> np.ndarray:
-        """int64 start offset of every document of the split (from {split}.docs.bin), read once."""
+        """int64 start offset of every document of the split (from {split}.docs.bin, starting at 0),
+        read once; DataError when they are missing or incomplete."""
         if self._doc_starts is None:
             info = self.index["splits"][self.split]
             name = info.get("doc_offsets")
@@ -115,9 +116,14 @@ class ShardSet:
                     pass
                 except Exception as exc:  # noqa: BLE001  (the store's own error)
                     raise DataError(f"{below(self.dir, name)}: cannot read it ({first_line(exc)})") from None
-            self._doc_starts = doc_starts_from(
-                data, info, self.dir, self.split, below(self.dir, name) if name else None
-            )
+            if data is None or len(data) != 8 * info.get("num_docs", -1):
+                where = below(self.dir, name) if name else "no doc_offsets in the index"
+                raise DataError(
+                    f"{self.dir}: split {self.split!r} has no complete document offsets ({where}); "
+                    "re-run `loomtrain preprocess`"
+                )
+            starts = np.frombuffer(data, dtype="<u8").astype(np.int64)
+            self._doc_starts = starts if starts.size and starts[0] == 0 else np.concatenate([[0], starts])
         return self._doc_starts
 
     # Reading ------------------------------------------------------------------

@@ -46,18 +46,6 @@ class DataError(Exception):
     """Bad input data or shards; the message is one line naming the file/field."""
 
 
-def doc_starts_from(data: bytes | None, info: dict, directory, split: str, where) -> np.ndarray:
-    """A split's document start offsets (int64, from 0) out of its {split}.docs.bin bytes
-    (`data`; None: missing, read from `where`); DataError when they are missing or incomplete."""
-    if where is None or data is None or len(data) != 8 * info.get("num_docs", -1):
-        raise DataError(
-            f"{directory}: split {split!r} has no complete document offsets "
-            f"({where or 'no doc_offsets in the index'}); re-run `loomtrain preprocess`"
-        )
-    starts = np.frombuffer(data, dtype="<u8").astype(np.int64)
-    return starts if starts.size and starts[0] == 0 else np.concatenate([[0], starts])
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
