@@ -242,15 +242,6 @@ def bpe_report(vocab_size: int, asked_vocab: int, text_bytes: int, sample_bytes:
     return line
 
 
-def _tokenizer_key(tokenizer, bpe_vocab_size: int, bpe_sample_bytes: int):
-    """What the parts depend on about the tokenizer (a rerun with another one starts afresh)."""
-    if isinstance(tokenizer, str) and tokenizer == "bpe":
-        return {"bpe_vocab_size": bpe_vocab_size, "bpe_sample_bytes": bpe_sample_bytes}
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
-    return tokenizer.hash
-
-
 def _work_tokenizer(
     work: Path, resumed: bool, tokenizer, files, text_field, bpe_vocab_size, bpe_sample_bytes, progress, log
 ):
@@ -276,8 +267,6 @@ def _work_tokenizer(
         if log:
             input_bytes = sum(p.stat().st_size for p in files)
             log(bpe_report(tokenizer.vocab_size, bpe_vocab_size, seen["bytes"], bpe_sample_bytes, input_bytes))
-    elif isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
     tokenizer.save(work)
     return tokenizer
 
@@ -412,9 +401,14 @@ def preprocess_files(
         t0 = time.perf_counter()
         sizes = [p.stat() for p in files]
         total_bytes = sum(st.st_size for st in sizes)
+        bpe = isinstance(tokenizer, str) and tokenizer == "bpe"  # trained on these files (_work_tokenizer)
+        if not bpe and isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer)
+        # What the parts depend on about the tokenizer (a rerun with another one starts afresh).
+        bpe_settings = {"bpe_vocab_size": bpe_vocab_size, "bpe_sample_bytes": bpe_sample_bytes}
         job = {
             "inputs": [[str(p.resolve()), st.st_size, st.st_mtime_ns] for p, st in zip(files, sizes)],
-            "tokenizer": _tokenizer_key(tokenizer, bpe_vocab_size, bpe_sample_bytes),
+            "tokenizer": bpe_settings if bpe else tokenizer.hash,
             "text_field": text_field,
             "skip_bad_lines": bool(skip_bad_lines),
         }
