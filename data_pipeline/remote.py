@@ -79,10 +79,10 @@ def load_shard_tokenizer(shard_dir):
 
 
 class WindowCache:
-    """Byte windows of objects, by (object URI, start, end): fetched ahead on a pool of threads
-    (`ahead`), read once (`get`: waits for a window in flight, fetches one not asked for), then
-    kept for reuse, least recently used first out, while everything held (fetched ahead and kept)
-    stays within capacity_bytes; 0 keeps nothing beyond the windows fetched ahead."""
+    """Byte windows of PinnedObjects, by (object URI, start, end): fetched ahead on a pool of
+    threads (`ahead`), read once (`get`: waits for a window in flight, fetches one not asked for),
+    then kept for reuse, least recently used first out, while everything held (fetched ahead and
+    kept) stays within capacity_bytes; 0 keeps nothing beyond the windows fetched ahead."""
 
     def __init__(self, capacity_bytes: int, threads: int = FETCH_THREADS):
         self.capacity = int(capacity_bytes)
@@ -112,17 +112,19 @@ class WindowCache:
             self.fetches += 1
         return data
 
-    def ahead(self, key: tuple, fetch) -> None:
-        """Start fetching window `key` (fetch() -> its bytes) unless it is held already."""
+    def ahead(self, obj: PinnedObject, start: int, end: int) -> None:
+        """Start fetching bytes [start, end) of `obj` unless they are held already."""
+        key = (obj.uri, start, end)
         with self._lock:
             if key in self._ahead or key in self._kept:
                 return
-            self._ahead[key] = self._pool.submit(lambda: self._count(fetch()))
-            self._ahead_bytes += key[2] - key[1]
+            self._ahead[key] = self._pool.submit(lambda: self._count(obj.fetch(start, end)))
+            self._ahead_bytes += end - start
             self._trim()
 
-    def get(self, key: tuple, fetch) -> bytes:
-        """Window `key`'s bytes: fetched ahead, kept, or fetched now."""
+    def get(self, obj: PinnedObject, start: int, end: int) -> bytes:
+        """Bytes [start, end) of `obj`: fetched ahead, kept, or fetched now."""
+        key = (obj.uri, start, end)
         with self._lock:
             future = self._ahead.get(key)
             if future is None and key in self._kept:
@@ -130,7 +132,7 @@ class WindowCache:
                 self.hits += 1
                 return self._kept[key]
         if future is None:
-            data = self._count(fetch())
+            data = self._count(obj.fetch(start, end))
         else:
             if not future.done():
                 with self._lock:
@@ -138,7 +140,7 @@ class WindowCache:
             data = future.result()  # a DataError raised by fetch() comes out here
         with self._lock:
             if self._ahead.pop(key, None) is not None:
-                self._ahead_bytes -= key[2] - key[1]
+                self._ahead_bytes -= end - start
             if self.capacity > 0 and key not in self._kept:
                 self._kept[key] = data
                 self._kept_bytes += len(data)

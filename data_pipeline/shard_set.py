@@ -5,7 +5,6 @@ object-store pieces (pinned objects, the window cache)."""
 from __future__ import annotations
 
 import os
-from functools import partial
 
 import numpy as np
 from loomtrain.data_pipeline.remote import PinnedObject, WindowCache, list_directory
@@ -140,16 +139,12 @@ class ShardSet:
             i, offset = i + 1, 0
         return out
 
-    def _bytes(self, segment, a: int, b: int) -> bytes:
-        """Bytes [a, b) of an object-store segment: fetched ahead, kept, or fetched now."""
-        return self.cache.get((segment.uri, a, b), partial(segment.fetch, a, b))
-
     def _tokens(self, i: int, a: int, b: int) -> np.ndarray:
         segment = self.segments[i]
         if self.local:
             return segment[a:b]
         size = self.dtype.itemsize
-        return np.frombuffer(self._bytes(segment, a * size, b * size), dtype=self._le)
+        return np.frombuffer(self.cache.get(segment, a * size, b * size), dtype=self._le)
 
     def read(self, start: int, length: int) -> np.ndarray:
         """A copy of tokens [start, start + length) of the split, crossing shard files as needed."""
@@ -172,19 +167,18 @@ class ShardSet:
             return np.array(self.mask[start : start + length])
         if not length:
             return np.zeros(0, np.uint8)
-        return np.frombuffer(self._bytes(self.mask, start, start + length), np.uint8).copy()
+        return np.frombuffer(self.cache.get(self.mask, start, start + length), np.uint8).copy()
 
     def prefetch(self, start: int, length: int) -> None:
         """Fetch tokens [start, start + length) ahead from an object store (read() then finds them)."""
         if not self.local:
             size = self.dtype.itemsize
             for i, a, b in self._pieces(start, length):
-                segment = self.segments[i]
-                self.cache.ahead((segment.uri, a * size, b * size), partial(segment.fetch, a * size, b * size))
+                self.cache.ahead(self.segments[i], a * size, b * size)
 
     def prefetch_mask(self, start: int, length: int) -> None:
         if not self.local and self.mask is not None and length:
-            self.cache.ahead((self.mask.uri, start, start + length), partial(self.mask.fetch, start, start + length))
+            self.cache.ahead(self.mask, start, start + length)
 
     def check_ids(self, chunk_tokens: int = 1 << 24) -> None:
         """Scan the whole split for ids >= the vocabulary size (DataError naming file and offset);
