@@ -272,39 +272,26 @@ def _work_tokenizer(
 
 
 def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar, records) -> None:
-    """Input files `todo` -> their parts, streaming units through the worker pool in input order."""
-    pending = iter(todo)
-    # "i": -1 before the first file (None: all done), so that inputs with no units at all (empty
-    # files) still get their (empty) parts when the stream ends
-    current = {"i": -1, "writer": None, "stats": None}
-
-    def advance(to) -> None:  # finish the current file and any with no units before `to`
-        while current["i"] != to:
-            if current["writer"] is not None:
-                current["writer"].finish(current["stats"])
-                current["writer"] = None
-            nxt = next(pending, None)
-            if nxt is None:
-                current["i"] = None
-                return
-            current.update(i=nxt, writer=parts.writer(nxt), stats=zero_stats())
-
+    """Input files `todo` -> their parts, streaming units through the worker pool in input order;
+    a file with no units at all (an empty one) still gets its (empty) part."""
     # Tagged with the file's position: the same file may be given twice.
     units = ((i, unit) for i in todo for unit in iter_units([files[i]], text_field))
-    try:
-        for i, nbytes, (tokens, lengths, cont, open_, st, mask) in _ordered_results(
-            units, tokenizer, text_field, skip_bad_lines, workers, records
-        ):
-            advance(i)
-            for k, v in st.items():
-                current["stats"][k] += v
-            current["writer"].add(tokens, lengths, cont, open_, mask)
-            bar.update(nbytes)
-        advance(None)
-    except BaseException:
-        if current["writer"] is not None:
-            current["writer"].abort()
-        raise
+    results = _ordered_results(units, tokenizer, text_field, skip_bad_lines, workers, records)
+    result = next(results, None)
+    for i in todo:
+        writer, stats = parts.writer(i), zero_stats()
+        try:
+            while result is not None and result[0] == i:
+                _, nbytes, (tokens, lengths, cont, open_, st, mask) = result
+                for k, v in st.items():
+                    stats[k] += v
+                writer.add(tokens, lengths, cont, open_, mask)
+                bar.update(nbytes)
+                result = next(results, None)
+            writer.finish(stats)
+        except BaseException:
+            writer.abort()
+            raise
 
 
 def _assemble(
