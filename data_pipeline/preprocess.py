@@ -213,18 +213,16 @@ def bpe_sample(files: list[Path], text_field: str, sample_bytes: int):
     for path in files:
         budget = -(-sample_bytes * path.stat().st_size // total) if sample_bytes else None
         unit_bytes = min(documents.UNIT_BYTES, max(budget, 1 << 16)) if budget else None
-        for unit in iter_units([path], text_field, unit_bytes):
-            for text in unit_texts(unit, text_field, True)[0]:
-                if budget is not None:
-                    raw = text.encode("utf-8", errors="replace")
-                    if len(raw) > budget:
-                        text = raw[:budget].decode("utf-8", errors="ignore")
-                    budget -= len(raw)
-                yield text
-                if budget is not None and budget <= 0:
-                    break
+        units = iter_units([path], text_field, unit_bytes)
+        for text in (t for unit in units for t in unit_texts(unit, text_field, True)[0]):
+            if budget is not None:
+                raw = text.encode("utf-8", errors="replace")
+                if len(raw) > budget:
+                    text = raw[:budget].decode("utf-8", errors="ignore")
+                budget -= len(raw)
+            yield text
             if budget is not None and budget <= 0:
-                break
+                break  # read no further into this file
 
 
 def bpe_report(vocab_size: int, asked_vocab: int, text_bytes: int, sample_bytes: int, input_bytes: int) -> str:
