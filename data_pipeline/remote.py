@@ -37,19 +37,9 @@ from loomtrain.storage import (
     first_line,
     listing,
     location,
-    object_store,
 )
 
 FETCH_THREADS = 16  # ranged GETs in flight per stream: a GET's latency, not bandwidth, bounds a window's read
-
-
-def open_store(uri: str, what: str = "data.path"):
-    """(fsspec filesystem, path inside it) for a shard directory's URI; DataError naming it."""
-    try:
-        fs, path = object_store(str(uri), what)
-    except ValueError as exc:
-        raise DataError(str(exc)) from None
-    return fs, path.rstrip("/")
 
 
 def list_directory(fs, path: str, uri: str) -> dict[str, dict]:
@@ -84,14 +74,14 @@ class WindowCache:
     then kept for reuse, least recently used first out, while everything held (fetched ahead and
     kept) stays within capacity_bytes; 0 keeps nothing beyond the windows fetched ahead."""
 
-    def __init__(self, capacity_bytes: int, threads: int = FETCH_THREADS):
+    def __init__(self, capacity_bytes: int):
         self.capacity = int(capacity_bytes)
         self._lock = threading.Lock()
         self._ahead: dict[tuple, Future] = {}  # fetched ahead (or in flight), not yet read
         self._ahead_bytes = 0
         self._kept: OrderedDict[tuple, bytes] = OrderedDict()  # read, kept for reuse
         self._kept_bytes = 0
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="loomtrain-fetch")
+        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="loomtrain-fetch")
         # What tests and benchmarks read: bytes and GETs fetched, the most bytes held at once,
         # reads served from the cache, reads that had to wait for their window.
         self.fetched_bytes = self.fetches = self.peak_bytes = self.hits = self.waits = 0

@@ -27,7 +27,6 @@ import threading
 from concurrent.futures import Future, wait
 from pathlib import Path
 
-from loomtrain.data_pipeline.remote import open_store
 from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError
 from loomtrain.data_pipeline.staging import check_output, publish
 from loomtrain.data_pipeline.tokenizer import CHAT_CONFIG
@@ -38,6 +37,7 @@ from loomtrain.storage import (
     join,
     listing,
     location,
+    object_store,
     read_object,
     transfer_pool,
     upload_file,
@@ -93,7 +93,11 @@ class FolderOutput:
 class RemoteOutput:
     def __init__(self, uri: str, overwrite: bool):
         self.uri = self.shown = str(uri).rstrip("/")
-        self.fs, self.path = open_store(self.uri, "--output")
+        try:
+            self.fs, path = object_store(self.uri, "--output")
+        except ValueError as exc:  # a scheme fsspec does not know, or its library missing
+            raise DataError(str(exc)) from None
+        self.path = path.rstrip("/")
         self.overwrite = overwrite
         self.staging = staging_dir(self.uri)
         self._old: set[str] = set()  # objects there before this run (what the commit may remove)
