@@ -83,10 +83,6 @@ class SplitWriter:
         self._file = None
         self.on_file(self._name)
 
-    def start_doc(self) -> None:
-        self._docs.write(np.uint64(self.num_tokens).tobytes())
-        self.num_docs += 1
-
     def write(self, tokens: np.ndarray) -> None:
         tokens = np.asarray(tokens)
         if tokens.dtype != self.dtype:
