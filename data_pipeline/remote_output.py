@@ -177,12 +177,6 @@ class RemoteOutput:
         with self._lock:
             self._uploads.append(transfer_pool().submit(self._put, work / name, name, not keep))
 
-    def _wait(self) -> None:
-        with self._lock:
-            uploads = list(self._uploads)
-        for future in uploads:
-            future.result()  # the first failed upload's DataError
-
     def commit(self, work: Path) -> None:
         """Wait for the uploads, then the tokenizer, then index.json (the commit point); then
         the marker and what an earlier output held that this one does not name go, and the local
@@ -190,7 +184,10 @@ class RemoteOutput:
         for name in ("tokenizer.json", CHAT_CONFIG):
             if (work / name).is_file():
                 self.upload(work, name, keep=True)
-        self._wait()
+        with self._lock:
+            uploads = list(self._uploads)
+        for future in uploads:
+            future.result()  # the first failed upload's DataError
         self._put(work / INDEX, INDEX, False)
         index = json.loads((work / INDEX).read_text(encoding="utf-8"))
         names = {INDEX, "tokenizer.json", CHAT_CONFIG}
