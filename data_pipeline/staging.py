@@ -46,7 +46,9 @@ def _written_by_preprocess(out: Path) -> set[str] | None:
         return None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         return None
-    names = {INDEX, "tokenizer.json", JOB, "parts"}  # the last two only if a publish was cut short
+    # tokenizer_config.json: the chat template, saved beside tokenizer.json when the tokenizer has one;
+    # the last two only if a publish was cut short
+    names = {INDEX, "tokenizer.json", "tokenizer_config.json", JOB, "parts"}
     for split, info in (index.get("splits") or {}).items():
         if isinstance(info, dict):
             names.add(str(info.get("doc_offsets") or f"{split}.docs.bin"))

@@ -86,6 +86,20 @@ def test_rerun_replaces_its_own_output_but_not_files_it_did_not_write(tmp_path):
     assert (out / "my_notes.txt").read_text() == "keep"
 
 
+def test_a_rerun_with_a_chat_template_tokenizer_replaces_its_own_output(tmp_path, bpe):
+    """tokenizer_config.json (the chat template, written beside tokenizer.json) is preprocess's own:
+    a rerun into the same folder replaces it without --overwrite, as it does on object storage."""
+    (tmp_path / "tok").mkdir()
+    bpe.save(str(tmp_path / "tok" / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|endoftext|>{% endfor %}"
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    out, tok = tmp_path / "o", str(tmp_path / "tok" / "tokenizer.json")
+    for docs in (DOCS, DOCS[:5]):
+        pp.preprocess_files([jsonl(tmp_path / "a.jsonl", docs)], out, tok, progress=False, log=None)
+        assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == template
+    assert prepare_data(DataConfig(path=str(out), tokenizer=tok))[1].chat
+
+
 def test_failed_rerun_leaves_the_earlier_dataset_loadable(tmp_path):
     out = tmp_path / "o"
     pp.preprocess_files([jsonl(tmp_path / "a.jsonl")], out, progress=False, log=None)
