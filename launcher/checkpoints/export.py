@@ -43,8 +43,10 @@ first (config.json first), anything else there is refused, as on disk.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import re
 import shutil
 import sys
@@ -250,7 +252,7 @@ def hf_architecture(cfg) -> str:
     )
 
 
-def _eos_id(tok_dir: Path | None, vocab_size: int) -> int | None:
+def _eos_id(tok_dir: Path | None) -> int | None:
     if tok_dir is None:
         return None
     try:
@@ -406,9 +408,7 @@ def plan_shards(recipes: dict[str, Recipe], dtype: torch.dtype, max_bytes: int) 
     shards: list[list[str]] = [[]]
     size = 0
     for name, r in recipes.items():
-        n = item
-        for v in r.shape:
-            n *= v
+        n = item * math.prod(r.shape)
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
@@ -464,6 +464,21 @@ def check_export_output(output, ours: Callable[[str], bool] = _export_names, wha
         )
 
 
+@contextlib.contextmanager
+def replacing(out: Path):
+    """A new folder beside `out` to write an export into, renamed over `out` once the block
+    completes (replace_dir); removed, and `out` left as it was, when the block fails."""
+    tmp = out.with_name(out.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, out)
+
+
 def export_hf(
     src: str | Path, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = DEFAULT_MAX_SHARD
 ) -> Path | str:
@@ -489,13 +504,11 @@ def _export(src: str | Path, out: Path, dtype: str, max_bytes: int, shown: str) 
         raise ExportError(str(exc)) from None
     cfg = source.cfg
     arch = hf_architecture(cfg)
-    eos_id = _eos_id(source.tok_dir, cfg.vocab_size)
+    eos_id = _eos_id(source.tok_dir)
     recipes, config = (to_gpt2 if arch == "GPT2LMHeadModel" else to_family)(source, cfg, eos_id, arch)
     config["torch_dtype"] = config["dtype"] = HF_DTYPE_NAMES[torch_dtype]
-    tmp = out.with_name(out.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    # An earlier export (checked above) is replaced whole, so no stale shard survives.
+    with replacing(out) as tmp:
         names = write_weights(recipes, tmp, torch_dtype, max_bytes)
         write_durable(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         # No max_length: transformers warns whenever a caller's max_new_tokens meets one set here;
@@ -503,17 +516,7 @@ def _export(src: str | Path, out: Path, dtype: str, max_bytes: int, shown: str) 
         gen = {"bos_token_id": eos_id, "eos_token_id": eos_id}
         write_durable(tmp / "generation_config.json", json.dumps(gen, indent=2) + "\n")
         export_tokenizer(source.tok_dir, tmp, cfg.max_seq_len)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # An earlier export (checked above) is replaced whole, so no stale shard survives.
-    replace_dir(tmp, out)
-    n_params = 0
-    for r in recipes.values():
-        k = 1
-        for v in r.shape:
-            k *= v
-        n_params += k
+    n_params = sum(math.prod(r.shape) for r in recipes.values())
     print(
         f"export: {source.what} -> {shown} ({config['architectures'][0]}, {n_params:,} parameters, {dtype}, "
         f"{len(names)} file{'s' if len(names) > 1 else ''})"

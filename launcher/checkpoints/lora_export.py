@@ -17,16 +17,16 @@ from the run's newest complete checkpoint (export.open_source), in fp32 unless -
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from loomtrain.durable import replace_dir, write_durable
+from loomtrain.durable import write_durable
 from loomtrain.launcher.checkpoints.export import (
     DTYPES,
     ExportError,
     check_export_output,
     hf_architecture,
     open_source,
+    replacing,
     staging_folder,
 )
 from loomtrain.launcher.checkpoints.hf_families import family_refs
@@ -86,19 +86,12 @@ def _write(src, out: Path, dtype: str, shown: str) -> Path:
     shapes, get = source.adapters
     names = peft_names(cfg, [n for n in shapes if is_adapter(n)])
     torch_dtype = DTYPES[dtype]
-    tmp = out.with_name(out.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with replacing(out) as tmp:
         w = SafetensorsWriter(tmp / ADAPTER_WEIGHTS, [(k, torch_dtype, shapes[n]) for n, k in names.items()])
         for n, k in names.items():
             w.write(k, get(n).float().to(torch_dtype).contiguous())
         w.close()
         write_durable(tmp / ADAPTER_CONFIG, json.dumps(adapter_config(cfg, names), indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, out)
     print(
         f"export: {source.what} -> {shown} (PEFT LoRA adapters for {arch}, rank {cfg.lora.rank}, {len(names)} tensors)"
     )
