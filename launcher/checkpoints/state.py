@@ -72,7 +72,6 @@ from loomtrain.launcher.checkpoints.store import (
     CHECKPOINT_FORMAT,
     PARTS_DIR,
     CheckpointStore,
-    checkpoint_has,
     format_problem,
     read_checkpoint_file,
     read_manifest,
@@ -248,33 +247,24 @@ FILES = {
 TILE_KEYS = ["exp_avg", "exp_avg_sq", None]  # the order of the tile hashes (sorted key names)
 
 
-def _location(path: str | os.PathLike) -> Path | str:
-    """A checkpoint folder (Path) or a checkpoint URI (str, never a Path: `s3://` is no path)."""
-    return below(path)
-
-
-def _file_of(path, rel: str):
-    return f"{path}/{rel}" if isinstance(path, str) else Path(path) / rel
-
-
 def verified_bytes(path: Path | str, rel: str, manifest: dict) -> bytes:
     """A small file of a checkpoint, checked against the manifest's sha256."""
-    path = _location(path)
+    path = below(path)  # a folder (Path) or a URI (str, never a Path: `s3://` is no path)
     try:
         data = read_checkpoint_file(path, rel)
     except FileNotFoundError:
         if not isinstance(path, str):
             raise
-        raise CorruptCheckpoint(f"{_file_of(path, rel)}: missing (named by the manifest)") from None
+        raise CorruptCheckpoint(f"{below(path, rel)}: missing (named by the manifest)") from None
     want = manifest["files"].get(rel, {}).get("sha256")
     if want != hashlib.sha256(data).hexdigest():
-        raise CorruptCheckpoint(f"{_file_of(path, rel)}: fails its sha256 checksum")
+        raise CorruptCheckpoint(f"{below(path, rel)}: fails its sha256 checksum")
     return data
 
 
 def open_reader(path: str | os.PathLike, manifest: dict | None = None) -> ShardedReader:
     """A reader of a checkpoint's weights and moments (verifies the index, then every tile read)."""
-    path = _location(path)
+    path = below(path)
     manifest = manifest if manifest is not None else read_manifest(path)
     index = json.loads(verified_bytes(path, "model/index.json", manifest))
     if index.get("format") not in READS:
@@ -286,7 +276,7 @@ def open_reader(path: str | os.PathLike, manifest: dict | None = None) -> Sharde
             else "checkpoints of older loomtrain versions do not load"
         )
         raise CorruptCheckpoint(
-            f"{_file_of(path, 'model/index.json')}: format {found!r}, expected one of "
+            f"{below(path, 'model/index.json')}: format {found!r}, expected one of "
             f"{', '.join(map(repr, READS))} ({why})"
         )
     return ShardedReader(path, index, FILES, TILE_KEYS, READS[index["format"]])
@@ -297,16 +287,12 @@ class ConsolidatedReader:
 
     def __init__(self, path: str | os.PathLike):
         self.reader = open_reader(path)
-        self.index = self.reader.params
 
     def names(self) -> list[str]:
         return self.reader.names()
 
     def get(self, name: str, key: str | None = None) -> torch.Tensor:
         return self.reader.full(name, key)
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {n: self.get(n) for n in self.names()}
 
 
 @dataclass
@@ -324,7 +310,7 @@ class OpenCheckpoint:
         return verified_bytes(self.path, rel, self.manifest)
 
     def has(self, rel: str) -> bool:
-        return checkpoint_has(self.path, rel, self.manifest)
+        return rel in self.manifest.get("files", {})  # the published manifest lists every file
 
 
 def load_checkpoint(path: str | os.PathLike, training: Training) -> dict:
@@ -336,7 +322,7 @@ def load_checkpoint(path: str | os.PathLike, training: Training) -> dict:
     the checksum of every tile it reads. Returns trainer.json (step, counters, ...) plus
     "bytes_read" (tensor bytes this rank read) and "files_read" (the tensor files it opened).
     A damaged file raises CorruptCheckpoint; another model's checkpoint ValueError."""
-    path = _location(path)
+    path = below(path)
     try:
         manifest = read_manifest(path)
     except FileNotFoundError:

@@ -188,10 +188,6 @@ class CheckpointStore:
                 "credentials cannot see it); create it or point run.storage at another"
             )
 
-    def where(self, path, rel: str = ""):
-        """A checkpoint's file (or the checkpoint itself) as messages name it."""
-        return below(path, rel)
-
     def _at(self, tmp):
         """The files of one step being written (tmp: its folder or URI)."""
         return self.objects.child(str(tmp).rstrip("/").rsplit("/", 1)[-1])
@@ -265,7 +261,7 @@ class CheckpointStore:
         failed = sorted(n for n in names if n.endswith(".failed"))
         if failed:
             text = at.read(f"{PARTS_DIR}/{failed[0]}").decode(errors="replace").strip()
-            raise RuntimeError(f"{self.where(tmp, PARTS_DIR + '/' + failed[0])}: {text}")
+            raise RuntimeError(f"{below(tmp, PARTS_DIR + '/' + failed[0])}: {text}")
         return all(f"rank_{r:05d}.json" in names for r in range(world))
 
     def mark_failed(self, tmp, rank: int, error: BaseException) -> None:
@@ -284,9 +280,7 @@ class CheckpointStore:
         sizes = at.sizes()
         for rel, info in sorted(files.items()):  # every write completed, at its size
             if sizes.get(rel) != info["size"]:
-                raise RuntimeError(
-                    f"{self.where(tmp, rel)}: {sizes.get(rel, 'no')} bytes stored, {info['size']} written"
-                )
+                raise RuntimeError(f"{below(tmp, rel)}: {sizes.get(rel, 'no')} bytes stored, {info['size']} written")
         for rel in sorted(sizes):  # anything written without a part entry (e.g. by a library)
             if rel not in files and rel != MANIFEST and not rel.startswith(PARTS_DIR + "/"):
                 files[rel] = at.describe(rel)
@@ -405,9 +399,6 @@ class CheckpointStore:
         """Is `path` this run's directory (or run.storage) or one of its own checkpoints?"""
         return same_location(path, self.base) or inside(path, self.root)
 
-    def is_base(self, where: str | os.PathLike) -> bool:
-        return same_location(where, self.base)
-
     def resolve_resume(self, resume: str, checksums: bool = True):
         """checkpoint.resume: "auto" (newest complete, or None), "never", or a PATH or URI (a
         checkpoint, or a run directory / run.storage whose newest complete one is taken).
@@ -426,7 +417,7 @@ class CheckpointStore:
                 f"{self.base} has its own checkpoints: resuming from {found}"
             )
             return found
-        if self.is_base(resume):
+        if same_location(resume, self.base):
             return self.resume_point(checksums=checksums)
         other = run_store_at(resume, log=self.log)
         if other is not None:  # a run directory (or run.storage) was given: its newest complete checkpoint
@@ -486,27 +477,19 @@ def is_write_error(exc: BaseException) -> bool:
 def write_error(exc: BaseException, store: CheckpointStore, step: int) -> CheckpointWriteError:
     failure = store_failure(exc)
     if failure:  # the object store went away (or refused us) mid-save: the store is not asked again
-        kept = store.latest_known
-        err = CheckpointWriteError(
-            f"checkpoint: cannot save step {step}: {failure}: {store.temp_dir(step)}; "
-            + (
-                f"{store.where(store.root, kept)} stays the newest checkpoint"
-                if kept
-                else "no earlier checkpoint exists"
-            )
-        )
-        err.latest = (store.where(store.root, kept), kept) if kept else None
-        return err
-    if isinstance(exc, OSError):
-        what = exc.strerror or str(exc)
-        where = exc.filename or store.temp_dir(step)
+        what, where, kept = failure, store.temp_dir(step), store.latest_known
+    elif isinstance(exc, OSError):
+        what, where, kept = exc.strerror or str(exc), exc.filename or store.temp_dir(step), store.latest_pointer()
     else:  # safetensors: 'Error while serializing: I/O error: No space left on device (os error 28)'
         m = _OS_ERROR_IN_TEXT.search(str(exc))
         what = (m.group(1) or m.group(2)) if m else str(exc).splitlines()[0]
-        where = store.temp_dir(step)
-    kept = store.latest_pointer()
-    kept = f"{store.where(store.root, kept)} stays the newest checkpoint" if kept else "no earlier checkpoint exists"
-    return CheckpointWriteError(f"checkpoint: cannot save step {step}: {what}: {where}; {kept}")
+        where, kept = store.temp_dir(step), store.latest_pointer()
+    newest = below(store.root, kept) if kept else None
+    stays = f"{newest} stays the newest checkpoint" if kept else "no earlier checkpoint exists"
+    err = CheckpointWriteError(f"checkpoint: cannot save step {step}: {what}: {where}; {stays}")
+    if failure:  # the newest checkpoint as the store last named it (train.py's message tells it)
+        err.latest = (newest, kept) if kept else None
+    return err
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -519,11 +502,6 @@ def read_checkpoint_file(path: str | os.PathLike, rel: str) -> bytes:
         return location(path, "checkpoint").read(rel)
     except FileNotFoundError:
         raise FileNotFoundError(f"{below(path, rel)}: missing") from None
-
-
-def checkpoint_has(path: str | os.PathLike, rel: str, manifest: dict) -> bool:
-    """Does the checkpoint hold `rel`? (its published manifest says so: it lists every file)"""
-    return rel in manifest.get("files", {})
 
 
 def store_error(storage, exc: BaseException, what: str = "run.storage") -> str:

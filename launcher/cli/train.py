@@ -289,10 +289,11 @@ def _latest(location: Path | str) -> tuple[str, str] | None:
     """(where, name) of the checkpoint the `latest` pointer of a run's checkpoints names
     (RUN_DIR/checkpoints/latest, or the one in run.storage), if any."""
     from loomtrain.launcher.checkpoints.store import open_store
+    from loomtrain.storage import below
 
     try:
         store = open_store(location)
         name = store.latest_pointer()
     except (OSError, ValueError):  # the store itself is what failed
         return None
-    return (str(store.where(store.root, name)), name) if name else None
+    return (str(below(store.root, name)), name) if name else None
