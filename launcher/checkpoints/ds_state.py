@@ -261,7 +261,7 @@ def _zero3_partition(engine, p) -> tuple[int, int, int]:
     return start, max(0, min(n, p.ds_numel - start)), n
 
 
-def held_range(engine, p, topology) -> tuple[int, int]:
+def held_range(engine, p) -> tuple[int, int]:
     """The range [a, b) of p's flattened TP shard that DeepSpeed keeps on this rank
     (the fp32 master and Adam moments): the ZeRO 1-3 partition, or all of it at ZeRO 0."""
     if hasattr(p, "ds_id"):
@@ -278,10 +278,9 @@ def held_range(engine, p, topology) -> tuple[int, int]:
 def written_range(engine, p, topology) -> tuple[int, int]:
     """The share of p this rank writes: what it holds, split evenly among the ranks that hold
     the same values (DP ranks at ZeRO 0, TP ranks for parameters TP does not split)."""
-    a, b = held_range(engine, p, topology)
+    a, b = held_range(engine, p)
     holders, index = _replica_split(p, topology)
-    partitioned = hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
-    if not partitioned and topology is not None and topology.dp_size > 1:
+    if not _is_ds(p) and topology is not None and topology.dp_size > 1:
         holders, index = holders * topology.dp_size, topology.dp_rank * holders + index
     n = b - a
     return a + n * index // holders, a + n * (index + 1) // holders

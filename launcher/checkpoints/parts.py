@@ -98,7 +98,7 @@ class Tensors:
         ensure_optimizer_state(engine)
         for name, p in named_params(engine):
             snap.shapes[name] = full_shape(p)
-            ha, _ = held_range(engine, p, topology)
+            ha, _ = held_range(engine, p)
             a, b = written_range(engine, p, topology)
             if b <= a:
                 continue
@@ -129,7 +129,7 @@ class Tensors:
         ensure_optimizer_state(engine)
         for name, p in params:
             box = local_box(p)
-            held = Region(box, held_range(engine, p, training.topology))
+            held = Region(box, held_range(engine, p))
             for k in KEYS:
                 whole = k is None and not hasattr(p, "ds_id")  # ZeRO 0-2 weights: the whole TP shard
                 if not whole and not held.numel:

@@ -54,8 +54,8 @@ from pathlib import Path
 
 import torch
 from loomtrain.durable import json_bytes
-from loomtrain.launcher.checkpoints.ds_state import MOMENTS, held_range, held_values, named_params, written_range
-from loomtrain.launcher.checkpoints.parts import PARTS, Training
+from loomtrain.launcher.checkpoints.ds_state import MOMENTS, held_values, named_params, written_range
+from loomtrain.launcher.checkpoints.parts import KEYS, PARTS, Training
 from loomtrain.launcher.checkpoints.shards import (
     GRID_COLS,
     GRID_ROWS,
@@ -146,12 +146,11 @@ def staging_specs(training: Training) -> dict:
     engine, topology = training.engine, training.topology
     specs = {}
     for name, p in named_params(engine):
-        ha, _ = held_range(engine, p, topology)
         a, b = written_range(engine, p, topology)
         if b <= a:
             continue
         master = held_values(engine, p, None)
-        for k in (None, *MOMENTS):
+        for k in KEYS:
             specs[(name, k)] = ((b - a,), master.dtype, master.device.type == "cuda")
     return specs
 
