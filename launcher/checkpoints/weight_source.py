@@ -230,14 +230,12 @@ _MUST_MATCH = (
 )
 
 
+# Fields whose value in effect a property gives (None: the usual value for the model's shape).
+_EFFECTIVE = {"n_kv_heads": "kv_heads", "head_dim": "head_width", "ffn_hidden": "ffn_dim"}
+
+
 def _effective(cfg, field: str):
-    if field == "n_kv_heads":
-        return cfg.kv_heads
-    if field == "head_dim":
-        return cfg.head_width
-    if field == "ffn_hidden":
-        return cfg.ffn_dim
-    return getattr(cfg, field)
+    return getattr(cfg, _EFFECTIVE.get(field, field))
 
 
 def check_matches(source: WeightSource, cfg) -> None:
@@ -424,9 +422,7 @@ def _load_final(path: Path, device: str | torch.device):
     try:
         model_cfg = ModelConfig(**json.loads((path / MODEL_CONFIG).read_text()))
     except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, unknown keys, bad values
-        raise broken(
-            path, MODEL_CONFIG, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        ) from None
+        raise broken(path, MODEL_CONFIG, _unreadable(exc)) from None
     model = Transformer(model_cfg)
     try:
         files = SafetensorsFiles(path)  # the reader model.init_from and export use
@@ -444,14 +440,15 @@ def _load_final(path: Path, device: str | torch.device):
         raise FinalWeightsError(str(exc)) from None
     except (SafetensorError, OSError, StopIteration, RuntimeError) as exc:
         # RuntimeError: tensors missing or of another shape than model_config.json says.
-        raise broken(
-            path, weights_name, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        ) from None
+        raise broken(path, weights_name, _unreadable(exc)) from None
     model.reset_buffers()
     try:
         tokenizer = load_tokenizer(str(path / TOKENIZER_DIR))
     except Exception as exc:  # the tokenizers library raises its own types
-        raise broken(
-            path, TOKENIZER_DIR, f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        ) from None
+        raise broken(path, TOKENIZER_DIR, _unreadable(exc)) from None
     return model.to(device).eval(), tokenizer
+
+
+def _unreadable(exc: BaseException) -> str:
+    """Why a file of final/ cannot be used: the first line of the reader's error, or its type."""
+    return f"unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
