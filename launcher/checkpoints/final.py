@@ -151,7 +151,7 @@ def _clear(store, stage: str) -> None:
 def _publish(store, stage: str, name: str, parts: list[dict], model_cfg, tokenizer) -> None:
     """Rank 0: the small files, the manifest last (the commit point), then a disk's rename."""
     at = store.child(stage)
-    files, weight_map = _merged(parts)
+    files = {rel: entry for part in parts for rel, entry in part["files"].items()}  # every rank's weight file
     stored = at.sizes()
     for rel, info in sorted(files.items()):  # every rank's file is where rank 0 publishes
         if stored.get(rel) != info["size"]:
@@ -159,7 +159,8 @@ def _publish(store, stage: str, name: str, parts: list[dict], model_cfg, tokeniz
                 f"{at.name(rel)}: {stored.get(rel, 'no')} bytes stored, {info['size']} written (ranks on "
                 "several hosts write final/ into one folder only on a filesystem they share: set run.storage)"
             )
-    if weight_map is not None:
+    if parts[0]["owners"] != 1:  # several weight files: the index names each tensor's
+        weight_map = {n: rel for part in parts for n, rel in part["weight_map"].items()}
         sizes = {f: files[f]["size"] for f in set(weight_map.values())}
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         files[WEIGHTS_INDEX] = _write(at, WEIGHTS_INDEX, json_bytes(index))
@@ -221,15 +222,6 @@ def _write_share(engine, topology, at) -> dict:
         "owners": owners,
         "error": error,
     }
-
-
-def _merged(parts: list[dict]) -> tuple[dict, dict | None]:
-    """(manifest entries of every rank's weight file, the index's weight_map or None for one file)."""
-    files, weight_map = {}, {}
-    for got in parts:
-        files.update(got["files"])
-        weight_map.update(got["weight_map"])
-    return files, (None if parts[0]["owners"] == 1 else weight_map)
 
 
 class FinalWeightsError(ValueError):

@@ -177,17 +177,16 @@ def _rect_view(data: np.ndarray, reg: Region, rect: Rect) -> np.ndarray:
     return data[start : start + (i1 - i0) * w].reshape(i1 - i0, w)[:, j0:j1]
 
 
-def _hash_rects(data: np.ndarray, reg: Region, rects: list[Rect], checksum: str) -> str:
-    h = TILE_CHECKSUMS[checksum]()
-    for rect in rects:
-        h.update(np.ascontiguousarray(_rect_view(data, reg, rect)))
-    return h.hexdigest()
-
-
 def _hash_tiles(data: np.ndarray, reg: Region, tiles: list[list[Rect]], checksum: str) -> list[str]:
     """The checksum of each tile's values (on this thread: XXH3 holds the GIL, and at its speed
     a helper thread would only wait for it)."""
-    return [_hash_rects(data, reg, rects, checksum) for rects in tiles]
+    digests = []
+    for rects in tiles:
+        h = TILE_CHECKSUMS[checksum]()
+        for rect in rects:
+            h.update(np.ascontiguousarray(_rect_view(data, reg, rect)))
+        digests.append(h.hexdigest())
+    return digests
 
 
 _INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
