@@ -46,22 +46,22 @@ def _weights_sha256(folder: Path) -> str:
     return h.hexdigest()
 
 
-def compute_reference(cfg) -> dict:
-    """{"init_from", "sha256"} of this run's base (reads the base's files when init_from is set)."""
-    m = cfg.model
+def compute_reference(m, seed: int) -> dict:
+    """{"init_from", "sha256"} of the base of a model config `m` trained from `seed` (reads the
+    base's files when init_from is set)."""
     if m.init_from:
         folder = _folder(m.init_from)
         if not folder.is_dir():
             raise ValueError(f"model.init_from={m.init_from}: the LoRA base is not there ({folder}: no such folder)")
         return {"init_from": m.init_from, "sha256": _weights_sha256(folder)}
     shape = {k: v for k, v in dataclasses.asdict(m).items() if k not in ("lora", "init_from")}
-    text = json.dumps({"model": shape, "seed": cfg.train.seed}, sort_keys=True, default=str)
+    text = json.dumps({"model": shape, "seed": seed}, sort_keys=True, default=str)
     return {"init_from": "", "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 def base_reference(cfg) -> dict:
     """compute_reference on rank 0, the same dict on every rank (a collective)."""
-    mine = json.dumps(compute_reference(cfg)) if current_rank() == 0 else None
+    mine = json.dumps(compute_reference(cfg.model, cfg.train.seed)) if current_rank() == 0 else None
     return json.loads(broadcast_str(mine))
 
 

@@ -27,18 +27,10 @@ class BaseMismatch(ValueError):
     """The base named by model.init_from (or the seed) is not the one the adapters were trained on."""
 
 
-class _RunConfig:
-    """What compute_reference reads of a run config: .model and .train.seed."""
-
-    def __init__(self, model_cfg, seed: int):
-        self.model = model_cfg
-        self.train = type("Train", (), {"seed": seed})()
-
-
 def _base_tensors(cfg, seed: int, trainer: dict) -> Callable[[str], torch.Tensor]:
     """The base's full tensors by loomtrain name, after checking it against the checkpoint's sha256."""
     try:
-        saved, ref = trainer.get(KEY) or {}, compute_reference(_RunConfig(cfg, seed))
+        saved, ref = trainer.get(KEY) or {}, compute_reference(cfg, seed)
     except ValueError as exc:  # the base is gone, or a model id not in the cache
         raise BaseMismatch(str(exc)) from None
     if saved.get("sha256") != ref["sha256"]:
