@@ -98,7 +98,7 @@ class CheckpointHook(Hooks):
                 path = self.store.resolve_resume(c.resume, checksums=False)
                 found = None if path is None else str(path)
                 if found is None and c.resume in ("auto", "") and not self.store.objects.local:
-                    self._local_checkpoints_left_behind(ctx, where, log)
+                    self._local_checkpoints_left_behind(ctx, where)
             except ValueError as exc:
                 error = str(exc)
             except Exception as exc:  # the object store's own errors: one line on every rank, no hang
@@ -127,7 +127,7 @@ class CheckpointHook(Hooks):
             f"zero {lay['zero_stage']}) in {time.perf_counter() - t0:.1f} s"
         )
 
-    def _local_checkpoints_left_behind(self, ctx: TrainContext, storage: str, log) -> None:
+    def _local_checkpoints_left_behind(self, ctx: TrainContext, storage: str) -> None:
         """A run whose checkpoints are in RUN_DIR and that now names run.storage (which has none)
         would start at step 0 there: stopped in one line that names both and the two ways on
         (checkpoint.resume=RUN_DIR carries them over: they seed the first start in run.storage)."""
