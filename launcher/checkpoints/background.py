@@ -90,7 +90,6 @@ class StagingBuffers(dict):
         self._filler: threading.Thread | None = None
         self.started = False  # prepare() was called
         self._niced = _Niced()
-        self.prepared_s: float | None = None  # how long the filler took (for the benchmark)
 
     def prepare(self, training) -> None:
         """Start filling buffers of the shapes the snapshot will copy into (read here, on the
@@ -106,12 +105,10 @@ class StagingBuffers(dict):
 
     def _fill(self, specs: dict) -> None:
         self._niced.enter()
-        t0 = time.perf_counter()
         for key, (shape, dtype, pin) in specs.items():
             buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
             buf.zero_()  # the first touch (torch releases the GIL while it writes)
             self[key] = buf
-        self.prepared_s = time.perf_counter() - t0
 
     def ready(self) -> None:
         filler, self._filler = self._filler, None
@@ -174,10 +171,6 @@ class BackgroundSave:
             return
         if self.on_published is not None:
             self.on_published(self)
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
 
     def wait(self) -> BackgroundSave:
         self._niced.restore()  # the rank waits for it: nothing to yield to any more
