@@ -78,13 +78,6 @@ from safetensors import SafetensorError
 HF_SUFFIXES = (".json", ".safetensors", ".model", ".txt")
 
 
-def _final_dir(path: Path) -> Path | None:
-    for d in (path, path / "final"):
-        if (d / MODEL_CONFIG).is_file():
-            return d
-    return None
-
-
 def weights_at(where: str | os.PathLike) -> bool:
     """Does `where` (a folder or a URI) hold weights open_source reads (a committed final/, or a
     config.json)?"""
@@ -184,7 +177,8 @@ def _open_folder(path: Path) -> WeightSource:
         raise WeightSourceError(
             f"{path}: no such directory (expected a run's final/, a run directory or a Hugging Face model directory)"
         )
-    final = _final_dir(path)
+    # final weights themselves, or a run directory's final/
+    final = next((d for d in (path, path / "final") if (d / MODEL_CONFIG).is_file()), None)
     if final is not None:
         try:
             cfg = ModelConfig(**json.loads((final / MODEL_CONFIG).read_text()))
