@@ -29,11 +29,12 @@ from loomtrain.launcher.checkpoints.export import (
     replacing,
     staging_folder,
 )
+from loomtrain.launcher.checkpoints.final import naming_objects
 from loomtrain.launcher.checkpoints.hf_families import family_refs
 from loomtrain.launcher.checkpoints.lora_weights import BaseMismatch, merge_adapters
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
 from loomtrain.model.lora import is_adapter
-from loomtrain.storage import below, output_folder
+from loomtrain.storage import StorageError, below, output_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -102,7 +103,13 @@ def export_peft(src, output, dtype: str = "fp32", **_) -> Path | str:
     """The adapter folder at `output` (a directory, or a URI: staged locally and uploaded)."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
-    check_export_output(output, lambda name: name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG), "an earlier adapter export")
-    with output_folder(output, (ADAPTER_CONFIG,), staging_folder()) as out:  # the config last
-        _write(src, out, dtype, str(output))
-    return below(output)
+    try:
+        with naming_objects():
+            check_export_output(
+                output, lambda name: name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG), "an earlier adapter export"
+            )
+            with output_folder(output, (ADAPTER_CONFIG,), staging_folder()) as out:  # the config last
+                _write(src, out, dtype, str(output))
+            return below(output)
+    except StorageError as exc:  # an object that cannot be read or written: one line, as the HF export
+        raise ExportError(str(exc)) from None

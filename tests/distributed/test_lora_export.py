@@ -24,7 +24,7 @@ TOL = 1e-4
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_merged_and_peft_exports_equal_each_other_and_loomtrain(tmp_path, bpe, family):
+def test_merged_and_peft_exports_equal_each_other_and_loomtrain(tmp_path, bpe, family, s3_bucket, monkeypatch, capsys):
     import peft
     import transformers
     from loomtrain.launcher.checkpoints.state import ConsolidatedReader
@@ -85,6 +85,23 @@ def test_merged_and_peft_exports_equal_each_other_and_loomtrain(tmp_path, bpe, f
         keys = set(f.keys())
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
     assert len(keys) == 2 * 7 * 2
+
+    # to object storage: the same two files; an upload the store refuses is one line, not a traceback
+    from loomtrain import storage
+
+    assert cli.main(["export", str(run), "--format", "peft", "--output", f"{s3_bucket}/adapters"]) == 0
+    stored = storage.location(f"{s3_bucket}/adapters")
+    assert {name: stored.read(name) for name in stored.sizes()} == {p.name: p.read_bytes() for p in adapters.iterdir()}
+
+    def refused(local, uri):
+        raise storage.StorageError(f"{uri}: cannot upload {local} to it (ClientError: AccessDenied)")
+
+    monkeypatch.setattr(storage, "upload_file", refused)
+    capsys.readouterr()
+    assert cli.main(["export", str(run), "--format", "peft", "--output", f"{s3_bucket}/refused"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"loomtrain export: {s3_bucket}/refused/"), err
+    monkeypatch.undo()
 
     tokens = torch.randint(0, bpe.get_vocab_size(), (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
