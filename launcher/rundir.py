@@ -253,13 +253,7 @@ class RunLock:
         host = socket.gethostname()
         pid = holder.get("pid")
         if holder.get("host") == host and isinstance(pid, int) and not _alive(pid, holder.get("process_start")):
-            stale = self.path.with_name(f"{LOCK}.stale-{os.getpid()}")
-            try:
-                os.rename(self.path, stale)  # only one of several racing starts wins this
-            except FileNotFoundError:
-                return
-            stale.unlink(missing_ok=True)
-            self.log(f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} (that process is gone)")
+            self._take_over(f"{LOCK}.stale-{os.getpid()}", holder, "that process is gone")
             return
         if holder.get("host") == host:
             raise RunDirError(
@@ -272,22 +266,23 @@ class RunLock:
         except FileNotFoundError:
             return
         if silent > LEASE_S:
-            stale = self.path.with_name(f"{LOCK}.stale-{host}-{os.getpid()}")
-            try:
-                os.rename(self.path, stale)
-            except FileNotFoundError:
-                return
-            stale.unlink(missing_ok=True)
-            self.log(
-                f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} "
-                f"(no heartbeat for {silent:.0f} s)"
-            )
+            self._take_over(f"{LOCK}.stale-{host}-{os.getpid()}", holder, f"no heartbeat for {silent:.0f} s")
             return
         raise RunDirError(
             f"run.dir={self.run_dir} is locked by {_describe(holder)}, last heartbeat {max(silent, 0):.0f} s "
             f"ago (lock {self.path}); that host cannot be checked from {host}: if no run is alive there, "
             f"delete {self.path}, or start again after {LEASE_S} s without a heartbeat"
         )
+
+    def _take_over(self, stale_name: str, holder: dict, why: str) -> None:
+        """Move a dead holder's lock aside (only one of several racing starts wins the rename)."""
+        stale = self.path.with_name(stale_name)
+        try:
+            os.rename(self.path, stale)
+        except FileNotFoundError:
+            return
+        stale.unlink(missing_ok=True)
+        self.log(f"loomtrain: took over the lock of {self.run_dir} from {_describe(holder)} ({why})")
 
     def _start_heartbeat(self) -> None:
         """Touch the lock every HEARTBEAT_S while held: a run on another host can then tell
