@@ -100,7 +100,7 @@ def _main(args: argparse.Namespace) -> int:
             claim(cfg.run.dir) if owner else contextlib.nullcontext(),
             claim_storage(cfg) if owner else contextlib.nullcontext(),
         ):
-            rc = _run(cfg, args)
+            rc = _run_on_ray(cfg) if args.ray else _run_here(cfg)
             return rc
     except RunDirError as exc:
         what = "run storage" if isinstance(exc, StorageInUse) else "run directory"
@@ -154,7 +154,6 @@ def _probe_ray(address: str, what: str) -> None:
     local instance, nothing to probe."""
     if not address:
         return
-    from loomtrain.data_pipeline import DataError
     from loomtrain.launcher.cluster.preprocess_tasks import probe_ray_address
 
     try:
@@ -188,10 +187,6 @@ def _remove_if_no_step(run_dir: Path, made: Path) -> None:
             p.rmdir()  # only an empty folder
         except OSError:
             break
-
-
-def _run(cfg, args) -> int:
-    return _run_on_ray(cfg) if args.ray else _run_here(cfg)
 
 
 # Each path imports only its own runtime, when it runs: the Ray driver never loads the loop

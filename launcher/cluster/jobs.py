@@ -46,7 +46,6 @@ from loomtrain.launcher.config_loader import ConfigError, resolve, validate
 from loomtrain.launcher.planning.grace import FALLBACK_S, grace_period_s
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # launcher/cluster/jobs.py -> repo root
-# Never shipped: environments, run outputs, VCS data, caches, build output.
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 CONNECT_TIMEOUT_S = 5.0
 
