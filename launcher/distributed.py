@@ -276,32 +276,30 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     if dist.is_available() and dist.is_initialized():
         launcher = "existing"
         backend = dist.get_backend()
-    else:
-        if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-            launcher = "env"
-        else:
-            launcher = "local"
-            # The store binds port 0 and the OS picks the port as it binds it: a port picked first
-            # and bound later could be taken meanwhile by another process (EADDRINUSE).
-            lone_store = dist.TCPStore(
-                "127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout, wait_for_workers=False
-            )
-            os.environ.update(
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-                LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(lone_store.port),
-            )
+    elif all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        launcher = "env"
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-        if launcher == "env":
-            chosen = {}
-            with contextlib.suppress(OSError):  # an unresolvable master fails below, with its name
-                chosen = choose_socket_interface(os.environ["MASTER_ADDR"])
-            _join_group(backend, timeout, chosen)
-        else:
-            dist.init_process_group(backend=backend, timeout=timeout, store=lone_store, rank=0, world_size=1)
+        chosen = {}
+        with contextlib.suppress(OSError):  # an unresolvable master fails below, with its name
+            chosen = choose_socket_interface(os.environ["MASTER_ADDR"])
+        _join_group(backend, timeout, chosen)
+    else:
+        launcher = "local"
+        # The store binds port 0 and the OS picks the port as it binds it: a port picked first
+        # and bound later could be taken meanwhile by another process (EADDRINUSE).
+        lone_store = dist.TCPStore(
+            "127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(lone_store.port),
+        )
+        dist.init_process_group(backend=backend, timeout=timeout, store=lone_store, rank=0, world_size=1)
+    if launcher != "existing":
         atexit.register(_destroy_process_group)  # ours to end (an adopted group is its launcher's)
 
     # DeepSpeed's comm layer wraps the existing group (no second rendezvous). Imported here:
