@@ -277,15 +277,13 @@ def claim_storage(cfg: RunConfig, log=None) -> Iterator[StorageLease | None]:
         lease.acquire()
         check_marker(storage, "run.storage")  # a prefix filled between the check and the lease
         write_marker(storage)
-    except StorageInUse:
+    except Exception as exc:
         lease.release()
-        raise
-    except RunDirError as exc:  # no loomtrain run's prefix (check_marker): said as run.storage's
-        lease.release()
-        raise StorageInUse(str(exc)) from None
-    except Exception as exc:  # the store's own errors
-        lease.release()
-        why = store_failure(exc) or first_line(exc)
+        if isinstance(exc, StorageInUse):
+            raise
+        if isinstance(exc, RunDirError):  # no loomtrain run's prefix (check_marker): said as run.storage's
+            raise StorageInUse(str(exc)) from None
+        why = store_failure(exc) or first_line(exc)  # the store's own errors
         raise StorageInUse(f"run.storage={storage}: cannot take its lease {lease.uri} ({why})") from None
     try:
         yield lease
