@@ -337,8 +337,9 @@ def train_worker(config: dict) -> None:
     from loomtrain.launcher.training.loop import run_training
 
     world = ray.train.get_context().get_world_size()
+    rank0 = ray.train.get_context().get_world_rank() == 0
     cfg = config_from_dict(config["cfg"], world_size=world)
-    if cfg.ray.elastic and ray.train.get_context().get_world_rank() == 0:
+    if cfg.ray.elastic and rank0:
         dp = world // cfg.parallel.tp
         print(
             f"loomtrain: elastic: {world} of {cfg.ray.least_workers}-{cfg.ray.num_workers} workers this attempt "
@@ -349,7 +350,7 @@ def train_worker(config: dict) -> None:
     handed_back = ray.train.get_checkpoint()
     pointer = read_pointer(handed_back)
     ray_step = pointer["step"] if pointer else None
-    if ray.train.get_context().get_world_rank() == 0:
+    if rank0:
         for path in clean_orphan_pointers(cfg, handed_back):
             print(f"loomtrain: removed unregistered Ray checkpoint pointer {path}", flush=True)
     # Restart after a failure: our scan is the source of truth (it also sees a
@@ -358,7 +359,7 @@ def train_worker(config: dict) -> None:
         mine = newest_complete(cfg, since=config["started_at"])
         if mine is not None:
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(mine)))
-    if ray.train.get_context().get_world_rank() == 0 and pointer is not None:
+    if rank0 and pointer is not None:
         found = newest_complete(cfg)
         found_step = int(str(found).rsplit("_", 1)[-1]) if found else None
         note = "" if found_step == ray_step else " (newer than Ray's: written but not yet reported)"
@@ -421,6 +422,7 @@ def _startup_error(exc: BaseException) -> bool:
 def build_trainer(cfg: RunConfig, started_at: float):
     from loomtrain.launcher.cluster.elastic import LoomTorchTrainer
     from loomtrain.launcher.cluster.ray_backend import LoomtrainTorchConfig
+    from loomtrain.launcher.config_loader import to_dict
     from loomtrain.launcher.distributed import collective_timeout_s
     from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
@@ -429,7 +431,7 @@ def build_trainer(cfg: RunConfig, started_at: float):
         loom_cfg=cfg,
         train_loop_per_worker=train_worker,
         train_loop_config={
-            "cfg": _to_dict(cfg),
+            "cfg": to_dict(cfg),
             "started_at": started_at,
             "plugin_env": plugins.forwarded_env(),
         },
@@ -455,12 +457,6 @@ def _worker_count(cfg: RunConfig) -> str:
     if not r.elastic:
         return str(r.num_workers)
     return f"{r.least_workers}-{r.num_workers} (elastic, resize check every {r.elastic_resize_interval_s:g} s)"
-
-
-def _to_dict(cfg: RunConfig) -> dict:
-    from loomtrain.launcher.config_loader import to_dict
-
-    return to_dict(cfg)
 
 
 def run(cfg: RunConfig, stop=None):
@@ -544,7 +540,7 @@ class RayStartError(RayRunError):
 
 def _stop_for_workers(run_dir: str | os.PathLike):
     """Driver: a signal becomes RUN_DIR/STOP, which the workers' rank 0 watches."""
-    from loomtrain.launcher.training.stopping import StopRequest, request_stop, signal_name
+    from loomtrain.launcher.training.stopping import StopRequest, request_stop
 
     def forward(signum: int) -> None:
         request_stop(run_dir, signum)
