@@ -29,16 +29,10 @@ from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
 
-def _pick_interface(master_addr: str) -> tuple[str, dict[str, str]]:
-    """On a worker: set the socket interface variables for `master_addr`; (node address, what was set)."""
-    from loomtrain.launcher.distributed import choose_socket_interface
-
-    return ray.util.get_node_ip_address(), choose_socket_interface(master_addr)
-
-
 class _LoomtrainBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config: LoomtrainTorchConfig) -> None:
         from loomtrain.launcher.cluster.ray_console import route_worker_output
+        from loomtrain.launcher.distributed import choose_socket_interface
 
         if backend_config.run_dir:  # world rank i is worker i, as in Ray's own on_start
             ray.get(
@@ -49,7 +43,7 @@ class _LoomtrainBackend(_TorchBackend):
             )
         # The address Ray's on_start will hand out as MASTER_ADDR: rank 0's node address.
         master_addr, _ = worker_group.execute_single(0, get_address_and_port)
-        worker_group.execute(_pick_interface, master_addr)
+        worker_group.execute(choose_socket_interface, master_addr)  # on each worker: its own environment
         super().on_start(worker_group, backend_config)
 
 
