@@ -41,7 +41,6 @@ DISK_FIXES = {
     errno.ENAMETOOLONG: "pick a shorter run.dir",
     errno.EIO: "check that disk",
 }
-DISK_ERRNOS = set(DISK_FIXES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +107,7 @@ def _main(args: argparse.Namespace) -> int:
         rc = 2
         return rc
     except OSError as exc:  # a full or read-only disk, wherever it struck (the lock, a log, a checkpoint)
-        if not isinstance(exc, CheckpointWriteError) and exc.errno not in DISK_ERRNOS:
+        if not isinstance(exc, CheckpointWriteError) and exc.errno not in DISK_FIXES:
             raise
         print(disk_error_line(exc, run_dir(cfg), cfg.run.storage), file=sys.stderr, flush=True)
         rc = 1
