@@ -117,54 +117,6 @@ def _connect(address: str | None, max_in_flight: int | None) -> bool:
     return True
 
 
-def tokenize_on_ray(
-    jobs: list[tuple[int, str]],
-    tokenizer,
-    text_field: str,
-    skip_bad_lines: bool,
-    *,
-    address: str | None,
-    max_in_flight: int | None,
-    on_file,
-    log=None,
-    records=None,
-) -> int:
-    """Run tokenize_file for each (i, path) of `jobs` as a Ray task, at most
-    max_in_flight at once (default: the cluster's CPUs); call on_file(i, results)
-    on the driver as each finishes. -> the number of tasks kept in flight."""
-    import ray
-    from ray.exceptions import RayTaskError
-
-    started = _connect(address, max_in_flight)
-    try:
-        in_flight = max(1, int(max_in_flight or ray.cluster_resources().get("CPU", 1)))
-        if log:
-            log(f"preprocess: {len(jobs)} input files as Ray tasks, {in_flight} at a time")
-        task = ray.remote(num_cpus=1, max_retries=3)(tokenize_file)
-        tok_ref = ray.put(tokenizer)
-        queue, running, path_of = list(jobs), {}, dict(jobs)
-        while queue or running:
-            while queue and len(running) < in_flight:
-                i, path = queue.pop(0)
-                extra = () if records is None else (records,)  # instruction or chat records (records.py)
-                running[task.remote(path, tok_ref, text_field, skip_bad_lines, *extra)] = i
-            done, _ = ray.wait(list(running), num_returns=1)
-            i = running.pop(done[0])
-            try:
-                results = ray.get(done[0])
-            except RayTaskError as exc:
-                if isinstance(exc.cause, DataError):  # bad input: its own one-line message
-                    raise DataError(str(exc.cause)) from None
-                if isinstance(exc.cause, OSError):  # an input the task could not read where it ran
-                    raise DataError(f"input {path_of[i]}: {exc.cause.strerror or exc.cause}") from None
-                raise
-            on_file(i, results)
-        return in_flight
-    finally:
-        if started:
-            ray.shutdown()
-
-
 @dataclass(frozen=True)
 class RayTasks:
     """preprocess_files' executor for `preprocess --ray`: each input file a Ray task on the
@@ -182,14 +134,37 @@ class RayTasks:
     def __call__(
         self, jobs, tokenizer, text_field, skip_bad_lines, *, max_in_flight, on_file, log=None, records=None
     ) -> int:
-        return tokenize_on_ray(
-            jobs,
-            tokenizer,
-            text_field,
-            skip_bad_lines,
-            address=self.address,
-            max_in_flight=max_in_flight,
-            on_file=on_file,
-            log=log,
-            records=records,
-        )
+        """Run tokenize_file for each (i, path) of `jobs` as a Ray task, at most
+        max_in_flight at once (default: the cluster's CPUs); call on_file(i, results)
+        on the driver as each finishes. -> the number of tasks kept in flight."""
+        import ray
+        from ray.exceptions import RayTaskError
+
+        started = _connect(self.address, max_in_flight)
+        try:
+            in_flight = max(1, int(max_in_flight or ray.cluster_resources().get("CPU", 1)))
+            if log:
+                log(f"preprocess: {len(jobs)} input files as Ray tasks, {in_flight} at a time")
+            task = ray.remote(num_cpus=1, max_retries=3)(tokenize_file)
+            tok_ref = ray.put(tokenizer)
+            queue, running, path_of = list(jobs), {}, dict(jobs)
+            while queue or running:
+                while queue and len(running) < in_flight:
+                    i, path = queue.pop(0)
+                    extra = () if records is None else (records,)  # instruction or chat records (records.py)
+                    running[task.remote(path, tok_ref, text_field, skip_bad_lines, *extra)] = i
+                done, _ = ray.wait(list(running), num_returns=1)
+                i = running.pop(done[0])
+                try:
+                    results = ray.get(done[0])
+                except RayTaskError as exc:
+                    if isinstance(exc.cause, DataError):  # bad input: its own one-line message
+                        raise DataError(str(exc.cause)) from None
+                    if isinstance(exc.cause, OSError):  # an input the task could not read where it ran
+                        raise DataError(f"input {path_of[i]}: {exc.cause.strerror or exc.cause}") from None
+                    raise
+                on_file(i, results)
+            return in_flight
+        finally:
+            if started:
+                ray.shutdown()
