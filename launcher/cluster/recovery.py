@@ -114,8 +114,7 @@ class Recovery:
         shared = read_object(join(self.storage, attempts.name))
         if shared is not None:
             atomic_write(attempts, shared.decode(), fsync=False)
-        progress = read_object(join(self.storage, "logs", PROGRESS_FILE))
-        theirs = _json_bytes(progress)
+        theirs = _json_bytes(read_object(join(self.storage, "logs", PROGRESS_FILE)))
         mine = _read_json(self.progress_path)
         if theirs is not None and (mine is None or theirs.get("time", 0) > mine.get("time", 0)):
             atomic_write(self.progress_path, json.dumps(theirs), fsync=False)
