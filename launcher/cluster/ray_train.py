@@ -88,19 +88,26 @@ ATTEMPTS_FILE = "ray_attempts.jsonl"
 
 
 def absolutize(cfg: RunConfig) -> RunConfig:
-    """Workers run in a directory Ray chooses: make the config's paths absolute."""
+    """Workers run in a directory Ray chooses: make the config's paths absolute (a built-in
+    tokenizer's name, a resume mode and a model id in the Hugging Face cache stay as they are)."""
+    from loomtrain.hf_cache import looks_like_model_id
 
     run = dataclasses.replace(cfg.run, dir=absolute(cfg.run.dir))
     data = dataclasses.replace(
         cfg.data,
         path=absolute(cfg.data.path),
+        sources=[dataclasses.replace(s, path=absolute(s.path)) for s in cfg.data.sources],
         cache_dir=absolute(cfg.data.cache_dir),
         tokenizer=cfg.data.tokenizer if cfg.data.tokenizer in BUILTIN_TOKENIZERS else absolute(cfg.data.tokenizer),
     )
+    init_from = cfg.model.init_from
+    if not looks_like_model_id(init_from) or Path(os.path.expanduser(init_from)).exists():
+        init_from = absolute(init_from)
+    model = dataclasses.replace(cfg.model, init_from=init_from)
     resume = cfg.checkpoint.resume
     ckpt = dataclasses.replace(cfg.checkpoint, resume=resume if resume in RESUME_MODES else absolute(resume))
     ray_ = dataclasses.replace(cfg.ray, storage=absolute(cfg.ray.storage))
-    return dataclasses.replace(cfg, run=run, data=data, checkpoint=ckpt, ray=ray_)
+    return dataclasses.replace(cfg, run=run, data=data, model=model, checkpoint=ckpt, ray=ray_)
 
 
 def storage_path(cfg: RunConfig) -> str:

@@ -120,6 +120,21 @@ def test_ray_tp2_dp2_zero2_matches_torchrun_through_a_hard_exit_restarted_from_t
     assert not (run_dir / "ray" / ".pointers").exists() or not any((run_dir / "ray" / ".pointers").iterdir())
 
 
+def test_the_workers_config_names_every_local_path_absolutely(tmp_path, monkeypatch):
+    """Ray's workers run in a directory of Ray's: every path the driver was given relative to its
+    own is made absolute, a data source's and model.init_from's included; a model id stays one."""
+    from loomtrain.launcher.cluster import ray_train
+    from loomtrain.launcher.config_loader import resolve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hf").mkdir()
+    sources = "data.sources=[{path: ds/a, weight: 1.0}, {path: s3://bkt/b, weight: 1.0}]"
+    for init_from, want in (("hf", str(tmp_path / "hf")), ("Org/model", "Org/model"), ("''", "")):
+        cfg = ray_train.absolutize(resolve(CONFIG, ["run.dir=run", sources, f"model.init_from={init_from}"]))
+        assert cfg.run.dir == str(tmp_path / "run") and cfg.model.init_from == want
+        assert [s.path for s in cfg.data.sources] == [str(tmp_path / "ds" / "a"), "s3://bkt/b"]
+
+
 def test_unregistered_pointer_dirs_are_removed_and_ours_are_kept(tmp_path):
     """No cluster needed: what a restart does to Ray's storage directory."""
     from types import SimpleNamespace
