@@ -44,6 +44,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loomtrain.durable import atomic_write
@@ -124,7 +125,7 @@ class StorageLease:
         self.fs.invalidate_cache()
         try:
             if self.local:
-                data = open(self.path, "rb").read()
+                data = Path(self.path).read_bytes()
                 version = data.decode(errors="replace")
             else:
                 version = self.fs.info(self.path).get("ETag")  # before the bytes: a newer body fails If-Match
@@ -154,7 +155,7 @@ class StorageLease:
             try:
                 fcntl.flock(folder, fcntl.LOCK_EX)  # one compare-and-replace at a time on this folder
                 try:
-                    now = open(self.path, "rb").read().decode(errors="replace")
+                    now = Path(self.path).read_bytes().decode(errors="replace")
                 except FileNotFoundError:
                     return False
                 if now != version:

@@ -185,7 +185,7 @@ class Recovery:
 
 
 def restart_note(attempts: Path | str, run_started_at: float, alive: list[str]) -> str:
-    """For the driver's error when a restart could not be placed: ' again after step S (host H
+    """For the driver's error when a restart could not be placed: ' again after attempt N (host H
     lost, not replaced)', or '' when this driver's run never started an attempt. `attempts`:
     RUN_DIR's file, or with run.storage its copy there (a URI)."""
     try:
