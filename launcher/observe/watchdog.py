@@ -67,6 +67,9 @@ from loomtrain.launcher.timeouts import START_UP, STEP, Allowances
 HANG_EXIT_CODE = 3
 PROBE_TIMEOUT_S = 3.0  # a host cut off never answers; one on the network answers in milliseconds
 
+# A rank waits in a collective when the function it is in names one of these ("gather" covers all_gather).
+COLLECTIVE_CALLS = ("all_reduce", "broadcast", "barrier", "reduce_scatter", "wait", "report", "gather", "send", "recv")
+
 _current: Watchdog | None = None
 
 
@@ -104,24 +107,6 @@ def reaches(address: str | None, timeout: float = PROBE_TIMEOUT_S) -> bool | Non
         return True
     except (OSError, ValueError):
         return False
-
-
-def _in_collective(func: str) -> bool:
-    return any(
-        k in func
-        for k in (
-            "all_reduce",
-            "all_gather",
-            "broadcast",
-            "barrier",
-            "reduce_scatter",
-            "wait",
-            "report",
-            "gather",
-            "send",
-            "recv",
-        )
-    )
 
 
 @contextlib.contextmanager
@@ -302,8 +287,11 @@ class Watchdog:
         if live and live[0] == self.rank:
             print(line, file=sys.stderr, flush=True)
             if self.rank != 0:
-                _append(rank_log_path(self.run_dir, 0), line)
-            _write_json(logs_dir(self.run_dir) / "hang.json", {"line": line, "time": time.time(), "stuck": stuck})
+                with contextlib.suppress(OSError), open(rank_log_path(self.run_dir, 0), "a") as f:
+                    f.write(line + "\n")
+            with contextlib.suppress(OSError):
+                record = {"line": line, "time": time.time(), "stuck": stuck}
+                atomic_write(logs_dir(self.run_dir) / "hang.json", json.dumps(record) + "\n", fsync=False)
             self._kill_local(stale, second)
         else:
             self._log(line)
@@ -362,7 +350,7 @@ def _behind(beats: dict[int, dict], live: list[int]) -> list[int]:
 
 
 def _not_in_collective(beats: dict[int, dict], live: list[int]) -> list[int]:
-    return sorted(r for r in live if r in beats and not _in_collective(beats[r].get("where", "")))
+    return sorted(r for r in live if r in beats and not any(c in beats[r].get("where", "") for c in COLLECTIVE_CALLS))
 
 
 def _hang_line(
@@ -410,13 +398,3 @@ def _phases(stuck: list[int], beats: dict[int, dict]) -> str:
     if len(set(each.values())) == 1 and len(each) == len(stuck):
         return f" (in {next(iter(each.values()))})"
     return " (" + "; ".join(f"rank {r} in {p}" for r, p in each.items()) + ")"
-
-
-def _append(path: Path, line: str) -> None:
-    with contextlib.suppress(OSError), open(path, "a") as f:
-        f.write(line + "\n")
-
-
-def _write_json(path: Path, record: dict) -> None:
-    with contextlib.suppress(OSError):
-        atomic_write(path, json.dumps(record) + "\n", fsync=False)
