@@ -175,15 +175,11 @@ def _read_norms(outs: list[StepOutput]) -> list[float]:
     ]
 
 
-def _to(batch, device):
-    """(inputs, targets[, document_ids]) on the device."""
-    return tuple(t.to(device, non_blocking=True) for t in batch)
-
-
-def _forward(engine, batch):
-    """The mean loss of one micro batch over its targets (those not -100); packed documents
-    (a third tensor, the stream's document ids) attend and count positions each on its own."""
-    x, y, *docs = batch
+def _forward(engine, batch, device):
+    """The mean loss of one micro batch (inputs, targets[, document_ids]), moved to `device`, over
+    its targets (those not -100); packed documents (a third tensor, the stream's document ids)
+    attend and count positions each on its own."""
+    x, y, *docs = (t.to(device, non_blocking=True) for t in batch)
     return engine(x, targets=y, document_ids=docs[0]) if docs else engine(x, targets=y)
 
 
@@ -226,7 +222,7 @@ def train_step(ctx: TrainContext, grad_accum: int, guard: SkipGuard | None = Non
     data_wait = time.perf_counter() - t0
     weights = _loss_weights(batches, ctx, grad_accum)
     for micro, batch in enumerate(batches):
-        loss = _forward(engine, _to(batch, device))
+        loss = _forward(engine, batch, device)
         if weights is not None:
             loss = loss * weights[micro]
         engine.backward(loss)
@@ -263,7 +259,7 @@ def evaluate(ctx: TrainContext) -> dict[str, float]:
         targets = 0
         for _ in range(ctx.cfg.eval.batches):
             batch = next(stream)
-            loss = _forward(engine, _to(batch, device))
+            loss = _forward(engine, batch, device)
             if weighted:  # this batch's mean x its targets (counted on the host: the stream's tensors)
                 n = _own_targets(batch, ctx.topology)
                 total += loss.double() * n
