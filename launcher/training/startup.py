@@ -77,13 +77,12 @@ def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensor
     if cfg.model.init_from and tensors is None:
         allocate_shards(model, device=device, dtype=dtype)
         _init_from_on_every_rank(model, cfg, topology)
-        for name, param in model.named_parameters():
-            if after is not None:
+        if after is not None:
+            for name, param in model.named_parameters():
                 after(name, param)
-        return apply_block_options(_with_lora(model, cfg, topology), cfg)
-    if tensors is None:
-        tensors = init_tensors(cfg.model, cfg.train.seed)
-    materialize(model, tensors, device=device, dtype=dtype, after_param=after)
+    else:
+        tensors = init_tensors(cfg.model, cfg.train.seed) if tensors is None else tensors
+        materialize(model, tensors, device=device, dtype=dtype, after_param=after)
     return apply_block_options(_with_lora(model, cfg, topology), cfg)
 
 
