@@ -45,7 +45,7 @@ def ds_config(cfg: RunConfig, dp_size: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": p.zero_stage}
     if p.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    config: dict[str, Any] = {
+    return {
         "train_batch_size": t.micro_batch_size * grad_accum * dp_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
@@ -66,7 +66,6 @@ def ds_config(cfg: RunConfig, dp_size: int) -> dict[str, Any]:
             "min_loss_scale": 1,
         },
     }
-    return config
 
 
 def _no_decay_ids(model: nn.Module) -> set[int]:
