@@ -96,22 +96,20 @@ class RankLog:
 
     def append(self, text: str) -> None:
         """`text` into the log as it is, unless the log is closed or failed before."""
-        if self.error is None and not self.file.closed:
-            try:
-                self.file.write(text)
-            except OSError as exc:
-                self._failed(exc)
+        self._on_file(self.file.write, text)
 
     def flush(self) -> None:
+        self._on_file(self.file.flush)
+
+    def _on_file(self, operation, *args) -> None:
+        """`operation(*args)` on the open log, unless it is closed or failed before; its first
+        failure is kept (naming the log), not raised."""
         if self.error is None and not self.file.closed:
             try:
-                self.file.flush()
+                operation(*args)
             except OSError as exc:
-                self._failed(exc)
-
-    def _failed(self, exc: OSError) -> None:
-        exc.filename = exc.filename or str(self.path)
-        self.error = exc
+                exc.filename = exc.filename or str(self.path)
+                self.error = exc
 
     def write(self, text: str) -> None:
         """Into the log only (not the console)."""
