@@ -46,6 +46,12 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+def _handle_signals(handler) -> dict[int, object]:
+    """`handler` for each of SIGNALS this platform has -> the handlers it replaced."""
+    signums = [getattr(signal, name) for name in SIGNALS if hasattr(signal, name)]
+    return {signum: signal.signal(signum, handler) for signum in signums}
+
+
 def request_stop(run_dir: str | os.PathLike, signum: int = signal.SIGTERM) -> Path:
     """Ask a running job (every rank, wherever it runs) to save and stop, through its run dir."""
     return atomic_write(Path(run_dir) / STOP_FILE, signal_name(signum) + "\n")
@@ -84,11 +90,7 @@ def stop_during_start_up() -> Iterator[None]:
             raised.append(signum)
             raise StoppedDuringStartUp(signum)
 
-    old = {}
-    for name in SIGNALS:
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            old[signum] = signal.signal(signum, on_signal)
+    old = _handle_signals(on_signal)
     try:
         yield
     finally:
@@ -109,10 +111,7 @@ class StopRequest:
     def install(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
             return self
-        for name in SIGNALS:
-            signum = getattr(signal, name, None)
-            if signum is not None:
-                self._old[signum] = signal.signal(signum, self._on_signal)
+        self._old = _handle_signals(self._on_signal)
         return self
 
     def uninstall(self) -> None:
