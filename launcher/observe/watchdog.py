@@ -128,7 +128,6 @@ class Watchdog:
         world_size: int,
         allow: Allowances,
         rank_log=None,
-        interval_s: float | None = None,
         host: str | None = None,
         master: str | None = None,
     ) -> None:
@@ -136,7 +135,7 @@ class Watchdog:
         MASTER_ADDR:MASTER_PORT a hung rank probes to tell a partition from a stuck peer."""
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
         self.allow = allow
-        self.interval = interval_s or min(5.0, max(0.5, allow.step / 10))
+        self.interval = min(5.0, max(0.5, allow.step / 10))
         self.rank_log = rank_log
         self.host, self.pid = host or socket.gethostname(), os.getpid()
         self.master = master

@@ -140,13 +140,13 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def build_data(
-    cfg: RunConfig, topology: Topology, env: DistEnv, log=print
+    cfg: RunConfig, topology: Topology, env: DistEnv
 ) -> tuple[Path | list[tuple[Path, float]], Tokenizer, TokenStream]:
     """-> (shard_dir, tokenizer, train_stream). Rank 0 prepares the data first.
     shard_dir is one directory, or for data.sources the list [(dir, weight), ...]."""
     cache = data_cache_dir(cfg)
     if env.rank == 0:
-        shard_dir, tok = prepare_sources(cfg.data, cache, log=log)
+        shard_dir, tok = prepare_sources(cfg.data, cache, log=print)
     barrier()
     if env.rank != 0:
         shard_dir, tok = prepare_sources(cfg.data, cache, log=_quiet)
