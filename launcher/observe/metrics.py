@@ -140,13 +140,9 @@ def memory_bytes(device: torch.device) -> int:
     return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
-# metrics.jsonl key -> TensorBoard tag (keys that already hold a "/" keep it).
+# metrics.jsonl key -> TensorBoard group; any other key (lr, grad_norm, tokens_seen, skipped_steps)
+# is in `train` (keys that already hold a "/" keep it).
 _TB_GROUPS = {
-    "loss": "train",
-    "lr": "train",
-    "grad_norm": "train",
-    "tokens_seen": "train",
-    "skipped_steps": "train",
     "tokens_per_s": "perf",
     "mfu": "perf",
     "step_time_s": "perf",
