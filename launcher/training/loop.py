@@ -151,18 +151,19 @@ def dp_reduce(outs: list[StepOutput], ctx: TrainContext) -> list[StepFigures]:
     if keep_digest:
         digest_col = torch.tensor([float(d % SAMPLES_HASH_MODULUS) for d in digests], dtype=torch.float64)
         both = torch.stack([losses.double(), digest_col.to(losses.device)])
-        if dp > 1:
-            dist.all_reduce(both, group=ctx.topology.dp_group)
-        loss_sums, digest_sums = both.tolist()
+        loss_sums, digest_sums = _sum_over_dp(both, ctx).tolist()
         loss_list = [v / dp for v in loss_sums]
         hashes = [f"{int(v) % SAMPLES_HASH_MODULUS:010x}" for v in digest_sums]
     else:
-        losses = losses.float()
-        if dp > 1:
-            dist.all_reduce(losses, group=ctx.topology.dp_group)
-            losses /= dp
-        loss_list, hashes = losses.tolist(), [None] * len(outs)
+        loss_list, hashes = (_sum_over_dp(losses.float(), ctx) / dp).tolist(), [None] * len(outs)
     return [StepFigures(loss, norm, h) for loss, norm, h in zip(loss_list, _read_norms(outs), hashes)]
+
+
+def _sum_over_dp(t: torch.Tensor, ctx: TrainContext) -> torch.Tensor:
+    """`t` summed over the data-parallel group, in place (no collective at DP 1)."""
+    if ctx.topology.dp_size > 1:
+        dist.all_reduce(t, group=ctx.topology.dp_group)
+    return t
 
 
 def _read_norms(outs: list[StepOutput]) -> list[float]:
@@ -203,11 +204,8 @@ def _loss_weights(batches, ctx: TrainContext, grad_accum: int) -> list[torch.Ten
     if not (getattr(stream, "document_masking", False) or getattr(stream, "loss_masked", False)):
         return None
     counts = [_own_targets(b, ctx.topology) for b in batches]  # on the host: the stream's tensors
-    total = torch.tensor(float(sum(counts)), dtype=torch.float32, device=ctx.dist.device)
-    dp = ctx.topology.dp_size
-    if dp > 1:
-        dist.all_reduce(total, group=ctx.topology.dp_group)
-    share = (dp * grad_accum) / total.clamp(min=1.0)
+    total = _sum_over_dp(torch.tensor(float(sum(counts)), dtype=torch.float32, device=ctx.dist.device), ctx)
+    share = (ctx.topology.dp_size * grad_accum) / total.clamp(min=1.0)
     return [share * n for n in counts]
 
 
@@ -279,9 +277,7 @@ def evaluate(ctx: TrainContext) -> dict[str, float]:
 def _target_mean(loss_sum: torch.Tensor, targets: int, ctx: TrainContext) -> float:
     """The sum of per-target losses over the DP group divided by its count of targets (one all-reduce)."""
     both = torch.stack([loss_sum.double().reshape(()), torch.tensor(float(targets), dtype=torch.float64).to(loss_sum)])
-    if ctx.topology.dp_size > 1:
-        dist.all_reduce(both, group=ctx.topology.dp_group)
-    loss_sum_all, targets_all = both.tolist()
+    loss_sum_all, targets_all = _sum_over_dp(both, ctx).tolist()
     return loss_sum_all / max(targets_all, 1.0)
 
 
