@@ -49,10 +49,7 @@ def tb_uri(storage: str) -> str:
 def mirrored_files(run_dir: Path) -> list[Path]:
     """What TensorBoard and people read: the event files TensorBoard writes in RUN_DIR itself
     (see MetricsLogger.tb_dir), and metrics.jsonl."""
-    files = sorted(run_dir.glob(EVENT_FILES))
-    if (run_dir / METRICS).is_file():
-        files.append(run_dir / METRICS)
-    return [p for p in files if p.is_file()]
+    return [p for p in [*sorted(run_dir.glob(EVENT_FILES)), run_dir / METRICS] if p.is_file()]
 
 
 def whole_records_end(data: bytes, name: str) -> int:
@@ -105,11 +102,7 @@ class Mirror:
         """One pass: upload each mirrored file whose whole records differ from the copy in the
         store. Returns the names uploaded."""
         with self._lock:
-            uploaded = []
-            for path in mirrored_files(self.run_dir):
-                if self._upload_if_changed(path):
-                    uploaded.append(path.name)
-            return uploaded
+            return [path.name for path in mirrored_files(self.run_dir) if self._upload_if_changed(path)]
 
     def sync_metrics(self) -> bool:
         """Upload metrics.jsonl now, on the caller's thread (one small object): the loop calls it
@@ -128,9 +121,8 @@ class Mirror:
             data = path.read_bytes()
         except OSError:  # rotated or moved aside meanwhile: the next pass sees what is there
             return False
-        inode = st.st_ino
         end = whole_records_end(data, path.name)
-        if end == 0 or self._sent.get(path.name) == (inode, end):
+        if end == 0 or self._sent.get(path.name) == (st.st_ino, end):
             self._seen[path.name] = seen  # a torn tail changes the file again when it completes
             return False
         target = join(self.uri, path.name)
@@ -142,7 +134,7 @@ class Mirror:
                 self._said.add(line)
                 self.say(line)
             return False
-        self._sent[path.name] = (inode, end)
+        self._sent[path.name] = (st.st_ino, end)
         self._seen[path.name] = seen
         return True
 
