@@ -174,12 +174,9 @@ def held_out_prompt(tokens: list[int], eos_id: int, n: int = PROMPT_TOKENS) -> l
         after = tokens[tokens.index(eos_id) + 1 :]
         if len(after) >= min(n, 4) and after[0] != eos_id:
             tokens = after
-    out = []
-    for t in tokens[:n]:
-        if t == eos_id:
-            break
-        out.append(t)
-    return out or [eos_id]
+    head = tokens[:n]
+    head = head[: head.index(eos_id)] if eos_id in head else head
+    return head or [eos_id]
 
 
 def sample_prompt(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer) -> list[int]:
