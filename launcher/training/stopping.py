@@ -139,10 +139,7 @@ class StopRequest:
     # --- the stop file ---------------------------------------------------------------------
     def clear_file(self) -> None:
         if self.stop_file is not None:
-            try:
-                self.stop_file.unlink()
-            except FileNotFoundError:
-                pass
+            self.stop_file.unlink(missing_ok=True)
 
     def _from_file(self) -> int:
         now = time.monotonic()
