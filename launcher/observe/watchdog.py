@@ -77,18 +77,17 @@ def heartbeat_path(run_dir, rank: int) -> Path:
     return logs_dir(run_dir) / "heartbeats" / f"rank_{rank:05d}.json"
 
 
-def where(thread_id: int | None = None) -> str:
+def where(thread_id: int) -> str:
     """The function a thread is in now, e.g. 'all_reduce (from dp_reduce, loop.py:62)'."""
-    frame = sys._current_frames().get(thread_id or threading.main_thread().ident)
+    frame = sys._current_frames().get(thread_id)
     if frame is None:
         return "?"
     inner, ours = frame.f_code.co_name, None
-    f = frame
-    while f is not None:
-        if "loomtrain" in f.f_code.co_filename or "/launcher/" in f.f_code.co_filename:
-            ours = f"{f.f_code.co_name}, {Path(f.f_code.co_filename).name}:{f.f_lineno}"
+    while frame is not None:
+        if "loomtrain" in frame.f_code.co_filename or "/launcher/" in frame.f_code.co_filename:
+            ours = f"{frame.f_code.co_name}, {Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
             break
-        f = f.f_back
+        frame = frame.f_back
     return inner if ours is None or ours.startswith(inner + ",") else f"{inner} (from {ours})"
 
 
