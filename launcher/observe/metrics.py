@@ -29,6 +29,7 @@ largest time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -77,12 +78,10 @@ _CPU_PEAK: dict[torch.dtype, float] = {}  # one core's matmul FLOPs per CPU-seco
 def usable_cpus() -> int:
     """The CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
+    with contextlib.suppress(OSError, ValueError):
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
         if quota != "max":
             cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
     return max(1, cpus)
 
 

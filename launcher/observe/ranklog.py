@@ -10,6 +10,7 @@ The hang watchdog (loomtrain.launcher.observe.watchdog) dumps stacks into the sa
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
@@ -124,10 +125,8 @@ class RankLog:
             sys.stdout, sys.stderr = self._saved
             self._saved = None
         if not self.file.closed:
-            try:
+            with contextlib.suppress(OSError):  # its last lines could not be written: the console had them
                 self.file.close()
-            except OSError:  # its last lines could not be written: the console had them
-                pass
 
 
 def _count_headers(path: Path) -> int:

@@ -200,10 +200,8 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                try:
+                with contextlib.suppress(OSError):  # a full or read-only run.dir: the training thread says so, once
                     self._write_heartbeat()
-                except OSError:  # a full or read-only run.dir: the training thread says so, once
-                    pass
                 if time.monotonic() - self.progress_at > self.limit:
                     self._on_hang()
             except Exception as exc:  # the watchdog must never be what kills a run
@@ -234,10 +232,8 @@ class Watchdog:
     def _read_all(self) -> dict[int, dict]:
         out = {}
         for r in range(self.world_size):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 out[r] = json.loads(heartbeat_path(self.run_dir, r).read_text())
-            except (OSError, ValueError):
-                pass
         return out
 
     def _on_hang(self) -> None:
