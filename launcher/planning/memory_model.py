@@ -108,11 +108,6 @@ def device_spec(name: str) -> Device:
 
 
 # --------------------------------------------------------------------------- params
-def analytic_param_count(cfg: ModelConfig) -> int:
-    """Parameters of the plain (tp=1) model from ModelConfig's arithmetic alone (model.flops)."""
-    return param_count(cfg)
-
-
 @dataclass
 class ParamCount:
     total: int  # the plain model
@@ -162,11 +157,6 @@ def lora_param_count(model: Any, cfg: Any, tp: int) -> tuple[int, int]:
             total += shape[0] * shape[1]
             per_rank += shard_spec(f"{name}.{factor}", shape, cfg, tp).local_numel
     return total, per_rank
-
-
-def build_meta_model(cfg: ModelConfig):
-    """The full-size loomtrain Transformer with empty (meta) weights: no memory."""
-    return meta_transformer(cfg)
 
 
 # --------------------------------------------------------------------- model states
@@ -300,6 +290,22 @@ def activation_bytes(
     )
 
 
+def run_activation_bytes(run: Any, gpu: str, cp: int) -> Activations:
+    """activation_bytes of `run` (a RunConfig) on `gpu`, its sequences split `cp` ways."""
+    par, tr = run.parallel, run.train
+    return activation_bytes(
+        run.model,
+        tr.seq_len,
+        tr.micro_batch_size,
+        par.tp,
+        tr.precision,
+        par.sequence_parallel,
+        par.activation_checkpointing,
+        "cpu" if gpu == "cpu" else "cuda",
+        cp,
+    )
+
+
 # ---------------------------------------------------------------- FLOPs and comm
 def flops_per_token(matmul_params: int, cfg: ModelConfig, seq: int, recompute: bool = False) -> float:
     attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_width * seq  # = 12 L d s unless model.head_dim is set
@@ -395,23 +401,13 @@ def make_plan(
     accum = ds["gradient_accumulation_steps"]
     bucket_elems = int(ds["zero_optimization"].get("reduce_bucket_size", DS_BUCKET_ELEMS))
     dev = device_spec(gpu)
-    if model is None:
-        model = build_meta_model(cfg)
+    if model is None:  # the full-size model with empty (meta) weights: no memory
+        model = meta_transformer(cfg)
     pc = count_params(model, tp)
     # model.lora: the optimizer, gradients and ZeRO see only the adapters; the base is frozen
     trainable, frozen = pc.trainable_per_rank, (pc.per_rank if pc.adapters else 0)
     states = model_state_bytes(trainable, stage, dp, prec, par.offload_optimizer, frozen)
-    acts = activation_bytes(
-        cfg,
-        tr.seq_len,
-        tr.micro_batch_size,
-        tp,
-        prec,
-        par.sequence_parallel,
-        par.activation_checkpointing,
-        "cpu" if gpu == "cpu" else "cuda",
-        cp,
-    )
+    acts = run_activation_bytes(run, gpu, cp)
     reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
     bucket, fp32_grads = ds_buffers(trainable, stage, dp, prec, par.offload_optimizer, bucket_elems)
     total = states.total + acts.total + reserve + bucket + fp32_grads
@@ -472,7 +468,7 @@ def make_plan(
         seq_len=tr.seq_len,
         tokens_per_step=tokens,
         params=pc,
-        analytic_params=analytic_param_count(cfg),
+        analytic_params=param_count(cfg),  # from ModelConfig's arithmetic alone
         states=states,
         activations=acts,
         reserve=reserve,
@@ -508,18 +504,7 @@ def _cp_that_fits(run: Any, world_size: int, rest: float, dev: Device, gpu: str)
     while world_size % (par.tp * cp) == 0 and tr.seq_len % (2 * cp) == 0:
         data = world_size // (par.tp * cp)
         if tr.global_batch_size % (tr.micro_batch_size * data) == 0:
-            acts = activation_bytes(
-                run.model,
-                tr.seq_len,
-                tr.micro_batch_size,
-                par.tp,
-                tr.precision,
-                par.sequence_parallel,
-                par.activation_checkpointing,
-                "cpu" if gpu == "cpu" else "cuda",
-                cp,
-            )
-            if rest + acts.total <= dev.memory_gib * GiB:
+            if rest + run_activation_bytes(run, gpu, cp).total <= dev.memory_gib * GiB:
                 return cp
         cp *= 2
     return None

@@ -13,6 +13,7 @@ from launch import run_loomtrain
 from loomtrain.launcher.config_loader import load_config
 from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.planning.dryrun import build_rank_shard
+from loomtrain.model import meta_transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT1B = ROOT / "configs" / "gpt-1b.yaml"
@@ -31,7 +32,7 @@ SHRINK = [
 def test_rank_shard_has_one_ranks_shapes():
     cfg = load_config(GPT1B, [*SHRINK, "model.n_kv_heads=1"], world_size=8)
     model = build_rank_shard(cfg, torch.device("cpu"))
-    plan_count = mm.count_params(mm.build_meta_model(cfg.model), tp=2)
+    plan_count = mm.count_params(meta_transformer(cfg.model), tp=2)
     assert sum(p.numel() for p in model.parameters()) == plan_count.per_rank
     assert model.tok_emb.weight.shape == (500, 128)  # 1000 rows over 2 ranks
     assert model.blocks[0].attn.wq.weight.shape == (64, 128)
