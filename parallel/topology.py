@@ -178,21 +178,23 @@ class Topology:
                     f"has world size {dist.get_world_size()}"
                 )
             # Every rank creates every group, in the same order.
-            for ranks in tp_groups:
-                g = dist.new_group(ranks)
-                if self.rank in ranks:
-                    self.tp_group = g
-            for ranks in dp_groups:
-                g = dist.new_group(ranks)
-                if self.rank in ranks:
-                    self.dp_group = g
+            self.tp_group = self._new_groups(tp_groups)
+            self.dp_group = self._new_groups(dp_groups)
             if self.cp > 1:  # after the TP and DP groups, so that cp 1 creates the groups it always did
-                for ranks in cp_groups:
-                    g = dist.new_group(ranks)
-                    if self.rank in ranks:
-                        self.cp_group = g
+                self.cp_group = self._new_groups(cp_groups)
         elif self.world_size > 1:
             _fail(f"Topology(world_size={self.world_size}) needs torch.distributed initialised first")
+
+    def _new_groups(self, groups: list[list[int]]):
+        """Create every group of `groups` (a collective: every rank, in the same order); this rank's."""
+        import torch.distributed as dist
+
+        mine = None
+        for ranks in groups:
+            g = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = g
+        return mine
 
     @staticmethod
     def layout(world_size: int, tp: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -253,14 +255,9 @@ class Topology:
         if size not in self._subgroups:
             import torch.distributed as dist
 
-            mine = None
-            if dist.is_available() and dist.is_initialized():
-                for start in range(0, self.world_size, size):
-                    ranks = list(range(start, start + size))
-                    g = dist.new_group(ranks)
-                    if self.rank in ranks:
-                        mine = g
-            self._subgroups[size] = mine
+            blocks = [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+            initialised = dist.is_available() and dist.is_initialized()
+            self._subgroups[size] = self._new_groups(blocks) if initialised else None
         return self._subgroups[size]
 
     def padded_vocab(self, vocab_size: int) -> int:
