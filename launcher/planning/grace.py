@@ -18,21 +18,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from loomtrain.launcher.planning.memory_model import make_plan
+from loomtrain.launcher.planning.memory_model import Plan, make_plan
 
 SAFETY = 2.0  # a shared filesystem under a whole job's writers is slower than its datasheet
 MARGIN_S = 30.0  # process exit, Ray's report of the checkpoint, the driver's own exit
 FALLBACK_S = 300  # when the plan cannot size a config (used by `loomtrain submit`)
 
 
+def sizing_plan(cfg: Any, world_size: int | None = None, gpu: str | None = None) -> Plan:
+    """The plan the grace period is sized by: `cfg` on its Ray workers (or `world_size` ranks)."""
+    world = world_size or cfg.ray.num_workers
+    return make_plan(cfg, world, gpu=gpu or ("h100" if cfg.ray.use_gpu else "cpu"))
+
+
 def grace_period_s(cfg: Any, world_size: int | None = None, gpu: str | None = None) -> int:
     """terminationGracePeriodSeconds for the pods of a run of `cfg` (whole seconds)."""
-    world = world_size or cfg.ray.num_workers
-    plan = make_plan(cfg, world, gpu=gpu or ("h100" if cfg.ray.use_gpu else "cpu"))
+    plan = sizing_plan(cfg, world_size, gpu)
     return int(math.ceil(plan.step_time_s + SAFETY * plan.host.save_sync_s + MARGIN_S))
-
-
-def save_seconds(cfg: Any, world_size: int | None = None, gpu: str | None = None) -> float:
-    """The plan's synchronous save time for `cfg`."""
-    world = world_size or cfg.ray.num_workers
-    return make_plan(cfg, world, gpu=gpu or ("h100" if cfg.ray.use_gpu else "cpu")).host.save_sync_s

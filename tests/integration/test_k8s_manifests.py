@@ -175,13 +175,13 @@ def test_cpu_small_runs_tiny_on_two_cpu_workers(rendered, tmp_path):
 @pytest.mark.parametrize("name,world", [("cpu-small", 2), ("gpu", 8), ("s3", 2)])
 def test_ray_pods_are_given_the_time_a_sigterm_save_takes(rendered, tmp_path, name, world):
     """On SIGTERM every rank finishes its step and saves: the pods' grace period covers that."""
-    from loomtrain.launcher.planning.grace import grace_period_s, save_seconds
+    from loomtrain.launcher.planning.grace import grace_period_s, sizing_plan
 
     docs = rendered[name]
     job = one(docs, "RayJob")
     _, cfg = _config_of(job, tmp_path, docs, world_size=world)
     need = grace_period_s(cfg, world)
-    assert need > 30 + save_seconds(cfg, world)  # more than Kubernetes' default alone would give
+    assert need > 30 + sizing_plan(cfg, world).host.save_sync_s  # more than Kubernetes' default alone would give
     cspec = job["spec"]["rayClusterSpec"]
     for tpl in [cspec["headGroupSpec"]["template"], *(g["template"] for g in cspec["workerGroupSpecs"])]:
         assert tpl["spec"]["terminationGracePeriodSeconds"] >= need
