@@ -57,10 +57,7 @@ class ColumnParallelLinear(nn.Module):
         self.tag = tag
         self.weight = weight  # a tied head passes the embedding's (already sharded) parameter
         self.out_features = weight.shape[0]
-        if bias is not None:
-            self.bias = bias
-        else:
-            self.register_parameter("bias", None)
+        self.register_parameter("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_mode == "copy":
@@ -99,12 +96,9 @@ class RowParallelLinear(nn.Module):
         self.tag = tag
         self.out_features, self.in_features = weight.shape
         self.weight = weight
-        if bias is not None:
-            self.bias = bias
-            if sequence_parallel:
-                self.bias.sequence_parallel = True  # sees a sequence shard: grads summed over TP
-        else:
-            self.register_parameter("bias", None)
+        self.register_parameter("bias", bias)
+        if bias is not None and sequence_parallel:
+            bias.sequence_parallel = True  # sees a sequence shard: grads summed over TP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)

@@ -147,15 +147,13 @@ class ShardSpec:
 
     @classmethod
     def from_meta(cls, meta: dict) -> ShardSpec:
-        replicas = meta.get("replicas", 1)
         return cls(
             tuple(meta["full_shape"]),
             meta["partition_dim"],
             meta["padded_size"],
             meta["num_shards"],
             meta["shard_index"],
-            True,
-            replicas,
+            replicas=meta.get("replicas", 1),
         )
 
 
@@ -273,13 +271,6 @@ def _input_hook(fn, group, tag):
 
     def hook(module, args, kwargs):
         return (fn(args[0], group, tag), *args[1:]), kwargs
-
-    return hook
-
-
-def _split_hook(group, tag):
-    def hook(module, args):
-        return (C.split_seq(args[0], group, tag), *args[1:])
 
     return hook
 
@@ -422,7 +413,7 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
         output_mode=emb_mode,
     )
     if sp and table:
-        model.drop.register_forward_pre_hook(_split_hook(group, "embedding.split"))
+        model.drop.register_forward_pre_hook(_input_hook(C.split_seq, group, "embedding.split"), with_kwargs=True)
     if sp and model.pos_emb is not None:
         model.pos_emb.register_forward_hook(lambda mod, args, out: C.split(out, out.dim() - 2, group))
         _sp_grad_sync(model.pos_emb, group, "pos_emb.sp_grad")
