@@ -89,10 +89,20 @@ def lora_layers(model: nn.Module, cfg: LoraConfig):
                 yield f"blocks.{i}.{PARENTS[attr]}.{attr}", parent, attr
 
 
-def freeze_base(model: nn.Module) -> None:
-    """Every parameter but the adapters stops taking gradients."""
+def adapt_layers(model: nn.Module, cfg: LoraConfig, wrap) -> nn.Module:
+    """`wrap(name, parent, attr)` on every layer `cfg.targets` names that has no adapter yet, then
+    every parameter but the adapters stops taking gradients; in place, returns the model. Shared by
+    `apply_lora` and loomtrain.parallel.lora, which wrap a layer each their own way."""
+    wrapped = 0
+    for name, parent, attr in lora_layers(model, cfg):
+        if not isinstance(getattr(parent, attr), LoraAdapter):
+            wrap(name, parent, attr)
+            wrapped += 1
+    if not wrapped and not any(isinstance(m, LoraAdapter) for m in model.modules()):
+        raise ValueError(f"model.lora.targets: {cfg.targets!r} names no layer of this model")
     for name, p in model.named_parameters():
-        p.requires_grad_(name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"))
+        p.requires_grad_(is_adapter(name))
+    return model
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
@@ -100,18 +110,13 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
     everything else, in place; returns the model. A no-op when cfg.rank is 0."""
     if not cfg.enabled:
         return model
-    wrapped = 0
-    for name, parent, attr in lora_layers(model, cfg):
+
+    def wrap(name: str, parent: nn.Module, attr: str) -> None:
         base = getattr(parent, attr)
-        if isinstance(base, LoraAdapter):
-            continue
         a = init_lora_a(name, cfg.rank, base.in_features, seed)
         setattr(parent, attr, LoraLinear(base, a, cfg.scale, cfg.dropout))
-        wrapped += 1
-    if not wrapped and not any(isinstance(m, LoraAdapter) for m in model.modules()):
-        raise ValueError(f"model.lora.targets: {cfg.targets!r} names no layer of this model")
-    freeze_base(model)
-    return model
+
+    return adapt_layers(model, cfg, wrap)
 
 
 def is_adapter(name: str) -> bool:

@@ -101,11 +101,14 @@ class RowParallelLinear(nn.Module):
             bias.sequence_parallel = True  # sees a sequence shard: grads summed over TP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        return self.reduce(F.linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output summed over TP (SP: reduce-scattered along the sequence), plus the bias."""
         if self.sequence_parallel:
-            y = C.reduce_scatter_seq(y, self.group, self.tag)
+            y = C.reduce_scatter_seq(partial, self.group, self.tag)
         else:
-            y = C.reduce_from_tp(y, self.group, self.tag)
+            y = C.reduce_from_tp(partial, self.group, self.tag)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

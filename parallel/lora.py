@@ -22,18 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from loomtrain.model.lora import LoraAdapter, LoraConfig, apply_lora, freeze_base, init_lora_a, lora_layers
-from loomtrain.parallel import collectives as C
+from loomtrain.model.lora import LoraAdapter, LoraConfig, adapt_layers, apply_lora, init_lora_a
 from loomtrain.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from loomtrain.parallel.plan import attach_spec, shard_spec, shard_tensor, spec_of
+from loomtrain.parallel.plan import attach_spec, grad_all_reduce_hook, shard_spec, shard_tensor, spec_of
 from torch import nn
-
-
-def _sum_grad_over(group, tag: str):
-    def hook(grad):
-        return C.all_reduce(grad.clone(), group, tag, "bwd")
-
-    return hook
 
 
 class LoraColumnParallelLinear(LoraAdapter, ColumnParallelLinear):
@@ -48,12 +40,7 @@ class LoraRowParallelLinear(LoraAdapter, RowParallelLinear):
     (RowParallelLinear.forward with one more addend)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight) + self.lora_delta(x)
-        if self.sequence_parallel:
-            y = C.reduce_scatter_seq(y, self.group, self.tag)
-        else:
-            y = C.reduce_from_tp(y, self.group, self.tag)
-        return y if self.bias is None else y + self.bias
+        return self.reduce(F.linear(x, self.weight) + self.lora_delta(x))
 
 
 def _wrap(layer: nn.Module, name: str, cfg: LoraConfig, model_cfg, topology, seed: int) -> None:
@@ -79,12 +66,12 @@ def _wrap(layer: nn.Module, name: str, cfg: LoraConfig, model_cfg, topology, see
     attach_spec(layer.lora_B, spec_b)
     tag = f"{name}.lora_grad"
     if isinstance(layer, LoraColumnParallelLinear):
-        layer.lora_A.register_hook(_sum_grad_over(topology.tp_group, tag))
+        layer.lora_A.register_hook(grad_all_reduce_hook(topology.tp_group, tag))
         if spec_b.replicas > 1:  # a replicated KV head: keep B's replicas equal, as the weight's
             layer.lora_B.tp_replicas = spec_b.replicas
-            layer.lora_B.register_hook(_sum_grad_over(topology.tp_subgroup(spec_b.replicas), tag))
+            layer.lora_B.register_hook(grad_all_reduce_hook(topology.tp_subgroup(spec_b.replicas), tag))
     else:
-        layer.lora_B.register_hook(_sum_grad_over(topology.tp_group, tag))
+        layer.lora_B.register_hook(grad_all_reduce_hook(topology.tp_group, tag))
 
 
 def apply_lora_parallel(model: nn.Module, cfg: LoraConfig, topology=None, seed: int = 0) -> nn.Module:
@@ -94,13 +81,8 @@ def apply_lora_parallel(model: nn.Module, cfg: LoraConfig, topology=None, seed: 
         return model
     if topology is None or topology.tp_size == 1:
         return apply_lora(model, cfg, seed)
-    wrapped = 0
-    for name, parent, attr in lora_layers(model, cfg):
-        layer = getattr(parent, attr)
-        if not isinstance(layer, LoraAdapter):
-            _wrap(layer, name, cfg, model.cfg, topology, seed)
-            wrapped += 1
-    if not wrapped and not any(isinstance(m, LoraAdapter) for m in model.modules()):
-        raise ValueError(f"model.lora.targets: {cfg.targets!r} names no layer of this model")
-    freeze_base(model)
-    return model
+
+    def wrap(name: str, parent: nn.Module, attr: str) -> None:
+        _wrap(getattr(parent, attr), name, cfg, model.cfg, topology, seed)
+
+    return adapt_layers(model, cfg, wrap)

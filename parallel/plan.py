@@ -259,7 +259,9 @@ def _missing_peers(spec: ShardSpec):
     raise ValueError(f"a tensor split {spec.num_shards} ways needs its TP group to be joined")
 
 
-def _grad_all_reduce_hook(group, tag):
+def grad_all_reduce_hook(group, tag):
+    """A gradient hook summing the gradient over `group` (the ranks holding parts of its inputs)."""
+
     def hook(grad):
         return C.all_reduce(grad.clone(), group, tag, "bwd")
 
@@ -279,7 +281,7 @@ def _sp_grad_sync(module: nn.Module, group, tag: str) -> None:
     for p in module.parameters(recurse=True):
         if p.requires_grad and not getattr(p, "tensor_model_parallel", False):
             p.sequence_parallel = True
-            p.register_hook(_grad_all_reduce_hook(group, tag))
+            p.register_hook(grad_all_reduce_hook(group, tag))
 
 
 def _fork_rng(module: nn.Module, tp_rank: int) -> None:
@@ -355,13 +357,13 @@ def _shard_attention(attn, topology, cfg, sp: bool, tag: str) -> None:
         for p in (attn.wk.weight, attn.wk.bias, attn.wv.weight, attn.wv.bias):
             if p is not None:
                 p.tp_replicas = kv.replicas
-                p.register_hook(_grad_all_reduce_hook(sub, f"{tag}.kv_replica_grad"))
+                p.register_hook(grad_all_reduce_hook(sub, f"{tag}.kv_replica_grad"))
     attn.wo = _row(attn.wo, f"{tag}.attn.wo", cfg, topology, sequence_parallel=sp, tag=f"{tag}.attn_out")
     attn.n_heads = cfg.n_heads // tp
     attn.n_kv_heads = kv.local_shape[0] // cfg.head_width
     for norm in (attn.q_norm, attn.k_norm):  # replicated, each rank's gradient from its own heads: sum them
         if norm is not None:
-            norm.weight.register_hook(_grad_all_reduce_hook(group, f"{tag}.qk_norm_grad"))
+            norm.weight.register_hook(grad_all_reduce_hook(group, f"{tag}.qk_norm_grad"))
     if attn.alibi_slopes is not None:  # the slopes of this rank's query heads
         attn.alibi_slopes = attn.alibi_slopes.chunk(tp)[r].clone()
 
@@ -434,7 +436,7 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
                 _sp_grad_sync(getattr(block, name), group, f"blocks.{i}.sp_grad")
             for layer in (block.attn.wo, block.ffn.down):
                 if layer.bias is not None:
-                    layer.bias.register_hook(_grad_all_reduce_hook(group, f"blocks.{i}.sp_grad"))
+                    layer.bias.register_hook(grad_all_reduce_hook(group, f"blocks.{i}.sp_grad"))
     if sp:
         _sp_grad_sync(model.norm, group, "norm.sp_grad")
 
