@@ -39,23 +39,7 @@ _EXPORTS = {
     "parallelize": "plan",
 }
 
-__all__ = [
-    "MPU",
-    "ShardSpec",
-    "Topology",
-    "check_tp",
-    "check_cp",
-    "apply_context_parallel",
-    "full_state_dict",
-    "gather_shards",
-    "join_shards",
-    "shard_spec",
-    "shard_tensor",
-    "spec_of",
-    "gathered_logits",
-    "padded_vocab_size",
-    "parallelize",
-]
+__all__ = [*_EXPORTS]
 
 
 def __getattr__(name: str):
