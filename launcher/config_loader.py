@@ -194,10 +194,6 @@ def _check_keys(layer: DictConfig, source: str) -> None:
 ITEM_LISTS = {"data.sources": DataSource}
 
 
-def _item_shape(schema: type) -> str:
-    return "{" + ", ".join(f"{f.name}: ..." for f in dataclasses.fields(schema)) + "}"
-
-
 def _check_list_items(layer: DictConfig, source: str) -> None:
     """Each item of an ITEM_LISTS key: a mapping of the item's own fields, each of its type;
     an error names the item (`data.sources[1].weight`) and what it takes."""
@@ -205,10 +201,10 @@ def _check_list_items(layer: DictConfig, source: str) -> None:
         node = OmegaConf.select(layer, key, default=None, throw_on_missing=False)
         if node is None:
             continue
-        shape = _item_shape(schema)
+        fields = [f.name for f in dataclasses.fields(schema)]
+        shape = "{" + ", ".join(f"{name}: ..." for name in fields) + "}"
         if not OmegaConf.is_list(node):
             raise ConfigError(f"{key}: expected a list of {shape} items, got {_plain(node)!r} [{source}]")
-        fields = [f.name for f in dataclasses.fields(schema)]
         for i in range(len(node)):
             item, name = node._get_node(i), f"{key}[{i}]"
             if not OmegaConf.is_dict(item):
