@@ -114,15 +114,12 @@ class GradPeak:
         self.peak = max(self.peak, sum(live.values()))
         self.bucket_peak = max(self.bucket_peak, sum(buckets.values()))
 
-    def reset(self) -> None:
-        self.peak = 0
-
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
 
 
-def measure(engine: Any, grad_peak: GradPeak | None = None) -> dict[str, int]:
+def measure(engine: Any, grad_peak: GradPeak) -> dict[str, int]:
     """Bytes this rank holds now (params, optimizer, buffers) and the sampled grad peak.
 
     Call after at least one optimizer step (Adam's states exist from the first step).
@@ -133,9 +130,8 @@ def measure(engine: Any, grad_peak: GradPeak | None = None) -> dict[str, int]:
     out = dict(
         params=sum(params.values()),
         optimizer=sum(opt_st.values()),
-        buffers=max(sum(buckets.values()), grad_peak.bucket_peak if grad_peak is not None else 0),
+        buffers=max(sum(buckets.values()), grad_peak.bucket_peak),
+        grads=grad_peak.peak,
     )
-    if grad_peak is not None:
-        out["grads"] = grad_peak.peak
-    out["model_states"] = out["params"] + out["optimizer"] + out.get("grads", 0)
+    out["model_states"] = out["params"] + out["optimizer"] + out["grads"]
     return out
