@@ -26,7 +26,7 @@ import torch
 from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.planning.memory_plan import suggestions
 
-GiB = 1024**3
+GiB = mm.GiB
 
 
 @dataclass

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psutil
-from loomtrain.launcher.planning.host_model import host_plan
+from loomtrain.launcher.planning.host_model import GiB, host_plan
 from loomtrain.launcher.training.engine import ds_config
 from loomtrain.model import meta_transformer
 from loomtrain.model.config import ModelConfig
@@ -59,8 +59,6 @@ from loomtrain.model.lora import lora_layers
 from loomtrain.model.loss import chunk_rows
 from loomtrain.parallel.plan import shard_spec
 from loomtrain.parallel.topology import padded_vocab_size
-
-GiB = 1024**3
 
 
 @dataclass(frozen=True)
