@@ -409,6 +409,7 @@ def make_plan(
     reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
     bucket, fp32_grads = ds_buffers(trainable, stage, dp, prec, par.offload_optimizer, bucket_elems)
     total = states.total + acts.total + reserve + bucket + fp32_grads
+    fits = dev.memory_gib * GiB >= total
     tokens = tr.global_batch_size * tr.seq_len
     if hasattr(model, "flops_per_token"):
         fpt = float(model.flops_per_token(tr.seq_len))
@@ -474,7 +475,7 @@ def make_plan(
         ds_fp32_grads=fp32_grads,
         total_per_rank=total,
         device=dev,
-        fits=dev.memory_gib * GiB >= total,
+        fits=fits,
         flops_per_token=fpt,
         hw_flops_per_token=hw,
         flops_per_step=fpt * tokens,
@@ -488,9 +489,7 @@ def make_plan(
         host=hp,
         notes=notes,
         cp=cp,
-        cp_that_fits=None
-        if dev.memory_gib * GiB >= total
-        else _cp_that_fits(run, world_size, total - acts.total, dev, gpu),
+        cp_that_fits=None if fits else _cp_that_fits(run, world_size, total - acts.total, dev, gpu),
     )
 
 
