@@ -392,7 +392,7 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
     check_tp(cfg, tp, topology.world_size)
     group, r = topology.tp_group, topology.tp_rank
     sp = bool(sequence_parallel)
-    padded = topology.padded_vocab(cfg.vocab_size)
+    padded = padded_vocab_size(cfg.vocab_size, tp)
     tied = model.lm_head.weight is model.tok_emb.weight
 
     # SP: the embedding's partial sums are reduce-scattered straight into [B, T/tp, D];

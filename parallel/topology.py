@@ -260,9 +260,6 @@ class Topology:
             self._subgroups[size] = self._new_groups(blocks) if initialised else None
         return self._subgroups[size]
 
-    def padded_vocab(self, vocab_size: int) -> int:
-        return padded_vocab_size(vocab_size, self.tp)
-
     @property
     def mpu(self):
         """The model-parallel-unit object `deepspeed.initialize(mpu=...)` expects."""

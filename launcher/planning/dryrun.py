@@ -45,7 +45,6 @@ from loomtrain.launcher.planning.memory_measure import GradPeak, measure
 from loomtrain.launcher.training.engine import build_engine
 from loomtrain.launcher.training.startup import apply_block_options
 from loomtrain.model import init_tensors
-from loomtrain.parallel import padded_vocab_size
 from loomtrain.parallel.context import stand_in_context_parallel
 from loomtrain.parallel.lora import apply_lora_parallel
 from loomtrain.parallel.materialize import materialize, sharded_meta_model
@@ -90,9 +89,6 @@ class OneRankTopology:
 
     def tp_subgroup(self, size: int):
         return None
-
-    def padded_vocab(self, vocab_size: int) -> int:
-        return padded_vocab_size(vocab_size, self.tp)
 
 
 def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Module:

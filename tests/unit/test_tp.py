@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from loomtrain.launcher.distributed import free_port
 from loomtrain.model import ModelConfig, Transformer
-from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, parallelize
+from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, padded_vocab_size, parallelize
 from loomtrain.parallel.plan import gather_shards, spec_of
 
 TOL = 1e-5
@@ -91,7 +91,7 @@ def _check_variant(name, overrides, topo, sp):
 
     with torch.no_grad():
         logits = model(inputs)
-    assert logits.shape == (BATCH, SEQ, topo.padded_vocab(cfg.vocab_size) // topo.tp_size), logits.shape
+    assert logits.shape == (BATCH, SEQ, padded_vocab_size(cfg.vocab_size, topo.tp_size) // topo.tp_size), logits.shape
     loss = model(inputs, targets=targets)  # the training path: vocab-parallel cross-entropy
     loss.backward()
 
