@@ -128,7 +128,7 @@ def count_params(model: Any, tp: int) -> ParamCount:
 
     Shared (tied) parameters count once, as `named_parameters` yields them once.
     """
-    cfg = model.cfg if hasattr(model, "cfg") else model.config
+    cfg = model.cfg
     total = per_rank = emb = rep = 0
     for name, p in model.named_parameters():
         n = p.numel()
@@ -379,9 +379,7 @@ class Plan:
         return d
 
 
-def make_plan(
-    run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT_MFU, model: Any = None, **host: Any
-) -> Plan:
+def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT_MFU, **host: Any) -> Plan:
     """Predict one rank of `run` (a RunConfig) on `world_size` ranks of `gpu`. `host`: keyword
     arguments of host_model.host_plan (gpus_per_node, node_ram_gib, storage_gbps)."""
     cfg: ModelConfig = run.model
@@ -399,8 +397,7 @@ def make_plan(
     accum = ds["gradient_accumulation_steps"]
     bucket_elems = int(ds["zero_optimization"].get("reduce_bucket_size", DS_BUCKET_ELEMS))
     dev = device_spec(gpu)
-    if model is None:  # the full-size model with empty (meta) weights: no memory
-        model = meta_transformer(cfg)
+    model = meta_transformer(cfg)  # the full-size model with empty (meta) weights: no memory
     pc = count_params(model, tp)
     # model.lora: the optimizer, gradients and ZeRO see only the adapters; the base is frozen
     trainable, frozen = pc.trainable_per_rank, (pc.per_rank if pc.adapters else 0)
@@ -411,10 +408,7 @@ def make_plan(
     total = states.total + acts.total + reserve + bucket + fp32_grads
     fits = dev.memory_gib * GiB >= total
     tokens = tr.global_batch_size * tr.seq_len
-    if hasattr(model, "flops_per_token"):
-        fpt = float(model.flops_per_token(tr.seq_len))
-    else:
-        fpt = flops_per_token(pc.matmul, cfg, tr.seq_len)
+    fpt = float(model.flops_per_token(tr.seq_len))
     hw = fpt * (
         flops_per_token(pc.matmul, cfg, tr.seq_len, True) / flops_per_token(pc.matmul, cfg, tr.seq_len)
         if par.activation_checkpointing
