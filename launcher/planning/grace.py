@@ -25,13 +25,13 @@ MARGIN_S = 30.0  # process exit, Ray's report of the checkpoint, the driver's ow
 FALLBACK_S = 300  # when the plan cannot size a config (used by `loomtrain submit`)
 
 
-def sizing_plan(cfg: Any, world_size: int | None = None, gpu: str | None = None) -> Plan:
+def sizing_plan(cfg: Any, world_size: int | None = None) -> Plan:
     """The plan the grace period is sized by: `cfg` on its Ray workers (or `world_size` ranks)."""
     world = world_size or cfg.ray.num_workers
-    return make_plan(cfg, world, gpu=gpu or ("h100" if cfg.ray.use_gpu else "cpu"))
+    return make_plan(cfg, world, gpu="h100" if cfg.ray.use_gpu else "cpu")
 
 
-def grace_period_s(cfg: Any, world_size: int | None = None, gpu: str | None = None) -> int:
+def grace_period_s(cfg: Any, world_size: int | None = None) -> int:
     """terminationGracePeriodSeconds for the pods of a run of `cfg` (whole seconds)."""
-    plan = sizing_plan(cfg, world_size, gpu)
+    plan = sizing_plan(cfg, world_size)
     return int(math.ceil(plan.step_time_s + SAFETY * plan.host.save_sync_s + MARGIN_S))
