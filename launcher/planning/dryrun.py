@@ -91,11 +91,11 @@ class OneRankTopology:
         return None
 
 
-def build_rank_shard(cfg, device: torch.device, tp_rank: int = 0) -> torch.nn.Module:
-    """One TP rank's shard of the cluster model, materialized on `device` only, by the training
+def build_rank_shard(cfg, device: torch.device) -> torch.nn.Module:
+    """TP rank 0's shard of the cluster model, materialized on `device` only, by the training
     start-up's own path (meta model, TP plan, seeded init one full parameter at a time)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-    topology = OneRankTopology(cfg.parallel.tp, tp_rank)
+    topology = OneRankTopology(cfg.parallel.tp)
     model = sharded_meta_model(cfg.model, topology, cfg.parallel.sequence_parallel)
     materialize(model, init_tensors(cfg.model, cfg.train.seed), device=device, dtype=dtype)
     model = apply_lora_parallel(model, cfg.model.lora, topology, seed=cfg.train.seed)  # model.lora
@@ -122,16 +122,15 @@ class Measured:
     skipped: int = 0  # steps DeepSpeed skipped (non-finite gradients)
 
 
-def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0, log=None) -> Measured:
-    """`log` (optional) hears one line when the shard is built and one per step."""
+def run_steps(cfg, device: torch.device, steps: int, search_from: int, log) -> Measured:
+    """`log` hears one line when the shard is built and one per step."""
     t = cfg.train
     base_rss = _rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     model = build_rank_shard(cfg, device)
-    if log:
-        log(f"dryrun: shard built in {_t(time.perf_counter() - start)}")
+    log(f"dryrun: shard built in {_t(time.perf_counter() - start)}")
     engine, _, _ = build_engine(cfg, model, dp_size=1)
     peak = GradPeak(engine)
     gen = torch.Generator(device="cpu").manual_seed(t.seed)
@@ -151,8 +150,7 @@ def run_steps(cfg, device: torch.device, steps: int, search_from: int = 0, log=N
     states = None
     for i in range(steps):
         times.append(one_step(t.micro_batch_size))
-        if log:
-            log(f"dryrun: step {i + 1}/{steps}: {_t(times[-1])}" + (" (warm-up)" if i == 0 else ""))
+        log(f"dryrun: step {i + 1}/{steps}: {_t(times[-1])}" + (" (warm-up)" if i == 0 else ""))
         if i == 0:
             states = measure(engine, peak)
             peak.remove()
