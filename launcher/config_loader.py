@@ -39,17 +39,19 @@ from omegaconf.errors import OmegaConfBaseException
 
 
 # --- schema helpers ---------------------------------------------------------
-def valid_keys(obj: Any = RunConfig, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of the schema (`train.lr`, `model.d_model`, ...)."""
-    keys: list[str] = []
+def _leaves(obj: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    """(dotted key, value) of every leaf field of a config, its nested sections walked."""
     for f in dataclasses.fields(obj):
-        name = f"{prefix}{f.name}"
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
-        if dataclasses.is_dataclass(default):
-            keys += valid_keys(type(default), name + ".")
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
         else:
-            keys.append(name)
-    return keys
+            yield f"{prefix}{f.name}", value
+
+
+def valid_keys() -> list[str]:
+    """Every dotted leaf key of the schema (`train.lr`, `model.d_model`, ...)."""
+    return [key for key, _ in _leaves(RunConfig())]
 
 
 def _sections() -> list[str]:
@@ -305,8 +307,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     that span sections; raises ConfigError naming the dotted key."""
     # inf/nan pass `> 0` and min/max checks, then poison the run (nan fails them with a less
     # helpful message): every float knob of every section must be a finite number, first.
-    for key, value in _float_leaves(cfg):
-        check(math.isfinite(value), key, "a finite number", value)
+    for key, value in _leaves(cfg):
+        if isinstance(value, float):
+            check(math.isfinite(value), key, "a finite number", value)
     for f in dataclasses.fields(cfg):
         try:
             getattr(cfg, f.name).validate(f.name)
@@ -449,15 +452,6 @@ def run_has_checkpoints(cfg: RunConfig) -> bool:
     """Whether the run may have checkpoints of its own. With run.storage (a URI) the answer is
     the store's, which a config check does not contact: the start-up's resume resolution asks it."""
     return bool(cfg.run.storage) or (run_dir(cfg) / "checkpoints").is_dir()
-
-
-def _float_leaves(obj: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _float_leaves(value, f"{prefix}{f.name}.")
-        elif isinstance(value, float):
-            yield f"{prefix}{f.name}", value
 
 
 def _cxx_available() -> bool:
