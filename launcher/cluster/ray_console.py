@@ -28,6 +28,7 @@ its own lines itself:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -271,6 +272,18 @@ class DriverConsole:
                 sink.write(text)
                 sink.flush()
         return True
+
+    @contextlib.contextmanager
+    def to_log(self):
+        """Whatever any thread writes meanwhile goes to ray_driver.log. For `ray.shutdown()`: Ray's
+        disconnect prints, from the caller's thread, the GCS messages its deduplicator held back
+        (a lost node's "(raylet) Raylet is terminated ...")."""
+        routed = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = self.log
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = routed
 
     def __exit__(self, *exc) -> None:
         self._stop.set()

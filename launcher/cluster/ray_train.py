@@ -480,11 +480,12 @@ def run(cfg: RunConfig, stop=None):
             return _run(cfg, stop, console)
         finally:
             if ours and ray.is_initialized():
-                # Disconnect while the console still sends Ray's lines to ray_driver.log: Ray's
-                # error listener lives until the disconnect, and a GCS message that came after the
-                # console was handed back (a lost node's "Raylet is terminated ...") reached the console.
+                # Disconnect while Ray's lines go to ray_driver.log: Ray's error listener lives until
+                # the disconnect, and the disconnect itself prints what Ray's deduplicator held back
+                # (a lost node's "Raylet is terminated ..."), from this thread.
                 console.flush()
-                ray.shutdown()
+                with console.to_log():
+                    ray.shutdown()
 
 
 def _run(cfg: RunConfig, stop, console):

@@ -5,6 +5,7 @@ what a thread of Ray's writes to the log file. No module of Ray's private API is
 from __future__ import annotations
 
 import io
+import sys
 import threading
 
 from loomtrain.launcher.cluster import ray_console
@@ -51,6 +52,19 @@ def test_the_drivers_streams_send_rays_threads_to_the_log():
     ray_thread.join()
     assert console.getvalue() == "loomtrain: Ray Train: 2 workers\n"
     assert log.getvalue() == "(raylet) node marked dead\n"
+
+
+def test_what_rays_disconnect_prints_from_the_drivers_thread_goes_to_the_log(tmp_path, capsys):
+    with ray_console.DriverConsole(tmp_path) as console:
+        print("loomtrain: Ray Train run finished: step 4")
+        with console.to_log():  # as ray.shutdown() prints its deduplicator's leftovers
+            print("(raylet) Raylet is terminated. Termination is unexpected.")
+            print("(raylet) more", file=sys.stderr)
+        print("loomtrain: done")
+    out = capsys.readouterr()
+    assert out.out == "loomtrain: Ray Train run finished: step 4\nloomtrain: done\n" and out.err == ""
+    logged = (tmp_path / "logs" / ray_console.DRIVER_LOG).read_text()
+    assert "(raylet) Raylet is terminated." in logged and "(raylet) more" in logged
 
 
 def test_no_launcher_module_reaches_into_rays_private_modules():
