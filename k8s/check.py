@@ -91,6 +91,7 @@ def _load_policy():
 
 
 policy = _load_policy()
+name_of = policy.name_of
 
 
 # --- tools and data ----------------------------------------------------------
@@ -251,10 +252,6 @@ def render(directory: Path, kubectl: str | None = None) -> list[dict]:
     if proc.returncode != 0:
         raise RenderError(proc.stderr.strip() or f"exit status {proc.returncode}")
     return [d for d in yaml.load_all(proc.stdout, Loader=_Loader) if d]
-
-
-def name_of(obj: dict) -> str:
-    return f"{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
 
 
 # --- built-in kinds: kubernetes-validate, strict ------------------------------
