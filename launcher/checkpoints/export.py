@@ -479,29 +479,43 @@ def replacing(out: Path):
     replace_dir(tmp, out)
 
 
+def exporting(
+    src: str | Path,
+    output: str | Path,
+    dtype: str,
+    write: Callable[[Source, Path], None],
+    last: str = "config.json",
+    ours: Callable[[str], bool] = _export_names,
+    what: str = "an earlier export",
+) -> Path | str:
+    """An export of either format: `output` checked (check_export_output: `ours` and `what` say
+    what it may replace), then `write(source, out)` given the run's weights (a LoRA checkpoint's
+    base and adapters merged) and the local folder to fill, uploaded when `output` is a URI
+    (`last`: the file a reader takes it by, uploaded last)."""
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
+    try:
+        with naming_objects():
+            check_export_output(output, ours, what)
+            with output_folder(output, (last,), staging_folder()) as out:
+                write(merge_adapters(open_source(src)), out)
+            return below(output)
+    except (StorageError, BaseMismatch) as exc:
+        raise ExportError(str(exc)) from None
+
+
 def export_hf(
     src: str | Path, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = DEFAULT_MAX_SHARD
 ) -> Path | str:
-    if dtype not in DTYPES:
+    if dtype not in DTYPES:  # before --max-shard-size, as exporting would
         raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
     max_bytes = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
-    try:
-        with naming_objects():
-            check_export_output(output)
-            with output_folder(output, ("config.json",), staging_folder()) as out:  # a reader takes it by that
-                _export(src, out, dtype, max_bytes, shown=str(output))
-            return below(output)
-    except StorageError as exc:
-        raise ExportError(str(exc)) from None
+    return exporting(src, output, dtype, lambda source, out: _export(source, out, dtype, max_bytes, str(output)))
 
 
-def _export(src: str | Path, out: Path, dtype: str, max_bytes: int, shown: str) -> Path:
-    """The export into the local folder `out` (`shown`: what the user named it)."""
+def _export(source: Source, out: Path, dtype: str, max_bytes: int, shown: str) -> None:
+    """The export of `source` into the local folder `out` (`shown`: what the user named it)."""
     torch_dtype = DTYPES[dtype]
-    try:
-        source = merge_adapters(open_source(src))  # a LoRA checkpoint: base + adapters merged
-    except BaseMismatch as exc:
-        raise ExportError(str(exc)) from None
     cfg = source.cfg
     arch = hf_architecture(cfg)
     eos_id = _eos_id(source.tok_dir)
@@ -521,4 +535,3 @@ def _export(src: str | Path, out: Path, dtype: str, max_bytes: int, shown: str) 
         f"export: {source.what} -> {shown} ({config['architectures'][0]}, {n_params:,} parameters, {dtype}, "
         f"{len(names)} file{'s' if len(names) > 1 else ''})"
     )
-    return out

@@ -20,21 +20,10 @@ import json
 from pathlib import Path
 
 from loomtrain.durable import write_durable
-from loomtrain.launcher.checkpoints.export import (
-    DTYPES,
-    ExportError,
-    check_export_output,
-    hf_architecture,
-    open_source,
-    replacing,
-    staging_folder,
-)
-from loomtrain.launcher.checkpoints.final import naming_objects
+from loomtrain.launcher.checkpoints.export import DTYPES, ExportError, exporting, hf_architecture, replacing
 from loomtrain.launcher.checkpoints.hf_families import family_refs
-from loomtrain.launcher.checkpoints.lora_weights import BaseMismatch, merge_adapters
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
 from loomtrain.model.lora import is_adapter
-from loomtrain.storage import StorageError, below, output_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -73,11 +62,7 @@ def adapter_config(cfg, names: dict[str, str]) -> dict:
     }
 
 
-def _write(src, out: Path, dtype: str, shown: str) -> Path:
-    try:
-        source = merge_adapters(open_source(src))  # also checks the base against the checkpoint
-    except BaseMismatch as exc:
-        raise ExportError(str(exc)) from None
+def _write(source, out: Path, dtype: str, shown: str) -> None:
     if not hasattr(source, "adapters"):
         raise ExportError(f"{source.what}: holds no LoRA adapters (model.lora.rank=0); use --format hf")
     cfg = source.cfg
@@ -96,20 +81,16 @@ def _write(src, out: Path, dtype: str, shown: str) -> Path:
     print(
         f"export: {source.what} -> {shown} (PEFT LoRA adapters for {arch}, rank {cfg.lora.rank}, {len(names)} tensors)"
     )
-    return out
 
 
 def export_peft(src, output, dtype: str = "fp32", **_) -> Path | str:
-    """The adapter folder at `output` (a directory, or a URI: staged locally and uploaded)."""
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
-    try:
-        with naming_objects():
-            check_export_output(
-                output, lambda name: name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG), "an earlier adapter export"
-            )
-            with output_folder(output, (ADAPTER_CONFIG,), staging_folder()) as out:  # the config last
-                _write(src, out, dtype, str(output))
-            return below(output)
-    except StorageError as exc:  # an object that cannot be read or written: one line, as the HF export
-        raise ExportError(str(exc)) from None
+    """The adapter folder at `output` (a directory, or a URI: staged locally and uploaded, the config last)."""
+    return exporting(
+        src,
+        output,
+        dtype,
+        lambda source, out: _write(source, out, dtype, str(output)),
+        last=ADAPTER_CONFIG,
+        ours=lambda name: name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG),
+        what="an earlier adapter export",
+    )
