@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 import yaml
 from loomtrain.data_pipeline import load_tokenizer
+from loomtrain.data_pipeline.tokenizer import EOS_TOKEN
 from loomtrain.durable import replace_dir, write_durable
 from loomtrain.launcher.checkpoints.final import (
     TOKENIZER_DIR,
@@ -252,15 +253,6 @@ def hf_architecture(cfg) -> str:
     )
 
 
-def _eos_id(tok_dir: Path | None) -> int | None:
-    if tok_dir is None:
-        return None
-    try:
-        return int(load_tokenizer(str(tok_dir)).eos_id)
-    except Exception:
-        return None
-
-
 # Recipes: HF tensor name -> (shape, how to make it from the source), so the shards can be planned
 # from shapes before any tensor is read -------------------------------------------------------
 @dataclass
@@ -365,35 +357,36 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def byte_tokenizer_json(eos_token: str = "<|endoftext|>") -> str:
+def byte_tokenizer_json() -> str:
     """loomtrain's byte tokenizer (ids 0..255 = bytes, 256 = EOS) as a `tokenizers` model."""
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([eos_token])
-    assert tok.token_to_id(eos_token) == 256
+    tok.add_special_tokens([EOS_TOKEN])
+    assert tok.token_to_id(EOS_TOKEN) == 256
     return tok.to_str(pretty=True)
 
 
-def export_tokenizer(tok_dir: Path | None, out: Path, max_len: int) -> None:
-    if tok_dir is None:
+def export_tokenizer(tok, out: Path, max_len: int) -> None:
+    """The run's tokenizer (`tok`: load_tokenizer's) as tokenizer.json, its own file or the byte
+    tokenizer's equivalent, and tokenizer_config.json."""
+    if tok is None:
         print("export: the run has no tokenizer files; exporting weights only", file=sys.stderr)
         return
-    tok = load_tokenizer(str(tok_dir))
-    if getattr(tok, "name", "") == "byte" or type(tok).__name__ == "ByteTokenizer":
-        eos = "<|endoftext|>"
-        write_durable(out / "tokenizer.json", byte_tokenizer_json(eos))
+    if tok.name == "byte":
+        eos = EOS_TOKEN
+        write_durable(out / "tokenizer.json", byte_tokenizer_json())
     else:
-        eos = getattr(tok, "eos_token", None)
-        write_durable(out / "tokenizer.json", (tok_dir / "tokenizer.json").read_bytes())
+        eos = tok.eos_token
+        write_durable(out / "tokenizer.json", Path(tok.source).read_bytes())  # the tokenizer.json it was read from
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_len,
         "clean_up_tokenization_spaces": False,
+        "eos_token": eos,
+        "bos_token": eos,
     }
-    if eos:
-        cfg.update(eos_token=eos, bos_token=eos)
     chat = getattr(tok, "chat", None)
     if chat:  # a chat model's prompt format goes back where transformers reads it
         cfg.update({k: v for k, v in chat.items() if v})
@@ -518,7 +511,8 @@ def _export(source: Source, out: Path, dtype: str, max_bytes: int, shown: str) -
     torch_dtype = DTYPES[dtype]
     cfg = source.cfg
     arch = hf_architecture(cfg)
-    eos_id = _eos_id(source.tok_dir)
+    tok = None if source.tok_dir is None else load_tokenizer(str(source.tok_dir))
+    eos_id = None if tok is None else tok.eos_id
     recipes, config = (to_gpt2 if arch == "GPT2LMHeadModel" else to_family)(source, cfg, eos_id, arch)
     config["torch_dtype"] = config["dtype"] = HF_DTYPE_NAMES[torch_dtype]
     # An earlier export (checked above) is replaced whole, so no stale shard survives.
@@ -529,7 +523,7 @@ def _export(source: Source, out: Path, dtype: str, max_bytes: int, shown: str) -
         # the context length is config.json's and the tokenizer's model_max_length.
         gen = {"bos_token_id": eos_id, "eos_token_id": eos_id}
         write_durable(tmp / "generation_config.json", json.dumps(gen, indent=2) + "\n")
-        export_tokenizer(source.tok_dir, tmp, cfg.max_seq_len)
+        export_tokenizer(tok, tmp, cfg.max_seq_len)
     n_params = sum(math.prod(r.shape) for r in recipes.values())
     print(
         f"export: {source.what} -> {shown} ({config['architectures'][0]}, {n_params:,} parameters, {dtype}, "
