@@ -345,16 +345,12 @@ def to_gpt2(src: Source, cfg, eos_id: int | None, arch: str = "GPT2LMHeadModel")
 
 # Tokenizer -------------------------------------------------------------------------------------
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what tokenizers' ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    """GPT-2's reversible byte -> printable character map, over tokenizers' ByteLevel alphabet (the
+    same map): a printable byte is its own character, the others take, in order, the alphabet's
+    characters past 255."""
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    beyond = iter(sorted(c for c in alphabet if ord(c) > 255))
+    return {b: chr(b) if chr(b) in alphabet else next(beyond) for b in range(256)}
 
 
 def byte_tokenizer_json() -> str:
