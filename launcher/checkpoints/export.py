@@ -468,7 +468,7 @@ def replacing(out: Path):
     replace_dir(tmp, out)
 
 
-def exporting(
+def write_export(
     src: str | Path,
     output: str | Path,
     dtype: str,
@@ -496,10 +496,10 @@ def exporting(
 def export_hf(
     src: str | Path, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = DEFAULT_MAX_SHARD
 ) -> Path | str:
-    if dtype not in DTYPES:  # before --max-shard-size, as exporting would
+    if dtype not in DTYPES:  # refused before --max-shard-size is read
         raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
     max_bytes = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
-    return exporting(src, output, dtype, lambda source, out: _export(source, out, dtype, max_bytes, str(output)))
+    return write_export(src, output, dtype, lambda source, out: _export(source, out, dtype, max_bytes, str(output)))
 
 
 def _export(source: Source, out: Path, dtype: str, max_bytes: int, shown: str) -> None:

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from loomtrain.durable import write_durable
-from loomtrain.launcher.checkpoints.export import DTYPES, ExportError, exporting, hf_architecture, replacing
+from loomtrain.launcher.checkpoints.export import DTYPES, ExportError, hf_architecture, replacing, write_export
 from loomtrain.launcher.checkpoints.hf_families import family_refs
 from loomtrain.launcher.checkpoints.shards import SafetensorsWriter
 from loomtrain.model.lora import is_adapter
@@ -85,7 +85,7 @@ def _write(source, out: Path, dtype: str, shown: str) -> None:
 
 def export_peft(src, output, dtype: str = "fp32", **_) -> Path | str:
     """The adapter folder at `output` (a directory, or a URI: staged locally and uploaded, the config last)."""
-    return exporting(
+    return write_export(
         src,
         output,
         dtype,
