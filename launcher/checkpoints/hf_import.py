@@ -91,7 +91,7 @@ IMPORTED_FROM = "# made by `loomtrain import --format hf {}`\n"
 IMPORT_ENTRIES = {"final", "config.yaml"}
 
 
-def write_run_config(out: Path, model_cfg, src_name: str, uri: str | None = None) -> Path:
+def write_run_config(out: Path, model_cfg, src_name: str, uri: str | None = None) -> None:
     """RUN_DIR/config.yaml: a run that starts from these weights with their tokenizer. `uri`:
     where RUN_DIR will be uploaded (the config names the objects, run.storage that URI)."""
     where = uri or str(out)
@@ -103,7 +103,6 @@ def write_run_config(out: Path, model_cfg, src_name: str, uri: str | None = None
         train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)),
     )
     atomic_write(out / "config.yaml", IMPORTED_FROM.format(src_name) + to_yaml(run))
-    return out / "config.yaml"
 
 
 def _source_in(first: str) -> str | None:
