@@ -4,7 +4,7 @@ whatever else fsspec knows: `gs://`, `az://`, `file://`).
     is_uri(location)            does it name a scheme (`s3://...`)? Such a string is never a path:
                                 treating `s3://b/x` as one writes a local folder `./s3:/b/x`
     known_scheme(location)      a URI whose scheme fsspec knows (no library imported)
-    check_location(value, what) one line naming the option for `S3://`, `s4://`, `s3:/b`, `s3:///b`
+    location_problem(value)     in words, what is wrong with `S3://`, `s4://`, `s3:/b`, `s3:///b`
     object_store(uri, what)     (fsspec filesystem, path inside it) for a URI, or one line naming
                                 `what` (the config key or option) and the value when its scheme
                                 is unknown or its library is missing
@@ -97,13 +97,6 @@ def location_problem(location: str | os.PathLike, local: str = "") -> str:
     if proto != "file" and (not rest.strip("/") or rest.startswith("/")):
         return f"no bucket after {proto}:// (expected {proto}://BUCKET/PREFIX)"
     return ""
-
-
-def check_location(location: str | os.PathLike, what: str) -> None:
-    """ValueError in one line naming `what` (the option) when location_problem finds one."""
-    problem = location_problem(location)
-    if problem:
-        raise ValueError(f"{what}={location!s}: {problem}")
 
 
 def object_store(uri: str, what: str = "location"):
