@@ -57,21 +57,14 @@ def looks_like_model_id(location: str | os.PathLike) -> bool:
     return not location.lower().endswith(_FILE_SUFFIXES)  # `data/tokenizer.json` is a file's path
 
 
-def split_model_id(model_id: str) -> tuple[str, str | None]:
-    """'org/name@rev' -> ('org/name', 'rev'); no revision -> None (the cache's refs/main)."""
-    m = _MODEL_ID.match(model_id)
-    if m is None:
-        raise ModelIdError(f"{model_id!r}: not a Hugging Face model id (ORG/NAME or ORG/NAME@REVISION)")
-    return m.group("repo"), m.group("rev")
-
-
 def cached_snapshot(model_id: str) -> Path:
-    """The snapshot folder of `model_id` in the local cache; ModelIdError when it is not there.
-    huggingface_hub's own lookup (snapshot_download with local_files_only): nothing is fetched."""
+    """The snapshot folder of `model_id` (one that looks_like_model_id; no @REVISION: the cache's
+    refs/main) in the local cache; ModelIdError when it is not there. huggingface_hub's own
+    lookup (snapshot_download with local_files_only): nothing is fetched."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    repo, rev = split_model_id(model_id)
+    repo, rev = _MODEL_ID.match(model_id).group("repo", "rev")
     cache = hub_cache_dir()
     try:
         return Path(snapshot_download(repo, revision=rev, cache_dir=cache, local_files_only=True))
