@@ -154,11 +154,7 @@ class StorageLease:
             folder = os.open(self.fs._parent(self.path), os.O_RDONLY)
             try:
                 fcntl.flock(folder, fcntl.LOCK_EX)  # one compare-and-replace at a time on this folder
-                try:
-                    now = Path(self.path).read_bytes().decode(errors="replace")
-                except FileNotFoundError:
-                    return False
-                if now != version:
+                if self.read()[1] != version:  # (None when there is none)
                     return False
                 atomic_write(self.path, self._body())
                 return True
