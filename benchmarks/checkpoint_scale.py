@@ -65,7 +65,7 @@ def bytes_written(path, rank: int) -> int:
     """The sizes of this rank's tensor files in one checkpoint (files on disk, or objects)."""
     names = [f"{d}/rank_{rank:05d}.safetensors" for d in ("model", "optim", "rng")]
     if isinstance(path, str):
-        from loomtrain.launcher.checkpoints.objects import Objects
+        from loomtrain.storage import Objects
 
         sizes = Objects(path).sizes()
         return sum(sizes.get(n, 0) for n in names)
@@ -132,7 +132,7 @@ def worker(args) -> None:
     if args.storage:
         barrier()
         if rank == 0:
-            from loomtrain.launcher.checkpoints.objects import Objects
+            from loomtrain.storage import Objects
 
             Objects(str(store.base)).delete_tree("")
     out = {

@@ -175,10 +175,10 @@ def upload_alone(objects, files: list[tuple[Path, str]]) -> None:
 
 # Throughput: one process per rank ---------------------------------------------------------------
 def worker(args) -> None:
-    from loomtrain.launcher.checkpoints.objects import Objects
     from loomtrain.launcher.checkpoints.state import load_checkpoint, save_checkpoint
     from loomtrain.launcher.checkpoints.store import CheckpointStore, wait_for_deletions
     from loomtrain.launcher.distributed import barrier
+    from loomtrain.storage import Objects
 
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -26,10 +26,9 @@ import launch
 import pytest
 import torch
 from launch import TINY, child_env, loomtrain_cmd, losses, output, run_child
-from loomtrain.launcher.checkpoints.objects import Objects, Upload
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, Region, ShardedReader, tile_hashes
 from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, open_store
-from loomtrain.storage import object_store
+from loomtrain.storage import Objects, Upload, object_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -276,11 +275,11 @@ def test_a_run_saves_to_s3_resumes_from_it_and_skips_a_damaged_object(tmp_path, 
 # A plugin (LOOMTRAIN_PLUGIN) that SIGKILLs rank 1 while it uploads its optimizer file of step 6.
 KILL_MID_UPLOAD = """
 import os, signal
-from loomtrain.launcher.checkpoints import objects
+from loomtrain.storage import Upload
 
 def hooks(cfg):
     if os.environ.get("RANK") == "1":
-        write = objects.Upload.write
+        write = Upload.write
 
         def write_or_die(self, data):
             if "/step_00000006/optim/" in self.key:
@@ -288,7 +287,7 @@ def hooks(cfg):
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(self, data)
 
-        objects.Upload.write = write_or_die
+        Upload.write = write_or_die
     return []
 """
 LAUNCHED = [

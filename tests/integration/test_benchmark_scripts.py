@@ -86,7 +86,7 @@ def test_object_storage_records_the_ranged_gets_and_uploads_whole_files(s3_bucke
         import object_storage
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    from loomtrain.launcher.checkpoints.objects import Objects
+    from loomtrain.storage import Objects
 
     objects = Objects(f"{s3_bucket}/bench")
     data = os.urandom(object_storage.WRITE_BYTES + 12345)  # a multipart upload of two parts
