@@ -93,7 +93,6 @@ class StorageLease:
             "lease_s": self.lease_s,
         }
         self.held = False
-        self.lost = False
         self._stop = threading.Event()
 
     # The store: a conditional create, a read with its version, a conditional replace ---------
@@ -234,7 +233,6 @@ class StorageLease:
             try:
                 holder, version = self.read()
                 if not holder or holder.get("run_id") != self.record["run_id"]:
-                    self.lost = True
                     self.log(
                         f"loomtrain: warning: the lease of run.storage={self.storage} is no longer this run's "
                         f"({describe(holder) if holder else 'deleted'}): another run may be writing there"
