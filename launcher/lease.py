@@ -258,7 +258,7 @@ class StorageLease:
 
 
 @contextlib.contextmanager
-def claim_storage(cfg: RunConfig, log=None) -> Iterator[StorageLease | None]:
+def claim_storage(cfg: RunConfig) -> Iterator[StorageLease | None]:
     """run.storage's lease for the run (nothing to do without run.storage): refuse a prefix that
     is no loomtrain run, take the lease, write the marker; release the lease on the way out.
     The store's own errors (unreachable, no bucket, no credentials) are one line too."""
@@ -266,7 +266,7 @@ def claim_storage(cfg: RunConfig, log=None) -> Iterator[StorageLease | None]:
     if not storage:
         yield None
         return
-    lease = StorageLease(storage, str(run_dir(cfg)), cfg.run.storage_lease_s, cfg.run.storage_take_over, log)
+    lease = StorageLease(storage, str(run_dir(cfg)), cfg.run.storage_lease_s, cfg.run.storage_take_over)
     try:
         check_marker(storage, "run.storage")
         lease.acquire()
