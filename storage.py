@@ -511,9 +511,6 @@ class Objects:
         _parent_folder(self.fs, self._key(rel))
         self.fs.pipe_file(self._key(rel), bytes(data))
 
-    def upload(self, rel: str) -> Upload:
-        return Upload(self.fs, self._key(rel))
-
     def delete(self, rel: str) -> None:
         try:
             self.fs.rm_file(self._key(rel))
@@ -591,7 +588,7 @@ class Objects:
 
     def sink(self, rel: str):
         """(where, the stream to write to) for a streaming writer."""
-        return self.name(rel), self.upload(rel)
+        return self.name(rel), Upload(self.fs, self._key(rel))
 
     def describe(self, rel: str) -> dict:
         """Its file-list entry: size and sha256 (read back whole)."""

@@ -166,7 +166,7 @@ def replay(fs, calls) -> None:
 def upload_alone(objects, files: list[tuple[Path, str]]) -> None:
     """This rank's files through objects.Upload, as a save streams them (16 MiB writes)."""
     for local, rel in files:
-        up = objects.upload(rel)
+        _, up = objects.sink(rel)
         with open(local, "rb") as f:
             while chunk := f.read(WRITE_BYTES):
                 up.write(chunk)

@@ -163,7 +163,7 @@ def _tiled(s3_bucket: str):
     for r in range(4):
         region = Region((0, 64, 0, 48), (r * quarter, (r + 1) * quarter))
         values = flat[r * quarter : (r + 1) * quarter].clone()
-        sink = Objects(root).upload(f"m/rank_{r}.safetensors")
+        _, sink = Objects(root).sink(f"m/rank_{r}.safetensors")
         write_safetensors(f"{root}/m/rank_{r}.safetensors", {"w": values}, sink=sink)
         index["params"]["w"]["pieces"].append(
             {"file": f"rank_{r}.safetensors", **region.to_json(), "tiles": tile_hashes(region, [64, 48], {"w": values})}
