@@ -145,17 +145,15 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     replace_dir of the same `final` removes, and never a half-deleted `final`."""
     tmp, final = Path(tmp), Path(final)
     fsync_path(tmp)
-    if final.exists():
-        old = final.with_name(f"{TMP_PREFIX}{final.name}.old")
+    old = final.with_name(f"{TMP_PREFIX}{final.name}.old") if final.exists() else None
+    if old is not None:
         if old.exists():
             shutil.rmtree(old)
         os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_path(final.parent)
+    os.rename(tmp, final)
+    fsync_path(final.parent)
+    if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-        fsync_path(final.parent)
     return final
 
 
