@@ -22,6 +22,7 @@ and imports only the standard library: every room may use it without an import c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -98,14 +99,10 @@ class AtomicFile:
     def discard(self) -> None:
         # On the way out of a failed write (a full or read-only disk) closing and removing may
         # fail too: the first error is the one to report (a leftover .tmp- file is swept later).
-        try:
+        with contextlib.suppress(OSError):
             self.file.close()
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(OSError):
             self.tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
 
     def __enter__(self) -> AtomicFile:
         return self

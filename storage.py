@@ -512,18 +512,14 @@ class Objects:
         self.fs.pipe_file(self._key(rel), bytes(data))
 
     def delete(self, rel: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._key(rel))
-        except FileNotFoundError:
-            pass
 
     def delete_tree(self, rel: str) -> None:
         """Every object below a prefix."""
         self.fs.invalidate_cache()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._key(rel), recursive=True)
-        except FileNotFoundError:
-            pass
 
     def move_aside(self, names: list[str], dest_rel: str) -> str:
         """Move each of `names` (objects or prefixes directly under this one) to dest_rel/NAME;
@@ -943,20 +939,14 @@ class Upload:
     def abort(self) -> None:
         """Drop what was sent (a failed write leaves no object and no parts billed)."""
         if self._file is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the write already failed
                 self._file.discard() if hasattr(self._file, "discard") else None
-            except Exception:  # noqa: BLE001  (best effort: the write already failed)
-                pass
             return
         for p in self._parts:
-            try:
+            with contextlib.suppress(Exception):
                 p.result()
-            except Exception:  # noqa: BLE001
-                pass
         if self._upload_id is not None:
             bucket, key, _ = self.fs.split_path(self.key)
-            try:
+            with contextlib.suppress(Exception):
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=self._upload_id)
-            except Exception:  # noqa: BLE001
-                pass
             self._upload_id = None

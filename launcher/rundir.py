@@ -294,10 +294,8 @@ class RunLock:
                 holder = _read_lock(self.path)
                 if not holder or holder.get("pid") != self.record["pid"] or holder.get("host") != self.record["host"]:
                     return  # no longer ours (deleted by hand, taken over): leave it alone
-                try:
+                with contextlib.suppress(OSError):
                     os.utime(self.path)
-                except OSError:
-                    pass
 
         threading.Thread(target=beat, name="loomtrain-run-lock-heartbeat", daemon=True).start()
 
@@ -308,12 +306,10 @@ class RunLock:
         self._stop.set()
         holder = _read_lock(self.path)
         if holder and holder.get("pid") == self.record["pid"] and holder.get("host") == self.record["host"]:
-            try:
+            # a read-only run directory: the lock stays, and names a process that is gone once
+            # this one exits, so the next start on this host takes it over
+            with contextlib.suppress(OSError):
                 self.path.unlink(missing_ok=True)
-            except OSError:
-                # a read-only run directory: the lock stays, and names a process that is gone
-                # once this one exits, so the next start on this host takes it over
-                pass
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ go to `elastic/resize_s` and `elastic/steps_lost`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -87,10 +88,8 @@ class _NewestPut:
                 while self._next is None:
                     self._ready.wait()
                 data, self._next = self._next, None
-            try:
+            with contextlib.suppress(StorageError):
                 write_object(self.uri, data)
-            except StorageError:
-                pass
 
 
 class Recovery:
