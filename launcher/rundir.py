@@ -339,9 +339,8 @@ def superseded_name() -> str:
 
 def _outputs(where: Path | str) -> list[str]:
     """The entries directly under `where` that OUTPUTS names, sorted; an empty file is none."""
-    fs, root = filesystem(where)
     found = []
-    for name, info in listing(fs, root.rstrip("/"), recursive=False).items():
+    for name, info in listing(*filesystem(where), recursive=False).items():  # (listing strips a trailing /)
         empty = info.get("type", "file") == "file" and not int(info.get("size") or 0)
         if not empty and any(fnmatch.fnmatchcase(name, p) for p in OUTPUTS):
             found.append(name)
