@@ -147,7 +147,7 @@ class Mirror:
         self.sync()
 
 
-def restore_metrics(run_dir: str | os.PathLike, uri: str, say: Callable[[str], None] | None = None) -> bool:
+def restore_metrics(run_dir: str | os.PathLike, uri: str) -> bool:
     """Put `uri`/metrics.jsonl into RUN_DIR when RUN_DIR has none (a resume on a fresh host):
     the resumed run keeps its records up to the resumed step, as on a shared disk. True when
     a copy was put there; a store that cannot be read is said in one line, and the run goes on
@@ -158,9 +158,8 @@ def restore_metrics(run_dir: str | os.PathLike, uri: str, say: Callable[[str], N
     try:
         data = read_object(join(uri, METRICS))
     except StorageError as exc:
-        (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
-            f"loomtrain: TensorBoard mirror: {exc}; metrics.jsonl starts without the earlier records"
-        )
+        line = f"loomtrain: TensorBoard mirror: {exc}; metrics.jsonl starts without the earlier records"
+        print(line, file=sys.stderr, flush=True)
         return False
     if not data:
         return False
