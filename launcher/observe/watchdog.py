@@ -62,7 +62,7 @@ from pathlib import Path
 
 from loomtrain.durable import atomic_write
 from loomtrain.launcher.observe.ranklog import logs_dir, rank_log_path
-from loomtrain.launcher.timeouts import START_UP, STEP, Allowances
+from loomtrain.launcher.timeouts import EVALUATION, SAMPLES, START_UP, STEP, Allowances
 
 HANG_EXIT_CODE = 3
 PROBE_TIMEOUT_S = 3.0  # a host cut off never answers; one on the network answers in milliseconds
@@ -112,7 +112,7 @@ def reaches(address: str | None, timeout: float = PROBE_TIMEOUT_S) -> bool | Non
 def io_phase(name: str):
     """Around checkpoint I/O: the limit is checkpoint.timeout_s, and finishing is progress."""
     dog = _current
-    with dog.phase(name, dog.allow.io) if dog is not None else contextlib.nullcontext():
+    with dog.phase(name) if dog is not None else contextlib.nullcontext():
         yield
 
 
@@ -148,9 +148,10 @@ class Watchdog:
         self.exit = os._exit  # a seam for unit tests
 
     def _allowance(self, phase: str) -> tuple[str, float, str]:
-        """(phase, allowance, knob), the compile allowance added the first time `phase` runs."""
+        """(phase, allowance, knob), the compile allowance added the first time a phase that
+        torch.compile compiles code for runs (the training step's is start-up; I/O compiles nothing)."""
         limit, knob = self.allow.limit(phase)
-        if self.allow.compile and phase not in self.ran:
+        if self.allow.compile and phase in (START_UP, EVALUATION, SAMPLES) and phase not in self.ran:
             self.ran.add(phase)
             limit, knob = limit + self.allow.compile, f"{knob} + parallel.compile_timeout_s"
         return phase, limit, knob
@@ -163,14 +164,11 @@ class Watchdog:
         self.progress_at = time.monotonic()
 
     @contextlib.contextmanager
-    def phase(self, name: str, limit: float | None = None):
-        """The rank is in phase `name` until the block ends: its allowance (`limit`, else the
-        phase's own), and ending it is progress."""
+    def phase(self, name: str):
+        """The rank is in phase `name` until the block ends: its allowance (a name that
+        timeouts.Allowances does not know is checkpoint-like I/O), and ending it is progress."""
         before = (self.phase_name, self.limit, self.knob)
-        if limit is None:
-            self.phase_name, self.limit, self.knob = self._allowance(name)
-        else:
-            self.phase_name, self.limit, self.knob = name, limit, self.allow.limit(name)[1]
+        self.phase_name, self.limit, self.knob = self._allowance(name)
         start = self.progress_at = time.monotonic()
         outermost = before[0] in (STEP, START_UP)
         try:

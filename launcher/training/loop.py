@@ -637,7 +637,7 @@ def _log_step(run: _Run, step: int, metrics: dict[str, Any], data_wait: float, o
 
 def _profile(run: _Run, step: int) -> None:
     """The profiler's work after a step; writing a trace may take long: it is I/O, not a hang."""
-    with run.dog.phase("profiler trace export", run.ctx.cfg.checkpoint.timeout_s):
+    with run.dog.phase("profiler trace export"):  # I/O: checkpoint.timeout_s
         table = run.profiler.after_step(step)
     if table is not None:
         run.log.text("profile/top_ops", "```\n" + table + "\n```", step, raw=True)

@@ -165,6 +165,8 @@ def test_each_phase_has_its_allowance_and_the_line_names_each_ranks_phase(tmp_pa
     assert limits == [105, 5]
     with dog.phase(SAMPLES):
         assert (dog.limit, dog.knob) == (102, "parallel.forward_timeout_s + parallel.compile_timeout_s")
+    with dog.phase("checkpoint save"):  # I/O compiles nothing: its allowance is checkpoint.timeout_s alone
+        assert (dog.limit, dog.knob) == (9, "checkpoint.timeout_s")
 
     beats = {
         0: {"host": "h", "pid": 1, "step": 4, "phase": SAMPLES, "allowed_s": 102.0, "knob": "k", "where": "generate"},
