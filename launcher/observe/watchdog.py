@@ -67,7 +67,9 @@ from loomtrain.launcher.timeouts import EVALUATION, SAMPLES, START_UP, STEP, All
 HANG_EXIT_CODE = 3
 PROBE_TIMEOUT_S = 3.0  # a host cut off never answers; one on the network answers in milliseconds
 
-# A rank waits in a collective when the function it is in names one of these ("gather" covers all_gather).
+# A rank waits in a collective when the function it is in (the innermost, not its caller in
+# loomtrain) has one of these among the "_"-separated words of its name: "gather" covers
+# all_gather_into_tensor, "wait" is a whole word (not "await", "waiting").
 COLLECTIVE_CALLS = ("all_reduce", "broadcast", "barrier", "reduce_scatter", "wait", "report", "gather", "send", "recv")
 
 _current: Watchdog | None = None
@@ -339,7 +341,13 @@ def _behind(beats: dict[int, dict], live: list[int]) -> list[int]:
 
 
 def _not_in_collective(beats: dict[int, dict], live: list[int]) -> list[int]:
-    return sorted(r for r in live if r in beats and not any(c in beats[r].get("where", "") for c in COLLECTIVE_CALLS))
+    return sorted(r for r in live if r in beats and not in_collective(beats[r].get("where", "")))
+
+
+def in_collective(where: str) -> bool:
+    """Whether a heartbeat's `where` ('all_reduce (from dp_reduce, loop.py:62)') is in a collective call."""
+    words = f"_{where.split(' ', 1)[0]}_"  # the innermost function, its words between underscores
+    return any(f"_{call}_" in words for call in COLLECTIVE_CALLS)
 
 
 def _hang_line(

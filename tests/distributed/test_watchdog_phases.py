@@ -205,3 +205,17 @@ def test_a_straggler_sets_the_worlds_throughput(tmp_path, data_cache):
     print(f"straggler: real rate at most {real:.0f} tok/s; reported {[round(r['tokens_per_s']) for r in recs]}")
     console = [float(m) for m in re.findall(r"\| ([\d,.]+) tok/s", output(proc).replace(",", ""))]
     assert len(console) == 5 and all(real / 3 < tps <= real * 1.05 for tps in console[1:]), console
+
+
+def test_only_the_function_a_rank_is_in_tells_a_collective():
+    """The innermost function's name, by whole words: a rank sleeping in its own `await_batch`
+    or under a caller named like a collective is not in one (substrings counted it as waiting)."""
+    beats = {
+        0: {"where": "all_reduce (from dp_reduce, loop.py:62)"},
+        1: {"where": "all_gather_into_tensor (from gather_rank_stats, metrics.py:9)"},
+        2: {"where": "sleep (from await_batch, stream.py:10)"},
+        3: {"where": "sleep (from _report_pending, loop.py:500)"},
+        4: {"where": "reporting"},
+        5: {"where": "wait"},
+    }
+    assert watchdog._not_in_collective(beats, list(beats)) == [2, 3, 4]
