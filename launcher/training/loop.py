@@ -204,8 +204,10 @@ def _loss_weights(batches, ctx: TrainContext, grad_accum: int) -> list[torch.Ten
     if not (getattr(stream, "document_masking", False) or getattr(stream, "loss_masked", False)):
         return None
     counts = [_own_targets(b, ctx.topology) for b in batches]  # on the host: the stream's tensors
-    total = _sum_over_dp(torch.tensor(float(sum(counts)), dtype=torch.float32, device=ctx.dist.device), ctx)
-    share = (ctx.topology.dp_size * grad_accum) / total.clamp(min=1.0)
+    # float64: a count is exact to 2**53 (float32: 2**24); the share, in float32 again, is the
+    # float32 quotient's own value below 2**24 (a double rounding of a quotient is exact there)
+    total = _sum_over_dp(torch.tensor(float(sum(counts)), dtype=torch.float64, device=ctx.dist.device), ctx)
+    share = ((ctx.topology.dp_size * grad_accum) / total.clamp(min=1.0)).float()
     return [share * n for n in counts]
 
 

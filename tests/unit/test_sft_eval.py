@@ -165,3 +165,20 @@ def test_a_compiled_run_with_document_masking_follows_the_eager_run(tmp_path, ch
     compiled = run_training(sft_cfg(tmp_path / "compiled", chat_shards, *steps, "parallel.compile=true"), [seen])
     assert seen.masking and seen.compiled
     assert compiled.losses == pytest.approx(eager.losses, abs=1e-4)
+
+
+def test_loss_weights_count_the_global_targets_exactly_past_2_to_the_24():
+    """The step's target count is summed in float64: in float32, 2**24 + 1 targets were 2**24,
+    and a step of a 2**24-target micro batch and a 1-target one weighed the first 2.0, not 2 - 2**-23."""
+    from types import SimpleNamespace
+
+    from loomtrain.launcher.training import loop
+
+    ctx = SimpleNamespace(
+        train_stream=SimpleNamespace(loss_masked=True),
+        topology=SimpleNamespace(dp_size=1, cp_size=1),
+        dist=SimpleNamespace(device=torch.device("cpu")),
+    )
+    batches = [(None, torch.zeros(1, 2**24, dtype=torch.int8)), (None, torch.zeros(1, 1, dtype=torch.int8))]
+    big, small = loop._loss_weights(batches, ctx, grad_accum=2)
+    assert big.item() == 2 - 2**-23 and small.item() == pytest.approx(2 / (2**24 + 1), rel=1e-7)
