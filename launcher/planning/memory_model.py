@@ -305,13 +305,6 @@ def run_activation_bytes(run: Any, gpu: str, cp: int) -> Activations:
 
 
 # ---------------------------------------------------------------- FLOPs and comm
-def flops_per_token(matmul_params: int, cfg: ModelConfig, seq: int, recompute: bool = False) -> float:
-    attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_width * seq  # = 12 L d s unless model.head_dim is set
-    if recompute:
-        return 8 * matmul_params + attn * 4 / 3
-    return 6 * matmul_params + attn
-
-
 def tp_comm_bytes_per_microbatch(
     cfg: ModelConfig, seq: int, micro: int, tp: int, precision: str, recompute: bool = False
 ) -> tuple[float, float]:
@@ -409,11 +402,7 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
     fits = dev.memory_gib * GiB >= total
     tokens = tr.global_batch_size * tr.seq_len
     fpt = float(model.flops_per_token(tr.seq_len))
-    hw = fpt * (
-        flops_per_token(pc.matmul, cfg, tr.seq_len, True) / flops_per_token(pc.matmul, cfg, tr.seq_len)
-        if par.activation_checkpointing
-        else 1.0
-    )
+    hw = fpt * 4 / 3 if par.activation_checkpointing else fpt  # recompute: 8 N + 16 L d s, the forward twice
     peak = (dev.fp32_tflops if prec == "fp32" else dev.bf16_tflops) * 1e12
     # The assumed MFU holds for the hardware FLOPs; recomputation adds work MFU ignores.
     step_time = hw * tokens / (world_size * peak * mfu)
