@@ -174,12 +174,6 @@ def run_steps(cfg, device: torch.device, steps: int, search_from: int, log) -> M
     return result
 
 
-def _local_device(cfg) -> torch.device:
-    if cfg.train.device == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _row(label: str, *cells: str) -> str:
     return f"  {label:<34}" + "".join(f"{c:>22}" for c in cells)
 
@@ -335,16 +329,16 @@ def dry_run(
     CPU it says up front how long it should take; `log` (default: stderr) hears its progress."""
     # This machine: the same rank at dp = 1, one micro-batch per optimizer step.
     cfg.train.global_batch_size = cfg.train.micro_batch_size
-    device = _local_device(cfg)
+    device = init_distributed(cfg).device  # a lone process: train.device, its GPU or the CPU
     local_gpu = "cpu" if device.type == "cpu" else gpu
     # parallel.cp: this rank's seq / cp tokens at a world of one CP group (its plan divides ZeRO's
     # states over those cp ranks, which the dry run at dp 1 holds whole)
     local = mm.make_plan(cfg, cfg.parallel.tp * cfg.parallel.cp, local_gpu, mfu)
 
-    init_distributed(cfg)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    peak = device_peak_flops(device, cfg.train.precision)
     if device.type == "cpu":
-        log(cpu_estimate_line(cfg, cluster, steps, device_peak_flops(device, cfg.train.precision), mfu))
+        log(cpu_estimate_line(cfg, cluster, steps, peak, mfu))
     search_from = max_micro or 4 * cfg.train.micro_batch_size
     meas = run_steps(cfg, device, steps, search_from if device.type == "cuda" else 0, log=log)
     cpu_estimate = None
@@ -352,5 +346,4 @@ def dry_run(
         per_sample = local.activations.total / cfg.train.micro_batch_size
         room = psutil.virtual_memory().available + meas.peak_bytes - local.states.total
         cpu_estimate = max(0, int(room // per_sample))
-    peak = device_peak_flops(device, cfg.train.precision)
     return format_table(cfg, cluster, local, meas, device, peak, mfu, cpu_estimate, changed)
