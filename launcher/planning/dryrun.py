@@ -28,7 +28,6 @@ estimate from free host memory instead.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ import torch
 from accelerate.utils import find_executable_batch_size
 from loomtrain.launcher.distributed import init_distributed
 from loomtrain.launcher.observe.host_memory import peak_rss_bytes
-from loomtrain.launcher.observe.metrics import device_peak_flops
+from loomtrain.launcher.observe.metrics import device_peak_flops, memory_bytes
 from loomtrain.launcher.planning import memory_model as mm
 from loomtrain.launcher.planning.memory_measure import GradPeak, measure
 from loomtrain.launcher.training.engine import build_engine
@@ -103,10 +102,6 @@ def build_rank_shard(cfg, device: torch.device) -> torch.nn.Module:
     return apply_block_options(model, cfg)
 
 
-def _rss() -> int:
-    return psutil.Process(os.getpid()).memory_info().rss
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -125,7 +120,7 @@ class Measured:
 def run_steps(cfg, device: torch.device, steps: int, search_from: int, log) -> Measured:
     """`log` hears one line when the shard is built and one per step."""
     t = cfg.train
-    base_rss = _rss()
+    base_rss = memory_bytes(torch.device("cpu"))  # the process RSS
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
