@@ -174,11 +174,6 @@ def host_label(peer: str | None) -> str:
     return f"{socket.gethostname()}/{addr}"
 
 
-def gather_hosts(peer: str | None) -> tuple[str, ...]:
-    """Every rank's host_label, by global rank (a collective: every rank calls it)."""
-    return tuple(str(label) for label in all_gather_objects(host_label(peer)))
-
-
 def describe_interface(backend: str, chosen: dict[str, str] | None, environ=os.environ) -> str:
     """e.g. 'GLOO_SOCKET_IFNAME=eth0 (chosen: routes to the master)' or '... (your setting)';
     `chosen` None: a group this process adopted, whoever set the variable."""
@@ -319,7 +314,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         device=device,
         backend=backend,
         launcher=launcher,
-        hosts=gather_hosts(os.environ.get("MASTER_ADDR")),
+        hosts=tuple(all_gather_objects(host_label(os.environ.get("MASTER_ADDR")))),  # every rank's, by rank
         interface="" if launcher == "local" else describe_interface(backend, chosen),
     )
 
