@@ -102,12 +102,6 @@ def prepare_accelerator_env(device: torch.device) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cuda")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 

@@ -14,13 +14,16 @@ from launch import python_cmd, run_child
 
 # Handlers registered before init_distributed run after its own (atexit is last in, first out).
 CHILD = """
-import atexit, os, sys
+import atexit, os, socket, sys
 import torch.distributed as dist
 from loomtrain.launcher.config import RunConfig
-from loomtrain.launcher.distributed import free_port, init_distributed
+from loomtrain.launcher.distributed import init_distributed
 
 if sys.argv[1] == "adopted":  # a group set up by the launcher, as Ray Train's worker does
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    with socket.socket() as s:  # a free port for the stand-in launcher's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
     atexit.register(dist.destroy_process_group)  # the launcher's own clean-up, after the check
 atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))

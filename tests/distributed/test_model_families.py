@@ -19,10 +19,10 @@ import torch.multiprocessing as mp
 import transformers
 from hf_fixtures import spread
 from loomtrain.launcher.config_loader import load_config
-from loomtrain.launcher.distributed import free_port
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.model.config import RopeScaling
 from loomtrain.model.positions import rope_inv_freq
+from s3_server import free_port
 from small_configs import HF_TINY
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

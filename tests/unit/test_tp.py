@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from loomtrain.launcher.distributed import free_port
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, padded_vocab_size, parallelize
 from loomtrain.parallel.plan import gather_shards, spec_of
+from s3_server import free_port
 
 TOL = 1e-5
 
