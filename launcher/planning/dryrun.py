@@ -31,7 +31,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -65,8 +65,6 @@ class OneRankTopology:
     dp_group: object = None
     dp_size: int = 1
     dp_rank: int = 0
-    tp_ranks: list = field(default_factory=list)
-    dp_ranks: list = field(default_factory=list)
     # no context parallelism: the data split is the DP one
     cp_size: int = 1
     cp_rank: int = 0
