@@ -142,14 +142,15 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     replace_dir of the same `final` removes, and never a half-deleted `final`."""
     tmp, final = Path(tmp), Path(final)
     fsync_path(tmp)
-    old = final.with_name(f"{TMP_PREFIX}{final.name}.old") if final.exists() else None
-    if old is not None:
-        if old.exists():
-            shutil.rmtree(old)
+    old = final.with_name(f"{TMP_PREFIX}{final.name}.old")
+    if old.exists():  # a crash's leftover, whether or not it got as far as renaming tmp
+        shutil.rmtree(old)
+    had_final = final.exists()
+    if had_final:
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_path(final.parent)
-    if old is not None:
+    if had_final:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

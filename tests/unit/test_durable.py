@@ -81,6 +81,19 @@ def test_replace_dir_swaps_a_whole_directory(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_replace_dir_removes_what_a_crash_between_its_renames_left(tmp_path):
+    """A crash after the old `final` was renamed aside and before the new one took its name leaves
+    `.tmp-NAME.old` and no `final`: the next replace_dir publishes the new one and removes it."""
+    final, tmp = tmp_path / "out", tmp_path / "out.tmp"
+    (tmp_path / ".tmp-out.old").mkdir()
+    (tmp_path / ".tmp-out.old" / "f").write_text("old")
+    tmp.mkdir()
+    (tmp / "f").write_text("new")
+    replace_dir(tmp, final)
+    assert (final / "f").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def _fsynced_then_renamed(log, target: Path) -> bool:
     """The file's bytes were fsynced before it got its name, and its directory after."""
     target = target.resolve()
