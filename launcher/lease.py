@@ -107,10 +107,14 @@ class StorageLease:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(self._body())
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(self._body())
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:  # a half-written lease would read as a holder and block the storage
+                os.unlink(self.path)
+                raise
             return True
         try:
             self.fs.pipe_file(self.path, self._body(), mode="create")  # S3: If-None-Match: *

@@ -174,3 +174,22 @@ def test_the_lease_is_exclusive_renewed_and_released(store_root, tmp_path):
     assert json.loads(storage.read_object(f"{where}/{LEASE}"))["run_id"] == third.record["run_id"]
     third.release()
     assert not os.path.exists(tmp_path / "lease")  # nothing of a file:// store outside it
+
+
+def test_a_lease_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch):
+    """A full disk while the lease is written: the error reaches the run, and no half-written lease
+    (which would read as another holder for storage_lease_s) stays to refuse the next run."""
+    where = str(tmp_path / "store")
+    lease = StorageLease(where, str(tmp_path / "a"), lease_s=2.0)
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        lease.acquire()
+    monkeypatch.undo()
+    assert not os.path.exists(f"{where}/{LEASE}")
+    again = StorageLease(where, str(tmp_path / "b"), lease_s=2.0)
+    again.acquire()
+    again.release()
