@@ -8,7 +8,7 @@ rank measures
     save        save_checkpoint into a CheckpointStore on run.storage, synchronous: what a save does
                 (serialize, hash every tile, stream each file up as a multipart upload with
                 parts in flight, the part list, rank 0's manifest and `latest`)
-    upload      objects.Upload alone (the uploader a save streams into) fed this rank's files
+    upload      storage.Upload alone (the uploader a save streams into) fed this rank's files
                 from local disk in 16 MiB writes
     bulk put    s3fs `fs.put(local files, keys)` of the same files (the library's bulk upload,
                 its defaults)
@@ -164,7 +164,7 @@ def replay(fs, calls) -> None:
 
 
 def upload_alone(objects, files: list[tuple[Path, str]]) -> None:
-    """This rank's files through objects.Upload, as a save streams them (16 MiB writes)."""
+    """This rank's files through storage.Upload, as a save streams them (16 MiB writes)."""
     for local, rel in files:
         _, up = objects.sink(rel)
         with open(local, "rb") as f:

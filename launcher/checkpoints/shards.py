@@ -268,7 +268,7 @@ class SafetensorsWriter:
         self._size = 8 + len(raw) + pos
         self._hash = hashlib.sha256() if whole_file_hash else None
         self._written = self._unsynced = 0
-        # `sink`: an object-store upload (objects.Upload: write, close, abort) instead of a file
+        # `sink`: an object-store upload (storage.Upload: write, close, abort) instead of a file
         self._sink = sink
         if sink is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
