@@ -522,9 +522,6 @@ class ShardedReader:
         """Bytes taken from an object store (ranged GETs; 0 for local files)."""
         return sum(getattr(f, "bytes_fetched", 0) for f in self._open.values())
 
-    def _where(self, rel: str):
-        return below(self.root, rel)
-
     def _file(self, rel: str) -> _SafetensorsFile:
         if rel not in self._open:
             self._open[rel] = _SafetensorsFile(self._objs, rel)
@@ -570,12 +567,13 @@ class ShardedReader:
             data, dtype = self._file(rel).tensor(tname, _tile_spans(reg, [tiles[t] for t in touched]))
             if len(data) != reg.numel:
                 raise CorruptCheckpoint(
-                    f"{self._where(rel)}: {tname} has {len(data)} values, the index says {reg.numel}"
+                    f"{below(self.root, rel)}: {tname} has {len(data)} values, the index says {reg.numel}"
                 )
             for tile, digest in zip(touched, _hash_tiles(data, reg, [tiles[t] for t in touched], self.checksum)):
                 if hashes.get(tile) != digest:
                     raise CorruptCheckpoint(
-                        f"{self._where(rel)}: {tname} (tile {tile[0]},{tile[1]}) fails its {self.checksum} checksum"
+                        f"{below(self.root, rel)}: {tname} (tile {tile[0]},{tile[1]}) fails its "
+                        f"{self.checksum} checksum"
                     )
                 self.bytes_read += data.itemsize * sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1 in tiles[tile])
             for m in overlaps:
