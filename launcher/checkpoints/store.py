@@ -508,11 +508,7 @@ def store_error(storage, exc: BaseException, what: str = "run.storage") -> str:
     return f"{what}={storage}: {store_failure(exc) or first_line(exc)}"
 
 
-def open_store(
-    where: str | os.PathLike, keep_last: int = 3, keep_every: int = 0, log: Callable[[str], None] | None = None
-) -> CheckpointStore:
-    """The checkpoints of a run: under RUN_DIR (a folder) or run.storage (a URI)."""
-    return CheckpointStore(where, keep_last=keep_last, keep_every=keep_every, log=log)
+open_store = CheckpointStore  # the checkpoints of a run: under RUN_DIR (a folder) or run.storage (a URI)
 
 
 def run_store_at(where: str | os.PathLike, log=None) -> CheckpointStore | None:
