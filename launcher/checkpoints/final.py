@@ -74,16 +74,6 @@ def final_location(storage: str, run_dir: str | os.PathLike) -> Path | str:
     return join(storage, "final") if storage else Path(run_dir) / "final"
 
 
-def save_final(model: torch.nn.Module, model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path:
-    """The final directory from a whole model in this process (a tied table stored once)."""
-    # Copies, not the live tensors: at ZeRO 1-2 every parameter is a view into DeepSpeed's
-    # flat buffer. A tied table is stored once.
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.tok_emb.weight:
-        state.pop("lm_head.weight")
-    return write_final(state, model_cfg, tokenizer, out_dir)
-
-
 def write_final(state: dict[str, torch.Tensor], model_cfg, tokenizer, out_dir: str | os.PathLike) -> Path | str:
     """The final directory from full tensors by loomtrain name (a tied output layer left out),
     by the protocol of save_final_sharded with one writer. `loomtrain import` writes through this."""

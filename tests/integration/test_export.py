@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from final_weights import save_final
 from loomtrain.launcher.checkpoints import export
-from loomtrain.launcher.checkpoints.final import save_final
 from loomtrain.launcher.cli import export as export_cli
 from loomtrain.model import ModelConfig, Transformer
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from final_weights import save_final
 from loomtrain.launcher.checkpoints import export
-from loomtrain.launcher.checkpoints.final import save_final
 from loomtrain.launcher.cli import export as export_cli
 from loomtrain.launcher.cli import generate
 from loomtrain.model import ModelConfig, Transformer

@@ -9,9 +9,10 @@ import json
 
 import pytest
 import torch
+from final_weights import save_final
 from loomtrain import storage
 from loomtrain.data_pipeline import ByteTokenizer
-from loomtrain.launcher.checkpoints.final import FINAL_MANIFEST, FinalWeightsError, save_final
+from loomtrain.launcher.checkpoints.final import FINAL_MANIFEST, FinalWeightsError
 from loomtrain.launcher.checkpoints.weight_source import load_final, weights_at
 from loomtrain.model import ModelConfig, Transformer
 

@@ -110,8 +110,8 @@ def test_sigterm_during_start_up_keeps_an_existing_run(tmp_path, capsys, monkeyp
 @pytest.fixture(scope="module")
 def tiny_final(tmp_path_factory):
     """A final/ of a tiny untrained model (max_seq_len 32), written as a run writes it."""
+    from final_weights import save_final
     from loomtrain.data_pipeline import ByteTokenizer
-    from loomtrain.launcher.checkpoints.final import save_final
     from loomtrain.model import ModelConfig, Transformer
 
     cfg = ModelConfig(vocab_size=320, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=32)

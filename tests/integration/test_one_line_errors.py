@@ -70,8 +70,8 @@ def test_malformed_submit_address_and_ray_address(tmp_path, capsys, monkeypatch)
 
 @pytest.fixture(scope="module")
 def final_dir(tmp_path_factory) -> Path:
+    from final_weights import save_final
     from loomtrain.data_pipeline.tokenizer import ByteTokenizer
-    from loomtrain.launcher.checkpoints.final import save_final
     from loomtrain.model import ModelConfig, Transformer
 
     cfg = ModelConfig(vocab_size=320, d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
