@@ -193,16 +193,11 @@ _INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
-    """A tensor's values as a 1-D numpy array of same-sized integers (bytes for hashing, any dtype)."""
+    """A tensor's values as a 1-D numpy array of same-sized integers (bytes to hash or write, any dtype)."""
     t = t.detach().cpu().contiguous().reshape(-1)
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
     return t.view(getattr(torch, np.dtype(_INT_OF_SIZE[t.element_size()]).name)).numpy()
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def tile_hashes(
@@ -296,7 +291,7 @@ class SafetensorsWriter:
             raise ValueError(
                 f"{self.path}: expected {want} {dtype} {list(shape)} next, got {name} {t.dtype} {list(t.shape)}"
             )
-        self._write(_bytes_of(t.cpu() if t.device.type != "cpu" else t))
+        self._write(memoryview(_raw(t)).cast("B"))
         self._next += 1
 
     def close(self) -> dict:
