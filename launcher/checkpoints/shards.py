@@ -340,17 +340,12 @@ def safetensors_metadata(data: bytes) -> dict[str, str]:
 
 
 # Reading ----------------------------------------------------------------------------
+# safetensors dtype -> the numpy type its values are read as: torch's own, but BF16 (which numpy
+# lacks) raw, converted by torch
 _NUMPY = {
-    "F32": np.float32,
-    "F16": np.float16,
-    "F64": np.float64,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-    "BF16": np.int16,
-}  # BF16: raw, converted by torch
+    name: np.int16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+    for dtype, name in _DTYPES.items()
+}
 
 
 # Ranged reads closer than this are fetched as one GET (a request costs about as much as this many bytes).
