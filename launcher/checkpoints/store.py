@@ -407,7 +407,7 @@ class CheckpointStore:
         group restart) continues from those instead of going back to the seed."""
         if resume == "never":
             return None
-        if resume in ("auto", ""):
+        if resume in ("auto", "") or same_location(resume, self.base):  # this run's own newest
             return self.resume_point(checksums=checksums)
         if self.published() and not self.owns(resume):
             found = self.resume_point(checksums=checksums)
@@ -416,8 +416,6 @@ class CheckpointStore:
                 f"{self.base} has its own checkpoints: resuming from {found}"
             )
             return found
-        if same_location(resume, self.base):
-            return self.resume_point(checksums=checksums)
         other = run_store_at(resume, log=self.log)
         if other is not None:  # a run directory (or run.storage) was given: its newest complete checkpoint
             found = other.find_resumable(checksums=checksums)
