@@ -44,7 +44,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,13 +245,10 @@ class CheckpointStore:
         then their file-list entries."""
         return self._at(tmp).write_folder(rel, fill)
 
-    def add_part(self, tmp, rank: int, relpaths: Iterable[str] | dict[str, dict]) -> None:
-        """One rank's contribution: size + sha256 of the files it wrote. Given a dict
-        {relpath: {"size", "sha256"}} (hashed while writing, files already durable) it is taken
-        as it is; given paths, they are made durable and hashed here."""
-        at = self._at(tmp)
-        files = dict(relpaths) if isinstance(relpaths, dict) else {rel: at.describe(rel) for rel in relpaths}
-        at.write(f"{PARTS_DIR}/rank_{rank:05d}.json", json_bytes(files))
+    def add_part(self, tmp, rank: int, files: dict[str, dict]) -> None:
+        """One rank's contribution: {relpath: {"size", "sha256"}} of the files it wrote (hashed
+        while writing, already durable; a file no part lists, publish describes)."""
+        self._at(tmp).write(f"{PARTS_DIR}/rank_{rank:05d}.json", json_bytes(files))
 
     def parts_done(self, tmp, world: int) -> bool:
         """Has every rank finished writing (its file list exists)? A rank that failed says so."""

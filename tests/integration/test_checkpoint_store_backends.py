@@ -26,8 +26,7 @@ def save(store, step, payload=b"x" * 100, ranks=2):
     tmp = store.begin(step)
     for r in range(ranks):
         rel = f"shard_{r}.bin"
-        store.write_raw(tmp, rel, payload + bytes([r]))
-        store.add_part(tmp, r, [rel])
+        store.add_part(tmp, r, {rel: store.write_file(tmp, rel, payload + bytes([r]))})
     store.write_raw(tmp, "extra.json", b"{}")  # written without a part: rank 0 describes it
     return store.publish(tmp, step, {"world": {"tp": 1, "dp": ranks}})
 

@@ -10,8 +10,7 @@ def save(store, step, payload=b"x" * 100, ranks=2):
     tmp = store.begin(step)
     for r in range(ranks):
         rel = f"shard_{r}.bin"
-        (tmp / rel).write_bytes(payload + bytes([r]))
-        store.add_part(tmp, r, [rel])
+        store.add_part(tmp, r, {rel: store.write_file(tmp, rel, payload + bytes([r]))})
     return store.publish(tmp, step, {"world": {"tp": 1, "dp": ranks}})
 
 
