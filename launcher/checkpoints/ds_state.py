@@ -13,7 +13,7 @@ into the full tensor and cutting them again is the TP layout's job (loomtrain.pa
     local_box                         where p's TP shard lies in the full tensor (shards.py)
     read_local(engine, p, key)        this TP rank's fp32 master (key None) or Adam moment
                                       ("exp_avg", "exp_avg_sq") of p, whole over DP (collective)
-    write_local(engine, p, key, v)    the reverse (every DP rank passes the same value)
+    write_local(engine, p, v)         the reverse, for the master (every DP rank passes the same value)
     ensure_optimizer_state(engine)    create Adam's lazily made state (zeros, step 0)
     adam_step / set_adam_step        Adam's step counter
     optimizer_settings / engine_counters / loss_scaler_state (and their set_*): the small
@@ -198,28 +198,21 @@ def read_local(engine, p, key: str | None) -> torch.Tensor:
     return st[key].detach().float().clone() if key in st else torch.zeros(p.shape, device=hp.device)
 
 
-def write_local(engine, p, key: str | None, value: torch.Tensor) -> None:
-    """Set this TP rank's fp32 master / moment of p (every DP rank calls it with the same value)."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+def write_local(engine, p, value: torch.Tensor) -> None:
+    """Set this TP rank's fp32 master of p (every DP rank calls it with the same value)."""
+    from deepspeed.utils import safe_set_full_fp32_param
 
     value = value.contiguous()
     if _is_ds(p):
         dev = p.device if not hasattr(p, "ds_tensor") else p.ds_tensor.device
-        v = value.to(dev, torch.float32)
-        if key is None:
-            safe_set_full_fp32_param(p, v)
-        else:
-            safe_set_full_optimizer_state(p, v, key)
-        if key is None and not hasattr(p, "ds_id"):
+        safe_set_full_fp32_param(p, value.to(dev, torch.float32))
+        if not hasattr(p, "ds_id"):
             p.data.copy_(value.to(p.device, p.dtype))  # the low-precision / model copy
         return
     hp = _master_of(engine, p)
-    if key is None:
-        p.data.copy_(value.to(p.device, p.dtype))
-        if hp is not p:
-            hp.data.copy_(value.to(hp.device, hp.dtype))
-    else:
-        inner_optimizer(engine.optimizer).state[hp][key].copy_(value.to(hp.device))
+    p.data.copy_(value.to(p.device, p.dtype))
+    if hp is not p:
+        hp.data.copy_(value.to(hp.device, hp.dtype))
 
 
 def named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
@@ -339,7 +332,7 @@ def set_held_values(engine, p, key: str | None, value: torch.Tensor) -> None:
         return
     hp = _master_of(engine, p)
     if key is None:
-        write_local(engine, p, None, value.reshape(p.shape))
+        write_local(engine, p, value.reshape(p.shape))
     else:
         st = inner_optimizer(engine.optimizer).state[hp][key]
         st.copy_(value.to(st.device).reshape(st.shape))

@@ -139,7 +139,7 @@ class Tensors:
                     reader.read(name, k, held, out=into)
                 elif whole:
                     value = reader.read(name, None, Region.whole(box)).reshape(local_full_shape(p))
-                    write_local(engine, p, None, value)
+                    write_local(engine, p, value)
                 else:  # at ZeRO-3 the weights too: only this rank's partition, never the whole shard
                     set_held_values(engine, p, k, reader.read(name, k, held))
 
