@@ -225,9 +225,7 @@ def local_box(p) -> tuple[int, int, int, int]:
     """The matrix box (see checkpoints/shards.py) of this rank's TP shard of p, padding included,
     as the TP plan lays it out."""
     spec = spec_of(p)
-    if spec.dim is None:
-        return shard_box(spec.full_shape, None)
-    length = spec.padded_size // spec.num_shards
+    length = spec.padded_size // spec.num_shards  # unread for a parameter TP does not split
     return shard_box(spec.full_shape, spec.dim, spec.shard_index * length, length)
 
 
