@@ -251,9 +251,7 @@ def verified_bytes(path: Path | str, rel: str, manifest: dict) -> bytes:
     path = below(path)  # a folder (Path) or a URI (str, never a Path: `s3://` is no path)
     try:
         data = read_checkpoint_file(path, rel)
-    except FileNotFoundError:
-        if not isinstance(path, str):
-            raise
+    except FileNotFoundError:  # on every backend alike: every rank hears of it, the next older one is tried
         raise CorruptCheckpoint(f"{below(path, rel)}: missing (named by the manifest)") from None
     want = manifest["files"].get(rel, {}).get("sha256")
     if want != hashlib.sha256(data).hexdigest():
@@ -325,9 +323,7 @@ def load_checkpoint(path: str | os.PathLike, training: Training) -> dict:
     try:
         manifest = read_manifest(path)
     except FileNotFoundError:
-        if not isinstance(path, str):
-            raise
-        raise CorruptCheckpoint(f"{path}/manifest.json: missing") from None
+        raise CorruptCheckpoint(f"{below(path, 'manifest.json')}: missing") from None
     trainer = json.loads(verified_bytes(path, "trainer.json", manifest))
     ckpt = OpenCheckpoint(path, manifest, trainer, open_reader(path, manifest), current_rank(), current_world_size())
     try:

@@ -10,6 +10,8 @@ re-saved; a leftover of an interrupted write) are here once, for both.
 import json
 
 import pytest
+from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
+from loomtrain.launcher.checkpoints.state import load_checkpoint, verified_bytes
 from loomtrain.launcher.checkpoints.store import LATEST, MANIFEST, CheckpointStore, verify, wait_for_deletions
 
 
@@ -129,3 +131,20 @@ def test_a_fresh_start_moves_every_checkpoint_aside_and_deletes_nothing(run_loca
     assert verify(aside.name("step_00000020")).ok and "moved 2" in logs[-1]
     save(store, 5)
     assert [s for s, _ in store.published()] == [5]
+
+
+def test_a_file_gone_after_the_checks_is_a_damaged_checkpoint_on_both_backends(run_location):
+    """A file the manifest names, or the manifest itself, gone between the verification and the
+    load (another writer, a disk): CorruptCheckpoint naming it, which every rank hears of and which
+    the hook answers with the next older checkpoint; on disk it once was a plain FileNotFoundError
+    on that rank alone."""
+    store = CheckpointStore(run_location, keep_last=0)
+    path = save(store, 10)
+    manifest = json.loads(store.objects.read(f"step_00000010/{MANIFEST}"))
+    assert verified_bytes(path, "extra.json", manifest) == b"{}"
+    store.objects.child("step_00000010").delete("extra.json")
+    with pytest.raises(CorruptCheckpoint, match=r"step_00000010/extra.json: missing \(named by the manifest\)"):
+        verified_bytes(path, "extra.json", manifest)
+    store.objects.child("step_00000010").delete(MANIFEST)
+    with pytest.raises(CorruptCheckpoint, match=r"step_00000010/manifest.json: missing"):
+        load_checkpoint(path, training=None)  # refused before the engine is touched
