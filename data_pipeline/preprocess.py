@@ -269,6 +269,21 @@ def _work_tokenizer(
     return tokenizer
 
 
+def _write_part(parts: Parts, i: int, results) -> None:
+    """Input file i's unit results, in order -> its part, marked complete; on an error the
+    half-written part is discarded (the local pool and an executor's tasks alike)."""
+    writer, stats = parts.writer(i), zero_stats()
+    try:
+        for tokens, lengths, cont, open_, st, mask in results:
+            for k, v in st.items():
+                stats[k] += v
+            writer.add(tokens, lengths, cont, open_, mask)
+        writer.finish(stats)
+    except BaseException:
+        writer.abort()
+        raise
+
+
 def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar, records) -> None:
     """Input files `todo` -> their parts, streaming units through the worker pool in input order;
     a file with no units at all (an empty one) still gets its (empty) part."""
@@ -276,20 +291,16 @@ def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines,
     units = ((i, unit) for i in todo for unit in iter_units([files[i]], text_field))
     results = _ordered_results(units, tokenizer, text_field, skip_bad_lines, workers, records)
     result = next(results, None)
+
+    def file_results(i: int):
+        nonlocal result
+        while result is not None and result[0] == i:
+            yield result[2]
+            bar.update(result[1])
+            result = next(results, None)
+
     for i in todo:
-        writer, stats = parts.writer(i), zero_stats()
-        try:
-            while result is not None and result[0] == i:
-                _, nbytes, (tokens, lengths, cont, open_, st, mask) = result
-                for k, v in st.items():
-                    stats[k] += v
-                writer.add(tokens, lengths, cont, open_, mask)
-                bar.update(nbytes)
-                result = next(results, None)
-            writer.finish(stats)
-        except BaseException:
-            writer.abort()
-            raise
+        _write_part(parts, i, file_results(i))
 
 
 def _assemble(
@@ -409,22 +420,13 @@ def preprocess_files(
         if resumed and log:
             log(f"preprocess: resuming {work}: {len(files) - len(todo)} of {len(files)} input files already done")
         if executor is not None:
-
-            def write_part(i: int, results: list) -> None:
-                writer, stats = parts.writer(i), zero_stats()
-                for tokens, lengths, cont, open_, st, mask in results:
-                    for k, v in st.items():
-                        stats[k] += v
-                    writer.add(tokens, lengths, cont, open_, mask)
-                writer.finish(stats)
-
             workers = executor(
                 [(i, str(files[i])) for i in todo],
                 tokenizer,
                 text_field,
                 skip_bad_lines,
                 max_in_flight=workers,
-                on_file=write_part,
+                on_file=partial(_write_part, parts),
                 log=log,
                 **({"records": records} if records.masked else {}),
             )

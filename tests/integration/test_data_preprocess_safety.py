@@ -115,6 +115,27 @@ def test_failed_rerun_leaves_the_earlier_dataset_loadable(tmp_path):
     s.close()
 
 
+def test_a_part_an_executor_fails_to_write_is_discarded(tmp_path):
+    """As on the local path, a part whose writing fails is discarded (no half-written temp files
+    in OUTPUT.partial/parts), and a rerun writes it afresh."""
+
+    class BrokenTasks:  # RayTasks' interface; the file's last result cannot be written
+        name = "broken"
+
+        def __call__(self, jobs, tokenizer, text_field, skip_bad_lines, *, max_in_flight, on_file, log=None):
+            for i, path in jobs:
+                results = pp.tokenize_file(path, tokenizer, text_field, skip_bad_lines)
+                on_file(i, [*results, (np.zeros(3, np.uint16), ["not a length"], False, False, {}, None)])
+            return 1
+
+    src, out = jsonl(tmp_path / "a.jsonl"), tmp_path / "o"
+    with pytest.raises(ValueError):
+        pp.preprocess_files([src], out, executor=BrokenTasks(), progress=False, log=None)
+    assert not list((tmp_path / "o.partial" / "parts").iterdir())
+    pp.preprocess_files([src], out, progress=False, log=None)
+    assert (out / "index.json").is_file()
+
+
 def test_shard_tokens_must_be_positive(tmp_path):
     jsonl(tmp_path / "a.jsonl")
     for n in (0, -5):
