@@ -352,6 +352,16 @@ class TokenStream:
             if self.document_masking:
                 for s, whole in zip(self.sources, instruction):
                     self.windows.append(self._pack(s, seq_len + 1, must_fit=whole))
+                self.source_samples = [len(w) for w in self.windows]
+            else:
+                self.source_samples = [(s.num_tokens - 1) // seq_len if s.num_tokens else 0 for s in self.sources]
+            for s, n in zip(self.sources, self.source_samples):
+                if n <= 0:
+                    hint = "; re-run `loomtrain preprocess` with a larger --val-fraction" if split == "val" else ""
+                    raise DataError(
+                        f"{s.dir}: split {split!r} has {s.num_tokens} tokens, "
+                        f"fewer than one sample of seq_len + 1 = {seq_len + 1}{hint}"
+                    )
         except BaseException:
             for s in self.sources:
                 s.close()
@@ -369,17 +379,6 @@ class TokenStream:
         )
         self.tokenizer_hash = self.shards.tokenizer_hash
         self.loss_masked = any(s.mask is not None for s in self.sources)
-        if self.document_masking:
-            self.source_samples = [len(w) for w in self.windows]
-        else:
-            self.source_samples = [(s.num_tokens - 1) // seq_len if s.num_tokens else 0 for s in self.sources]
-        for s, n in zip(self.sources, self.source_samples):
-            if n <= 0:
-                hint = "; re-run `loomtrain preprocess` with a larger --val-fraction" if split == "val" else ""
-                raise DataError(
-                    f"{s.dir}: split {split!r} has {s.num_tokens} tokens, "
-                    f"fewer than one sample of seq_len + 1 = {seq_len + 1}{hint}"
-                )
         # One source: its samples; a mixture: all sources' together (each wraps on its own).
         self.samples_per_epoch = sum(self.source_samples)
         self.round_size = micro_batch_size * dp_size

@@ -6,6 +6,7 @@ import pytest
 import stream_support
 import torch
 from loomtrain.data_pipeline import DataError, TokenStream
+from loomtrain.data_pipeline.shard_set import ShardSet
 from loomtrain.data_pipeline.shards import write_arrays
 from loomtrain.data_pipeline.stream import SeededPermutation
 
@@ -131,10 +132,13 @@ def test_load_state_mid_iteration_restarts_prefetch(tmp_path):
     s.close()
 
 
-def test_split_too_small_is_refused(tmp_path):
+def test_split_too_small_is_refused(tmp_path, monkeypatch):
     shard_dir = make_shards(tmp_path, 5)
+    closed = []
+    monkeypatch.setattr(ShardSet, "close", lambda self: closed.append(self.split))
     with pytest.raises(DataError, match="split 'val' has 25 tokens, fewer than one sample of seq_len \\+ 1 = 33"):
         TokenStream(shard_dir, "val", seq_len=32, micro_batch_size=1)
+    assert closed == ["val"]  # the refused stream's shards are closed
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 64, 1000, 4097])
