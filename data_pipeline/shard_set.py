@@ -151,9 +151,8 @@ class ShardSet:
         parts = []
         for i, a, b in self._pieces(start, length):
             part = np.array(self._tokens(i, a, b), dtype=self.dtype)
-            if self._check_ids and part.size and int(part.max()) >= self.vocab_size:
-                bad = int(np.flatnonzero(part >= self.vocab_size)[0])
-                raise self._bad_id(i, a + bad, int(part[bad]))
+            if self._check_ids:
+                self._in_vocabulary(i, a, part)
             parts.append(part)
         if not parts:
             return np.zeros(0, self.dtype)
@@ -187,16 +186,17 @@ class ShardSet:
             return
         for i, arr in enumerate(self.segments):
             for lo in range(0, arr.size, chunk_tokens):
-                part = arr[lo : lo + chunk_tokens]
-                if int(part.max()) >= self.vocab_size:
-                    bad = lo + int(np.flatnonzero(np.asarray(part) >= self.vocab_size)[0])
-                    raise self._bad_id(i, bad, int(arr[bad]))
+                self._in_vocabulary(i, lo, arr[lo : lo + chunk_tokens])
 
-    def _bad_id(self, i: int, offset: int, token: int) -> DataError:
-        return DataError(
-            f"{self.files[i]}: token id {token} at token offset {offset} (byte {offset * self.dtype.itemsize}) "
-            f"is >= the vocabulary size {self.vocab_size}; the shard is corrupt or was made by another tokenizer"
-        )
+    def _in_vocabulary(self, i: int, start: int, tokens: np.ndarray) -> None:
+        """`tokens` (from token `start` of segment i) hold no id >= the vocabulary size, else DataError."""
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            offset = start + int(np.flatnonzero(np.asarray(tokens) >= self.vocab_size)[0])
+            token = int(tokens[offset - start])
+            raise DataError(
+                f"{self.files[i]}: token id {token} at token offset {offset} (byte {offset * self.dtype.itemsize}) "
+                f"is >= the vocabulary size {self.vocab_size}; the shard is corrupt or was made by another tokenizer"
+            )
 
     def close(self) -> None:
         # Drop the maps; numpy unmaps each file when its last view is gone
