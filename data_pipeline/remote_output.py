@@ -28,7 +28,7 @@ from concurrent.futures import Future, wait
 from pathlib import Path
 
 from loomtrain.data_pipeline.shards import FORMAT, INDEX, DataError
-from loomtrain.data_pipeline.staging import check_output, publish
+from loomtrain.data_pipeline.staging import check_output, output_names, publish
 from loomtrain.data_pipeline.tokenizer import CHAT_CONFIG
 from loomtrain.storage import (
     StorageError,
@@ -189,11 +189,7 @@ class RemoteOutput:
         for future in uploads:
             future.result()  # the first failed upload's DataError
         self._put(work / INDEX, INDEX, False)
-        index = json.loads((work / INDEX).read_text(encoding="utf-8"))
-        names = {INDEX, "tokenizer.json", CHAT_CONFIG}
-        for info in index["splits"].values():
-            names.update(s["file"] for s in info["shards"])
-            names.update(info[k] for k in ("doc_offsets", "loss_mask") if k in info)
+        names = output_names(json.loads((work / INDEX).read_text(encoding="utf-8")))
         stale = sorted((self._old | {MARKER}) - names)
         try:
             delete_objects(self.uri, stale)

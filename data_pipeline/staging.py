@@ -46,9 +46,12 @@ def _written_by_preprocess(out: Path) -> set[str] | None:
         return None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         return None
-    # tokenizer_config.json: the chat template, saved beside tokenizer.json when the tokenizer has one;
-    # the last two only if a publish was cut short
-    names = {INDEX, "tokenizer.json", "tokenizer_config.json", JOB, "parts"}
+    return output_names(index) | {JOB, "parts"}  # these two only if a publish was cut short
+
+
+def output_names(index: dict) -> set[str]:
+    """The files of the preprocess output this index describes (read defensively: maybe not ours)."""
+    names = {INDEX, "tokenizer.json", "tokenizer_config.json"}  # the last: a chat template, when there is one
     for split, info in (index.get("splits") or {}).items():
         if isinstance(info, dict):
             names.add(str(info.get("doc_offsets") or f"{split}.docs.bin"))
