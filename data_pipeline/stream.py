@@ -153,19 +153,11 @@ class Blend:
 
 
 def _source_list(source):
-    """A shard directory, or [(dir, weight), ...] / [{"path", "weight"}, ...] -> [(dir, weight)]."""
+    """A shard directory, or [(dir, weight), ...] (corpus.prepare_sources) -> [(dir, weight)]."""
     if isinstance(source, (list, tuple)):
-        out = []
-        for item in source:
-            if isinstance(item, dict) or hasattr(item, "path"):
-                path = item["path"] if isinstance(item, dict) else item.path
-                weight = item["weight"] if isinstance(item, dict) else item.weight
-            else:
-                path, weight = item
-            out.append((path, float(weight)))
-        if not out:
+        if not source:
             raise DataError("data.sources: empty list")
-        return out
+        return [(path, float(weight)) for path, weight in source]
     return [(source, 1.0)]
 
 
