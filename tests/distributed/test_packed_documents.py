@@ -16,11 +16,12 @@ import small_configs
 import torch
 import torch.nn.functional as F
 from loomtrain.data_pipeline.preprocess import preprocess_files
-from loomtrain.data_pipeline.shards import DataError, write_arrays
+from loomtrain.data_pipeline.shards import DataError
 from loomtrain.data_pipeline.stream import TokenStream, packed_windows
 from loomtrain.launcher.training.activation_checkpointing import apply_activation_checkpointing
 from loomtrain.model import ModelConfig, Transformer
 from loomtrain.model.loss import linear_cross_entropy
+from stream_support import write_arrays
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

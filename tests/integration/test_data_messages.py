@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from launch import TINY
 from loomtrain.data_pipeline import DataError, TokenStream, preprocess_files
-from loomtrain.data_pipeline.shards import write_arrays
 from loomtrain.launcher.config import ConfigError
 from loomtrain.launcher.config_loader import load_config
+from stream_support import write_arrays
 
 WEIGHT = "a positive number (the source's relative share of the samples)"
 ITEM = "{path: ..., weight: ...}"

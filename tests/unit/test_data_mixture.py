@@ -12,10 +12,10 @@ import pytest
 import stream_support
 from launch import TINY, run_loomtrain
 from loomtrain.data_pipeline import ByteTokenizer, DataError, TokenStream, prepare_sources, preprocess_files
-from loomtrain.data_pipeline.shards import write_arrays
 from loomtrain.data_pipeline.stream import Blend
 from loomtrain.launcher.config import DataConfig, DataSource
 from loomtrain.launcher.config_loader import ConfigError, load_config
+from stream_support import write_arrays
 
 T = 8
 INFO = {"hash": "synthetic0000000", "name": "synthetic", "vocab_size": 1 << 20, "eos_id": 0}

@@ -7,8 +7,8 @@ import stream_support
 import torch
 from loomtrain.data_pipeline import DataError, TokenStream
 from loomtrain.data_pipeline.shard_set import ShardSet
-from loomtrain.data_pipeline.shards import write_arrays
 from loomtrain.data_pipeline.stream import SeededPermutation
+from stream_support import write_arrays
 
 T = 8  # seq_len
 INFO = {"hash": "synthetic0000000", "name": "synthetic", "vocab_size": 1 << 20, "eos_id": 0}

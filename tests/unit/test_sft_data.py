@@ -11,9 +11,10 @@ import pytest
 from loomtrain.data_pipeline.preprocess import preprocess_files
 from loomtrain.data_pipeline.records import RecordFormat, record_tokens
 from loomtrain.data_pipeline.shard_set import ShardSet
-from loomtrain.data_pipeline.shards import INDEX, write_arrays
+from loomtrain.data_pipeline.shards import INDEX
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, train_bpe
 from loomtrain.launcher.cli.preprocess import main as preprocess_main
+from stream_support import write_arrays
 
 CHAT = [
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]},
