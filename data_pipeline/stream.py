@@ -675,19 +675,12 @@ class TokenStream:
                 "to resume, keep the data.sources the run started with; to train on the new mixture, start "
                 "afresh with checkpoint.resume=never (earlier checkpoints are set aside) or another run.dir"
             )
-        for key, mine in (
-            ("seed", self.seed),
-            ("shuffle", self.shuffle),
-            ("seq_len", self.seq_len),
-            ("samples_per_epoch", self.samples_per_epoch),
-            ("tokenizer_hash", self.tokenizer_hash),
-            ("split", self.split),
-            ("document_masking", self.document_masking),
-        ):
-            if state.get(key, False if key == "document_masking" else None) != mine:
+        mine = {**self.state_dict(), "document_masking": self.document_masking}  # False as well
+        for key in ("seed", "shuffle", "seq_len", "samples_per_epoch", "tokenizer_hash", "split", "document_masking"):
+            if state.get(key, False if key == "document_masking" else None) != mine[key]:
                 raise DataError(
                     f"cannot resume the data stream: the saved state has {key}={state.get(key)!r}, this stream has "
-                    f"{key}={mine!r}"
+                    f"{key}={mine[key]!r}"
                 )
         position = int(state["global_position"])
         if position < 0 or position % self.round_size:
