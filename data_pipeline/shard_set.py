@@ -139,18 +139,18 @@ class ShardSet:
             i, offset = i + 1, 0
         return out
 
-    def _tokens(self, i: int, a: int, b: int) -> np.ndarray:
-        segment = self.segments[i]
+    def _items(self, segment, a: int, b: int, dtype) -> np.ndarray:
+        """Items [a, b) of a segment (shard or loss mask): from its memory map, or fetched through the cache."""
         if self.local:
             return segment[a:b]
-        size = self.dtype.itemsize
-        return np.frombuffer(self.cache.get(segment, a * size, b * size), dtype=self._le)
+        size = np.dtype(dtype).itemsize
+        return np.frombuffer(self.cache.get(segment, a * size, b * size), dtype=dtype)
 
     def read(self, start: int, length: int) -> np.ndarray:
         """A copy of tokens [start, start + length) of the split, crossing shard files as needed."""
         parts = []
         for i, a, b in self._pieces(start, length):
-            part = np.array(self._tokens(i, a, b), dtype=self.dtype)
+            part = np.array(self._items(self.segments[i], a, b, self._le), dtype=self.dtype)
             if self._check_ids:
                 self._in_vocabulary(i, a, part)
             parts.append(part)
@@ -162,11 +162,9 @@ class ShardSet:
         """uint8 [length]: 1 where token start + i is a target (all ones without a loss mask)."""
         if self.mask is None:
             return np.ones(length, dtype=np.uint8)
-        if self.local:
-            return np.array(self.mask[start : start + length])
-        if not length:
+        if not length:  # (an object store is not asked for no bytes)
             return np.zeros(0, np.uint8)
-        return np.frombuffer(self.cache.get(self.mask, start, start + length), np.uint8).copy()
+        return np.array(self._items(self.mask, start, start + length, np.uint8))
 
     def prefetch(self, start: int, length: int) -> None:
         """Fetch tokens [start, start + length) ahead from an object store (read() then finds them)."""
