@@ -34,64 +34,54 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
     return list(files.values())
 
 
-def _kind(path: Path) -> str:
-    name = path.name.lower()
-    if name.endswith(".jsonl") or name.endswith(".ndjson"):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return "text"
-
-
-def iter_units(files: list[Path], text_field: str, unit_bytes: int | None = None):
-    """Work units, in input order: (kind, path, where, payload, first, last, nbytes)."""
+def iter_units(path: Path, text_field: str, unit_bytes: int | None = None):
+    """One input file's work units, in order: (kind, path, where, payload, first, last, nbytes)."""
     unit_bytes = unit_bytes or UNIT_BYTES
-    for path in files:
-        kind = _kind(path)
-        if kind == "parquet":
-            import pyarrow.parquet as pq
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
 
-            try:
-                pf = pq.ParquetFile(path)
-            except Exception as exc:
-                raise DataError(f"{path}: cannot read as Parquet: {exc}") from None
-            names = pf.schema_arrow.names
-            if text_field not in names:
-                raise DataError(
-                    f"{path}: no column {text_field!r} (columns: {', '.join(names)}); choose one with --text-field"
-                )
-            rows, size, row = max(1, pf.metadata.num_rows), path.stat().st_size, 0
-            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
-                texts = batch.column(0).to_pylist()
-                yield ("texts", str(path), row, texts, True, True, size * len(texts) // rows)
-                row += len(texts)
-        elif kind == "jsonl":
-            with open(path, "rb") as f:
-                lines, nbytes, start = [], 0, 1
-                for lineno, line in enumerate(f, 1):
-                    lines.append(line)
-                    nbytes += len(line)
-                    if nbytes >= unit_bytes:
-                        yield ("jsonl", str(path), start, lines, True, True, nbytes)
-                        lines, nbytes, start = [], 0, lineno + 1
-                if lines:
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as exc:
+            raise DataError(f"{path}: cannot read as Parquet: {exc}") from None
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            raise DataError(
+                f"{path}: no column {text_field!r} (columns: {', '.join(names)}); choose one with --text-field"
+            )
+        rows, size, row = max(1, pf.metadata.num_rows), path.stat().st_size, 0
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
+            texts = batch.column(0).to_pylist()
+            yield ("texts", str(path), row, texts, True, True, size * len(texts) // rows)
+            row += len(texts)
+    elif name.endswith((".jsonl", ".ndjson")):
+        with open(path, "rb") as f:
+            lines, nbytes, start = [], 0, 1
+            for lineno, line in enumerate(f, 1):
+                lines.append(line)
+                nbytes += len(line)
+                if nbytes >= unit_bytes:
                     yield ("jsonl", str(path), start, lines, True, True, nbytes)
-        else:
-            with open(path, "rb") as f:
-                # Read no more than the file holds: a 4 MiB buffer shrunk to a small
-                # file's size fragments the heap, and RSS then grows with the corpus.
-                left = os.fstat(f.fileno()).st_size
-                pending, first = f.read(min(unit_bytes, left)), True
-                left -= len(pending)
-                while True:
-                    more = f.read(min(unit_bytes, left)) if left > 0 else b""
-                    left -= len(more)
-                    if not more:
-                        yield ("text", str(path), 0, pending, first, True, len(pending))
-                        break
-                    cut = _cut_point(pending)
-                    yield ("text", str(path), 0, pending[:cut], first, False, cut)
-                    pending, first = pending[cut:] + more, False
+                    lines, nbytes, start = [], 0, lineno + 1
+            if lines:
+                yield ("jsonl", str(path), start, lines, True, True, nbytes)
+    else:
+        with open(path, "rb") as f:
+            # Read no more than the file holds: a 4 MiB buffer shrunk to a small
+            # file's size fragments the heap, and RSS then grows with the corpus.
+            left = os.fstat(f.fileno()).st_size
+            pending, first = f.read(min(unit_bytes, left)), True
+            left -= len(pending)
+            while True:
+                more = f.read(min(unit_bytes, left)) if left > 0 else b""
+                left -= len(more)
+                if not more:
+                    yield ("text", str(path), 0, pending, first, True, len(pending))
+                    break
+                cut = _cut_point(pending)
+                yield ("text", str(path), 0, pending[:cut], first, False, cut)
+                pending, first = pending[cut:] + more, False
 
 
 def _cut_point(data: bytes) -> int:

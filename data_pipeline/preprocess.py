@@ -203,7 +203,7 @@ class ValSplit:
 def tokenize_file(path: str, tokenizer, text_field: str, skip_bad_lines: bool, records: RecordFormat = TEXT) -> list:
     """One input file's unit results, in order (a Ray task: the file is read where it runs)."""
     _init_worker(tokenizer, text_field, skip_bad_lines, records)
-    return [_tokenize_unit(unit) for unit in iter_units([Path(path)], text_field)]
+    return [_tokenize_unit(unit) for unit in iter_units(Path(path), text_field)]
 
 
 def bpe_sample(files: list[Path], text_field: str, sample_bytes: int):
@@ -213,7 +213,7 @@ def bpe_sample(files: list[Path], text_field: str, sample_bytes: int):
     for path in files:
         budget = -(-sample_bytes * path.stat().st_size // total) if sample_bytes else None
         unit_bytes = min(documents.UNIT_BYTES, max(budget, 1 << 16)) if budget else None
-        units = iter_units([path], text_field, unit_bytes)
+        units = iter_units(path, text_field, unit_bytes)
         for text in (t for unit in units for t in unit_texts(unit, text_field, True)[0]):
             if budget is not None:
                 raw = text.encode("utf-8", errors="replace")
@@ -288,7 +288,7 @@ def _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines,
     """Input files `todo` -> their parts, streaming units through the worker pool in input order;
     a file with no units at all (an empty one) still gets its (empty) part."""
     # Tagged with the file's position: the same file may be given twice.
-    units = ((i, unit) for i in todo for unit in iter_units([files[i]], text_field))
+    units = ((i, unit) for i in todo for unit in iter_units(files[i], text_field))
     results = _ordered_results(units, tokenizer, text_field, skip_bad_lines, workers, records)
     result = next(results, None)
 
