@@ -121,14 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         if executor is not None:
             executor.check()  # up front: a dead address fails in seconds, before anything is written
         files = expand_inputs(args.input)
-        records = None
-        if args.format is not None or args.train_on_prompt or args.seq_len:
-            records = RecordFormat(
-                args.format or detect_format(files, args.text_field),
-                train_on_prompt=args.train_on_prompt,
-                max_tokens=args.seq_len + 1 if args.seq_len else 0,
-                truncate=args.truncate,
-            )
+        records = RecordFormat(
+            args.format or detect_format(files, args.text_field),
+            train_on_prompt=args.train_on_prompt,
+            max_tokens=args.seq_len + 1 if args.seq_len else 0,
+            truncate=args.truncate,
+        )
         preprocess_files(
             files,
             args.output,
