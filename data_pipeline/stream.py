@@ -379,7 +379,6 @@ class TokenStream:
         self._perms: dict[int, SeededPermutation] = {}
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
-        self._stop = threading.Event()
         if self.reads_ahead:
             itemsize = max(s.dtype.itemsize for s in self.sources) + (1 if self.loss_masked else 0)
             batch_bytes = micro_batch_size * (seq_len + 1) * itemsize
@@ -397,11 +396,7 @@ class TokenStream:
     @property
     def epoch(self) -> int:
         """Completed epochs; for a mixture, of the source that has completed fewest."""
-        return min(self.source_epochs(self._position))
-
-    def source_epochs(self, position: int) -> list[int]:
-        """Each source's epoch at global position `position`."""
-        return [int(c) // n for c, n in zip(self.blend.counts(position), self.source_samples)]
+        return min(int(c) // n for c, n in zip(self.blend.counts(self._position), self.source_samples))
 
     @property
     def tokens_per_epoch(self) -> int:
