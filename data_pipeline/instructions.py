@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from loomtrain.data_pipeline.corpus import stdlib_files
+from loomtrain.durable import AtomicFile
 
 ASK = "Complete this function: "  # then the def line: one line to type for `generate --chat`
 
@@ -75,14 +76,11 @@ def corpus_chats(max_files: int = 0, max_bytes: int = 200) -> Iterator[dict]:
 
 def write_jsonl(records: Iterator[dict], output: Path) -> int:
     """The records as JSONL at `output` (written whole, then renamed) -> how many."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(output.name + ".partial")
     n = 0
-    with open(partial, "w", encoding="utf-8") as f:
+    with AtomicFile(output) as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             n += 1
-    partial.replace(output)
     return n
 
 
