@@ -438,7 +438,7 @@ def preprocess_files(
                 4 * documents.UNIT_BYTES if isinstance(tokenizer, ByteTokenizer) else documents.UNIT_BYTES // 16
             ):
                 workers = 1
-            bar = tqdm(
+            with tqdm(
                 total=total_bytes,
                 initial=total_bytes - todo_bytes,
                 unit="B",
@@ -446,11 +446,8 @@ def preprocess_files(
                 desc="preprocess",
                 disable=not progress,
                 file=sys.stderr,
-            )
-            try:
+            ) as bar:
                 _tokenize_locally(files, todo, parts, tokenizer, text_field, skip_bad_lines, workers, bar, records)
-            finally:
-                bar.close()
         at.assembling = True
         sink.begin()
         uploaded = partial(sink.upload, work)  # to an object store, each shard goes up as it is complete
