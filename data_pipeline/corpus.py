@@ -11,7 +11,6 @@ import shutil
 import sys
 import sysconfig
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 from loomtrain.data_pipeline.preprocess import preprocess_files
@@ -39,16 +38,6 @@ def stdlib_files(max_files: int = 0) -> list[Path]:
     if not files:
         raise DataError(f"no .py files under the standard library directory {root}")
     return files[:max_files] if max_files and max_files > 0 else files
-
-
-@contextmanager
-def _file_lock(path: Path):
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _corpus_key(files: list[Path], data_cfg, tokenizer_id: str) -> str:
@@ -117,7 +106,8 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
     shard_dir = cache / f"stdlib-{key}"
     if not (shard_dir / "index.json").is_file():
         cache.mkdir(parents=True, exist_ok=True)
-        with _file_lock(cache / f".stdlib-{key}.lock"):
+        with open(cache / f".stdlib-{key}.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held until the file is closed
             if not (shard_dir / "index.json").is_file():  # another process may have built it meanwhile
                 tmp = cache / f".stdlib-{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                 try:
