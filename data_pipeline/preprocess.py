@@ -57,6 +57,7 @@ from loomtrain.data_pipeline.shards import (
 )
 from loomtrain.data_pipeline.staging import (
     Parts,
+    PartWriter,
     Progress,
     clear_assembly,
     open_partial,
@@ -272,7 +273,7 @@ def _work_tokenizer(
 def _write_part(parts: Parts, i: int, results) -> None:
     """Input file i's unit results, in order -> its part, marked complete; on an error the
     half-written part is discarded (the local pool and an executor's tasks alike)."""
-    writer, stats = parts.writer(i), zero_stats()
+    writer, stats = PartWriter(parts, i), zero_stats()
     try:
         for tokens, lengths, cont, open_, st, mask in results:
             for k, v in st.items():

@@ -137,9 +137,6 @@ class Parts:
         except (OSError, ValueError, KeyError, TypeError):
             return False
 
-    def writer(self, i: int) -> PartWriter:
-        return PartWriter(self, i)
-
     def read_mask(self, i: int) -> np.ndarray | None:
         """Part i's loss mask (uint8 per token), None for text."""
         if not self.masked:
