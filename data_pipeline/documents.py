@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 from loomtrain.data_pipeline.shards import DataError
@@ -135,9 +136,9 @@ def _missing_field(obj: dict, text_field: str) -> str:
     return f"no field {text_field!r} (fields: {listed}); if the text is in another field, pass {hint}"
 
 
-def zero_stats() -> dict:
-    """A unit's (or a file's, or the corpus's) counts of what reading its documents met."""
-    return {"bad_lines": 0, "replaced_chars": 0, "empty_docs": 0}
+def zero_stats() -> Counter:
+    """A unit's (or a file's, or the corpus's) counts of what reading its documents met (update() adds)."""
+    return Counter(bad_lines=0, replaced_chars=0, empty_docs=0)
 
 
 def unit_texts(unit, text_field: str, skip_bad_lines: bool):

@@ -276,8 +276,7 @@ def _write_part(parts: Parts, i: int, results) -> None:
     writer, stats = PartWriter(parts, i), zero_stats()
     try:
         for tokens, lengths, cont, open_, st, mask in results:
-            for k, v in st.items():
-                stats[k] += v
+            stats.update(st)
             writer.add(tokens, lengths, cont, open_, mask)
         writer.finish(stats)
     except BaseException:
@@ -324,8 +323,7 @@ def _assemble(
         for i in range(len(files)):
             tokens, lengths, st = parts.read(i)
             mask = parts.read_mask(i)
-            for k, v in st.items():
-                stats[k] += v
+            stats.update(st)
             is_val = np.array([splitter.is_val(doc + j) for j in range(len(lengths))], dtype=bool)
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             cuts = [0, *(np.flatnonzero(np.diff(is_val)) + 1).tolist(), len(lengths)]
