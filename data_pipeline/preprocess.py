@@ -92,7 +92,7 @@ def _tokenize_records(unit):
     _, path, where, payload, _, _, _ = unit
     stats = zero_stats()
     dtype = token_dtype(tok.vocab_size)
-    tokens, masks, lengths = [], [], []
+    tokens, masks, lengths = [np.zeros(0, dtype)], [np.zeros(0, np.uint8)], []  # (for a unit with no records)
     for lineno, record, problem in jsonl_values(payload, where, stats):
         if problem is None:
             try:
@@ -107,8 +107,6 @@ def _tokenize_records(unit):
         if not _W["skip"]:
             raise DataError(f"{path}:{lineno}: {problem}; --skip-bad-lines skips and counts such records")
         stats["bad_lines"] += 1
-    if not tokens:
-        return np.zeros(0, dtype), [], False, False, stats, np.zeros(0, np.uint8)
     return np.concatenate(tokens), lengths, False, False, stats, np.concatenate(masks)
 
 

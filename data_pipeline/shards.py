@@ -84,9 +84,7 @@ class SplitWriter:
         self.on_file(self._name)
 
     def write(self, tokens: np.ndarray) -> None:
-        tokens = np.asarray(tokens)
-        if tokens.dtype != self.dtype:
-            tokens = tokens.astype(self.dtype)
+        tokens = np.asarray(tokens, dtype=self.dtype)
         while tokens.size:
             if self._file is None:
                 self._open()
