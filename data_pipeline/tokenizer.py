@@ -101,21 +101,16 @@ class ByteTokenizer:
     def hash(self) -> str:
         return _short_hash(json.dumps({"type": _BYTE_FORMAT, "eos_id": 256, "vocab_size": 257}))
 
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "type": _BYTE_FORMAT,
-                "version": 1,
-                "eos_id": self.eos_id,
-                "vocab_size": self.vocab_size,
-                "note": "ids 0..255 are UTF-8 bytes, 256 is <|endoftext|>; "
-                "load with loomtrain.data_pipeline.load_tokenizer",
-            },
-            indent=1,
-        )
-
     def save(self, directory: str | os.PathLike) -> Path:
-        return atomic_write(Path(directory) / "tokenizer.json", self.to_json())
+        spec = {
+            "type": _BYTE_FORMAT,
+            "version": 1,
+            "eos_id": self.eos_id,
+            "vocab_size": self.vocab_size,
+            "note": "ids 0..255 are UTF-8 bytes, 256 is <|endoftext|>; "
+            "load with loomtrain.data_pipeline.load_tokenizer",
+        }
+        return atomic_write(Path(directory) / "tokenizer.json", json.dumps(spec, indent=1))
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, hash={self.hash})"
@@ -177,13 +172,10 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def to_json(self) -> str:
-        return self._tok.to_str(pretty=True)
-
     def save(self, directory: str | os.PathLike) -> Path:
         if self.chat is not None:
             atomic_write(Path(directory) / CHAT_CONFIG, json.dumps(self.chat, indent=2) + "\n")
-        return atomic_write(Path(directory) / "tokenizer.json", self.to_json())
+        return atomic_write(Path(directory) / "tokenizer.json", self._tok.to_str(pretty=True))
 
     def user_turn(self, text: str) -> str | None:
         """`text` as a user's message in this chat model's format, followed by the cue for the
