@@ -43,8 +43,7 @@ def function_chats(source: str, max_bytes: int) -> Iterator[dict]:
             continue
         body = node.body
         first = body[0]
-        has_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-        has_doc = has_doc and isinstance(first.value.value, str)
+        has_doc = ast.get_docstring(node, clean=False) is not None
         rest = body[1:] if has_doc else body
         head_end = first.end_lineno if has_doc else rest[0].lineno - 1  # the question's last line (1-based)
         if not rest or rest[0].lineno <= head_end or head_end < node.lineno:
