@@ -79,8 +79,7 @@ def write_corpus(output: Path) -> dict[str, int]:
     for rel, data in files.items():
         target = output / rel
         if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(target, data)
+            atomic_write(target, data)  # (its folder made as needed)
     docs = sum(data.count(b"\n") for rel, data in files.items() if rel.startswith("docs/"))
     return {"docs": docs, "code": sum(rel.startswith("code/") for rel in files)}
 
