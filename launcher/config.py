@@ -425,10 +425,20 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
+    def model_group(self) -> str:
+        """The ranks that hold one copy of the model, as messages name them: `parallel.tp=2`,
+        with context parallelism `parallel.tp=2 x parallel.cp=2`."""
+        p = self.parallel
+        return f"parallel.tp={p.tp}" + (f" x parallel.cp={p.cp}" if p.cp > 1 else "")
+
+    def data_ranks(self, workers: int) -> int:
+        """How many ways `workers` ranks split the samples: one way per whole TP x CP group."""
+        return workers // (self.parallel.tp * self.parallel.cp)
+
     def usable_world_size(self, workers: int) -> bool:
-        """Whether `workers` ranks can run this config: whole TP groups, and a global batch that
-        splits into micro batches over the DP ranks (an elastic group's sizes are checked here)."""
-        tp, t = self.parallel.tp * self.parallel.cp, self.train  # whole TP x CP groups
-        if workers < tp or workers % tp:
+        """Whether `workers` ranks can run this config: whole TP x CP groups, and a global batch
+        that splits into micro batches over the data ranks (an elastic group's sizes are checked here)."""
+        group, t = self.parallel.tp * self.parallel.cp, self.train
+        if workers < group or workers % group:
             return False
-        return t.global_batch_size % (t.micro_batch_size * (workers // tp)) == 0
+        return t.global_batch_size % (t.micro_batch_size * self.data_ranks(workers)) == 0

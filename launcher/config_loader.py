@@ -357,9 +357,7 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
     check(
         not p.sequence_parallel or (t.seq_len // p.cp) % p.tp == 0,
         "train.seq_len",
-        f"a multiple of parallel.tp={p.tp}"
-        + (f" x parallel.cp={p.cp}" if p.cp > 1 else "")
-        + " with parallel.sequence_parallel",
+        f"a multiple of {cfg.model_group()} with parallel.sequence_parallel",
         t.seq_len,
     )
     check(
@@ -376,12 +374,12 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
         f"a divisor of the world size {world_size} / parallel.tp={p.tp}",
         p.cp,
     )
-    t.grad_accum_steps(world_size // (p.tp * p.cp))  # samples split over the data ranks only
+    t.grad_accum_steps(cfg.data_ranks(world_size))  # samples split over the data ranks only
     if cfg.ray.elastic:  # the smallest elastic group must be a size the run can use too
         check(
             cfg.usable_world_size(cfg.ray.least_workers),
             "ray.min_workers",
-            f"a multiple of parallel.tp={p.tp} whose DP size x train.micro_batch_size={t.micro_batch_size} "
+            f"a multiple of {cfg.model_group()} whose DP size x train.micro_batch_size={t.micro_batch_size} "
             f"divides train.global_batch_size={t.global_batch_size}",
             cfg.ray.least_workers,
         )

@@ -97,7 +97,7 @@ class UsableElasticPolicy(ElasticScalingPolicy):
             t, least = self.cfg.train, self.scaling_config.min_workers
             print(
                 f"loomtrain: elastic: the cluster has room for {fits} workers, a size that "
-                f"parallel.tp={self.cfg.parallel.tp} and train.global_batch_size={t.global_batch_size} "
+                f"{self.cfg.model_group()} and train.global_batch_size={t.global_batch_size} "
                 f"(micro batch {t.micro_batch_size}) cannot use; "
                 + (f"using {usable}" if usable >= least else f"waiting for room for ray.min_workers={least}"),
                 flush=True,

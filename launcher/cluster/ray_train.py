@@ -347,7 +347,7 @@ def train_worker(config: dict) -> None:
     rank0 = ray.train.get_context().get_world_rank() == 0
     cfg = config_from_dict(config["cfg"], world_size=world)
     if cfg.ray.elastic and rank0:
-        dp = world // cfg.parallel.tp
+        dp = cfg.data_ranks(world)
         print(
             f"loomtrain: elastic: {world} of {cfg.ray.least_workers}-{cfg.ray.num_workers} workers this attempt "
             f"(dp {dp}, gradient accumulation {cfg.train.grad_accum_steps(dp)}, "

@@ -46,6 +46,14 @@ def test_rays_count_is_rounded_down_to_a_usable_size_and_said_once(ray_head, mon
     assert policy._count_possible_workers({"a": {"CPU": 2.0}, "b": {"CPU": 2.0}}) == 4
     # a node whose raylet does not answer (crashed, not yet declared dead) is not counted
     assert policy._count_possible_workers({"a": {"CPU": 2.0}, "gone": {"CPU": 2.0}}) == 2
+    # with context parallelism a size is a multiple of tp x cp, and the line says both
+    cp2 = _cfg("ray.num_workers=4", "ray.min_workers=2", "parallel.cp=2", "train.seq_len=64")
+    policy = elastic.UsableElasticPolicy(ScalingConfig(num_workers=(2, 4), resources_per_worker={"CPU": 1.0}), cp2)
+    assert policy._count_possible_workers(three) == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "loomtrain: elastic: the cluster has room for 3 workers, a size that parallel.tp=1 x parallel.cp=2 and "
+        "train.global_batch_size=8 (micro batch 2) cannot use; using 2"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -197,3 +197,18 @@ def test_keys_before_a_querys_document_are_skipped_and_the_result_is_the_same():
     torch.testing.assert_close(got, want)
     g = torch.randn_like(want)
     torch.testing.assert_close(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g))
+
+
+def test_elastic_sizes_name_cp_beside_tp():
+    """A group size must be a multiple of tp x cp: the ray.min_workers line says both."""
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            ROOT / "configs/tiny.yaml",
+            ["parallel.cp=2", "train.micro_batch_size=2", "train.global_batch_size=8", "train.seq_len=64"]
+            + ["ray.num_workers=4", "ray.min_workers=3"],
+            world_size=4,
+        )
+    assert str(err.value).startswith(
+        "ray.min_workers: expected a multiple of parallel.tp=1 x parallel.cp=2 whose DP size x "
+        "train.micro_batch_size=2 divides train.global_batch_size=8"
+    ), str(err.value)
