@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     room = model.cfg.max_seq_len - len(ids)
     if room <= 0:
         print(
-            f"loomtrain: the prompt is {len(ids)} tokens; the model's context is {model.cfg.max_seq_len}",
+            f"loomtrain generate: the prompt is {len(ids)} tokens; the model's context is {model.cfg.max_seq_len}",
             file=sys.stderr,
         )
         return 2
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             generator=gen,
         )
     except ValueError as exc:  # bad temperature / top-k / top-p
-        print(f"loomtrain: {exc}", file=sys.stderr)
+        print(f"loomtrain generate: {exc}", file=sys.stderr)
         return 2
     if what != "final weights":
         print(f"loomtrain generate: no final/ weights: using {what}", file=sys.stderr)

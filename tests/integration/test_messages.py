@@ -130,6 +130,22 @@ def test_generate_beyond_the_context_says_where_it_stops(tiny_final, capsys):
     assert out.startswith("def f")
 
 
+def test_generate_with_a_prompt_that_fills_the_context_names_the_command(tiny_final, capsys):
+    assert generate.main([str(tiny_final), "--prompt", "x" * 40]) == 2
+    assert one_line(capsys.readouterr().err) == "loomtrain generate: the prompt is 40 tokens; the model's context is 32"
+
+
+def test_generate_refused_by_the_sampler_names_the_command(tiny_final, capsys, monkeypatch):
+    from loomtrain.model import Transformer
+
+    def refuse(*args, **kwargs):
+        raise ValueError("top_k must be >= 1, got 0")
+
+    monkeypatch.setattr(Transformer, "generate", refuse)
+    assert generate.main([str(tiny_final), "--prompt", "def f", "--max-new-tokens", "5"]) == 2
+    assert one_line(capsys.readouterr().err) == "loomtrain generate: top_k must be >= 1, got 0"
+
+
 def test_generate_within_the_context_says_nothing(tiny_final, capsys):
     assert generate.main([str(tiny_final), "--prompt", "def f", "--max-new-tokens", "27"]) == 0
     assert capsys.readouterr().err == ""
