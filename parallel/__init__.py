@@ -10,7 +10,7 @@
 Files: topology (groups, checks), collectives (autograd collectives, byte counts),
 layers (column/row/vocab-parallel layers, vocab-parallel cross-entropy), plan
 (the one definition of the TP layout: ShardSpec, shard_spec, spec_of, shard_tensor,
-join_shards, gather_shards; parallelize, gathered_logits, full_state_dict),
+join_shards, gather_shards; parallelize, gathered_logits),
 materialize (start-up: a meta model, then only this rank's shards, one full parameter
 at a time), mpu (for DeepSpeed; its data-parallel group is dp x cp), context (context parallelism:
 each sequence's chunks per CP rank, the K/V all-gather).
@@ -29,7 +29,6 @@ _EXPORTS = {
     "apply_context_parallel": "context",
     "padded_vocab_size": "topology",
     "ShardSpec": "plan",
-    "full_state_dict": "plan",
     "gather_shards": "plan",
     "join_shards": "plan",
     "shard_spec": "plan",

@@ -468,15 +468,3 @@ def gathered_logits(model: nn.Module):
         yield model
     finally:
         head.gather_output = False
-
-
-@torch.no_grad()
-def full_state_dict(model: nn.Module, topology) -> dict[str, torch.Tensor]:
-    """The unsharded state dict of a parallelized model, with the plain model's keys and
-    shapes (vocabulary padding dropped), on every TP rank: what `Transformer.load_state_dict`
-    takes. Resharding = full_state_dict at one tp, load into a plain model, parallelize at
-    another. Collective over the TP group (every TP rank must call it)."""
-    out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        out[name] = gather_shards(t.detach(), spec_of(t), topology).detach().clone()
-    return out

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from loomtrain.model import ModelConfig, Transformer
-from loomtrain.parallel import Topology, check_tp, full_state_dict, gathered_logits, padded_vocab_size, parallelize
+from loomtrain.parallel import Topology, check_tp, gathered_logits, padded_vocab_size, parallelize
 from loomtrain.parallel.plan import gather_shards, spec_of
 from s3_server import free_port
 
@@ -118,7 +118,8 @@ def _check_variant(name, overrides, topo, sp):
     assert out["logits"] <= TOL and out["loss"] <= TOL, (name, sp, out)
 
     # The consolidated state dict is the single-process one (keys, shapes, values).
-    full, ref_sd = full_state_dict(model, topo), ref.state_dict()
+    full = {k: gather_shards(t.detach(), spec_of(t), topo) for k, t in model.state_dict(keep_vars=True).items()}
+    ref_sd = ref.state_dict()
     assert full.keys() == ref_sd.keys()
     out["state_dict"] = max(_max_diff(full[k], ref_sd[k]) for k in ref_sd)
     if not sp:  # greedy generation with the KV cache, full logits gathered
