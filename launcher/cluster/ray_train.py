@@ -118,31 +118,21 @@ def storage_path(cfg: RunConfig) -> str:
 
 
 def _store(cfg: RunConfig):
-    """The run's checkpoints: RUN_DIR/checkpoints, or {run.storage}/checkpoints (a URI)."""
+    """The run's checkpoints: RUN_DIR/checkpoints, or {run.storage}/checkpoints (a URI); only
+    listed and verified here (retention is the checkpoint hook's)."""
     from loomtrain.launcher.checkpoints.store import open_store
     from loomtrain.launcher.rundir import checkpoint_location
 
-    location = checkpoint_location(cfg, Path(cfg.run.dir))
-    return open_store(location, keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every)
-
-
-def _manifest_time(path: Path | str) -> float:
-    from loomtrain.launcher.checkpoints.store import read_manifest
-
-    try:
-        return float(read_manifest(path).get("time", 0.0))
-    except (OSError, ValueError):
-        return 0.0
+    return open_store(checkpoint_location(cfg, Path(cfg.run.dir)))
 
 
 def newest_complete(cfg: RunConfig, since: float | None = None) -> Path | str | None:
-    """Newest published checkpoint with intact manifest and sizes (written at/after `since`);
-    a folder, or a URI when run.storage is one."""
+    """Newest published checkpoint with intact manifest and sizes (written at/after `since`, by
+    its manifest's time); a folder, or a URI when run.storage is one."""
     store = _store(cfg)
     for _, path in reversed(store.published()):
-        if since is not None and _manifest_time(path) < since:
-            continue
-        if store.verify(path, checksums=False).ok:
+        verdict = store.verify(path, checksums=False)
+        if verdict.ok and (since is None or float(verdict.manifest.get("time", 0.0)) >= since):
             return path
     return None
 
