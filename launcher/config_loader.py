@@ -112,7 +112,7 @@ def _omegaconf_error(exc: OmegaConfBaseException, where: str) -> ConfigError:
 
 
 # --- loading -----------------------------------------------------------------
-def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig, str]]:
+def load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig, str]]:
     """The file and its `extends` chain as (layer, source) pairs, bases first."""
     path = path.resolve()
     if path in seen:
@@ -135,7 +135,7 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig
         for base in bases:
             if not isinstance(base, str):
                 raise ConfigError(f"extends: expected a file name or a list of them, got {base!r} [{path}]")
-            layers += _load_yaml(path.parent / base, (*seen, path))
+            layers += load_yaml(path.parent / base, (*seen, path))
     layers.append((layer, str(path)))
     return layers
 
@@ -271,7 +271,7 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), world_si
 
 def resolve(path: str | os.PathLike, overrides: Iterable[str] = ()) -> RunConfig:
     """YAML (+ extends chain) + overrides -> RunConfig, with types checked but not the rules."""
-    layers = _load_yaml(Path(path))
+    layers = load_yaml(Path(path))
     layers.append((_parse_overrides(overrides), "command line"))
     return merge_layers(layers)
 

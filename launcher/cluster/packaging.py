@@ -147,26 +147,6 @@ def package_files(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
     return sorted(shipped), left_out
 
 
-def config_chain(config: Path) -> list[Path]:
-    """The config file and every file its `extends:` chain names (resolved paths)."""
-    from omegaconf import OmegaConf
-
-    out: list[Path] = []
-    todo = [config.resolve()]
-    while todo:
-        path = todo.pop()
-        if path in out or not path.is_file():
-            continue  # cycles and missing bases: the config check reports them
-        out.append(path)
-        try:
-            bases = OmegaConf.load(path).get("extends") or []
-        except Exception:  # unparsable: the config check reports it
-            continue
-        bases = [bases] if isinstance(bases, str) else list(bases)
-        todo += [(path.parent / b).resolve() for b in bases if isinstance(b, str)]
-    return out
-
-
 def plan_shipment(config: str | os.PathLike, root: Path) -> tuple[list[ShipEntry], list[tuple[str, str]], str]:
     """(files to ship, files left out with why, CONFIG's path inside the working_dir)."""
     root = root.resolve()
@@ -175,8 +155,12 @@ def plan_shipment(config: str | os.PathLike, root: Path) -> tuple[list[ShipEntry
     cfg = Path(config)
     if not cfg.is_file():
         raise PackagingError(f"config file not found: {config}")
+    from loomtrain.launcher.config_loader import load_yaml
+
+    # The config first, then each file its `extends:` chain names, once; read as the loader reads them.
+    chain = dict.fromkeys(Path(source) for _, source in reversed(load_yaml(cfg)))
     config_in_job = ""
-    for i, path in enumerate(config_chain(cfg)):
+    for i, path in enumerate(chain):
         try:
             dest = f"{PACKAGE}/{path.relative_to(root)}"
         except ValueError:
