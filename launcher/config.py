@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from loomtrain.hf_cache import ModelIdError, cached_snapshot, looks_like_model_id
 from loomtrain.launcher.addresses import check_ray_address
 from loomtrain.model.config import ModelConfig
-from loomtrain.storage import known_scheme, location_problem
+from loomtrain.storage import is_uri, known_scheme, location_problem
 
 
 def cuda_available() -> bool:
@@ -424,6 +424,28 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+
+    def local_paths(self) -> list[tuple[Any, str, str]]:
+        """(section, field, dotted key) of every field that names a file or folder: set, not a
+        URI, and not one of the names the field also takes (a built-in tokenizer, a resume mode).
+        A Ray worker or job runs in a working directory of its own, where such a path differs."""
+        d = self.data
+        fields = [
+            (self.run, "dir", "run.dir", ()),
+            (d, "path", "data.path", ()),
+            *((s, "path", f"data.sources[{i}].path", ()) for i, s in enumerate(d.sources)),
+            (d, "tokenizer", "data.tokenizer", BUILTIN_TOKENIZERS),
+            (d, "cache_dir", "data.cache_dir", ()),
+            (self.checkpoint, "resume", "checkpoint.resume", RESUME_MODES),
+            (self.model, "init_from", "model.init_from", ()),
+            (self.ray, "storage", "ray.storage", ()),
+        ]
+        out = []
+        for section, name, key, names in fields:
+            value = getattr(section, name)
+            if value and not is_uri(value) and value not in names:
+                out.append((section, name, key))
+        return out
 
     def model_group(self) -> str:
         """The ranks that hold one copy of the model, as messages name them: `parallel.tp=2`,

@@ -171,19 +171,8 @@ def build_entrypoint(config_in_job: str, overrides: list[str]) -> str:
 def relative_paths(cfg) -> list[tuple[str, str]]:
     """(dotted key, value) of the config's paths that are relative: the job resolves them in its
     temporary working directory on the cluster, which holds the package and config only."""
-    from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES
-
-    named = [
-        ("run.dir", cfg.run.dir),
-        ("data.path", cfg.data.path),
-        *((f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources)),
-        ("data.tokenizer", "" if cfg.data.tokenizer in BUILTIN_TOKENIZERS else cfg.data.tokenizer),
-        ("data.cache_dir", cfg.data.cache_dir),
-        ("checkpoint.resume", "" if cfg.checkpoint.resume in RESUME_MODES else cfg.checkpoint.resume),
-        ("model.init_from", cfg.model.init_from),
-        ("ray.storage", cfg.ray.storage),
-    ]
-    return [(k, v) for k, v in named if v and "://" not in v and not os.path.isabs(os.path.expanduser(v))]
+    named = [(key, getattr(section, name)) for section, name, key in cfg.local_paths()]
+    return [(k, v) for k, v in named if not os.path.isabs(os.path.expanduser(v))]
 
 
 def warn_relative_paths(cfg) -> None:

@@ -62,6 +62,7 @@ plugin's hooks run before `RayReportHook`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -73,7 +74,7 @@ from typing import Any
 
 from loomtrain.durable import atomic_write, replace_dir, temp_name
 from loomtrain.launcher.cluster.recovery import Recovery, restart_note
-from loomtrain.launcher.config import BUILTIN_TOKENIZERS, RESUME_MODES, RunConfig
+from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.training import plugins
 from loomtrain.launcher.training.stopping import signal_name
@@ -88,26 +89,17 @@ ATTEMPTS_FILE = "ray_attempts.jsonl"
 
 
 def absolutize(cfg: RunConfig) -> RunConfig:
-    """Workers run in a directory Ray chooses: make the config's paths absolute (a built-in
-    tokenizer's name, a resume mode and a model id in the Hugging Face cache stay as they are)."""
+    """Workers run in a directory Ray chooses: a copy of the config whose paths
+    (RunConfig.local_paths) are absolute; a model id in the Hugging Face cache stays one."""
     from loomtrain.hf_cache import looks_like_model_id
 
-    run = dataclasses.replace(cfg.run, dir=absolute(cfg.run.dir))
-    data = dataclasses.replace(
-        cfg.data,
-        path=absolute(cfg.data.path),
-        sources=[dataclasses.replace(s, path=absolute(s.path)) for s in cfg.data.sources],
-        cache_dir=absolute(cfg.data.cache_dir),
-        tokenizer=cfg.data.tokenizer if cfg.data.tokenizer in BUILTIN_TOKENIZERS else absolute(cfg.data.tokenizer),
-    )
-    init_from = cfg.model.init_from
-    if not looks_like_model_id(init_from) or Path(os.path.expanduser(init_from)).exists():
-        init_from = absolute(init_from)
-    model = dataclasses.replace(cfg.model, init_from=init_from)
-    resume = cfg.checkpoint.resume
-    ckpt = dataclasses.replace(cfg.checkpoint, resume=resume if resume in RESUME_MODES else absolute(resume))
-    ray_ = dataclasses.replace(cfg.ray, storage=absolute(cfg.ray.storage))
-    return dataclasses.replace(cfg, run=run, data=data, model=model, checkpoint=ckpt, ray=ray_)
+    cfg = copy.deepcopy(cfg)
+    for section, name, key in cfg.local_paths():
+        value = getattr(section, name)
+        model_id = key in ("data.tokenizer", "model.init_from") and looks_like_model_id(value)
+        if not model_id or Path(os.path.expanduser(value)).exists():
+            setattr(section, name, absolute(value))
+    return cfg
 
 
 def storage_path(cfg: RunConfig) -> str:

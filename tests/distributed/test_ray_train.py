@@ -122,7 +122,8 @@ def test_ray_tp2_dp2_zero2_matches_torchrun_through_a_hard_exit_restarted_from_t
 
 def test_the_workers_config_names_every_local_path_absolutely(tmp_path, monkeypatch):
     """Ray's workers run in a directory of Ray's: every path the driver was given relative to its
-    own is made absolute, a data source's and model.init_from's included; a model id stays one."""
+    own is made absolute, a data source's and model.init_from's included; a model id stays one,
+    as model.init_from and as data.tokenizer."""
     from loomtrain.launcher.cluster import ray_train
     from loomtrain.launcher.config_loader import resolve
 
@@ -130,8 +131,10 @@ def test_the_workers_config_names_every_local_path_absolutely(tmp_path, monkeypa
     (tmp_path / "hf").mkdir()
     sources = "data.sources=[{path: ds/a, weight: 1.0}, {path: s3://bkt/b, weight: 1.0}]"
     for init_from, want in (("hf", str(tmp_path / "hf")), ("Org/model", "Org/model"), ("''", "")):
-        cfg = ray_train.absolutize(resolve(CONFIG, ["run.dir=run", sources, f"model.init_from={init_from}"]))
+        overrides = ["run.dir=run", sources, f"model.init_from={init_from}", "data.tokenizer=Org/tok"]
+        cfg = ray_train.absolutize(resolve(CONFIG, overrides))
         assert cfg.run.dir == str(tmp_path / "run") and cfg.model.init_from == want
+        assert cfg.data.tokenizer == "Org/tok"
         assert [s.path for s in cfg.data.sources] == [str(tmp_path / "ds" / "a"), "s3://bkt/b"]
 
 
