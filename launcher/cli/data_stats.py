@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = resolve(args.config, args.overrides)
-        # The global order does not depend on the DP size: check the config as one DP rank.
-        validate(cfg, cfg.parallel.tp)
+        # The global order does not depend on the DP size: check the config as one data rank.
+        validate(cfg, cfg.parallel.tp * cfg.parallel.cp)
         report = data_stats(cfg, data_cache_dir(cfg), args.steps, args.show)
     except (ConfigError, DataError) as exc:
         print(f"loomtrain data-stats: error: {exc}", file=sys.stderr)

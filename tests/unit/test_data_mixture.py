@@ -177,6 +177,20 @@ def test_data_stats_reports_shares_and_shows_decoded_samples(tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1 and "data.sources[0].path" in bad.stderr
 
 
+def test_data_stats_takes_a_context_parallel_config(tmp_path, capsys):
+    """One data rank is a whole tp x cp group: a config with parallel.cp=2 is checked as one."""
+    from loomtrain.launcher.cli import data_stats
+
+    text = tmp_path / "web.txt"
+    text.write_text("".join(f"alpha {i} " * 8 + "\n" for i in range(60)))
+    preprocess_files([text], tmp_path / "web", "byte", val_fraction=0.0, progress=False, log=None)
+    overrides = [f"data.path={tmp_path / 'web'}", "parallel.cp=2", "train.seq_len=32", "train.global_batch_size=8"]
+    assert data_stats.main([str(TINY), *overrides, "train.micro_batch_size=4", "--steps", "2"]) == 0, (
+        capsys.readouterr()
+    )
+    assert json.loads(capsys.readouterr().out)["samples"] == 2 * 8
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_training_on_a_mixture_resumes_exactly(tmp_path):
     """The run reads data.sources (train and val), saves the mixture position, and
