@@ -13,10 +13,9 @@ rank's peak is its shards plus about one full parameter.
 
 The seam for loading weights instead (a Hugging Face checkpoint, `model.init_from`):
 pass a generator that reads one tensor at a time (e.g. safetensors `safe_open(...).
-get_tensor(name)`, names mapped to loomtrain's) to `materialize`, or call
-`materialize_param(model, name, full, ...)` per tensor followed by `finish_materialize`.
-Every parameter must be supplied once (a tied `lm_head.weight` is `tok_emb.weight`
-and needs no entry); a missing one is reported by name. `model.init_from` fills
+get_tensor(name)`, names mapped to loomtrain's) to `materialize`. Every parameter must be
+supplied once (a tied `lm_head.weight` is `tok_emb.weight` and needs no entry); a missing
+one is reported by name. `model.init_from` fills
 shards in place instead (`allocate_shards`, then its slice reads).
 
 `after_param(name, param)` runs after each parameter is in place: ZeRO-3 partitions it
@@ -51,26 +50,6 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
             if p is not None:
                 out.setdefault(id(p), []).append((module, key))
     return out
-
-
-@torch.no_grad()
-def materialize_param(
-    model: nn.Module, name: str, full: torch.Tensor, *, device, dtype=None, owners: dict | None = None
-) -> nn.Parameter:
-    """Put this rank's shard of the plain-model parameter `name`, cut from `full` (its whole,
-    unpadded tensor), into `model` on `device` in `dtype` (default: full's). Returns the new
-    Parameter; it replaces the meta one everywhere (tied names too) and keeps its TP
-    attributes and gradient hooks."""
-    try:
-        old = model.get_parameter(name)
-    except AttributeError:
-        raise ValueError(f"weights: {name!r} is not a parameter of the model") from None
-    spec = spec_of(old)
-    if tuple(full.shape) != tuple(spec.full_shape):
-        raise ValueError(f"weights: {name!r} has shape {tuple(full.shape)}, the model expects {tuple(spec.full_shape)}")
-    data = shard_tensor(full, spec)
-    data = data.to(device=device, dtype=dtype if dtype is not None and data.is_floating_point() else data.dtype)
-    return _replace(model, old, data, _owners(model) if owners is None else owners)
 
 
 def _replace(model: nn.Module, old: nn.Parameter, data: torch.Tensor, owners: dict) -> nn.Parameter:
@@ -120,12 +99,25 @@ def materialize(
     dtype=None,
     after_param: Callable[[str, nn.Parameter], None] | None = None,
 ) -> nn.Module:
-    """Materialise every parameter of a `sharded_meta_model` from (name, full tensor) pairs
-    (see the module docstring); returns the model."""
+    """Materialise every parameter of a `sharded_meta_model` from (name, full tensor) pairs (see
+    the module docstring): this rank's shard of each, cut from its whole, unpadded tensor, on
+    `device` in `dtype` (default: the tensor's), in place of the meta parameter everywhere (tied
+    names too), with its TP attributes and gradient hooks; returns the model."""
     owners = _owners(model)
     for name, full in tensors:
-        param = materialize_param(model, name, full, device=device, dtype=dtype, owners=owners)
+        try:
+            old = model.get_parameter(name)
+        except AttributeError:
+            raise ValueError(f"weights: {name!r} is not a parameter of the model") from None
+        spec = spec_of(old)
+        if tuple(full.shape) != tuple(spec.full_shape):
+            raise ValueError(
+                f"weights: {name!r} has shape {tuple(full.shape)}, the model expects {tuple(spec.full_shape)}"
+            )
+        data = shard_tensor(full, spec)
         del full  # before the supplier makes the next one
+        data = data.to(device=device, dtype=dtype if dtype is not None and data.is_floating_point() else data.dtype)
+        param = _replace(model, old, data, owners)
         if after_param is not None:
             after_param(name, param)
     return finish_materialize(model, device, dtype)
