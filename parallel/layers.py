@@ -122,7 +122,7 @@ class VocabParallelEmbedding(nn.Module):
     """The embedding table's rows (the vocabulary, padded to a multiple of tp) split across
     ranks. Each rank looks up the tokens in its range, zeroes the rest, and the partial
     results are summed: all-reduce, or reduce-scatter along the sequence (output_mode
-    "reduce_scatter_seq"), or left as partial sums ("partial")."""
+    "reduce_scatter_seq")."""
 
     def __init__(
         self,
@@ -149,11 +149,9 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.output_mode == "all_reduce":
-            return C.reduce_from_tp(out, self.group, self.tag)
         if self.output_mode == "reduce_scatter_seq":
             return C.reduce_scatter_seq(out, self.group, self.tag)
-        return out
+        return C.reduce_from_tp(out, self.group, self.tag)
 
     def extra_repr(self) -> str:
         return (
