@@ -71,7 +71,7 @@ def _worker(rank, tp, port, args, queue):
             tokens = torch.randint(
                 0, cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0)
             )
-            C.reset_comm_stats()
+            C.COMM_STATS.clear()
             model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
             results[(positions, sp)] = {k: list(v) for k, v in C.COMM_STATS.items()}
     if rank == 0:

@@ -42,10 +42,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def reset_comm_stats() -> None:
-    COMM_STATS.clear()
-
-
 def _record(tag: str, op: str, phase: str, t: torch.Tensor, p: int) -> None:
     entry = COMM_STATS[(tag, op, phase)]
     n = t.numel() * t.element_size()
