@@ -75,20 +75,11 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def _schema_default(key: str) -> Any:
-    """The schema's default for a dotted leaf key (None for an unknown one)."""
-    obj: Any = RunConfig()
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(obj) or not hasattr(obj, part):
-            return None
-        obj = getattr(obj, part)
-    return obj
-
-
 def _no_value(key: str, where: str) -> ConfigError:
     """`run.dir=` (often an unset shell variable) or `dir:` with nothing after it: OmegaConf reads
     a null, which no field accepts; say so, and what to write instead."""
-    none = f""", or "{key}=''" for none""" if _schema_default(key) == "" else ""
+    default = dict(_leaves(RunConfig())).get(key)  # the schema's (None for an unknown key)
+    none = f""", or "{key}=''" for none""" if default == "" else ""
     if where == "command line":
         return ConfigError(
             f"{key}: no value after '=' on the command line ('{key}=': an unset shell variable?); "
