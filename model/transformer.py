@@ -193,21 +193,6 @@ class Transformer(nn.Module):
     generate = generate
 
     # Accounting ---------------------------------------------------------------
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Parameters held by this module (a tied table counted once; local shards once sharded).
-
-        exclude_embeddings drops the input lookup tables (tok_emb, and pos_emb when learned)
-        but keeps the lm_head matmul weight, which is tok_emb's table itself when tied;
-        see loomtrain.model.flops for why. Equals flops.param_count(cfg) on an unsharded model.
-        """
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            if self.pos_emb is not None:
-                total -= self.pos_emb.weight.numel()
-            if self.lm_head.weight is not self.tok_emb.weight:
-                total -= self.tok_emb.weight.numel()
-        return total
-
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at sequence length seq_len for the whole (unsharded) model:
         6 * N + 12 * n_layers * n_heads * head_dim * seq_len with N = param_count(cfg, exclude_embeddings=True).

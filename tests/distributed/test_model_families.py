@@ -358,7 +358,7 @@ def test_head_dim_override_counts_and_shapes():
     assert attn.wq.weight.shape == (48, 30) and attn.wk.weight.shape == (24, 30) and attn.wo.weight.shape == (30, 48)
     assert attn.wq.bias is not None and attn.wo.bias is None and model.blocks[0].ffn.up.bias is None
     assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (12,)
-    assert model.num_params() == param_count(cfg)
+    assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
     # `plan` counts the model's matmul parameters as param_count does (its FLOPs are the model's:
     # attention term 12 L H head_dim T, not 12 L d T)
     from loomtrain.launcher.planning.memory_model import count_params
