@@ -54,10 +54,6 @@ def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
 # Raw collectives (no autograd) -------------------------------------------------
 def all_reduce(x: torch.Tensor, group, tag: str = "", phase: str = "fwd", op=dist.ReduceOp.SUM) -> torch.Tensor:
     p = _size(group)
@@ -102,7 +98,7 @@ def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if x.shape[dim] % n:
         what = "sequence length" if dim == 1 else f"size of dim {dim}"
         raise ValueError(f"parallel.tp={n}: {what} {x.shape[dim]} is not divisible by tp")
-    return x.chunk(n, dim=dim)[_rank(group)].contiguous()
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
 
 
 # Autograd functions -------------------------------------------------------------
@@ -125,10 +121,6 @@ def _conjugate(name: str, doc: str, forward, backward):
     return apply
 
 
-def _identity(x, group, tag, phase):
-    return x
-
-
 def _gather_seq(x, group, tag, phase):
     return _all_gather(x, 1, group, tag, phase)
 
@@ -147,7 +139,7 @@ reduce_from_tp = _conjugate(
     "reduce_from_tp",
     "All-reduce forward; identity backward (output of a row-parallel region).",
     lambda x, group, tag, phase: all_reduce(x.clone(), group, tag, phase),
-    _identity,
+    lambda g, group, tag, phase: g,
 )
 gather_last_dim = _conjugate(
     "gather_last_dim",
