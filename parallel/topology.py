@@ -54,11 +54,6 @@ def tp_problem(model_cfg, tp: int) -> str | None:
     return None
 
 
-def working_tp_sizes(model_cfg) -> list[int]:
-    """Every tp this model splits into (a divisor of n_heads that the KV heads and FFN allow)."""
-    return [t for t in range(1, model_cfg.n_heads + 1) if tp_problem(model_cfg, t) is None]
-
-
 def check_tp(model_cfg, tp: int, world_size: int | None = None) -> None:
     """Raise a one-line ValueError naming `parallel.tp` if this model cannot be split tp ways;
     the line lists the tp sizes that do split it (14 query / 2 KV heads: 1, 2).
@@ -74,7 +69,8 @@ def check_tp(model_cfg, tp: int, world_size: int | None = None) -> None:
         return
     problem = tp_problem(model_cfg, tp)
     if problem is not None:
-        sizes = ", ".join(map(str, working_tp_sizes(model_cfg)))
+        # every tp this model splits into: a divisor of n_heads that the KV heads and FFN allow
+        sizes = ", ".join(str(t) for t in range(1, model_cfg.n_heads + 1) if tp_problem(model_cfg, t) is None)
         _fail(f"parallel.tp={tp}: {problem}; the tp sizes that split this model: {sizes}")
 
 
