@@ -352,7 +352,7 @@ def _check_across_sections(cfg: RunConfig, world_size: int) -> None:
         t.seq_len,
     )
     check(
-        not p.compile or (t.device != "cpu" and cuda_available()) or _cxx_available(),
+        not p.compile or (t.device != "cpu" and cuda_available()) or shutil.which(os.environ.get("CXX", "g++")),
         "parallel.compile",
         "false on a CPU without a C++ compiler (torch.compile's CPU backend builds with $CXX or g++)",
         p.compile,
@@ -441,7 +441,3 @@ def run_has_checkpoints(cfg: RunConfig) -> bool:
     """Whether the run may have checkpoints of its own. With run.storage (a URI) the answer is
     the store's, which a config check does not contact: the start-up's resume resolution asks it."""
     return bool(cfg.run.storage) or (run_dir(cfg) / "checkpoints").is_dir()
-
-
-def _cxx_available() -> bool:
-    return shutil.which(os.environ.get("CXX", "g++")) is not None
