@@ -54,13 +54,9 @@ def valid_keys() -> list[str]:
     return [key for key, _ in _leaves(RunConfig())]
 
 
-def _sections() -> list[str]:
-    return [f.name for f in dataclasses.fields(RunConfig)]
-
-
 def _closest(key: str) -> str:
     keys = valid_keys()
-    pool = keys + _sections()
+    pool = keys + [f.name for f in dataclasses.fields(RunConfig)]  # and the sections
     # Compare the full dotted key, and also the last part alone (`lr` -> `train.lr`).
     match = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)
     if not match:
@@ -158,8 +154,8 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
 def _check_keys(layer: DictConfig, source: str) -> None:
     """Unknown keys, named in full with the closest valid dotted key."""
     known = set(valid_keys())
-    # top-level sections and nested ones (model.lora): every key's parent is a section
-    sections = set(_sections()) | {key.rsplit(".", 1)[0] for key in known}
+    # every key's parent is a section, top-level (train) or nested (model.lora), and every section has keys
+    sections = {key.rsplit(".", 1)[0] for key in known}
 
     def walk(node: DictConfig, prefix: str) -> None:
         for key in node.keys():
