@@ -325,23 +325,13 @@ def _cut(layer: nn.Module, attr: str, name: str, cfg, topology) -> nn.Parameter 
     return attach_spec(nn.Parameter(shard_tensor(full, spec), requires_grad=full.requires_grad), spec)
 
 
-def _column(linear: nn.Linear, name: str, cfg, topology, **kwargs) -> ColumnParallelLinear:
-    return ColumnParallelLinear(
-        _cut(linear, "weight", f"{name}.weight", cfg, topology),
-        _cut(linear, "bias", f"{name}.bias", cfg, topology),
-        topology,
-        full_out_features=linear.out_features,
-        **kwargs,
-    )
-
-
-def _row(linear: nn.Linear, name: str, cfg, topology, **kwargs) -> RowParallelLinear:
-    return RowParallelLinear(
-        _cut(linear, "weight", f"{name}.weight", cfg, topology),
-        _cut(linear, "bias", f"{name}.bias", cfg, topology),
-        topology,
-        **kwargs,
-    )
+def _split(linear: nn.Linear, name: str, cfg, topology, **kwargs) -> ColumnParallelLinear | RowParallelLinear:
+    """`linear` (plain-model name `name`) as the parallel layer its name makes it (_ROW or _COLUMN),
+    holding this rank's shards of its weight and bias."""
+    weight, bias = (_cut(linear, attr, f"{name}.{attr}", cfg, topology) for attr in ("weight", "bias"))
+    if name.rsplit(".", 1)[-1] in _ROW:
+        return RowParallelLinear(weight, bias, topology, **kwargs)
+    return ColumnParallelLinear(weight, bias, topology, full_out_features=linear.out_features, **kwargs)
 
 
 def _shard_attention(attn, topology, cfg, sp: bool, tag: str) -> None:
@@ -350,7 +340,7 @@ def _shard_attention(attn, topology, cfg, sp: bool, tag: str) -> None:
         _input_hook(C.gather_seq if sp else C.copy_to_tp, group, f"{tag}.attn_in"), with_kwargs=True
     )
     for name in ("wq", "wk", "wv"):
-        setattr(attn, name, _column(getattr(attn, name), f"{tag}.attn.{name}", cfg, topology))
+        setattr(attn, name, _split(getattr(attn, name), f"{tag}.attn.{name}", cfg, topology))
     kv = spec_of(attn.wk.weight)
     if kv.replicas > 1:  # one KV head on m ranks: sum its gradient over them to keep replicas equal
         sub = topology.tp_subgroup(kv.replicas)
@@ -358,7 +348,7 @@ def _shard_attention(attn, topology, cfg, sp: bool, tag: str) -> None:
             if p is not None:
                 p.tp_replicas = kv.replicas
                 p.register_hook(grad_all_reduce_hook(sub, f"{tag}.kv_replica_grad"))
-    attn.wo = _row(attn.wo, f"{tag}.attn.wo", cfg, topology, sequence_parallel=sp, tag=f"{tag}.attn_out")
+    attn.wo = _split(attn.wo, f"{tag}.attn.wo", cfg, topology, sequence_parallel=sp, tag=f"{tag}.attn_out")
     attn.n_heads = cfg.n_heads // tp
     attn.n_kv_heads = kv.local_shape[0] // cfg.head_width
     for norm in (attn.q_norm, attn.k_norm):  # replicated, each rank's gradient from its own heads: sum them
@@ -372,10 +362,10 @@ def _shard_ffn(ffn, topology, cfg, sp: bool, tag: str) -> None:
     ffn.register_forward_pre_hook(
         _input_hook(C.gather_seq if sp else C.copy_to_tp, topology.tp_group, f"{tag}.ffn_in"), with_kwargs=True
     )
-    ffn.up = _column(ffn.up, f"{tag}.ffn.up", cfg, topology)
+    ffn.up = _split(ffn.up, f"{tag}.ffn.up", cfg, topology)
     if hasattr(ffn, "gate"):
-        ffn.gate = _column(ffn.gate, f"{tag}.ffn.gate", cfg, topology)
-    ffn.down = _row(ffn.down, f"{tag}.ffn.down", cfg, topology, sequence_parallel=sp, tag=f"{tag}.ffn_out")
+        ffn.gate = _split(ffn.gate, f"{tag}.ffn.gate", cfg, topology)
+    ffn.down = _split(ffn.down, f"{tag}.ffn.down", cfg, topology, sequence_parallel=sp, tag=f"{tag}.ffn_out")
 
 
 def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> nn.Module:
