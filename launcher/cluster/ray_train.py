@@ -449,7 +449,7 @@ def _worker_count(cfg: RunConfig) -> str:
 
 
 def run(cfg: RunConfig, stop=None):
-    """Run `cfg` on Ray; returns Ray's Result. Raises RayStartError / Ray's errors.
+    """Run `cfg` on Ray; returns Ray's Result. Raises RayRunError / Ray's errors.
     `stop` (a StopRequest) is installed once Ray is connected: ray.init sets its own
     SIGTERM handler (sys.exit), which would end the driver without a save."""
     import ray  # its loggers exist before the console takes them over
@@ -511,7 +511,7 @@ def _run(cfg: RunConfig, stop, console):
             alive = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
             attempts = join(cfg.run.storage, ATTEMPTS_FILE) if cfg.run.storage else Path(cfg.run.dir) / ATTEMPTS_FILE
             restart = restart_note(attempts, started_at, alive)
-            raise RayStartError(
+            raise RayRunError(
                 f"Ray could not place {cfg.ray.num_workers} workers x {_resources(cfg)}{restart} "
                 f"within ray.start_timeout_s={cfg.ray.start_timeout_s} s; the cluster has "
                 f"{ {k: now.get(k, 0.0) for k in want} } now. Lower ray.num_workers / "
@@ -521,11 +521,8 @@ def _run(cfg: RunConfig, stop, console):
 
 
 class RayRunError(RuntimeError):
-    """A Ray run that could not start or failed for good; its message is one line for the user."""
-
-
-class RayStartError(RayRunError):
-    """The worker group could not be placed on the cluster in time."""
+    """A Ray run that could not start (its worker group not placed in time) or failed for good;
+    its message is one line for the user."""
 
 
 def _stop_for_workers(run_dir: str | os.PathLike):
