@@ -23,7 +23,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,13 +107,6 @@ def denied(rel: str | os.PathLike, folders: bool = True) -> str | None:
     return None
 
 
-def _regular_file(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)  # lstat: a symlink is not a regular file
-    except OSError:
-        return False
-
-
 def package_files(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
     """(shipped, left_out) relative paths of the package tree under `root`.
 
@@ -142,7 +134,7 @@ def package_files(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
             why = denied(rel)
             if why:
                 left_out.append((rel, why))
-            elif _regular_file(Path(e.path)):
+            elif e.is_file(follow_symlinks=False):  # a regular file (not a FIFO, a socket, a device)
                 shipped.append(rel)
     return sorted(shipped), left_out
 
