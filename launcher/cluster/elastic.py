@@ -9,11 +9,11 @@ accumulation, and the data stream resumes at the exact sample (loomtrain.data_pi
 so the run follows the one that never lost a node, loss for loss.
 
 Not every worker count is one a config can use: the world size must be a multiple of
-`parallel.tp`, and `train.global_batch_size` a multiple of `train.micro_batch_size` x the DP
-size. Ray counts workers by free resources alone, so its elastic policy is wrapped here to
-round that count down to the largest usable one (saying so in one line); below
-`ray.min_workers` it waits, as Ray does, for the cluster to have room. Two more changes to
-Ray's count, both for the restart right after a node died: it reads the cluster afresh
+`parallel.tp` x `parallel.cp`, and `train.global_batch_size` a multiple of
+`train.micro_batch_size` x the data-parallel size. Ray counts workers by free resources alone,
+so its elastic policy is wrapped here to round that count down to the largest usable one
+(saying so in one line); below `ray.min_workers` it waits, as Ray does, for the cluster to
+have room. Two more changes to Ray's count, both for the restart right after a node died: it reads the cluster afresh
 (Ray's coordinator refreshes every 20 s) and counts only nodes whose raylet answers (the GCS
 declares a crashed node dead only after its health checks fail); else the restart asks for
 the lost node's workers too and waits `ray.start_timeout_s` for a placement that never comes.
