@@ -249,14 +249,12 @@ def gather_shards(local: torch.Tensor, spec: ShardSpec, topology) -> torch.Tenso
     if spec.dim is None:
         return local
     if topology is None or topology.tp_size == 1:
-        return join_shards([local], spec) if spec.num_shards == 1 else _missing_peers(spec)
+        if spec.num_shards != 1:
+            raise ValueError(f"a tensor split {spec.num_shards} ways needs its TP group to be joined")
+        return join_shards([local], spec)
     parts = [torch.empty_like(local) for _ in range(topology.tp_size)]
     torch.distributed.all_gather(parts, local.detach().contiguous(), group=topology.tp_group)
     return join_shards(parts[:: spec.replicas], spec)
-
-
-def _missing_peers(spec: ShardSpec):
-    raise ValueError(f"a tensor split {spec.num_shards} ways needs its TP group to be joined")
 
 
 def grad_all_reduce_hook(group, tag):
