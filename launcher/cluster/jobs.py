@@ -113,10 +113,10 @@ def make_client(address: str | None):
         raise JobsError(f"cannot talk to Ray Jobs at {address}: {e}") from None
 
 
-def _call(what: str, job: str, fn, *args):
-    """Run a client call; an unknown job becomes one clear message."""
+def _call(what: str, job: str, fn):
+    """fn(job), a client call; an unknown job becomes one clear message."""
     try:
-        return fn(*args)
+        return fn(job)
     except RuntimeError as e:
         text = str(e)
         if "404" in text or "does not exist" in text:
@@ -273,7 +273,7 @@ def submit(
 def status(job: str, *, address: str | None = None) -> int:
     """Print the job's state, message, entrypoint, running time and exit code."""
     client = make_client(address)
-    info = _call("status of", job, client.get_job_info, job)
+    info = _call("status of", job, client.get_job_info)
     st = str(getattr(info.status, "value", info.status))
     print(f"{job}: {st}")
     if info.message:
@@ -302,9 +302,9 @@ def _follow(client, job: str) -> int:
         return 130
     except RuntimeError as e:
         # A job that is gone, or a stream closed early: tell which.
-        _call("logs of", job, client.get_job_status, job)
+        _call("logs of", job, client.get_job_status)
         print(f"loomtrain: log stream ended: {e}", file=sys.stderr)
-    st = str(getattr(s := _call("status of", job, client.get_job_status, job), "value", s))
+    st = str(getattr(s := _call("status of", job, client.get_job_status), "value", s))
     print(f"loomtrain: job {job} {st}", file=sys.stderr)
     return 0 if st == "SUCCEEDED" else 1
 
@@ -313,17 +313,17 @@ def logs(job: str, *, address: str | None = None, follow: bool = False) -> int:
     """Print the job's logs so far, or with `follow` stream them until it ends (its exit status)."""
     client = make_client(address)
     if follow:
-        _call("logs of", job, client.get_job_status, job)  # unknown job -> clear error
+        _call("logs of", job, client.get_job_status)  # unknown job -> clear error
         return _follow(client, job)
-    sys.stdout.write(_call("logs of", job, client.get_job_logs, job))
+    sys.stdout.write(_call("logs of", job, client.get_job_logs))
     return 0
 
 
 def stop(job: str, *, address: str | None = None, wait: bool = False, wait_timeout: float = 60.0) -> int:
     """Ask Ray to stop the job (SIGTERM to its driver); with `wait`, until it has ended or `wait_timeout` s."""
     client = make_client(address)
-    stopped = _call("stop of", job, client.stop_job, job)
-    st = str(getattr(s := _call("status of", job, client.get_job_status, job), "value", s))
+    stopped = _call("stop of", job, client.stop_job)
+    st = str(getattr(s := _call("status of", job, client.get_job_status), "value", s))
     if not stopped and st in TERMINAL:
         print(f"{job}: already {st}")
         return 0
