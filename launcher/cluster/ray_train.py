@@ -230,13 +230,14 @@ class RayReportHook(Hooks):
         if ctx.dist.rank == 0 and self.recovery is not None:
             self.recovery.restore(path)  # run.storage: the last attempt's rank 0 may have run elsewhere
         lines = path.read_text().splitlines() if ctx.dist.rank == 0 and path.exists() else []
+        previous = json.loads(lines[-1]) if lines else None  # the last attempt's record
         # Leftovers of a report killed mid-way, on every host of this attempt: the rank 0 that staged
         # one may have run on a host where no rank 0 runs now. Before the all-gather below, so no
         # rank 0 has staged this attempt's first pointer yet.
         shutil.rmtree(self.pointer_root, ignore_errors=True)
         extra = {}
         if self.recovery is not None:  # every rank: the hosts are all-gathered
-            extra = self.recovery.attempt_fields(ctx, len(lines) + 1, json.loads(lines[-1]) if lines else None)
+            extra = self.recovery.attempt_fields(ctx, len(lines) + 1, previous)
         if ctx.dist.rank == 0:
             rec = {
                 "attempt": len(lines) + 1,
@@ -245,8 +246,8 @@ class RayReportHook(Hooks):
                 "time": time.time(),
                 **extra,
             }
-            if lines:
-                rec["previous_end"] = _previous_end(path)
+            if previous is not None:
+                rec["previous_end"] = _previous_end(path.parent, previous.get("time", 0.0))
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             if self.recovery is not None:
@@ -296,25 +297,22 @@ def _write_end(run_dir: Path, reason: str) -> None:
     atomic_write(logs_dir(run_dir) / END_FILE, json.dumps({"line": reason, "time": time.time()}) + "\n")
 
 
-def _previous_end(attempts: Path) -> str:
-    """Why the last attempt ended: its own end record, the hang watchdog's line, else a death."""
+def _previous_end(run_dir: Path, last_start: float) -> str:
+    """Why the attempt that started at `last_start` ended: its own end record, the hang
+    watchdog's line, else a death."""
     from loomtrain.launcher.observe.ranklog import logs_dir
 
-    try:
-        last_start = json.loads(attempts.read_text().splitlines()[-1])["time"]
-    except (OSError, ValueError, KeyError, IndexError):
-        last_start = 0.0
     ends = []
     for name in (END_FILE, "hang.json"):
         try:
-            rec = json.loads((logs_dir(attempts.parent) / name).read_text())
+            rec = json.loads((logs_dir(run_dir) / name).read_text())
         except (OSError, ValueError):
             continue
         if rec.get("time", 0) >= last_start:
             ends.append((rec["time"], rec["line"]))
     if ends:
         return max(ends)[1]
-    return f"a worker process died (see {logs_dir(attempts.parent)}/rank_*.log)"
+    return f"a worker process died (see {logs_dir(run_dir)}/rank_*.log)"
 
 
 def train_worker(config: dict) -> None:
