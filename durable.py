@@ -9,6 +9,7 @@ a torn mix, and once a call returns the new content is on disk, not only in the 
                                     and an earlier file at `path` is left as it was
     write_durable(path, data)       in place, fsynced: for files inside a temp directory that is
                                     published later as a whole by replace_dir
+    create_durable(path, data)      a new file, fsynced, only where there is none (a lock, a lease)
     replace_dir(tmp, final)         publish a finished temp directory with one rename; an earlier
                                     `final` is moved aside first and removed only afterwards
     fsync_path(path)                fsync a file or a directory
@@ -133,6 +134,25 @@ def write_durable(path: str | os.PathLike, data: bytes | str) -> None:
         f.write(_as_bytes(data))
         f.flush()
         os.fsync(f.fileno())
+
+
+def create_durable(path: str | os.PathLike, data: bytes) -> bool:
+    """Create `path` holding `data`, fsynced, only where nothing is (False when something is). A
+    failed write removes it: a half-written lock or lease would read as an unknown holder."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):  # the write's error is the one to report
+            os.unlink(path)
+        raise
+    return True
 
 
 def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:

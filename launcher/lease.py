@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loomtrain.durable import atomic_write
+from loomtrain.durable import atomic_write, create_durable
 from loomtrain.launcher.rundir import LEASE, RunDirError, check_marker, run_dir, write_marker
 from loomtrain.storage import filesystem, first_line, is_local, join, store_failure
 
@@ -103,19 +103,7 @@ class StorageLease:
         """Create the lease object only where there is none (True: it is ours now)."""
         if self.local:
             self.fs.makedirs(self.fs._parent(self.path), exist_ok=True)
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(self._body())
-                    f.flush()
-                    os.fsync(f.fileno())
-            except BaseException:  # a half-written lease would read as a holder and block the storage
-                os.unlink(self.path)
-                raise
-            return True
+            return create_durable(self.path, self._body())
         try:
             self.fs.pipe_file(self.path, self._body(), mode="create")  # S3: If-None-Match: *
         except FileExistsError:

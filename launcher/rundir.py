@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loomtrain.durable import naming
+from loomtrain.durable import create_durable, naming
 from loomtrain.storage import filesystem, listing, location
 
 if TYPE_CHECKING:
@@ -225,22 +225,13 @@ class RunLock:
 
     def acquire(self) -> None:
         for _ in range(5):  # O_EXCL create; on a stale lock, move it away and try again
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
+            # A read-only or full disk fails here as an OSError naming the lock (the command's
+            # one line for a disk error); a lock left half-written is removed (create_durable).
+            with naming(self.path):
+                created = create_durable(self.path, (json.dumps(self.record) + "\n").encode())
+            if not created:
                 self._handle_existing()
                 continue
-            # A read-only or full disk fails here as an OSError naming the lock (the command's
-            # one line for a disk error); a lock left empty would only stand in the next start's way.
-            try:
-                with naming(self.path), os.fdopen(fd, "w") as f:
-                    f.write(json.dumps(self.record) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError:
-                with contextlib.suppress(OSError):
-                    self.path.unlink()
-                raise
             self.held = True
             self._start_heartbeat()
             return
