@@ -254,42 +254,42 @@ def render(directory: Path, kubectl: str | None = None) -> list[dict]:
     return [d for d in yaml.load_all(proc.stdout, Loader=_Loader) if d]
 
 
+def _rendered(directory: Path, kubectl: str | None) -> list[dict] | RenderError:
+    """`render`, its failure returned rather than raised (check reports it as a problem)."""
+    try:
+        return render(directory, kubectl)
+    except RenderError as exc:
+        return exc
+
+
 # --- built-in kinds: kubernetes-validate, strict ------------------------------
 def is_custom(obj: dict) -> bool:
     group = str(obj.get("apiVersion", "")).rpartition("/")[0]
     return "." in group and not group.endswith(".k8s.io")
 
 
-def validate_builtin(docs: Iterable[dict], version: str = K8S_VERSION) -> list[Problem]:
-    problems = []
-    for obj in docs:
-        if is_custom(obj):
-            continue
-        problems += _kv(obj, name_of(obj), version)
-    return problems
+def validate_builtin(docs: Iterable[dict]) -> list[Problem]:
+    return [p for obj in docs if not is_custom(obj) for p in _kv(obj, name_of(obj))]
 
 
-def _kv(obj: dict, where: str, version: str) -> list[Problem]:
+def _kv(obj: dict, where: str) -> list[Problem]:
     # The same object recurs across overlays and test cases: validate each once.
-    return list(_kv_cached(json.dumps(obj, sort_keys=True), where, version))
+    return list(_kv_cached(json.dumps(obj, sort_keys=True), where))
 
 
 @functools.lru_cache(maxsize=1024)
-def _kv_cached(text: str, where: str, version: str) -> tuple[Problem, ...]:
+def _kv_cached(text: str, where: str) -> tuple[Problem, ...]:
     import kubernetes_validate as kv
 
     obj = json.loads(text)
     try:
-        kv.validate(obj, version, strict=True)
+        kv.validate(obj, K8S_VERSION, strict=True)
     except kv.ValidationError as exc:
         path = ".".join(str(p) for p in exc.path)
         return (Problem("k8s-schema", where, f"{path or '<root>'}: {exc.message}"),)
     except kv.SchemaNotFoundError:
-        return (
-            Problem(
-                "k8s-schema", where, f"no schema for {obj.get('apiVersion')} {obj.get('kind')} in Kubernetes {version}"
-            ),
-        )
+        what = f"{obj.get('apiVersion')} {obj.get('kind')}"
+        return (Problem("k8s-schema", where, f"no schema for {what} in Kubernetes {K8S_VERSION}"),)
     return ()
 
 
@@ -417,7 +417,7 @@ def validate_custom(docs: Iterable[dict], crds: Path | None = None) -> list[Prob
             problems.append(Problem("crd-schema", where, f"{path or '<root>'}: {err.message}"))
         # metadata is ObjectMeta, as for any object: checked with the built-in schema
         meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj.get("metadata") or {}}
-        problems += [Problem("crd-schema", where, p.message) for p in _kv(meta, where, K8S_VERSION)]
+        problems += [Problem("crd-schema", where, p.message) for p in _kv(meta, where)]
     return problems
 
 
@@ -516,20 +516,19 @@ def check(
     directory: Path,
     kubectl: str | None = None,
     crds: Path | None = None,
-    docs: list[dict] | None = None,
+    docs: list[dict] | RenderError | None = None,
     placeholders: bool = False,
     found: list[Problem] | None = None,
 ) -> list[Problem]:
-    """Every check on one kustomization directory (`docs`: its rendering, if done already;
-    `found`: its checkov findings, if checkov has run on it already);
+    """Every check on one kustomization directory (`docs`: its rendering, or the RenderError it
+    raised, if done already; `found`: its checkov findings, if checkov has run on it already);
     `placeholders`: also refuse what must be filled in before an apply (placeholder_rules)."""
     directory = Path(directory)
     problems = lint(manifest_files(directory))
     if docs is None:
-        try:
-            docs = render(directory, kubectl)
-        except RenderError as exc:
-            return problems + [Problem("render", _rel(directory), str(exc))]
+        docs = _rendered(directory, kubectl)
+    if isinstance(docs, RenderError):
+        return problems + [Problem("render", _rel(directory), str(docs))]
     problems += validate_builtin(docs)
     problems += validate_custom(docs, crds)
     problems += [Problem("project", w, m) for w, m in policy.project_rules(docs, REPO)]
@@ -543,28 +542,19 @@ def check(
 def check_many(
     directories: Iterable[Path], kubectl: str | None = None, crds: Path | None = None, placeholders: bool = False
 ) -> dict[Path, list[Problem]]:
-    """`check` on each directory, the `kubectl kustomize` runs side by side and one checkov run for all."""
+    """`check` on each directory, the `kubectl kustomize` runs side by side and one checkov run for all
+    (a directory that did not render is linted and reported as such, as `check` does)."""
     from concurrent.futures import ThreadPoolExecutor
 
     directories = [Path(d) for d in directories]
     kubectl = kubectl or find_kubectl()
-
-    def rendered(d: Path) -> list[dict] | RenderError:
-        try:
-            return render(d, kubectl)
-        except RenderError as exc:
-            return exc
-
     with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
-        renders = list(pool.map(rendered, directories))
+        renders = list(pool.map(lambda d: _rendered(d, kubectl), directories))
     found = checkov_checks({d: docs for d, docs in zip(directories, renders) if not isinstance(docs, RenderError)})
-    out = {}
-    for d, docs in zip(directories, renders):
-        if isinstance(docs, RenderError):
-            out[d] = lint(manifest_files(d)) + [Problem("render", _rel(d), str(docs))]
-        else:
-            out[d] = check(d, kubectl, crds, docs=docs, placeholders=placeholders, found=found[d])
-    return out
+    return {
+        d: check(d, kubectl, crds, docs=docs, placeholders=placeholders, found=found.get(d))
+        for d, docs in zip(directories, renders)
+    }
 
 
 def default_targets() -> list[Path]:
