@@ -338,16 +338,14 @@ def _outputs(where: Path | str) -> list[str]:
     return sorted(found)
 
 
-def supersede(where: Path | str, name: str | None, log=None) -> Path | str | None:
+def supersede(where: Path | str, name: str, log) -> Path | str | None:
     """Move an earlier attempt's outputs (OUTPUTS) in a run directory, or in run.storage (a URI:
     final/ and the tb/ mirror with its metrics.jsonl), into WHERE/checkpoints/NAME (a
-    superseded-TIME name, made now when None). Nothing is deleted: an object store's move
-    copies first (the backend's move_aside)."""
+    superseded-TIME name: the caller picks one for both places). Nothing is deleted: an object
+    store's move copies first (the backend's move_aside)."""
     found = _outputs(where)
     if not found:
         return None
-    dest = location(where).move_aside(found, f"checkpoints/{name or superseded_name()}")
-    (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
-        f"checkpoint: fresh start: moved the earlier {', '.join(found)} to {dest}"
-    )
+    dest = location(where).move_aside(found, f"checkpoints/{name}")
+    log(f"checkpoint: fresh start: moved the earlier {', '.join(found)} to {dest}")
     return dest

@@ -296,7 +296,7 @@ def test_supersede_keeps_everything(tmp_path):
     (run / "final").mkdir(parents=True)
     (run / "final" / "w").write_text("w")
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    dest = rundir.supersede(run, None, log=lambda m: None)
+    dest = rundir.supersede(run, rundir.superseded_name(), log=lambda m: None)
     assert (dest / "final" / "w").read_text() == "w" and (dest / "metrics.jsonl").is_file()
     assert not (run / "final").exists() and not (run / "metrics.jsonl").exists()
 
