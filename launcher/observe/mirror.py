@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from loomtrain.durable import atomic_write
 from loomtrain.storage import StorageError, join, read_object, write_object
 
 INTERVAL_S = 30.0  # between two passes: TensorBoard follows the run this much later than the files
@@ -108,9 +109,8 @@ class Mirror:
         """Upload metrics.jsonl now, on the caller's thread (one small object): the loop calls it
         at each checkpoint step, so the store holds every step a resume on another host keeps
         (a host lost between two passes would take the steps since the last pass with it)."""
-        path = self.run_dir / METRICS
-        with self._lock:
-            return path.is_file() and self._upload_if_changed(path)
+        with self._lock:  # (no metrics.jsonl yet: its stat fails, nothing goes up)
+            return self._upload_if_changed(self.run_dir / METRICS)
 
     def _upload_if_changed(self, path: Path) -> bool:
         try:
@@ -163,8 +163,6 @@ def restore_metrics(run_dir: str | os.PathLike, uri: str) -> bool:
         return False
     if not data:
         return False
-    from loomtrain.durable import atomic_write
-
     local.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(local, data[: whole_records_end(data, METRICS)])
     return True
