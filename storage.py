@@ -39,15 +39,19 @@ This module sits at the package root beside durable.py: data_pipeline/ and launc
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from loomtrain.durable import TMP_PREFIX, atomic_write, fsync_path, replace_dir, write_durable
 
@@ -213,8 +217,6 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
 
 
 def _endpoint(exc: BaseException) -> str:
-    from urllib.parse import urlsplit
-
     url = (getattr(exc, "kwargs", None) or {}).get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL", "")
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}" if parts.netloc else (url or "the default S3 endpoint")
@@ -370,9 +372,6 @@ def download_verified(
 
     A missing object, one of another size than its manifest entry or failing its sha256 is a
     StorageError naming it, checked before anything is kept."""
-    import fcntl
-    import json
-
     from loomtrain.durable import atomic_write_json, temp_name
 
     local = Path(local_dir)
@@ -596,8 +595,6 @@ class Objects:
     def write_folder(self, rel: str, fill) -> dict[str, dict]:
         """Files a library writes into a folder of its own: filled in a local temporary folder,
         uploaded -> {relative path: file-list entry}."""
-        import tempfile
-
         out = {}
         with tempfile.TemporaryDirectory(prefix="loomtrain-upload-") as folder:
             fill(folder)
@@ -615,8 +612,6 @@ class Objects:
     def local_copy(self, names: list[str]):
         """A local folder holding those of `names` that are here (for a library that reads only
         files: a tokenizer); removed afterwards."""
-        import tempfile
-
         present = set(self.entries())
         with tempfile.TemporaryDirectory(prefix="loomtrain-copy-") as folder:
             for name in names:
@@ -788,8 +783,6 @@ def output_folder(where: str | os.PathLike, commits: tuple[str, ...], staging: s
     if not is_uri(where):
         yield Path(os.path.expanduser(os.fspath(where)))
         return
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="loomtrain-out-", dir=staging) as tmp:
         yield Path(tmp) / "out"
         upload_folder(Path(tmp) / "out", str(where).rstrip("/"), commits)
