@@ -42,9 +42,8 @@ def fsync_path(path: str | os.PathLike) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+            os.fsync(fd)
     finally:
         os.close(fd)
 
