@@ -30,7 +30,6 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from loomtrain.durable import atomic_write
@@ -72,17 +71,10 @@ class Mirror:
     them changed. A failed upload is retried at the next pass and said once in one line naming
     the object (the run goes on: its checkpoints do not depend on this copy)."""
 
-    def __init__(
-        self,
-        run_dir: str | os.PathLike,
-        uri: str,
-        interval_s: float = INTERVAL_S,
-        say: Callable[[str], None] | None = None,
-    ) -> None:
+    def __init__(self, run_dir: str | os.PathLike, uri: str, interval_s: float = INTERVAL_S) -> None:
         self.run_dir = Path(run_dir)
         self.uri = uri
         self.interval_s = interval_s
-        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self._sent: dict[str, tuple[int, int]] = {}  # name -> (inode, bytes) of the copy in the store
         self._seen: dict[str, tuple[int, int, int]] = {}  # name -> (inode, size, mtime) read last
         self._said: set[str] = set()
@@ -132,7 +124,7 @@ class Mirror:
             line = f"loomtrain: TensorBoard mirror: {exc} (retried at the next pass)"
             if line not in self._said:
                 self._said.add(line)
-                self.say(line)
+                print(line, file=sys.stderr, flush=True)
             return False
         self._sent[path.name] = (st.st_ino, end)
         self._seen[path.name] = seen
