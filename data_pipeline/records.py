@@ -67,20 +67,23 @@ def detect_format(files: list[Path], text_field: str) -> str:
     for path in files:
         if not path.name.lower().endswith((".jsonl", ".ndjson")):
             return "text"
-        with open(path, "rb") as f:
-            for raw in f:
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-                    return "text"  # the text reader names the bad line
-                if isinstance(obj, dict) and text_field not in obj:
-                    if "messages" in obj:
-                        return "chat"
-                    if "prompt" in obj and "response" in obj:
-                        return "prompt-response"
-                return "text"
+        try:
+            with open(path, "rb") as f:
+                first = next((raw for raw in f if raw.strip()), None)
+        except OSError as exc:  # worded as preprocess words any input it cannot read (staging.Progress)
+            raise DataError(f"input {path}: {exc.strerror or exc}") from None
+        if first is None:
+            continue
+        try:
+            obj = json.loads(first)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            return "text"  # the text reader names the bad line
+        if isinstance(obj, dict) and text_field not in obj:
+            if "messages" in obj:
+                return "chat"
+            if "prompt" in obj and "response" in obj:
+                return "prompt-response"
+        return "text"
     return "text"
 
 

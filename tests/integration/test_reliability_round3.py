@@ -357,6 +357,27 @@ def test_an_empty_input_file_is_blamed_not_the_output(tmp_path, capsys):
     assert not out.exists() and (tmp_path / "empty.jsonl").read_bytes() == b""
 
 
+@pytest.mark.parametrize("fmt", [[], ["--format", "text"]])
+def test_a_jsonl_input_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, monkeypatch, fmt):
+    """Whether the format is detected from the first record or given, an input that cannot be
+    opened (root reads a chmod 000 file, so open is refused here) is one line naming it."""
+    import errno
+
+    from loomtrain.data_pipeline import documents, records
+    from loomtrain.launcher.cli.preprocess import main as preprocess_main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "some text"}\n')
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    for module in (documents, records):
+        monkeypatch.setattr(module, "open", refused, raising=False)
+    assert preprocess_main(["--input", str(src), "--output", str(tmp_path / "out"), "--no-progress", *fmt]) == 1
+    assert capsys.readouterr().err.strip() == f"loomtrain preprocess: error: input {src}: Permission denied"
+
+
 def test_preprocess_output_with_one_slash_is_refused_not_a_folder(tmp_path, capsys, monkeypatch):
     from loomtrain.launcher.cli.preprocess import main as preprocess_main
 
