@@ -54,7 +54,7 @@ def _corpus_key(files: list[Path], data_cfg, tokenizer_id: str) -> str:
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
 
 
-def verify_shards(shard_dir, expected_tokenizer_hash: str | None) -> dict:
+def verify_shards(shard_dir, expected_tokenizer_hash: str | None) -> None:
     """Index present, tokenizer matches, every shard file of every split complete. In object
     storage: every shard object of the size the index says (one listing); token ids are then
     checked as they are read, as scanning them all would download the dataset."""
@@ -65,7 +65,6 @@ def verify_shards(shard_dir, expected_tokenizer_hash: str | None) -> dict:
             shards = ShardSet(shard_dir, split)
             shards.check_ids()
             shards.close()
-    return index
 
 
 def _load_tokenizer(spec, shard_dir):
