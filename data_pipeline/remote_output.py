@@ -23,7 +23,6 @@ import json
 import re
 import shutil
 import tempfile
-import threading
 from concurrent.futures import Future, wait
 from pathlib import Path
 
@@ -101,8 +100,7 @@ class RemoteOutput:
         self.overwrite = overwrite
         self.staging = staging_dir(self.uri)
         self._old: set[str] = set()  # objects there before this run (what the commit may remove)
-        self._uploads: list[Future] = []
-        self._lock = threading.Lock()
+        self._uploads: list[Future] = []  # appended on preprocess_files' own thread only (upload, commit): no lock
 
     def _fail(self, action: str, exc: BaseException) -> DataError:
         detail = exc.detail if isinstance(exc, StorageError) else first_line(exc)
@@ -174,8 +172,7 @@ class RemoteOutput:
     def upload(self, work: Path, name: str, keep: bool = False) -> None:
         """Start uploading work/name (a shard, docs or mask file just completed); its local copy
         goes once it is up, unless `keep`."""
-        with self._lock:
-            self._uploads.append(transfer_pool().submit(self._put, work / name, name, not keep))
+        self._uploads.append(transfer_pool().submit(self._put, work / name, name, not keep))
 
     def commit(self, work: Path) -> None:
         """Wait for the uploads, then the tokenizer, then index.json (the commit point); then
@@ -184,9 +181,7 @@ class RemoteOutput:
         for name in ("tokenizer.json", CHAT_CONFIG):
             if (work / name).is_file():
                 self.upload(work, name, keep=True)
-        with self._lock:
-            uploads = list(self._uploads)
-        for future in uploads:
+        for future in self._uploads:
             future.result()  # the first failed upload's DataError
         self._put(work / INDEX, INDEX, False)
         names = output_names(json.loads((work / INDEX).read_text(encoding="utf-8")))
@@ -199,8 +194,7 @@ class RemoteOutput:
 
     def close(self) -> None:
         """Stop: uploads not started are cancelled (a rerun does them again)."""
-        with self._lock:
-            uploads, self._uploads = self._uploads, []
+        uploads, self._uploads = self._uploads, []
         for future in uploads:
             future.cancel()
         wait(uploads)
