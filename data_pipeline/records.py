@@ -185,21 +185,16 @@ def question_tokens(tokenizer, text: str) -> list[int]:
     messages = [{"role": "user", "content": text}]
     if getattr(tokenizer, "chat", None):
         from jinja2 import TemplateError
+        from loomtrain.data_pipeline.chat_template import render
 
         try:
-            shaped = _render(tokenizer.chat, _with_sentinels(messages), True, tokenizer.eos_token)
-            real = _render(tokenizer.chat, messages, True, tokenizer.eos_token)
+            shaped = render(tokenizer.chat, _with_sentinels(messages), True, tokenizer.eos_token)
+            real = render(tokenizer.chat, messages, True, tokenizer.eos_token)
         except TemplateError as exc:
             raise ValueError(f"the tokenizer's chat template refused the message: {exc}") from None
         return _encode(tokenizer, shaped, [text]) if _filled(shaped, [text]) == real else tokenizer.encode(real)
     segments = [*_builtin_segments(messages), (ASSISTANT_CUE, False)]
     return [t for piece, _ in segments for t in _encode(tokenizer, piece, [text])]
-
-
-def _render(chat: dict, messages: list[dict], cue: bool, eos_token: str) -> str:
-    from loomtrain.data_pipeline.chat_template import render
-
-    return render(chat, messages, cue, eos_token)
 
 
 def _template_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
@@ -217,15 +212,15 @@ def _template_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]
 
 def _rendered_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     from jinja2 import TemplateError
-    from loomtrain.data_pipeline.chat_template import TemplateLimit, limit_line
+    from loomtrain.data_pipeline.chat_template import TemplateLimit, limit_line, render
 
     out, done = [], ""
     try:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            cue = _render(tokenizer.chat, messages[:i], True, tokenizer.eos_token)
-            full = _render(tokenizer.chat, messages[: i + 1], False, tokenizer.eos_token)
+            cue = render(tokenizer.chat, messages[:i], True, tokenizer.eos_token)
+            full = render(tokenizer.chat, messages[: i + 1], False, tokenizer.eos_token)
             if not (cue.startswith(done) and full.startswith(cue)):
                 raise ValueError(
                     "the tokenizer's chat template does not render the conversation turn by turn (an earlier "
@@ -233,7 +228,7 @@ def _rendered_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]
                 )
             out += [(cue[len(done) :], False), (full[len(cue) :], True)]
             done = full
-        whole = _render(tokenizer.chat, messages, False, tokenizer.eos_token)
+        whole = render(tokenizer.chat, messages, False, tokenizer.eos_token)
     except TemplateLimit as exc:  # the template's fault, not the record's: --skip-bad-lines does not skip it
         raise DataError(limit_line(getattr(tokenizer, "source", ""), exc)) from None
     except TemplateError as exc:
