@@ -480,7 +480,6 @@ def preprocess_files(
     run = {
         "seconds": round(time.perf_counter() - t0, 3),
         "workers": workers,
-        "ray": executor is not None and executor.name == "Ray",
         "resumed_files": len(files) - len(todo),
     }
     if log:
