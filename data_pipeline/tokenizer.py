@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import tokenizers
-from loomtrain.data_pipeline.shards import DataError, token_dtype
+from loomtrain.data_pipeline.shards import DataError, message_line, token_dtype
 from loomtrain.durable import atomic_write
 from loomtrain.hf_cache import ModelIdError, resolve_model
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -145,9 +145,7 @@ class HFTokenizer:
         except DataError:
             raise
         except Exception as exc:  # the Rust error text is long; keep its first line
-            raise DataError(
-                f"cannot load tokenizer {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-            ) from None
+            raise DataError(f"cannot load tokenizer {path}: {message_line(exc)}") from None
 
     @property
     def hash(self) -> str:

@@ -18,16 +18,11 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from loomtrain.data_pipeline.preprocess import tokenize_file
-from loomtrain.data_pipeline.shards import DataError
+from loomtrain.data_pipeline.shards import DataError, message_line
 from loomtrain.launcher.addresses import AddressError, check_ray_address
 
 REACH_TIMEOUT_S = 5.0  # a cluster's head answers a TCP connect at once; this bounds a dead or filtered address
 RAY_CLIENT_PORT = 10001  # ray://HOST without a port
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _check_reachable(address: str, what: str) -> None:
@@ -112,7 +107,7 @@ def _connect(address: str | None, max_in_flight: int | None) -> bool:
             ray.init(num_cpus=max_in_flight or os.cpu_count() or 1, log_to_driver=False)
     except Exception as exc:  # a bad or unreachable address: Ray's own text, first line
         raise DataError(
-            f"--address {address or '(local instance)'}: cannot connect to Ray: {_first_line(exc)}"
+            f"--address {address or '(local instance)'}: cannot connect to Ray: {message_line(exc)}"
         ) from None
     return True
 
