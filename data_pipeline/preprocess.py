@@ -116,17 +116,12 @@ def _tokenize_unit(unit):
     if _W["records"].masked:
         return _tokenize_records(unit)
     tok = _W["tokenizer"]
-    kind, first, last = unit[0], unit[4], unit[5]
+    first, last = unit[4], unit[5]  # False only in the units of a text file cut into several
     texts, stats = unit_texts(unit, _W["text_field"], _W["skip"])
     dtype = token_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=dtype)
-    if kind == "text":
-        cont, open_ = not first, not last
-        if first and last and not texts[0]:
-            stats["empty_docs"] += 1
-            return np.zeros(0, dtype), [], False, False, stats, None
-    else:
-        cont = open_ = False
+    cont, open_ = not first, not last
+    if first and last:  # whole documents: an empty one is counted and dropped
         stats["empty_docs"] += sum(1 for t in texts if not t)
         texts = [t for t in texts if t]
     pieces, lengths = [], []
