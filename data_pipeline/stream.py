@@ -332,10 +332,9 @@ class TokenStream:
             for path, _ in sources:
                 self.sources.append(ShardSet(path, split, expected_tokenizer_hash, self.cache))
                 instruction.append(self.sources[-1].records != "text")
-            hashes = {s.tokenizer_hash for s in self.sources}
-            if len(hashes) > 1:
-                first = self.sources[0]
-                other = next(s for s in self.sources if s.tokenizer_hash != first.tokenizer_hash)
+            first = self.sources[0]
+            other = next((s for s in self.sources if s.tokenizer_hash != first.tokenizer_hash), None)
+            if other is not None:
                 raise DataError(
                     f"data.sources: {other.dir} was made by tokenizer {other.tokenizer_hash}, "
                     f"{first.dir} by {first.tokenizer_hash}; all sources must share one tokenizer"
