@@ -3,10 +3,9 @@
 Which keys each query sees is described, not materialised (loomtrain.model.masking): a
 `MaskSpec` of positions and document ids, O(T). Training forwards use SDPA's causal kernel for one
 whole window without documents (and no binding window), else `blocked_attention`, which builds
-each query block's mask from the description and recomputes scores in backward. `causal_mask`
-and `document_mask` (dense, [Tq, Tk] and [B, 1, T, T]) remain for generation with a KV cache and
-as the reference the tests compare with. Positions follow transformers' sliding_window_causal
-convention: key j is seen by query i when i - window < j <= i.
+each query block's mask from the description and recomputes scores in backward; generation with a
+KV cache uses the dense `causal_mask` ([Tq, Tk], masking's one rule). Positions follow transformers'
+sliding_window_causal convention: key j is seen by query i when i - window < j <= i.
 
 Context parallelism hook (set from outside, by loomtrain.parallel.context; default None):
 `kv_exchange(k, v) -> (k, v)` of the whole window, in window order, [B, Hkv, T_window, hd].
@@ -35,28 +34,9 @@ from torch import nn
 from . import masking
 from .cache import LayerKV
 from .config import ModelConfig
-from .masking import MaskSpec
+from .masking import MaskSpec, causal_mask
 from .norms import RMSNorm
 from .positions import alibi_bias, alibi_slopes, apply_rope
-
-
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """bool [Tq, Tk]: True where the query at position q_pos[i] may attend the key at k_pos[j]:
-    k <= q, and with a window q - window < k (the last `window` keys, itself included)."""
-    dist = q_pos[:, None] - k_pos[None, :]
-    allowed = dist >= 0
-    if window is not None:
-        allowed &= dist < window
-    return allowed
-
-
-def document_mask(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """[B, T] document ids -> bool [B, 1, T, T]: True where query i may attend key j (the same
-    document, j <= i, and i - j < window when there is one). For SDPA on any device: its math
-    and memory-efficient kernels take it."""
-    pos = torch.arange(document_ids.shape[1], device=document_ids.device)
-    same = document_ids[:, None, :, None] == document_ids[:, None, None, :]
-    return same & causal_mask(pos, pos, window)
 
 
 class Attention(nn.Module):

@@ -28,10 +28,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .positions import document_positions
+from .positions import alibi_bias, document_positions
 
 # Bytes of float32 scores a query block may take ([B, H, rows, keys]): 32 MiB.
 _BLOCK_BYTES = 32 << 20
+
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """bool [Tq, Tk]: True where the query at position q_pos[i] may attend the key at k_pos[j]:
+    k <= q, and with a window q - window < k (the last `window` keys, itself included)."""
+    dist = q_pos[:, None] - k_pos[None, :]
+    allowed = dist >= 0
+    if window is not None:
+        allowed &= dist < window
+    return allowed
 
 
 @dataclass(frozen=True)
@@ -88,11 +98,7 @@ class MaskSpec:
 
     def allowed(self, s: int, e: int, ks: int, ke: int, window: int | None) -> torch.Tensor:
         """bool [B or 1, 1, e - s, ke - ks]: queries s:e against keys ks:ke."""
-        dist = self.q_pos[s:e, None] - self.k_pos[None, ks:ke]
-        ok = dist >= 0
-        if window is not None:
-            ok &= dist < window
-        ok = ok[None, None]
+        ok = causal_mask(self.q_pos[s:e], self.k_pos[ks:ke], window)[None, None]
         if self.q_docs is not None:
             ok = ok & (self.q_docs[:, None, s:e, None] == self.k_docs[:, None, None, ks:ke])
         return ok
@@ -130,8 +136,7 @@ def _block_mask(spec, s, e, ks, ke, window, slopes, dtype):
     ok = spec.allowed(s, e, ks, ke, window)
     if slopes is None:
         return ok
-    dist = (spec.q_pos[s:e, None] - spec.k_pos[None, ks:ke]).to(dtype)
-    bias = -slopes.to(dtype)[:, None, None] * dist  # [H, rows, keys]: ALiBi, -slope x distance
+    bias = alibi_bias(slopes.to(dtype), spec.q_pos[s:e], spec.k_pos[ks:ke])  # [H, rows, keys]
     return bias.masked_fill(~ok, float("-inf"))
 
 

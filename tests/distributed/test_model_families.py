@@ -223,7 +223,8 @@ def test_sliding_window_with_packed_documents_equals_each_document_alone(family)
 def test_sliding_window_mask_convention():
     """Key j is seen by query i when i - window < j <= i (transformers' sliding_window_overlay
     and causal_mask_function), with and without packed documents."""
-    from loomtrain.model.attention import causal_mask, document_mask
+    from dense_masks import document_mask
+    from loomtrain.model.masking import causal_mask
     from transformers.masking_utils import sliding_window_causal_mask_function
 
     window, n = 3, 9

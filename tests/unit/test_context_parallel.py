@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dense_masks import document_mask
 from loomtrain.launcher.config_loader import ConfigError, load_config
 from loomtrain.launcher.training.engine import ds_config
 from loomtrain.model import ModelConfig, Transformer, masking
-from loomtrain.model.attention import document_mask
 from loomtrain.model.masking import MaskSpec, WindowSlice, blocked_attention
 from loomtrain.parallel.context import KVExchange, chunk_index
 from loomtrain.parallel.topology import Topology, check_cp
