@@ -124,6 +124,12 @@ def _call(what: str, job: str, fn):
         raise JobsError(f"{what} {job!r} failed: {text}") from None
 
 
+def _state(client, job: str) -> str:
+    """The job's status by name (RUNNING, STOPPED, ...); an unknown job is one JobsError line."""
+    s = _call("status of", job, client.get_job_status)
+    return str(getattr(s, "value", s))
+
+
 # ----------------------------------------------------------------- submit
 
 
@@ -304,7 +310,7 @@ def _follow(client, job: str) -> int:
         # A job that is gone, or a stream closed early: tell which.
         _call("logs of", job, client.get_job_status)
         print(f"loomtrain: log stream ended: {e}", file=sys.stderr)
-    st = str(getattr(s := _call("status of", job, client.get_job_status), "value", s))
+    st = _state(client, job)
     print(f"loomtrain: job {job} {st}", file=sys.stderr)
     return 0 if st == "SUCCEEDED" else 1
 
@@ -323,7 +329,7 @@ def stop(job: str, *, address: str | None = None, wait: bool = False, wait_timeo
     """Ask Ray to stop the job (SIGTERM to its driver); with `wait`, until it has ended or `wait_timeout` s."""
     client = make_client(address)
     stopped = _call("stop of", job, client.stop_job)
-    st = str(getattr(s := _call("status of", job, client.get_job_status), "value", s))
+    st = _state(client, job)
     if not stopped and st in TERMINAL:
         print(f"{job}: already {st}")
         return 0
@@ -332,7 +338,7 @@ def stop(job: str, *, address: str | None = None, wait: bool = False, wait_timeo
         deadline = time.monotonic() + wait_timeout
         while st not in TERMINAL and time.monotonic() < deadline:
             time.sleep(0.5)
-            st = str(getattr(s := client.get_job_status(job), "value", s))
+            st = _state(client, job)
         if st in TERMINAL:
             print(f"{job}: {st}")
             return 0

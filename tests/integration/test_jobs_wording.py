@@ -74,3 +74,20 @@ def test_stop_wait_that_sees_the_job_end_prints_its_state(client, capsys):
     client["client"] = FakeClient("RUNNING", time.time() * 1000)
     assert jobs_cli.main(["stop", "raysubmit_x", "--wait", "--wait-timeout", "5"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "raysubmit_x: STOPPED"
+
+
+def test_stop_wait_for_a_job_that_disappears_says_so_in_one_line(client, capsys):
+    fake = FakeClient("RUNNING", time.time() * 1000, stops=False)
+    client["client"] = fake
+    asked = []
+
+    def gone_after_the_stop(job):
+        asked.append(job)
+        if len(asked) > 1:
+            raise RuntimeError(f"Job {job} does not exist")
+        return fake.state
+
+    fake.get_job_status = gone_after_the_stop
+    assert jobs_cli.main(["stop", "raysubmit_x", "--wait", "--wait-timeout", "5"]) == 1
+    err = capsys.readouterr().err
+    assert err == "loomtrain stop: error: no job 'raysubmit_x' on this cluster (see `ray job list`)\n"
