@@ -152,7 +152,7 @@ class Transformer(nn.Module):
         width = t if window_slice is None else window_slice.length
         if document_ids is not None and document_ids.shape != (tokens.shape[0], width):
             raise ValueError(f"document_ids {tuple(document_ids.shape)} do not match tokens {tuple(tokens.shape)}")
-        positions = None  # None: start .. start + t; else [t] or [B, t]
+        positions = torch.arange(start, start + t, device=tokens.device)  # [t], or per document [B, t]
         if document_ids is not None:
             positions = document_positions(document_ids)
             if window_slice is not None:
@@ -161,20 +161,15 @@ class Transformer(nn.Module):
             positions = window_slice.index.to(tokens.device)
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(
-                torch.arange(start, start + t, device=tokens.device) if positions is None else positions
-            )
+            x = x + self.pos_emb(positions)
         elif self.pos_table is not None:
-            x = x + (self.pos_table[start : start + t] if positions is None else self.pos_table[positions])
+            x = x + self.pos_table[positions]
         x = self.drop(x)
         rope = None
         if self.rope_cos is not None:
-            if positions is None:
-                rope = (self.rope_cos[start : start + t], self.rope_sin[start : start + t])
-            elif positions.dim() == 1:
-                rope = (self.rope_cos[positions], self.rope_sin[positions])
-            else:
-                rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+            rope = (self.rope_cos[positions], self.rope_sin[positions])
+            if positions.dim() == 2:  # [B, T, head_dim] -> [B, 1, T, head_dim], one per row
+                rope = (rope[0].unsqueeze(1), rope[1].unsqueeze(1))
         mask = None  # one whole window without documents: plain causal attention
         if cache is None and (document_ids is not None or window_slice is not None):
             mask = MaskSpec.for_tokens(t, tokens.device, document_ids, window_slice)  # one for all blocks
