@@ -92,7 +92,6 @@ def apply_context_parallel(model: nn.Module, topology) -> nn.Module:
     model.register_forward_pre_hook(_slice_hook(cp, topology.cp_rank), with_kwargs=True)
     for i, block in enumerate(model.blocks):
         block.attn.kv_exchange = KVExchange(topology.cp_group, cp, f"blocks.{i}.cp_kv")
-    model.cp_plan = dict(cp=cp, cp_rank=topology.cp_rank)
     return model
 
 
@@ -109,5 +108,4 @@ def stand_in_context_parallel(model: nn.Module, cp: int) -> nn.Module:
 
     for block in model.blocks:
         block.attn.kv_exchange = tiled
-    model.cp_plan = dict(cp=cp, cp_rank=0, stand_in=True)
     return model
