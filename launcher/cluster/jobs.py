@@ -174,17 +174,14 @@ def build_entrypoint(config_in_job: str, overrides: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def relative_paths(cfg) -> list[tuple[str, str]]:
-    """(dotted key, value) of the config's paths that are relative: the job resolves them in its
-    temporary working directory on the cluster, which holds the package and config only."""
-    named = [(key, getattr(section, name)) for section, name, key in cfg.local_paths()]
-    return [(k, v) for k, v in named if not os.path.isabs(os.path.expanduser(v))]
-
-
 def warn_relative_paths(cfg) -> None:
-    """One line per relative path: on the cluster it is not this machine's folder (nothing but
-    the package and the config ships), and a run directory there is gone with the job."""
-    for key, value in relative_paths(cfg):
+    """One line per relative path of the config: the job resolves it in its temporary working
+    directory on the cluster, not this machine's folder (nothing but the package and the config
+    ships), and a run directory there is gone with the job."""
+    for section, name, key in cfg.local_paths():
+        value = getattr(section, name)
+        if os.path.isabs(os.path.expanduser(value)):
+            continue
         if key == "run.dir":
             where = "inside the job's temporary working directory, gone when the job ends"
         else:
