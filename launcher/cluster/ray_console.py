@@ -50,14 +50,11 @@ class _LinePrefix(io.TextIOBase):
         self._stream, self._prefix, self._at_line_start = stream, prefix, True
 
     def write(self, text: str) -> int:
-        if self._prefix and text:
-            out = []
-            for piece in text.splitlines(keepends=True):
-                out.append((self._prefix if self._at_line_start else "") + piece)
-                self._at_line_start = piece.endswith("\n")
-            self._stream.write("".join(out))
-        else:
-            self._stream.write(text)
+        out = []  # rejoined as they were when the prefix is empty
+        for piece in text.splitlines(keepends=True):
+            out.append((self._prefix if self._at_line_start else "") + piece)
+            self._at_line_start = piece.endswith("\n")
+        self._stream.write("".join(out))
         return len(text)
 
     def flush(self) -> None:
