@@ -144,13 +144,11 @@ def plan_shipment(config: str | os.PathLike, root: Path) -> tuple[list[ShipEntry
     root = root.resolve()
     shipped, left_out = package_files(root)
     entries = [ShipEntry(root / rel, f"{PACKAGE}/{rel}", os.lstat(root / rel).st_size) for rel in shipped]
-    cfg = Path(config)
-    if not cfg.is_file():
-        raise PackagingError(f"config file not found: {config}")
     from loomtrain.launcher.config_loader import load_yaml
 
-    # The config first, then each file its `extends:` chain names, once; read as the loader reads them.
-    chain = dict.fromkeys(Path(source) for _, source in reversed(load_yaml(cfg)))
+    # The config first, then each file its `extends:` chain names, once; read as the loader reads
+    # them (submit's config check has refused a missing file, a bad base or bad YAML by then).
+    chain = dict.fromkeys(Path(source) for _, source in reversed(load_yaml(Path(config))))
     config_in_job = ""
     for i, path in enumerate(chain):
         try:
