@@ -52,7 +52,7 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return out
 
 
-def _replace(model: nn.Module, old: nn.Parameter, data: torch.Tensor, owners: dict) -> nn.Parameter:
+def _replace(old: nn.Parameter, data: torch.Tensor, owners: dict) -> nn.Parameter:
     """A Parameter holding `data` in place of `old` everywhere, with its attributes and hooks."""
     new = nn.Parameter(data, requires_grad=old.requires_grad)
     new.__dict__.update(old.__dict__)  # tensor_model_parallel, partition_dim, tp_meta, ...
@@ -70,9 +70,9 @@ def allocate_shards(model: nn.Module, *, device, dtype=None) -> nn.Module:
     """Give every meta parameter an uninitialised shard of its local shape on `device`, for a
     loader that fills the shards in place (model.init_from reads each rank's slices itself)."""
     owners = _owners(model)
-    for _, old in list(model.named_parameters()):
+    for old in list(model.parameters()):
         if old.is_meta:
-            _replace(model, old, torch.empty(spec_of(old).local_shape, device=device, dtype=dtype or old.dtype), owners)
+            _replace(old, torch.empty(spec_of(old).local_shape, device=device, dtype=dtype or old.dtype), owners)
     return finish_materialize(model, device, dtype)
 
 
@@ -117,7 +117,7 @@ def materialize(
         data = shard_tensor(full, spec)
         del full  # before the supplier makes the next one
         data = data.to(device=device, dtype=dtype if dtype is not None and data.is_floating_point() else data.dtype)
-        param = _replace(model, old, data, owners)
+        param = _replace(old, data, owners)
         if after_param is not None:
             after_param(name, param)
     return finish_materialize(model, device, dtype)
