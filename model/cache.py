@@ -38,7 +38,6 @@ class KVCache:
     """Per-layer caches for a Transformer; `length` is the number of positions already seen."""
 
     def __init__(self, n_layers: int, capacity: int) -> None:
-        self.capacity = capacity
         self.layers = [LayerKV(capacity) for _ in range(n_layers)]
 
     @property
