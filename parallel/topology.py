@@ -152,7 +152,6 @@ class Topology:
     cp_group: object = field(default=None, init=False, repr=False)
     tp_ranks: list = field(default_factory=list, init=False)
     dp_ranks: list = field(default_factory=list, init=False)
-    cp_ranks: list = field(default_factory=list, init=False)
     _subgroups: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -165,8 +164,6 @@ class Topology:
         tp_groups, dp_groups = self.layout(self.world_size, self.tp)
         self.tp_ranks = tp_groups[self.dp_rank]
         self.dp_ranks = dp_groups[self.tp_rank]
-        cp_groups = self.cp_layout(self.world_size, self.tp, self.cp)
-        self.cp_ranks = next(g for g in cp_groups if self.rank in g)
         if dist.is_available() and dist.is_initialized():
             if dist.get_world_size() != self.world_size:
                 _fail(
@@ -177,7 +174,7 @@ class Topology:
             self.tp_group = self._new_groups(tp_groups)
             self.dp_group = self._new_groups(dp_groups)
             if self.cp > 1:  # after the TP and DP groups, so that cp 1 creates the groups it always did
-                self.cp_group = self._new_groups(cp_groups)
+                self.cp_group = self._new_groups(self.cp_layout(self.world_size, self.tp, self.cp))
         elif self.world_size > 1:
             _fail(f"Topology(world_size={self.world_size}) needs torch.distributed initialised first")
 
