@@ -96,9 +96,7 @@ class RowParallelLinear(nn.Module):
         self.tag = tag
         self.out_features, self.in_features = weight.shape
         self.weight = weight
-        self.register_parameter("bias", bias)
-        if bias is not None and sequence_parallel:
-            bias.sequence_parallel = True  # sees a sequence shard: grads summed over TP
+        self.register_parameter("bias", bias)  # under SP it sees a sequence shard: the plan sums its grads over TP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(F.linear(x, self.weight))

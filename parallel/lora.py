@@ -13,7 +13,7 @@ factors shaped from the local shard and laid out by `plan.shard_spec`:
         serves both. B's gradient, computed from the partial u, is summed over TP.
 
 A KV projection replicated on m ranks (fewer KV heads than tp) replicates its B the same way
-(gradient summed over those m ranks, `tp_replicas`, only the first owns it for norms).
+(gradient summed over those m ranks, only the first owns it for norms).
 Replicated factors carry no `tensor_model_parallel`, so DeepSpeed's clip norm counts them
 once; split ones carry it (plan.attach_spec). At tp 1 this is loomtrain.model.lora.apply_lora.
 """
@@ -68,7 +68,6 @@ def _wrap(layer: nn.Module, name: str, cfg: LoraConfig, model_cfg, topology, see
     if isinstance(layer, LoraColumnParallelLinear):
         layer.lora_A.register_hook(grad_all_reduce_hook(topology.tp_group, tag))
         if spec_b.replicas > 1:  # a replicated KV head: keep B's replicas equal, as the weight's
-            layer.lora_B.tp_replicas = spec_b.replicas
             layer.lora_B.register_hook(grad_all_reduce_hook(topology.tp_subgroup(spec_b.replicas), tag))
     else:
         layer.lora_B.register_hook(grad_all_reduce_hook(topology.tp_group, tag))

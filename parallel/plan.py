@@ -278,7 +278,6 @@ def _input_hook(fn, group, tag):
 def _sp_grad_sync(module: nn.Module, group, tag: str) -> None:
     for p in module.parameters(recurse=True):
         if p.requires_grad and not getattr(p, "tensor_model_parallel", False):
-            p.sequence_parallel = True
             p.register_hook(grad_all_reduce_hook(group, tag))
 
 
@@ -344,7 +343,6 @@ def _shard_attention(attn, topology, cfg, sp: bool, tag: str) -> None:
         sub = topology.tp_subgroup(kv.replicas)
         for p in (attn.wk.weight, attn.wk.bias, attn.wv.weight, attn.wv.bias):
             if p is not None:
-                p.tp_replicas = kv.replicas
                 p.register_hook(grad_all_reduce_hook(sub, f"{tag}.kv_replica_grad"))
     attn.wo = _split(attn.wo, f"{tag}.attn.wo", cfg, topology, sequence_parallel=sp, tag=f"{tag}.attn_out")
     attn.n_heads = cfg.n_heads // tp
