@@ -7,8 +7,6 @@ parameter there and hands these layers their shards, already marked (`attach_spe
     tensor_model_parallel  True on the rank that owns it (DeepSpeed's gradient-norm
                            and clipping code counts such params on every TP rank,
                            and non-TP params only on tp_rank 0)
-    partition_dim          the dim the full tensor was split along
-    partition_stride       1 (Megatron's name; contiguous shards)
     tp_meta                `ShardSpec.as_meta()`: partition_dim, full_shape, padded_size,
                            num_shards, shard_index, replicas
 

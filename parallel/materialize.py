@@ -55,7 +55,7 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 def _replace(old: nn.Parameter, data: torch.Tensor, owners: dict) -> nn.Parameter:
     """A Parameter holding `data` in place of `old` everywhere, with its attributes and hooks."""
     new = nn.Parameter(data, requires_grad=old.requires_grad)
-    new.__dict__.update(old.__dict__)  # tensor_model_parallel, partition_dim, tp_meta, ...
+    new.__dict__.update(old.__dict__)  # tensor_model_parallel, tp_meta, ...
     for hook in (old._backward_hooks or {}).values():
         new.register_hook(hook)
     holders = owners.pop(id(old), [])

@@ -201,12 +201,10 @@ def spec_of(param: torch.Tensor) -> ShardSpec:
 
 def attach_spec(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """Mark a split parameter as DeepSpeed and the checkpoint code expect (no-op if replicated):
-    tensor_model_parallel (on the owner of each shard only, so norms count a replica once),
-    partition_dim / partition_stride (Megatron's names) and tp_meta (`ShardSpec.as_meta`)."""
+    tensor_model_parallel (on the owner of each shard only, so norms count a replica once) and
+    tp_meta (`ShardSpec.as_meta`)."""
     if spec.dim is not None:
         param.tensor_model_parallel = bool(spec.owner)
-        param.partition_dim = spec.dim
-        param.partition_stride = 1
         param.tp_meta = spec.as_meta()
     return param
 
