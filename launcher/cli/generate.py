@@ -91,7 +91,6 @@ def load_model(path: str, device: str):
     """-> (model, tokenizer, what was loaded): final weights where there are some, else the
     newest complete checkpoint of a run, or the checkpoint directory `path` names."""
 
-    import torch
     from loomtrain.data_pipeline import load_tokenizer
     from loomtrain.launcher.checkpoints.export import ExportError, open_source
     from loomtrain.launcher.checkpoints.final import FINAL_MANIFEST, FinalWeightsError
@@ -127,8 +126,7 @@ def load_model(path: str, device: str):
     if unexpected or sorted(missing) != tied:
         raise FinalWeightsError(f"{source.what}: tensors do not match its model config")
     model.reset_buffers()
-    with torch.no_grad():
-        model = model.to(device).eval()
+    model = model.to(device).eval()  # Module.to moves the parameters under no_grad itself
     return model, load_tokenizer(str(source.tok_dir)), source.what
 
 
