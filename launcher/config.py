@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from loomtrain.hf_cache import ModelIdError, cached_snapshot, looks_like_model_id
 from loomtrain.launcher.addresses import check_ray_address
 from loomtrain.model.config import ModelConfig
-from loomtrain.storage import is_uri, known_scheme, location_problem
+from loomtrain.storage import known_scheme, location_problem, scheme
 
 
 def cuda_available() -> bool:
@@ -443,7 +443,7 @@ class RunConfig:
         out = []
         for section, name, key, names in fields:
             value = getattr(section, name)
-            if value and not is_uri(value) and value not in names:
+            if value and not scheme(value) and value not in names:  # a URI reads the same anywhere
                 out.append((section, name, key))
         return out
 

@@ -56,3 +56,16 @@ def test_shared_helpers_are_defined_once():
     for name in ("fsync_path", "atomic_write", "atomic_write_json", "write_durable", "broadcast_str"):
         assert len(_defs(name)) == 1, (name, _defs(name))
     assert _defs("atomic_write")[0].startswith("durable.py")
+
+
+def test_only_the_storage_layer_tells_a_uri_from_a_path():
+    """Where a location is a folder or an object store is storage.py's to decide (issue 41): a
+    caller asks the backend (`storage.location`) or `storage.scheme`, never `is_uri` itself."""
+    found = [
+        f"{p.relative_to(ROOT)}:{n.lineno}"
+        for p in python_files()
+        if p.relative_to(ROOT).parts[0] not in ("tests", "benchmarks") and p != ROOT / "storage.py"
+        for n in ast.walk(parse(p))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "is_uri"
+    ]
+    assert not found, found
