@@ -25,13 +25,12 @@ MARGIN_S = 30.0  # process exit, Ray's report of the checkpoint, the driver's ow
 FALLBACK_S = 300  # when the plan cannot size a config (used by `loomtrain submit`)
 
 
-def sizing_plan(cfg: Any, world_size: int | None = None) -> Plan:
-    """The plan the grace period is sized by: `cfg` on its Ray workers (or `world_size` ranks)."""
-    world = world_size or cfg.ray.num_workers
-    return make_plan(cfg, world, gpu="h100" if cfg.ray.use_gpu else "cpu")
+def sizing_plan(cfg: Any) -> Plan:
+    """The plan the grace period is sized by: `cfg` on its Ray workers."""
+    return make_plan(cfg, cfg.ray.num_workers, gpu="h100" if cfg.ray.use_gpu else "cpu")
 
 
-def grace_period_s(cfg: Any, world_size: int | None = None) -> int:
+def grace_period_s(cfg: Any) -> int:
     """terminationGracePeriodSeconds for the pods of a run of `cfg` (whole seconds)."""
-    plan = sizing_plan(cfg, world_size)
+    plan = sizing_plan(cfg)
     return int(math.ceil(plan.step_time_s + SAFETY * plan.host.save_sync_s + MARGIN_S))

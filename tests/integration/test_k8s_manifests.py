@@ -180,8 +180,9 @@ def test_ray_pods_are_given_the_time_a_sigterm_save_takes(rendered, tmp_path, na
     docs = rendered[name]
     job = one(docs, "RayJob")
     _, cfg = _config_of(job, tmp_path, docs, world_size=world)
-    need = grace_period_s(cfg, world)
-    assert need > 30 + sizing_plan(cfg, world).host.save_sync_s  # more than Kubernetes' default alone would give
+    assert cfg.ray.num_workers == world  # the plan sizes the grace period for the config's Ray workers
+    need = grace_period_s(cfg)
+    assert need > 30 + sizing_plan(cfg).host.save_sync_s  # more than Kubernetes' default alone would give
     cspec = job["spec"]["rayClusterSpec"]
     for tpl in [cspec["headGroupSpec"]["template"], *(g["template"] for g in cspec["workerGroupSpecs"])]:
         assert tpl["spec"]["terminationGracePeriodSeconds"] >= need
