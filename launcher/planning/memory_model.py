@@ -116,11 +116,6 @@ class ParamCount:
     adapters: int = 0  # model.lora: the LoRA factors of the plain model (not in `total`)
     adapters_per_rank: int = 0  # ... one TP rank's (A or B split like its layer, see shard_spec)
 
-    @property
-    def trainable_per_rank(self) -> int:
-        """What the optimizer holds on one TP rank: the adapters with LoRA, else everything."""
-        return self.adapters_per_rank if self.adapters else self.per_rank
-
 
 def count_params(model: Any, tp: int) -> ParamCount:
     """Count a plain (unsharded) model's parameters, e.g. one built on the meta device;
@@ -209,10 +204,8 @@ def ds_buffers(
     g = _DTYPE_BYTES[precision]
     bucket = g * (bucket_elems if stage >= 1 else min(bucket_elems, n_rank))
     fp32_grads = 0.0
-    if precision != "fp32" or stage >= 1:
+    if not offload and (precision != "fp32" or stage >= 1):
         fp32_grads = 4 * n_rank / (dp if stage >= 1 else 1)
-    if offload:
-        fp32_grads = 0.0
     return float(bucket), fp32_grads
 
 
@@ -393,7 +386,7 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
     model = meta_transformer(cfg)  # the full-size model with empty (meta) weights: no memory
     pc = count_params(model, tp)
     # model.lora: the optimizer, gradients and ZeRO see only the adapters; the base is frozen
-    trainable, frozen = pc.trainable_per_rank, (pc.per_rank if pc.adapters else 0)
+    trainable, frozen = (pc.adapters_per_rank, pc.per_rank) if pc.adapters else (pc.per_rank, 0)
     states = model_state_bytes(trainable, stage, dp, prec, par.offload_optimizer, frozen)
     acts = run_activation_bytes(run, gpu, cp)
     reserve = RESERVE_GIB * GiB if gpu != "cpu" else 0.0
