@@ -76,12 +76,6 @@ class DistEnv:
     def n_hosts(self) -> int:
         return len(set(self.hosts)) or 1
 
-    def placement(self) -> str:
-        """e.g. '2 hosts: node/10.0.0.1 ranks 0-3, node/10.0.0.2 ranks 4-7'."""
-        from loomtrain.parallel.topology import describe_hosts
-
-        return describe_hosts(self.hosts)
-
 
 def select_device(requested: str, local_rank: int = 0) -> torch.device:
     """auto -> the GPU named by LOCAL_RANK when CUDA is there, else the CPU."""

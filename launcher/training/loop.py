@@ -75,6 +75,7 @@ from loomtrain.model import param_count
 from loomtrain.model.loss import IGNORE_INDEX
 from loomtrain.parallel import Topology, gathered_logits
 from loomtrain.parallel.context import chunk_index
+from loomtrain.parallel.topology import describe_hosts
 from torch import nn
 
 # data/samples_hash is the samples' digest sum modulo 2**40: each DP rank sends its part
@@ -468,7 +469,7 @@ def _set_up(
         f"zero {cfg.parallel.zero_stage}, grad_accum {grad_accum}, steps {start_step}->{t.max_steps}"
     )
     if env.n_hosts > 1:
-        log.message(f"loomtrain: {env.placement()}; process group over {env.interface}")
+        log.message(f"loomtrain: {describe_hosts(env.hosts)}; process group over {env.interface}")
     if cfg.model.lora.enabled:
         held = [(p.numel(), p.requires_grad) for p in ctx.model.parameters()]
         adapters, every = sum(n for n, trains in held if trains), sum(n for n, _ in held)
