@@ -27,6 +27,7 @@ estimate from free host memory instead.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import sys
@@ -147,10 +148,8 @@ def run_steps(cfg, device: torch.device, steps: int, search_from: int, log) -> M
         if i == 0:
             states = measure(engine, peak)
             peak.remove()
-    if device.type == "cuda":
-        peak_bytes = int(torch.cuda.max_memory_allocated(device))
-    else:
-        peak_bytes = peak_rss_bytes() - base_rss
+    # the device's peak allocation (CUDA), or the growth of the process's peak RSS (CPU)
+    peak_bytes = memory_bytes(device) if device.type == "cuda" else peak_rss_bytes() - base_rss
     result = Measured(states, times, peak_bytes, skipped=int(engine.skipped_steps))
     if device.type == "cuda" and search_from:
 
@@ -314,12 +313,11 @@ def dry_run(
     mfu: float,
     max_micro: int = 0,
     changed: list[str] = (),
-    log=None,
 ) -> str:
     """Run `steps` optimizer steps of `cfg`'s rank 0 on this machine; the table comparing them with
     `cluster` (the plan for one rank of the cluster) and with the plan for this dry run. `changed`:
     the model fields the command line changed from the config's (named under the headline). On a
-    CPU it says up front how long it should take; `log` (default: stderr) hears its progress."""
+    CPU it says up front how long it should take; its progress goes to stderr."""
     # This machine: the same rank at dp = 1, one micro-batch per optimizer step.
     cfg.train.global_batch_size = cfg.train.micro_batch_size
     device = init_distributed(cfg).device  # a lone process: train.device, its GPU or the CPU
@@ -328,7 +326,7 @@ def dry_run(
     # states over those cp ranks, which the dry run at dp 1 holds whole)
     local = mm.make_plan(cfg, cfg.parallel.tp * cfg.parallel.cp, local_gpu, mfu)
 
-    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    log = functools.partial(print, file=sys.stderr, flush=True)
     peak = device_peak_flops(device, cfg.train.precision)
     if device.type == "cpu":
         log(cpu_estimate_line(cfg, cluster, steps, peak, mfu))
