@@ -162,7 +162,7 @@ class Watchdog:
     def beat(self, step: int) -> None:
         """Step `step` is done; the next one is a training step (the first, start-up, compiled it)."""
         self.step = step
-        self.phase_name, self.limit, self.knob = STEP, self.allow.step, "parallel.timeout_s"
+        self.phase_name, self.limit, self.knob = self._allowance(STEP)
         self.progress_at = time.monotonic()
 
     @contextlib.contextmanager

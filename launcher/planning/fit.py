@@ -34,7 +34,6 @@ class FitVerdict:
     fits: bool
     needed: float  # bytes, on the resource compared (all local ranks on a CPU host)
     available: float  # bytes
-    where: str  # "host RAM" or "GPU N (name)"
     message: str
 
 
@@ -77,7 +76,7 @@ def check_fits(cfg, world_size: int, local_ranks: int = 1, local_rank: int = 0) 
     )
     if not fits:
         message = f"will not fit: {message}; try {'; '.join(suggestions(plan))}; or pass --force to start anyway"
-    return FitVerdict(fits, needed, free, where, message)
+    return FitVerdict(fits, needed, free, message)
 
 
 def local_ranks_from_env() -> tuple[int, int]:
