@@ -54,13 +54,13 @@ GiB = mm.GiB
 
 @dataclass
 class OneRankTopology:
-    """TP rank `tp_rank` of a tp-way group, alone (no process group, dp = 1).
+    """TP rank `tp_rank` of a `tp_size`-way group, alone (no process group, dp = 1).
 
     Duck-types loomtrain.parallel.Topology for `parallelize` (and its vocab-parallel loss); a TP
     group of None makes every collective in loomtrain.parallel.collectives the identity.
     """
 
-    tp: int
+    tp_size: int
     tp_rank: int = 0
     tp_group: object = None
     dp_group: object = None
@@ -74,12 +74,8 @@ class OneRankTopology:
     data_rank: int = 0
 
     @property
-    def tp_size(self) -> int:
-        return self.tp
-
-    @property
     def world_size(self) -> int:
-        return self.tp
+        return self.tp_size
 
     @property
     def rank(self) -> int:
