@@ -91,15 +91,13 @@ def host_plan(
     node_ram_gib: float = DEFAULT_NODE_RAM_GIB,
     storage_gbps: float = DEFAULT_STORAGE_GBPS,
     on_cpu: bool = False,
-    checkpoint_params: int | None = None,
-    checkpoint_per_rank: int | None = None,
+    checkpoint_params: int,
+    checkpoint_per_rank: int,
 ) -> HostPlan:
     """device_states_on_host: bytes per rank of model states that live in host RAM (a CPU
-    device, or an offloaded optimizer). checkpoint_params / checkpoint_per_rank: what a
-    checkpoint holds when not every parameter (model.lora: the adapters; the frozen base is
-    read from model.init_from at a resume, not counted here); default total / per_rank."""
-    ckpt_total = total_params if checkpoint_params is None else checkpoint_params
-    ckpt_rank = per_rank_params if checkpoint_per_rank is None else checkpoint_per_rank
+    device, or an offloaded optimizer). checkpoint_params / checkpoint_per_rank: the parameters a
+    checkpoint holds, of the plain model and of one TP rank: every one, or with model.lora the
+    adapters (the frozen base is read from model.init_from at a resume, not counted here)."""
     if gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
     if storage_gbps <= 0:
@@ -111,13 +109,13 @@ def host_plan(
     process = HOST_PROCESS_GIB * GiB
     transient = 4 * largest_param * (1 + 2 / tp)  # one full fp32 parameter + its shard, twice
     startup = process + transient + device_states_on_host
-    share = CHECKPOINT_BYTES_PER_PARAM * ckpt_rank / dp
+    share = CHECKPOINT_BYTES_PER_PARAM * checkpoint_per_rank / dp
     save = process + share + device_states_on_host
-    ckpt = CHECKPOINT_BYTES_PER_PARAM * ckpt_total
+    ckpt = CHECKPOINT_BYTES_PER_PARAM * checkpoint_params
     storage = storage_gbps * 1e9
     copy = (CPU_COPY_GBPS if on_cpu else HOST_COPY_GBPS) * 1e9
-    weights_read = 4 * ckpt_rank / (dp if zero_stage == 3 else 1)
-    resume_read = weights_read + 8 * ckpt_rank / dp
+    weights_read = 4 * checkpoint_per_rank / (dp if zero_stage == 3 else 1)
+    resume_read = weights_read + 8 * checkpoint_per_rank / dp
     return HostPlan(
         ranks_per_node=per_node,
         nodes=nodes,

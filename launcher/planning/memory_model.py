@@ -413,8 +413,8 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
         zero_stage=stage,
         device_states_on_host=on_host,
         on_cpu=gpu == "cpu",
-        checkpoint_params=pc.adapters or None,  # model.lora: checkpoints hold the adapters only
-        checkpoint_per_rank=pc.adapters_per_rank or None,
+        checkpoint_params=pc.adapters or pc.total,  # model.lora: checkpoints hold the adapters only
+        checkpoint_per_rank=pc.adapters_per_rank or pc.per_rank,
         **host,
     )
     notes = []
