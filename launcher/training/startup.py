@@ -2,8 +2,8 @@
 
 Seams:
 * `build_model`: the model on the meta device, the TP plan applied, then only this
-  rank's shards materialised (loomtrain.parallel.materialize), from the seeded init
-  or from any (name, full tensor) supplier, e.g. a weights file read tensor by tensor.
+  rank's shards materialised (loomtrain.parallel.materialize, which takes any (name, full
+  tensor) supplier), from the seeded init or from model.init_from.
 * `build_data`: the embedded corpus or a shard directory -> tokenizer + this DP
   rank's training stream; `val_stream` builds a fresh, reproducible eval stream.
 """
@@ -53,15 +53,15 @@ def build_topology(cfg: RunConfig, env: DistEnv) -> Topology:
         raise ConfigError(str(exc)) from exc
 
 
-def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensors=None) -> torch.nn.Module:
+def build_model(cfg: RunConfig, topology: Topology, device: torch.device) -> torch.nn.Module:
     """This rank's shard of the model, without ever building the full model.
 
     Built on the meta device and parallelized there, then each parameter is materialised
-    one at a time: its full tensor comes from `tensors` (an iterable of (plain-model name,
-    full tensor); default `init_tensors(cfg.model, train.seed)`, the seeded init, identical
-    on every rank), this rank's slice is kept on `device` in the training dtype and the full
-    tensor dropped. At ZeRO-3 each parameter is also partitioned over DP as soon as it
-    exists. Peak: the shards (ZeRO-3: partitions) plus about one full parameter.
+    one at a time: its full tensor comes from the seeded init (`init_tensors(cfg.model,
+    train.seed)`, identical on every rank), this rank's slice is kept on `device` in the
+    training dtype and the full tensor dropped. At ZeRO-3 each parameter is also
+    partitioned over DP as soon as it exists. Peak: the shards (ZeRO-3: partitions) plus
+    about one full parameter.
 
     With model.init_from the shards are allocated empty and filled by `init_from`, each rank
     reading only its TP slices (an optimizer starts fresh); at ZeRO-3 they are partitioned
@@ -74,15 +74,14 @@ def build_model(cfg: RunConfig, topology: Topology, device: torch.device, tensor
     after = None
     if cfg.parallel.zero_stage == 3:
         after = engine.zero3_partitioner(cfg, topology, dtype or torch.float32)
-    if cfg.model.init_from and tensors is None:
+    if cfg.model.init_from:
         allocate_shards(model, device=device, dtype=dtype)
         _init_from_on_every_rank(model, cfg, topology)
         if after is not None:
             for name, param in model.named_parameters():
                 after(name, param)
     else:
-        tensors = init_tensors(cfg.model, cfg.train.seed) if tensors is None else tensors
-        materialize(model, tensors, device=device, dtype=dtype, after_param=after)
+        materialize(model, init_tensors(cfg.model, cfg.train.seed), device=device, dtype=dtype, after_param=after)
     return apply_block_options(_with_lora(model, cfg, topology), cfg)
 
 
