@@ -46,7 +46,7 @@ Sources, so that a reader can check each number:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -99,10 +99,9 @@ def device_spec(name: str) -> Device:
     key = name.lower()
     if key not in DEVICES:
         raise ValueError(f"--gpu: unknown device {name!r}; choose one of {', '.join(DEVICES)}")
-    dev = DEVICES[key]
-    if key == "cpu":
-        dev = Device(dev.name, round(host_memory_gib(), 1), dev.bf16_tflops, dev.fp32_tflops, dev.note)
-    return dev
+    if key == "cpu":  # its memory is this host's RAM
+        return replace(DEVICES[key], memory_gib=round(host_memory_gib(), 1))
+    return DEVICES[key]
 
 
 # --------------------------------------------------------------------------- params
