@@ -147,7 +147,7 @@ def run_steps(cfg, device: torch.device, steps: int, search_from: int, log) -> M
     # the device's peak allocation (CUDA), or the growth of the process's peak RSS (CPU)
     peak_bytes = memory_bytes(device) if device.type == "cuda" else peak_rss_bytes() - base_rss
     result = Measured(states, times, peak_bytes, skipped=int(engine.skipped_steps))
-    if device.type == "cuda" and search_from:
+    if device.type == "cuda":
 
         @find_executable_batch_size(starting_batch_size=search_from)
         def largest(batch_size: int) -> int:
@@ -326,8 +326,7 @@ def dry_run(
     peak = device_peak_flops(device, cfg.train.precision)
     if device.type == "cpu":
         log(cpu_estimate_line(cfg, cluster, steps, peak, mfu))
-    search_from = max_micro or 4 * cfg.train.micro_batch_size
-    meas = run_steps(cfg, device, steps, search_from if device.type == "cuda" else 0, log=log)
+    meas = run_steps(cfg, device, steps, max_micro or 4 * cfg.train.micro_batch_size, log=log)
     cpu_estimate = None
     if device.type == "cpu":
         per_sample = local.activations.total / cfg.train.micro_batch_size
