@@ -329,27 +329,23 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             _quiet_tensorboard_thread()
-            # purge_step: TensorBoard hides older events from step start_step + 1 on.
+            # In RUN_DIR itself: TensorBoard names a run after the folder holding its event files, so
+            # `tensorboard --logdir runs/` shows NAME, not NAME/tb. purge_step: TensorBoard hides
+            # older events from step start_step + 1 on.
             with self._tensorboard():
-                self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=start_step + 1)
+                self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=start_step + 1)
         if storage:  # TensorBoard follows the run from {run.storage}/tb/
             self.mirror = Mirror(self.run_dir, tb_uri(storage)).start()
         use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
         if use_bar:
             self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    @property
-    def tb_dir(self) -> Path:
-        """The run directory itself: TensorBoard names a run after the folder holding its
-        event files, so `tensorboard --logdir runs/` shows `NAME`, not `NAME/tb`."""
-        return self.run_dir
-
     def _tensorboard(self) -> naming:
         """Around a TensorBoard call: a failed write names the event file (its thread's error
         reaches us at the next call, without a file name)."""
         file_writer = getattr(self.writer, "file_writer", None)
         event_file = getattr(getattr(file_writer, "event_writer", None), "_file_name", None)
-        return naming(event_file or self.tb_dir)
+        return naming(event_file or self.run_dir)
 
     # --- writers ----------------------------------------------------------------
     def hparams(self, config: dict[str, Any], metrics: tuple[str, ...] = ("loss/train", "loss/val")) -> None:

@@ -48,7 +48,7 @@ def tb_uri(storage: str) -> str:
 
 def mirrored_files(run_dir: Path) -> list[Path]:
     """What TensorBoard and people read: the event files TensorBoard writes in RUN_DIR itself
-    (see MetricsLogger.tb_dir), and metrics.jsonl."""
+    (see MetricsLogger), and metrics.jsonl."""
     return [p for p in [*sorted(run_dir.glob(EVENT_FILES)), run_dir / METRICS] if p.is_file()]
 
 

@@ -699,7 +699,7 @@ def _finish(run: _Run, wall_start: float) -> TrainResult:
     run_dir = ctx.run_dir.absolute()
     log.message(f"run directory: {run_dir}")
     if ctx.cfg.log.tensorboard:
-        log.message(f"TensorBoard logs: {log.tb_dir.absolute()}  (tensorboard --logdir {run_dir.parent})")
+        log.message(f"TensorBoard logs: {run_dir}  (tensorboard --logdir {run_dir.parent})")
         if ctx.cfg.run.storage:
             where = tb_uri(ctx.cfg.run.storage)
             log.message(f"TensorBoard mirror: {where}  (tensorboard --logdir {where} --load_fast=false)")
