@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psutil
-from loomtrain.launcher.planning.host_model import GiB, host_plan
+from loomtrain.launcher.planning.host_model import GiB, HostPlan, host_plan
 from loomtrain.launcher.training.engine import ds_config
 from loomtrain.model import meta_transformer
 from loomtrain.model.config import ModelConfig
@@ -351,7 +351,7 @@ class Plan:
     step_time_s: float
     tokens_per_s: float
     tokens_per_s_per_rank: float
-    host: Any = None  # host_model.HostPlan: host RAM per node, checkpoint size, save time
+    host: HostPlan  # host RAM per node, checkpoint size, save time
     notes: list[str] = field(default_factory=list)
     cp: int = 1  # context parallel: dp above is ZeRO's group, data x cp; samples split dp / cp ways
     cp_that_fits: int | None = None  # when it does not fit: the smallest parallel.cp whose activations would
@@ -359,8 +359,7 @@ class Plan:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["states"]["total"] = self.states.total
-        if self.host is not None:
-            d["host"]["startup_fits"], d["host"]["save_fits"] = self.host.startup_fits, self.host.save_fits
+        d["host"]["startup_fits"], d["host"]["save_fits"] = self.host.startup_fits, self.host.save_fits
         return d
 
 

@@ -83,8 +83,7 @@ def format_plan(p: mm.Plan, config: str = "") -> str:
         + (" + parameter all-gathers" if stage == 3 else "")
         + ")",
     ]
-    if p.host is not None:
-        lines += hm.format_host(p.host)
+    lines += hm.format_host(p.host)
     lines += [f"note: {n}" for n in p.notes]
     lines.append("")
     if p.fits:
