@@ -245,9 +245,7 @@ def activation_bytes(
     """Per rank. With context parallelism (cp > 1) a rank holds seq / cp tokens of each sequence,
     and each layer's attention also keeps the whole window's K and V (all-gathered over the CP
     group, saved for its backward): (seq - seq / cp) more tokens of K and V per layer."""
-    full = seq
-    seq = seq // cp
-    s, b, h, a, L = seq, micro, cfg.d_model, cfg.n_heads, cfg.n_layers
+    s, b, h, a, L = seq // cp, micro, cfg.d_model, cfg.n_heads, cfg.n_layers  # s: this rank's tokens
     p = _DTYPE_BYTES[precision]
     f = cfg.ffn_dim
     kv = cfg.kv_heads * cfg.head_width
@@ -257,9 +255,9 @@ def activation_bytes(
     replicated = p * (4 * h) + drop * 2 * h  # 2 norm inputs, QKV input, MLP input; 2 masks
     sharded = p * (q + 2 * kv + q)  # Q, K, V, attention output (wo input)
     sharded += p * (4 * f if cfg.activation == "swiglu" else 2 * f)  # MLP inner tensors
-    scores = drop * 5 * a * full + (1 - drop) * 2 * a * full  # softmax out (+mask, dropout out), eager only
+    scores = drop * 5 * a * seq + (1 - drop) * 2 * a * seq  # softmax out (+mask, dropout out), eager only
     rep_div = tp if sequence_parallel else 1
-    gathered_kv = (full - s) * b * p * 2 * kv / tp  # CP: the other ranks' keys and values
+    gathered_kv = (seq - s) * b * p * 2 * kv / tp  # CP: the other ranks' keys and values
     per_layer = s * b * (replicated / rep_div + sharded / tp) + gathered_kv
     per_layer_eager = per_layer + s * b * (scores * p / 2) / tp
     if checkpointing:
