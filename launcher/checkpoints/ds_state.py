@@ -11,8 +11,7 @@ into the full tensor and cutting them again is the TP layout's job (loomtrain.pa
     written_range                     the share of that this rank writes into a checkpoint
     set_held_values                   put such a range back (ZeRO-3: the model's partition too)
     local_box                         where p's TP shard lies in the full tensor (shards.py)
-    read_local(engine, p, key)        this TP rank's fp32 master (key None) or Adam moment
-                                      ("exp_avg", "exp_avg_sq") of p, whole over DP (collective)
+    read_local(engine, p)             this TP rank's fp32 master of p, whole over DP (collective)
     write_local(engine, p, v)         the reverse, for the master (every DP rank passes the same value)
     ensure_optimizer_state(engine)    create Adam's lazily made state (zeros, step 0)
     adam_step / set_adam_step        Adam's step counter
@@ -182,20 +181,15 @@ def local_full_shape(p) -> tuple:
     return spec_of(p).local_shape
 
 
-def read_local(engine, p, key: str | None) -> torch.Tensor:
-    """This TP rank's fp32 master (key None) or Adam moment of p, whole over DP (collective).
+def read_local(engine, p) -> torch.Tensor:
+    """This TP rank's fp32 master of p, whole over DP (collective).
 
     On the parameter's device (NCCL gathers need CUDA tensors); callers move it to the CPU."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_fp32_param
 
     if _is_ds(p):
-        t = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
-        return t.detach().float().reshape(local_full_shape(p))
-    hp = _master_of(engine, p)
-    if key is None:
-        return hp.detach().float().clone()
-    st = inner_optimizer(engine.optimizer).state.get(hp, {})
-    return st[key].detach().float().clone() if key in st else torch.zeros(p.shape, device=hp.device)
+        return safe_get_full_fp32_param(p).detach().float().reshape(local_full_shape(p))
+    return _master_of(engine, p).detach().float().clone()
 
 
 def write_local(engine, p, value: torch.Tensor) -> None:

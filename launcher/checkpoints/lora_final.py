@@ -22,13 +22,13 @@ def final_params(engine) -> tuple[list, Callable]:
     model = engine.module
     layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoraAdapter)}
     if not layers:
-        return named_params(engine), lambda n, p: read_local(engine, p, None)
+        return named_params(engine), lambda n, p: read_local(engine, p)
 
     def read(name: str, p: torch.Tensor) -> torch.Tensor:
         layer = layers.get(name)
         if layer is None:  # frozen: not in the optimizer, the parameter itself is the value
             return p.detach().float().clone()
-        a, b = read_local(engine, layer.lora_A, None), read_local(engine, layer.lora_B, None)
+        a, b = read_local(engine, layer.lora_A), read_local(engine, layer.lora_B)
         return merge(p.detach().float(), a, b, layer.scale)
 
     return [(n, p) for n, p in model.named_parameters() if not is_adapter(n)], read
