@@ -76,7 +76,7 @@ from loomtrain.launcher.checkpoints.hf_source import gpt2_refs
 from loomtrain.launcher.checkpoints.lora_weights import BaseMismatch, merge_adapters
 from loomtrain.launcher.checkpoints.safetensors_source import TensorRef, WeightSourceError, model_tensor_names
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, SafetensorsWriter
-from loomtrain.launcher.checkpoints.state import ConsolidatedReader
+from loomtrain.launcher.checkpoints.state import open_reader
 from loomtrain.launcher.checkpoints.store import (
     MANIFEST,
     read_checkpoint_file,
@@ -174,15 +174,15 @@ def open_source(src: str | Path) -> Source:
 
 
 def _checkpoint_source(ckpt) -> Source:
-    reader = ConsolidatedReader(ckpt)
+    reader = open_reader(ckpt)  # full tensors by name, every tile checked as it is read
     manifest = read_manifest(ckpt)
     cfg = ModelConfig(**yaml.safe_load(read_checkpoint_file(ckpt, "config.yaml"))["model"])
     tok = {rel: info for rel, info in manifest["files"].items() if rel.startswith(f"{TOKENIZER_DIR}/")}
     tok_dir = None
     if tok:  # the tokenizer's files only
         tok_dir = local_folder(ckpt, lambda uri: download_verified(uri, weights_cache(uri), tok)) / TOKENIZER_DIR
-    shapes = {n: reader.reader.shape(n) for n in reader.names()}
-    return Source(shapes, reader.get, cfg, tok_dir, f"checkpoint {ckpt}")
+    shapes = {n: reader.shape(n) for n in reader.names()}
+    return Source(shapes, reader.full, cfg, tok_dir, f"checkpoint {ckpt}")
 
 
 def _final_source(src) -> Source:

@@ -52,7 +52,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from loomtrain.durable import json_bytes
 from loomtrain.launcher.checkpoints.ds_state import MOMENTS, held_values, named_params, written_range
 from loomtrain.launcher.checkpoints.parts import KEYS, PARTS, Training
@@ -277,19 +276,6 @@ def open_reader(path: str | os.PathLike, manifest: dict | None = None) -> Sharde
             f"{', '.join(map(repr, READS))} ({why})"
         )
     return ShardedReader(path, index, FILES, TILE_KEYS, READS[index["format"]])
-
-
-class ConsolidatedReader:
-    """Full tensors by name from a checkpoint (for export and tools; reads every piece)."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.reader = open_reader(path)
-
-    def names(self) -> list[str]:
-        return self.reader.names()
-
-    def get(self, name: str, key: str | None = None) -> torch.Tensor:
-        return self.reader.full(name, key)
 
 
 @dataclass

@@ -27,7 +27,7 @@ TOL = 1e-4
 def test_merged_and_peft_exports_equal_each_other_and_loomtrain(tmp_path, bpe, family, s3_bucket, monkeypatch, capsys):
     import peft
     import transformers
-    from loomtrain.launcher.checkpoints.state import ConsolidatedReader
+    from loomtrain.launcher.checkpoints.state import open_reader
     from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.checkpoints.weight_source import load_final, load_into, open_source
     from loomtrain.launcher.config_loader import load_config
@@ -116,10 +116,10 @@ def test_merged_and_peft_exports_equal_each_other_and_loomtrain(tmp_path, bpe, f
         ours = Transformer(cfg.model)
         load_into(ours, open_source(hf))
         apply_lora(ours, cfg.model.lora)
-        ckpt = ConsolidatedReader(CheckpointStore(run).find_resumable(checksums=False))
+        ckpt = open_reader(CheckpointStore(run).find_resumable(checksums=False))
         for name, p in ours.named_parameters():
             if p.requires_grad:
-                p.copy_(ckpt.get(name))
+                p.copy_(ckpt.full(name))
         our_logits = ours.eval()(tokens)
         final_model, _ = load_final(run)
         final_logits = final_model.eval()(tokens)

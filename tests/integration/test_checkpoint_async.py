@@ -36,10 +36,10 @@ def _cfg(run_dir: Path, cache: Path, *extra: str):
 
 
 def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    from loomtrain.launcher.checkpoints.state import ConsolidatedReader
+    from loomtrain.launcher.checkpoints.state import open_reader
 
-    r = ConsolidatedReader(ckpt)
-    return {f"{n}/{k}": r.get(n, k) for n in r.names() for k in (None, "exp_avg", "exp_avg_sq")}
+    r = open_reader(ckpt)
+    return {f"{n}/{k}": r.full(n, k) for n in r.names() for k in (None, "exp_avg", "exp_avg_sq")}
 
 
 def _staging_buffers():
