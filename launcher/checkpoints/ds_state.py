@@ -176,11 +176,6 @@ def _master_of(engine, p):
     return p
 
 
-def local_full_shape(p) -> tuple:
-    """The shape this TP rank holds of p, whole over DP (ZeRO-3 partitions included)."""
-    return spec_of(p).local_shape
-
-
 def read_local(engine, p) -> torch.Tensor:
     """This TP rank's fp32 master of p, whole over DP (collective).
 
@@ -188,7 +183,7 @@ def read_local(engine, p) -> torch.Tensor:
     from deepspeed.utils import safe_get_full_fp32_param
 
     if _is_ds(p):
-        return safe_get_full_fp32_param(p).detach().float().reshape(local_full_shape(p))
+        return safe_get_full_fp32_param(p).detach().float().reshape(spec_of(p).local_shape)  # whole over DP
     return _master_of(engine, p).detach().float().clone()
 
 

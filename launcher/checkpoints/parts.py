@@ -26,7 +26,6 @@ from loomtrain.launcher.checkpoints.ds_state import (
     held_values,
     load_target,
     local_box,
-    local_full_shape,
     loss_scaler_state,
     named_params,
     optimizer_settings,
@@ -39,6 +38,7 @@ from loomtrain.launcher.checkpoints.ds_state import (
 )
 from loomtrain.launcher.checkpoints.lora_base import LoraBase
 from loomtrain.launcher.checkpoints.shards import Region, safetensors_metadata
+from loomtrain.parallel.plan import spec_of
 from safetensors.torch import load as load_safetensors
 
 KEYS = (None, *MOMENTS)  # a parameter's tensors in a checkpoint: the fp32 master, then the moments
@@ -138,7 +138,7 @@ class Tensors:
                 if into is not None:  # DeepSpeed's own buffer, filled in place
                     reader.read(name, k, held, out=into)
                 elif whole:
-                    value = reader.read(name, None, Region.whole(box)).reshape(local_full_shape(p))
+                    value = reader.read(name, None, Region.whole(box)).reshape(spec_of(p).local_shape)
                     write_local(engine, p, value)
                 else:  # at ZeRO-3 the weights too: only this rank's partition, never the whole shard
                     set_held_values(engine, p, k, reader.read(name, k, held))
