@@ -312,20 +312,16 @@ def find_final_uri(uri: str) -> tuple[str, bytes] | None:
     return None
 
 
-def no_final_at(uri: str) -> FinalWeightsError:
-    return FinalWeightsError(
-        f"{uri}: no {FINAL_MANIFEST} there or under {uri.rstrip('/')}/final/ (final weights on object "
-        f"storage exist once their manifest is written: did the run finish, or was its upload cut short?)"
-    )
-
-
 def fetch_final(uri: str) -> Path:
     """The final/ weights at `uri` (a final/ or a run's storage) as a local folder of this host's
     cache, every file checked against the manifest; FinalWeightsError naming a missing or
     damaged object."""
     found = find_final_uri(uri)
     if found is None:
-        raise no_final_at(uri)
+        raise FinalWeightsError(
+            f"{uri}: no {FINAL_MANIFEST} there or under {uri.rstrip('/')}/final/ (final weights on object "
+            f"storage exist once their manifest is written: did the run finish, or was its upload cut short?)"
+        )
     final_uri, raw = found
     files = manifest_files(final_uri, raw)
     try:
