@@ -12,7 +12,7 @@ into the full tensor and cutting them again is the TP layout's job (loomtrain.pa
     set_held_values                   put such a range back (ZeRO-3: the model's partition too)
     local_box                         where p's TP shard lies in the full tensor (shards.py)
     read_local(engine, p)             this TP rank's fp32 master of p, whole over DP (collective)
-    write_local(engine, p, v)         the reverse, for the master (every DP rank passes the same value)
+    write_local(engine, p, v)         the reverse, for the master at ZeRO 0-2 (every DP rank passes the same value)
     ensure_optimizer_state(engine)    create Adam's lazily made state (zeros, step 0)
     adam_step / set_adam_step        Adam's step counter
     optimizer_settings / engine_counters / loss_scaler_state (and their set_*): the small
@@ -188,18 +188,16 @@ def read_local(engine, p) -> torch.Tensor:
 
 
 def write_local(engine, p, value: torch.Tensor) -> None:
-    """Set this TP rank's fp32 master of p (every DP rank calls it with the same value)."""
+    """Set this TP rank's fp32 master of p and the model's copy, at ZeRO 0-2 (every DP rank calls
+    it with the same value; a ZeRO-3 partition is set_held_values')."""
     from deepspeed.utils import safe_set_full_fp32_param
 
     value = value.contiguous()
+    p.data.copy_(value.to(p.device, p.dtype))  # the model's copy (low-precision, or the master itself)
     if _is_ds(p):
-        dev = p.device if not hasattr(p, "ds_tensor") else p.ds_tensor.device
-        safe_set_full_fp32_param(p, value.to(dev, torch.float32))
-        if not hasattr(p, "ds_id"):
-            p.data.copy_(value.to(p.device, p.dtype))  # the low-precision / model copy
+        safe_set_full_fp32_param(p, value.to(p.device, torch.float32))
         return
     hp = _master_of(engine, p)
-    p.data.copy_(value.to(p.device, p.dtype))
     if hp is not p:
         hp.data.copy_(value.to(hp.device, hp.dtype))
 
@@ -297,8 +295,9 @@ def load_target(engine, p, key: str | None) -> torch.Tensor | None:
 
 
 def set_held_values(engine, p, key: str | None, value: torch.Tensor) -> None:
-    """Put back `held_range`'s values (a 1-D fp32 tensor). For the master at ZeRO 0-2 use
-    `write_local` with the whole shard instead (the model's own copy needs all of it)."""
+    """Put back `held_range`'s values (a 1-D fp32 tensor): an Adam moment, or at ZeRO 3 the master
+    too. For the master at ZeRO 0-2 use `write_local` with the whole shard instead (the model's own
+    copy needs all of it)."""
     from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
     if hasattr(p, "ds_id"):
@@ -317,9 +316,5 @@ def set_held_values(engine, p, key: str | None, value: torch.Tensor) -> None:
             frag = p._hp_mapping.get_hp_fragment(key)
             frag.data.copy_(value.to(frag.device, frag.dtype).reshape(frag.shape))
         return
-    hp = _master_of(engine, p)
-    if key is None:
-        write_local(engine, p, value.reshape(p.shape))
-    else:
-        st = inner_optimizer(engine.optimizer).state[hp][key]
-        st.copy_(value.to(st.device).reshape(st.shape))
+    st = inner_optimizer(engine.optimizer).state[_master_of(engine, p)][key]
+    st.copy_(value.to(st.device).reshape(st.shape))
