@@ -45,7 +45,10 @@ def two_runs(tmp_path_factory):
         )
 
     run_training(cfg("a", "train.max_steps=4"))
-    run_training(cfg("b", "train.max_steps=4", "log.profile_steps=[2,3]"))
+    # The profiled run in a process of its own, as a user starts it: torch's profiler (kineto) once
+    # spun for minutes in add_metadata_json in a test worker that other tests had used before.
+    b = [*SMALL, "run.name=b", f"run.dir={root / 'b'}", f"data.cache_dir={cache}", "train.max_steps=4"]
+    launch.run_loomtrain("train", TINY, *b, "log.profile_steps=[2,3]", timeout=300)
     resumed = run_training(cfg("a", "train.max_steps=5"))
     assert resumed.steps == [5]
     assert 0 < resumed.train_s <= resumed.wall_s  # this call's training, within this call's time
