@@ -22,7 +22,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from loomtrain.launcher.checkpoints.final import FINAL_MANIFEST
+from loomtrain.launcher.checkpoints.final import FINAL_MANIFEST, MODEL_CONFIG
 from loomtrain.launcher.distributed import broadcast_str, current_rank
 from loomtrain.storage import sha256_file
 
@@ -32,8 +32,8 @@ KEY = "lora_base"
 def _folder(init_from: str) -> Path:
     from loomtrain.launcher.checkpoints.weight_source import weights_folder
 
-    path = weights_folder(init_from)
-    return path / "final" if (path / "final" / FINAL_MANIFEST).is_file() else path
+    path = weights_folder(init_from)  # the folder the weights load from (weight_source._open_folder's rule)
+    return next((d for d in (path, path / "final") if (d / MODEL_CONFIG).is_file()), path)
 
 
 def _weights_sha256(folder: Path) -> str:
