@@ -99,6 +99,7 @@ def format_problem(manifest: dict) -> str:
 class Verdict:
     ok: bool
     reason: str = ""
+    manifest: dict | None = None
 
 
 def verify(path: str | os.PathLike, checksums: bool = True) -> Verdict:
@@ -123,7 +124,7 @@ def verify(path: str | os.PathLike, checksums: bool = True) -> Verdict:
             return Verdict(False, f"{rel} has {sizes[rel]} bytes, manifest says {info['size']} (truncated?)")
         if checksums and "sha256" in info and objs.sha256(rel) != info["sha256"]:
             return Verdict(False, f"{rel} fails its sha256 checksum")
-    return Verdict(True)
+    return Verdict(True, manifest=manifest)
 
 
 def _no_manifest(objs) -> str:
