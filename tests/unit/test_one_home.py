@@ -59,7 +59,7 @@ def test_shared_helpers_are_defined_once():
 
 
 def test_only_the_storage_layer_tells_a_uri_from_a_path():
-    """Where a location is a folder or an object store is storage.py's to decide (issue 41): a
+    """Where a location is a folder or an object store is storage.py's to decide, once: a
     caller asks the backend (`storage.location`) or `storage.scheme`, never `is_uri` itself."""
     found = [
         f"{p.relative_to(ROOT)}:{n.lineno}"
