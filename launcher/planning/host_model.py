@@ -80,7 +80,6 @@ class HostPlan:
 def host_plan(
     *,
     total_params: int,
-    per_rank_params: int,
     largest_param: int,
     tp: int,
     dp: int,

@@ -401,7 +401,6 @@ def make_plan(run: Any, world_size: int, gpu: str = "h100", mfu: float = DEFAULT
     on_host = (states.total + acts.total + bucket + fp32_grads) if gpu == "cpu" else states.offloaded
     hp = host_plan(
         total_params=pc.total,
-        per_rank_params=pc.per_rank,
         largest_param=max(p.numel() for p in model.parameters()),
         tp=tp,
         dp=dp,
