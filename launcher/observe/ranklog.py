@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -67,18 +66,12 @@ class RankLog:
     """The open rank log; `install` tees stdout/stderr into it, `close` undoes that."""
 
     def __init__(
-        self,
-        run_dir: str | os.PathLike,
-        rank: int,
-        world_size: int,
-        launcher: str,
-        host: str | None = None,
-        interface: str = "",
+        self, run_dir: str | os.PathLike, rank: int, world_size: int, launcher: str, host: str, interface: str
     ) -> None:
-        """`host`: where this rank runs (DistEnv.host: hostname/address; default the hostname);
-        `interface`: the socket interface its process group uses (DistEnv.interface)."""
+        """`host`: where this rank runs (DistEnv.host: hostname/address);
+        `interface`: the socket interface its process group uses (DistEnv.interface; "" if none set)."""
         self.path = rank_log_path(run_dir, rank)
-        self.host, self.pid, self.rank = host or socket.gethostname(), os.getpid(), rank
+        self.host, self.pid, self.rank = host, os.getpid(), rank
         self.error: OSError | None = None  # the first failed write; the log is left alone after it
         with naming(self.path):  # the start fails here, naming the log, on a full or read-only disk
             self.path.parent.mkdir(parents=True, exist_ok=True)
