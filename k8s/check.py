@@ -431,10 +431,9 @@ def checkov_objects(obj: dict) -> Iterator[tuple[str, dict]]:
         yield name_of(obj), {key: value for key, value in obj.items() if key != "metadata"}
 
 
-def checkov_checks(rendered: dict[Any, list[dict]], checkov: str | None = None) -> dict[Any, list[Problem]]:
+def checkov_checks(rendered: dict[Any, list[dict]]) -> dict[Any, list[Problem]]:
     """checkov's findings on each rendering, in one checkov run: what `checkov_objects` makes of
     its objects, each named by its index, so a finding names the object it is about."""
-    checkov = checkov or find_checkov()
     wheres: dict[tuple[str, str], tuple[Any, str]] = {}
     with tempfile.TemporaryDirectory(prefix="loomtrain-checkov-") as tmp:
         for i, (key, docs) in enumerate(rendered.items()):
@@ -447,7 +446,7 @@ def checkov_checks(rendered: dict[Any, list[dict]], checkov: str | None = None) 
                     shown.append({**made, "metadata": {"name": name, "namespace": namespace}})
                     wheres[(f"{i}.yaml", name)] = (key, where)
             Path(tmp, f"{i}.yaml").write_text(yaml.safe_dump_all(shown))
-        cmd = [checkov, "--config-file", str(CHECKOV_CONFIG), "--external-checks-dir", str(CHECKOV_POLICIES)]
+        cmd = [find_checkov(), "--config-file", str(CHECKOV_CONFIG), "--external-checks-dir", str(CHECKOV_POLICIES)]
         proc = subprocess.run([*cmd, "-d", tmp], capture_output=True, text=True, timeout=600, cwd=tmp)
     try:
         reports = json.loads(proc.stdout)
