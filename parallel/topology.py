@@ -31,10 +31,6 @@ from dataclasses import dataclass, field
 # call check_tp without importing torch.
 
 
-def _fail(msg: str) -> None:
-    raise ValueError(msg)
-
-
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """The vocabulary rounded up to a multiple of tp (each rank holds vocab_padded / tp rows)."""
     return -(-vocab_size // tp) * tp
@@ -62,27 +58,27 @@ def check_tp(model_cfg, tp: int, world_size: int | None = None) -> None:
     call it directly); `Topology(..., model_cfg=...)` and `parallelize` call it too.
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        _fail(f"parallel.tp: must be a positive integer, got {tp!r}")
+        raise ValueError(f"parallel.tp: must be a positive integer, got {tp!r}")
     if world_size is not None and world_size % tp:
-        _fail(f"parallel.tp={tp}: world size {world_size} is not divisible by tp")
+        raise ValueError(f"parallel.tp={tp}: world size {world_size} is not divisible by tp")
     if model_cfg is None or tp == 1:
         return
     problem = tp_problem(model_cfg, tp)
     if problem is not None:
         # every tp this model splits into: a divisor of n_heads that the KV heads and FFN allow
         sizes = ", ".join(str(t) for t in range(1, model_cfg.n_heads + 1) if tp_problem(model_cfg, t) is None)
-        _fail(f"parallel.tp={tp}: {problem}; the tp sizes that split this model: {sizes}")
+        raise ValueError(f"parallel.tp={tp}: {problem}; the tp sizes that split this model: {sizes}")
 
 
 def check_cp(cp: int, world_size: int | None = None, tp: int = 1, seq_len: int | None = None) -> None:
     """Raise a one-line ValueError naming `parallel.cp` when the world does not split into
     tp x cp x dp, or a sequence does not split into 2 x cp equal chunks."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        _fail(f"parallel.cp: must be a positive integer, got {cp!r}")
+        raise ValueError(f"parallel.cp: must be a positive integer, got {cp!r}")
     if world_size is not None and world_size % (tp * cp):
-        _fail(f"parallel.cp={cp}: world size {world_size} is not divisible by tp x cp = {tp} x {cp}")
+        raise ValueError(f"parallel.cp={cp}: world size {world_size} is not divisible by tp x cp = {tp} x {cp}")
     if seq_len is not None and cp > 1 and seq_len % (2 * cp):
-        _fail(
+        raise ValueError(
             f"parallel.cp={cp}: train.seq_len={seq_len} must be divisible by 2 x cp = {2 * cp} (chunks i and 2cp-1-i)"
         )
 
@@ -132,7 +128,7 @@ def check_tp_placement(tp: int, hosts, allow_cross_host: bool = False) -> None:
     fits = max(t for t in range(1, tp) if world % t == 0 and not _tp_groups_split(hosts, t))
     counts = sorted({len(rs) for rs in ranks_by_host(hosts).values()})
     per_host = "/".join(map(str, counts)) + (" rank" if counts == [1] else " ranks") + " per host"
-    _fail(
+    raise ValueError(
         f"parallel.tp={tp}: the tensor-parallel group of {_spans(split[0])} would span hosts "
         f"({describe_hosts(hosts)}; {per_host}); use parallel.tp={fits}, or start a multiple of {tp} "
         f"ranks on each host (torchrun --nproc_per_node {tp}), or set parallel.allow_cross_host_tp=true "
@@ -160,13 +156,13 @@ class Topology:
         check_tp(self.model_cfg, self.tp, self.world_size)
         check_cp(self.cp, self.world_size, self.tp)
         if not 0 <= self.rank < self.world_size:
-            _fail(f"rank {self.rank} is outside world size {self.world_size}")
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         tp_groups, dp_groups = self.layout(self.world_size, self.tp)
         self.tp_ranks = tp_groups[self.dp_rank]
         self.dp_ranks = dp_groups[self.tp_rank]
         if dist.is_available() and dist.is_initialized():
             if dist.get_world_size() != self.world_size:
-                _fail(
+                raise ValueError(
                     f"Topology(world_size={self.world_size}) but torch.distributed "
                     f"has world size {dist.get_world_size()}"
                 )
@@ -176,7 +172,7 @@ class Topology:
             if self.cp > 1:  # after the TP and DP groups, so that cp 1 creates the groups it always did
                 self.cp_group = self._new_groups(self.cp_layout(self.world_size, self.tp, self.cp))
         elif self.world_size > 1:
-            _fail(f"Topology(world_size={self.world_size}) needs torch.distributed initialised first")
+            raise ValueError(f"Topology(world_size={self.world_size}) needs torch.distributed initialised first")
 
     def _new_groups(self, groups: list[list[int]]):
         """Create every group of `groups` (a collective: every rank, in the same order); this rank's."""
@@ -244,7 +240,7 @@ class Topology:
         (e.g. the ranks sharing one replicated KV head). Collective: every rank must call
         it with the same sizes in the same order (the plan does); cached per size."""
         if self.tp % size:
-            _fail(f"parallel.tp={self.tp}: sub-group size {size} does not divide tp")
+            raise ValueError(f"parallel.tp={self.tp}: sub-group size {size} does not divide tp")
         if size not in self._subgroups:
             import torch.distributed as dist
 
