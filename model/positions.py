@@ -77,13 +77,12 @@ def rope_tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """Pair (i, i + half) rotated by +angle (sign 1) or -angle (sign -1); tables [T, head_dim]."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pair (i, i + half) rotated by the angle whose cos/sin the tables [T, head_dim] hold (-sin:
+    the opposite angle, bit for bit, as negation is exact)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[..., :half].contiguous(), sin[..., :half].contiguous()  # [T, half]: small
-    if sign < 0:
-        return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1)
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
@@ -95,13 +94,13 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, 1.0)
+        return _rotate(x, cos, sin)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, -1.0), None, None
+        return _rotate(grad, cos, -sin), None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,7 +114,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # parameters, not every buffer): rotate in the activations' dtype so q, k and v agree.
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if cos.requires_grad or sin.requires_grad:  # tables are buffers; keep autograd's path if not
-        return _rotate(x, cos, sin, 1.0)
+        return _rotate(x, cos, sin)
     return _Rope.apply(x, cos, sin)
 
 
