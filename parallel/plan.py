@@ -274,6 +274,7 @@ def _input_hook(fn, group, tag):
 
 
 def _sp_grad_sync(module: nn.Module, group, tag: str) -> None:
+    """A hook summing over TP the gradient of each parameter of `module` that TP does not split."""
     for p in module.parameters(recurse=True):
         if p.requires_grad and not getattr(p, "tensor_model_parallel", False):
             p.register_hook(grad_all_reduce_hook(group, tag))
@@ -415,12 +416,9 @@ def parallelize(model: nn.Module, topology, sequence_parallel: bool = False) -> 
     for i, block in enumerate(model.blocks):
         _shard_attention(block.attn, topology, cfg, sp, f"blocks.{i}")
         _shard_ffn(block.ffn, topology, cfg, sp, f"blocks.{i}")
-        if sp:
-            for name in ("attn_norm", "ffn_norm"):
-                _sp_grad_sync(getattr(block, name), group, f"blocks.{i}.sp_grad")
-            for layer in (block.attn.wo, block.ffn.down):
-                if layer.bias is not None:
-                    layer.bias.register_hook(grad_all_reduce_hook(group, f"blocks.{i}.sp_grad"))
+        if sp:  # the norms' parameters and the row-parallel biases (their split weights are marked)
+            for module in (block.attn_norm, block.ffn_norm, block.attn.wo, block.ffn.down):
+                _sp_grad_sync(module, group, f"blocks.{i}.sp_grad")
     if sp:
         _sp_grad_sync(model.norm, group, "norm.sp_grad")
 
