@@ -175,9 +175,7 @@ class Transformer(nn.Module):
             mask = MaskSpec.for_tokens(t, tokens.device, document_ids, window_slice)  # one for all blocks
         for i, block in enumerate(self.blocks):
             x = block(x, rope, None if cache is None else cache[i], mask)
-        if targets is None:
-            return self.lm_head(self.norm(x))
-        return self.lm_head(self.norm(x), targets)
+        return self.lm_head(self.norm(x), targets)  # logits, or with targets the loss
 
     # Inference ----------------------------------------------------------------
     def new_cache(self, capacity: int | None = None) -> KVCache:
