@@ -139,8 +139,6 @@ def route_worker_output(run_dir: str, rank: int) -> None:
     try:
         sink = ray.get_actor(SINK_NAME)
     except ValueError:  # a driver without a DriverConsole: the console Ray streams, if it does
-        sink = None
-    if sink is None:
         console = [open(os.dup(fd), "w", buffering=1, closefd=True) for fd in (1, 2)]
     else:
         console = [_ToDriver(sink, is_err=False), _ToDriver(sink, is_err=True)]
