@@ -376,7 +376,6 @@ def crd_validators(directory: str) -> dict[tuple[str, str], tuple[Any, dict]]:
                 if not version.get("served", True):
                     continue
                 schema = strict_schema(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
-                schema.get("properties", {}).pop("metadata", None)
                 schema.setdefault("properties", {})["metadata"] = {"type": "object"}  # checked as ObjectMeta
                 out[(f"{group}/{version['name']}", kind)] = (strict(schema), version)
     return out
