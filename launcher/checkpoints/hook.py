@@ -42,7 +42,6 @@ from loomtrain.launcher.checkpoints.state import (
 from loomtrain.launcher.checkpoints.store import (
     CheckpointStore,
     is_write_error,
-    open_store,
     store_error,
     wait_for_deletions,
     write_error,
@@ -85,7 +84,7 @@ class CheckpointHook(Hooks):
         log = say if ctx.dist.rank == 0 else (lambda m: None)
         # RUN_DIR/checkpoints, or {run.storage}/checkpoints in an object store
         where = checkpoint_location(self.cfg, ctx.run_dir)
-        self.store = open_store(where, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
+        self.store = CheckpointStore(where, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
         ctx.checkpoint_saves = self.saves
         found, error = None, None
         if ctx.dist.rank == 0:

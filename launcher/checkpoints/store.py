@@ -504,9 +504,6 @@ def store_error(storage, exc: BaseException, what: str = "run.storage") -> str:
     return f"{what}={storage}: {store_failure(exc) or first_line(exc)}"
 
 
-open_store = CheckpointStore  # the checkpoints of a run: under RUN_DIR (a folder) or run.storage (a URI)
-
-
 def run_store_at(where: str | os.PathLike, log=None) -> CheckpointStore | None:
     """The store of a run directory or run.storage given as checkpoint.resume (None when
     `where` is a checkpoint itself, or nothing)."""

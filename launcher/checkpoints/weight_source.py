@@ -56,7 +56,7 @@ from loomtrain.launcher.checkpoints.safetensors_source import (
     check_complete,
     model_tensor_names,
 )
-from loomtrain.launcher.checkpoints.store import open_store
+from loomtrain.launcher.checkpoints.store import CheckpointStore
 from loomtrain.launcher.config import ConfigError, RunConfig, check
 from loomtrain.launcher.config_loader import run_has_checkpoints
 from loomtrain.launcher.rundir import run_dir
@@ -350,7 +350,7 @@ def _has_checkpoints(cfg: RunConfig) -> bool:
     if not cfg.run.storage:
         return run_has_checkpoints(cfg)
     try:
-        return open_store(cfg.run.storage).find_resumable(checksums=False) is not None
+        return CheckpointStore(cfg.run.storage).find_resumable(checksums=False) is not None
     except (StorageError, OSError, ValueError):
         return False  # a store that cannot be read: the weights are needed, and their check says why
 
@@ -371,7 +371,7 @@ def init_from(model: torch.nn.Module, cfg, log=print, run_dir=None, resume: str 
     folder, or the run.storage URI holding its checkpoints; `checkpoint.resume` not "never")
     has a complete checkpoint, which the resume then loads over the model anyway, nothing is read."""
     if run_dir is not None and resume != "never" and _weights_gone(cfg.init_from):
-        found = open_store(run_dir, log=log).find_resumable(checksums=False)  # a folder or run.storage's URI
+        found = CheckpointStore(run_dir, log=log).find_resumable(checksums=False)  # a folder or run.storage's URI
         if found is not None:
             log(f"model.init_from: {cfg.init_from} is gone; the run resumes from {found}")
             return

@@ -282,11 +282,11 @@ def disk_error_line(exc: OSError, run_dir: Path, storage: str = "") -> str:
 def _latest(location: Path | str) -> tuple[str, str] | None:
     """(where, name) of the checkpoint the `latest` pointer of a run's checkpoints names
     (RUN_DIR/checkpoints/latest, or the one in run.storage), if any."""
-    from loomtrain.launcher.checkpoints.store import open_store
+    from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.storage import below
 
     try:
-        store = open_store(location)
+        store = CheckpointStore(location)
         name = store.latest_pointer()
     except (OSError, ValueError):  # the store itself is what failed
         return None

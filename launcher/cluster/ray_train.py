@@ -112,10 +112,10 @@ def storage_path(cfg: RunConfig) -> str:
 def _store(cfg: RunConfig):
     """The run's checkpoints: RUN_DIR/checkpoints, or {run.storage}/checkpoints (a URI); only
     listed and verified here (retention is the checkpoint hook's)."""
-    from loomtrain.launcher.checkpoints.store import open_store
+    from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.rundir import checkpoint_location
 
-    return open_store(checkpoint_location(cfg, Path(cfg.run.dir)))
+    return CheckpointStore(checkpoint_location(cfg, Path(cfg.run.dir)))
 
 
 def newest_complete(cfg: RunConfig, since: float | None = None) -> Path | str | None:

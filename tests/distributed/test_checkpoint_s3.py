@@ -27,7 +27,7 @@ import pytest
 import torch
 from launch import TINY, child_env, loomtrain_cmd, losses, output, run_child
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint, Region, ShardedReader, tile_hashes
-from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore, open_store
+from loomtrain.launcher.checkpoints.store import MANIFEST, CheckpointStore
 from loomtrain.storage import Objects, Upload, object_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,7 +51,7 @@ def _objects(uri: str) -> dict[str, int]:
 def test_object_store_protocol_scan_retention_and_resume_targets(s3_bucket):
     storage = f"{s3_bucket}/runs/a"
     logs: list[str] = []
-    store = open_store(storage, keep_last=2, keep_every=4, log=logs.append)
+    store = CheckpointStore(storage, keep_last=2, keep_every=4, log=logs.append)
     assert not store.objects.local and store.root == f"{storage}/checkpoints"
     assert store.published() == [] and store.find_resumable() is None and store.latest_pointer() is None
     files = {"trainer.json": b'{"step": 1}', "model/rank_00000.bin": os.urandom(3000), "rng/r.bin": b"x" * 10}
@@ -94,7 +94,7 @@ def test_object_store_protocol_scan_retention_and_resume_targets(s3_bucket):
     assert any("model/rank_00000.bin has 5 bytes, manifest says 3000" in m for m in logs), logs
 
     # checkpoint.resume: a checkpoint's URI, or a run storage's (its newest complete one)
-    other = open_store(f"{s3_bucket}/runs/b", log=logs.append)
+    other = CheckpointStore(f"{s3_bucket}/runs/b", log=logs.append)
     assert other.resolve_resume(f"{ckpts}/step_00000004") == f"{ckpts}/step_00000004"
     assert other.resolve_resume(storage + "/") == f"{ckpts}/step_00000004"
     with pytest.raises(ValueError, match=r"checkpoint.resume='.*step_00000008'.*missing object rng/r.bin"):
@@ -104,9 +104,9 @@ def test_object_store_protocol_scan_retention_and_resume_targets(s3_bucket):
     # a bucket that is not there stops the start in one line (not the first save, N steps later)
     store.check_reachable()
     with pytest.raises(ValueError, match=r"^run.storage=s3://loomtrain-no-such-bucket/x: bucket 'loomtrain-no-such"):
-        open_store("s3://loomtrain-no-such-bucket/x").check_reachable()
+        CheckpointStore("s3://loomtrain-no-such-bucket/x").check_reachable()
     # never the newest good one: keep_last=1 with the newest (8) broken keeps `latest`'s
-    pruned = open_store(storage, keep_last=1).apply_retention()
+    pruned = CheckpointStore(storage, keep_last=1).apply_retention()
     assert f"{ckpts}/step_00000008" not in pruned
     wait_for_deletions()
 
@@ -121,7 +121,7 @@ def test_ray_finds_the_newest_checkpoint_in_run_storage(tmp_path, s3_bucket):
 
     storage = f"{s3_bucket}/ray"
     cfg = load_config(TINY, [f"run.dir={tmp_path / 'run'}", f"run.storage={storage}"])
-    store = open_store(storage, keep_last=0)
+    store = CheckpointStore(storage, keep_last=0)
     assert newest_complete(cfg) is None
     _publish(store, 2, {"trainer.json": b"{}"})
     started = time.time()
@@ -267,7 +267,7 @@ def test_a_run_saves_to_s3_resumes_from_it_and_skips_a_damaged_object(tmp_path, 
     assert "fails its xxh3_128 checksum" in lines[0]
     assert resumed == [f"{ckpts}/step_00000004"]
     assert losses(run) == first  # steps 5-6 again, bitwise
-    assert open_store(storage).verify(f"{ckpts}/step_00000006").ok  # saved anew over the damaged one
+    assert CheckpointStore(storage).verify(f"{ckpts}/step_00000006").ok  # saved anew over the damaged one
     wait_for_deletions()
 
 
@@ -337,7 +337,7 @@ def test_kill_mid_upload_then_resume_at_another_layout_from_s3(tmp_path, data_ca
         run, data_cache, "parallel.tp=2", f"run.storage={storage}", env=child_env(LOOMTRAIN_PLUGIN=str(plugin)), rc=None
     )
     assert killed.returncode != 0 and "TEST kill -9 while uploading" in output(killed), output(killed)[-3000:]
-    store = open_store(storage)
+    store = CheckpointStore(storage)
     assert store.latest_pointer() == "step_00000004"
     assert [s for s, _ in store.published()] == [2, 4]
     assert any(k.startswith("step_00000006/") for k in _objects(ckpts))  # the upload's leftovers

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from launch import QUICK, TINY, child_env, run_loomtrain
 from loomtrain import storage
-from loomtrain.launcher.checkpoints.store import open_store
+from loomtrain.launcher.checkpoints.store import CheckpointStore
 from loomtrain.launcher.checkpoints.weight_source import weights_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,4 +37,4 @@ def test_a_failed_final_write_on_one_rank_is_its_one_line_on_every_rank(backend,
     assert "model-00002-of-00002.safetensors: cannot write it" in said[0] and "No space left on device" in said[0]
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr  # torchrun: its own
     assert not weights_at(storage.below(where, "final"))  # no final/ that a reader takes
-    assert open_store(where).find_resumable(checksums=False) is not None  # the end-of-run checkpoint
+    assert CheckpointStore(where).find_resumable(checksums=False) is not None  # the end-of-run checkpoint
