@@ -32,6 +32,7 @@ SECURITY_RULES = {
     "them from a Secret created outside the manifests (envFrom / secretKeyRef)",
 }
 Findings = Iterator[tuple[str, str]]
+Messages = Iterator[str]  # the findings of a rule about one object, which the caller names
 
 
 # --- walking the objects -------------------------------------------------------
@@ -141,13 +142,8 @@ def project_rules(docs: list[dict], repo: Path) -> list[tuple[str, str]]:
             pod = tpl.get("spec") or {}
             shm = [v for p, v in _mounts(pod, _ray_container(pod)) if p == "/dev/shm"]
             if role in ("head", "worker") and not any((v.get("emptyDir") or {}).get("medium") == "Memory" for v in shm):
-                out.append(
-                    (
-                        where,
-                        "[dev-shm] mount an emptyDir with medium: Memory at /dev/shm (NCCL and Ray's "
-                        "object store outgrow the default 64 MiB)",
-                    )
-                )
+                shm_why = "(NCCL and Ray's object store outgrow the default 64 MiB)"
+                out.append((where, f"[dev-shm] mount an emptyDir with medium: Memory at /dev/shm {shm_why}"))
     rayjobs = list(by_kind.get("RayJob", {}).values())
     for job in rayjobs:
         out += _rayjob(job, by_kind)
@@ -175,42 +171,38 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
 
 
 def _references(docs: list[dict], by_kind: dict) -> Findings:
-    rule = "[references-resolve]"
     for obj in docs:
         for where, _, tpl in pod_templates(obj):
-            pod = tpl.get("spec") or {}
-            sa = pod.get("serviceAccountName")
-            if sa and sa not in by_kind.get("ServiceAccount", {}):
-                yield where, f"{rule} serviceAccountName {sa!r}: no such ServiceAccount in the manifests"
-            for vol in pod.get("volumes") or []:
-                vname, cm, pvc = vol.get("name"), vol.get("configMap"), vol.get("persistentVolumeClaim")
-                target = by_kind.get("ConfigMap", {}).get((cm or {}).get("name"))
-                if cm is not None and target is None and not cm.get("optional"):
-                    yield where, f"{rule} volume {vname!r}: no ConfigMap {cm.get('name')!r} in the manifests"
-                for item in (cm.get("items") or []) if target else []:
-                    if item.get("key") not in (target.get("data") or {}):
-                        yield where, f"{rule} volume {vname!r}: ConfigMap {cm['name']!r} has no key {item.get('key')!r}"
-                if pvc is not None and pvc.get("claimName") not in by_kind.get("PersistentVolumeClaim", {}):
-                    yield (
-                        where,
-                        f"{rule} volume {vname!r}: no PersistentVolumeClaim {pvc.get('claimName')!r} in the manifests",
-                    )
-            declared = {vol.get("name") for vol in pod.get("volumes") or []}
-            for c in containers(pod):
-                for m in c.get("volumeMounts") or []:
-                    if m.get("name") not in declared:
-                        yield (
-                            where,
-                            (
-                                f"{rule} container {c.get('name')!r} mounts volume {m.get('name')!r}, which the "
-                                "pod does not declare"
-                            ),
-                        )
+            yield from ((where, f"[references-resolve] {m}") for m in _pod_references(tpl.get("spec") or {}, by_kind))
     labels = [(t.get("metadata") or {}).get("labels") or {} for o in docs for _, r, t in pod_templates(o) if r == "pod"]
     for name, svc in by_kind.get("Service", {}).items():
         selector = (svc.get("spec") or {}).get("selector") or {}
         if selector and not any(all(lab.get(k) == v for k, v in selector.items()) for lab in labels):
-            yield f"Service/{name}", f"{rule} selector {selector} matches no pod template in the manifests"
+            yield (
+                f"Service/{name}",
+                f"[references-resolve] selector {selector} matches no pod template in the manifests",
+            )
+
+
+def _pod_references(pod: dict, by_kind: dict) -> Messages:
+    sa = pod.get("serviceAccountName")
+    if sa and sa not in by_kind.get("ServiceAccount", {}):
+        yield f"serviceAccountName {sa!r}: no such ServiceAccount in the manifests"
+    for vol in pod.get("volumes") or []:
+        vname, cm, pvc = vol.get("name"), vol.get("configMap"), vol.get("persistentVolumeClaim")
+        target = by_kind.get("ConfigMap", {}).get((cm or {}).get("name"))
+        if cm is not None and target is None and not cm.get("optional"):
+            yield f"volume {vname!r}: no ConfigMap {cm.get('name')!r} in the manifests"
+        for item in (cm.get("items") or []) if target else []:
+            if item.get("key") not in (target.get("data") or {}):
+                yield f"volume {vname!r}: ConfigMap {cm['name']!r} has no key {item.get('key')!r}"
+        if pvc is not None and pvc.get("claimName") not in by_kind.get("PersistentVolumeClaim", {}):
+            yield f"volume {vname!r}: no PersistentVolumeClaim {pvc.get('claimName')!r} in the manifests"
+    declared = {vol.get("name") for vol in pod.get("volumes") or []}
+    for c in containers(pod):
+        for m in c.get("volumeMounts") or []:
+            if m.get("name") not in declared:
+                yield f"container {c.get('name')!r} mounts volume {m.get('name')!r}, which the pod does not declare"
 
 
 def _images(docs: list[dict], repo: Path) -> Findings:
@@ -221,36 +213,31 @@ def _images(docs: list[dict], repo: Path) -> Findings:
     ray_version = re.search(r"^ARG RAY_VERSION=(\S+)", dockerfile, re.M).group(1)
     for obj in docs:
         for where, _, tpl in pod_templates(obj):
-            for c in containers(tpl.get("spec") or {}):
-                image = str(c.get("image") or "")
-                name, _, tag = image.partition("@")[0].rpartition("/")[2].partition(":")
-                if name != "loomtrain" or tag in ("", "latest"):
-                    continue
-                if not tag.startswith(f"{version}-"):
-                    yield (
-                        where,
-                        (
-                            f"[image-version] image {image!r} is not the version this checkout builds "
-                            f"({version}-cpu or {version}-gpu, pyproject.toml)"
-                        ),
-                    )
-                if _limit(c, GPU) > 0 and not tag.endswith("-gpu"):
-                    yield (
-                        where,
-                        (
-                            f"[image-variant] container {c.get('name')!r} requests {GPU} but runs {image!r}, "
-                            "not the CUDA image (tag ...-gpu)"
-                        ),
-                    )
+            yield from ((where, m) for c in containers(tpl.get("spec") or {}) for m in _image(c, version))
         for cwhere, cspec in ray_cluster_specs(obj):
             if str(cspec.get("rayVersion")) != ray_version:
+                got = f"rayVersion {cspec.get('rayVersion')!r}"
                 yield (
                     cwhere,
-                    (
-                        f"[ray-version] rayVersion {cspec.get('rayVersion')!r} is not the Ray the image "
-                        f"installs ({ray_version}, k8s/image/Dockerfile)"
-                    ),
+                    f"[ray-version] {got} is not the Ray the image installs ({ray_version}, k8s/image/Dockerfile)",
                 )
+
+
+def _image(c: dict, version: str) -> Messages:
+    image = str(c.get("image") or "")
+    name, _, tag = image.partition("@")[0].rpartition("/")[2].partition(":")
+    if name != "loomtrain" or tag in ("", "latest"):
+        return
+    if not tag.startswith(f"{version}-"):
+        yield (
+            f"[image-version] image {image!r} is not the version this checkout builds "
+            f"({version}-cpu or {version}-gpu, pyproject.toml)"
+        )
+    if _limit(c, GPU) > 0 and not tag.endswith("-gpu"):
+        yield (
+            f"[image-variant] container {c.get('name')!r} requests {GPU} but runs {image!r}, "
+            "not the CUDA image (tag ...-gpu)"
+        )
 
 
 def _configmaps(configmaps: dict[str, dict]) -> Findings:
@@ -267,67 +254,74 @@ def _configmaps(configmaps: dict[str, dict]) -> Findings:
             bases = layer.get("extends") if isinstance(layer, dict) else None
             for base in [bases] if isinstance(bases, str) else list(bases or []):
                 if str(base) not in data:
-                    yield (
-                        f"ConfigMap/{name}",
-                        (
-                            f"[extends-resolve] {key} extends {base!r}, which is not in this "
-                            "ConfigMap (the mounted folder has only its keys)"
-                        ),
-                    )
+                    why = "which is not in this ConfigMap (the mounted folder has only its keys)"
+                    yield f"ConfigMap/{name}", f"[extends-resolve] {key} extends {base!r}, {why}"
 
 
 # --- the RayJob: entrypoint, config, world size ----------------------------------
-def _rayjob(job: dict, by_kind: dict) -> list[tuple[str, str]]:
-    where, spec, rule = name_of(job), job.get("spec") or {}, "[entrypoint-runs-loomtrain]"
+def _rayjob(job: dict, by_kind: dict) -> Findings:
+    where, cspec = name_of(job), (job.get("spec") or {}).get("rayClusterSpec")
+    cfg, messages = _job_config(job, by_kind)
+    if cfg is not None:
+        name = Path(shlex.split(job["spec"]["entrypoint"])[2]).name
+        messages += _elastic_sizes(name, cfg, cspec) if cfg.ray.elastic else _world_size(name, cfg, cspec)
+        messages += _grace_period(name, cfg, cspec)
+    yield from ((where, message) for message in messages)
+    if cfg is None:
+        return
+    if cfg.run.storage:  # a URI (the config checks it): run.dir is each pod's own, what must last is in the store
+        yield from _tensorboard_follows_storage(where, cfg.run.storage, by_kind)
+    else:
+        yield from _run_dir(where, cfg.run.dir, cspec, by_kind)
+    yield from _storage_credentials(where, cfg, cspec, by_kind)
+
+
+def _job_config(job: dict, by_kind: dict) -> tuple[Any, list[str]]:
+    """The RunConfig the RayJob's driver runs (None if there is none to size a cluster with) and what
+    is wrong with its entrypoint and config."""
+    spec, rule = job.get("spec") or {}, "[entrypoint-runs-loomtrain]"
     entrypoint = str(spec.get("entrypoint") or "")
     try:
         argv = shlex.split(entrypoint)
     except ValueError as exc:
-        return [(where, f"{rule} cannot parse the entrypoint: {exc}")]
+        return None, [f"{rule} cannot parse the entrypoint: {exc}"]
     if argv[:2] != ["loomtrain", "train"] or len(argv) < 3 or argv[2].startswith("-") or "=" in argv[2]:
-        return [
-            (where, f"{rule} the entrypoint must be `loomtrain train CONFIG [key=value ...] --ray`, got {entrypoint!r}")
+        return None, [
+            f"{rule} the entrypoint must be `loomtrain train CONFIG [key=value ...] --ray`, got {entrypoint!r}"
         ]
-    out = []
-    if "--ray" not in argv:
-        out.append((where, f"{rule} the entrypoint lacks --ray: without it the driver trains alone on the head pod"))
+    out = (
+        []
+        if "--ray" in argv
+        else [f"{rule} the entrypoint lacks --ray: without it the driver trains alone on the head pod"]
+    )
     config_path, overrides = argv[2], tuple(a for a in argv[3:] if "=" in a and not a.startswith("-"))
-    cspec = spec.get("rayClusterSpec")
-    if not cspec:
-        return out  # runs on a cluster chosen by clusterSelector: nothing to size here
-    head = ray_groups(cspec)[0][1].get("spec") or {}
+    if not spec.get("rayClusterSpec"):
+        return None, out  # runs on a cluster chosen by clusterSelector: nothing to size here
+    head = ray_groups(spec["rayClusterSpec"])[0][1].get("spec") or {}
     data, name = None, Path(config_path).name
     for path, vol in _mounts(head, _ray_container(head)):
         cm = (vol.get("configMap") or {}).get("name")
         if cm and str(Path(config_path).parent) == path.rstrip("/"):
             data = (by_kind.get("ConfigMap", {}).get(cm) or {}).get("data") or {}
     if data is None or name not in data:
-        return out + [
-            (
-                where,
-                f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a "
-                "ConfigMap mounted at its folder in the head pod",
-            )
+        return None, out + [
+            f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a "
+            "ConfigMap mounted at its folder in the head pod"
         ]
     cfg = _load_config(tuple(sorted(data.items())), name, overrides)
     if isinstance(cfg, str):
-        return out + [(where, f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {cfg}")]
-    out += _elastic_sizes(where, name, cfg, cspec) if cfg.ray.elastic else _world_size(where, name, cfg, cspec)
-    if cfg.run.storage:  # a URI (the config checks it): run.dir is each pod's own, what must last is in the store
-        out += _tensorboard_follows_storage(where, cfg.run.storage, by_kind)
-    else:
-        out += _run_dir(where, cfg.run.dir, cspec, by_kind)
-    return [*out, *_storage_credentials(where, cfg, cspec, by_kind), *_grace_period(where, name, cfg, cspec)]
+        return None, out + [f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {cfg}"]
+    return cfg, out
 
 
-def _grace_period(where: str, name: str, cfg: Any, cspec: dict) -> Findings:
+def _grace_period(name: str, cfg: Any, cspec: dict) -> Messages:
     """On SIGTERM the ranks finish the step and save: the Ray pods must be given that long."""
     from loomtrain.launcher.planning.grace import grace_period_s
 
     try:
         need = grace_period_s(cfg)
     except ValueError as exc:  # a config the plan cannot size is reported by the other rules
-        yield where, f"[grace-period] cannot estimate the save time of {name}: {exc}"
+        yield f"[grace-period] cannot estimate the save time of {name}: {exc}"
         return
     for label, tpl in ray_groups(cspec):
         have = (tpl.get("spec") or {}).get("terminationGracePeriodSeconds")
@@ -335,11 +329,8 @@ def _grace_period(where: str, name: str, cfg: Any, cspec: dict) -> Findings:
             got = f"has terminationGracePeriodSeconds {have}"
             got = "sets no terminationGracePeriodSeconds (Kubernetes' default: 30 s)" if have is None else got
             yield (
-                where,
-                (
-                    f"[grace-period] the {label} pod {got}; on SIGTERM {name} finishes a step and saves a "
-                    f"checkpoint, which needs >= {need} s (launcher/planning/grace.py)"
-                ),
+                f"[grace-period] the {label} pod {got}; on SIGTERM {name} finishes a step and saves a "
+                f"checkpoint, which needs >= {need} s (launcher/planning/grace.py)"
             )
 
 
@@ -384,64 +375,51 @@ def _slots(rows: list, use_gpu: bool, cpus_per_worker: int) -> Fraction:
     return sum((n * (gpus if use_gpu else cpus // cpus_per_worker) for _, n, cpus, gpus in rows), Fraction(0))
 
 
-def _elastic_sizes(where: str, name: str, cfg: Any, cspec: dict) -> Findings:
+def _elastic_sizes(name: str, cfg: Any, cspec: dict) -> list[str]:
     """Elastic workers (ray.min_workers < ray.num_workers): the worker groups at minReplicas
     must hold the smallest group, and at maxReplicas the largest (a lost pod that is not
     replaced costs speed, not the run)."""
-    r = cfg.ray
+    r, out = cfg.ray, []
     for count, workers, what in (
         ("minReplicas", r.least_workers, f"down to ray.min_workers={r.least_workers}"),
         ("maxReplicas", r.num_workers, f"up to ray.num_workers={r.num_workers}"),
     ):
         fits = _slots(_ray_pods(cspec, count), r.use_gpu, r.cpus_per_worker)
         if fits < workers:
-            yield (
-                where,
-                (
-                    f"[world-size] {name} runs elastic workers {what}, but the worker groups at {count} fit "
-                    f"only {int(fits)} (set the groups' {count} to hold {workers} workers)"
-                ),
+            out.append(
+                f"[world-size] {name} runs elastic workers {what}, but the worker groups at {count} fit "
+                f"only {int(fits)} (set the groups' {count} to hold {workers} workers)"
             )
+    return out
 
 
-def _world_size(where: str, name: str, cfg: Any, cspec: dict) -> Findings:
-    n, cpw = cfg.ray.num_workers, cfg.ray.cpus_per_worker
+def _world_size(name: str, cfg: Any, cspec: dict) -> list[str]:
+    n, cpw, use_gpu, out = cfg.ray.num_workers, cfg.ray.cpus_per_worker, cfg.ray.use_gpu, []
     rows = [r for r in _ray_pods(cspec) if r[1] > 0]
-    gpus = _slots(rows, True, cpw)
-    if cfg.ray.use_gpu and gpus != n:
+    gpus, cpu_slots = _slots(rows, True, cpw), _slots(rows, False, cpw)
+    if use_gpu and gpus != n:
         shown = " + ".join(f"{c} pod(s) of group {g!r} x {int(gp)} GPU(s)" for g, c, _, gp in rows if gp) or "no GPUs"
-        yield (
-            where,
-            (
-                f"[world-size] {name} runs ray.num_workers={n} workers with one GPU each, but the Ray cluster "
-                f"has {shown} = {int(gpus)} GPUs (GPUs per worker pod x worker pods must equal the world size)"
-            ),
+        out.append(
+            f"[world-size] {name} runs ray.num_workers={n} workers with one GPU each, but the Ray cluster "
+            f"has {shown} = {int(gpus)} GPUs (GPUs per worker pod x worker pods must equal the world size)"
         )
-    for g, _, cpus, gp in rows if cfg.ray.use_gpu else []:
-        if gp and cpus < gp * cpw:
-            yield (
-                where,
-                (
-                    f"[world-size] group {g!r}: {int(gp)} GPUs need {int(gp)} x ray.cpus_per_worker={cpw} CPUs "
-                    f"per pod, it has {float(cpus):g}"
-                ),
-            )
-    if not cfg.ray.use_gpu and gpus:
-        yield (
-            where,
-            (
-                f"[world-size] {name} has ray.use_gpu false, but the Ray cluster requests {int(gpus)} GPUs that "
-                "would sit idle"
-            ),
+    out += [
+        f"[world-size] group {g!r}: {int(gp)} GPUs need {int(gp)} x ray.cpus_per_worker={cpw} CPUs "
+        f"per pod, it has {float(cpus):g}"
+        for g, _, cpus, gp in rows
+        if use_gpu and gp and cpus < gp * cpw
+    ]
+    if not use_gpu and gpus:
+        out.append(
+            f"[world-size] {name} has ray.use_gpu false, but the Ray cluster requests {int(gpus)} GPUs that "
+            "would sit idle"
         )
-    if not cfg.ray.use_gpu and _slots(rows, False, cpw) < n:
-        yield (
-            where,
-            (
-                f"[world-size] {name} runs ray.num_workers={n} workers x ray.cpus_per_worker={cpw} CPU(s), but "
-                f"the Ray cluster fits only {int(_slots(rows, False, cpw))}"
-            ),
+    if not use_gpu and cpu_slots < n:
+        out.append(
+            f"[world-size] {name} runs ray.num_workers={n} workers x ray.cpus_per_worker={cpw} CPU(s), but "
+            f"the Ray cluster fits only {int(cpu_slots)}"
         )
+    return out
 
 
 # --- where the run's files live ---------------------------------------------------
@@ -456,13 +434,8 @@ def _run_dir(where: str, run_dir: str, cspec: dict, by_kind: dict) -> Findings:
             if v.get("persistentVolumeClaim") and _under(run_dir, p)
         ]
         if not hits:
-            yield (
-                where,
-                (
-                    f"[run-dir-on-pvc] run.dir={run_dir!r} is not on a PersistentVolumeClaim mounted in the "
-                    f"{label} pod: checkpoints and logs would die with the pod"
-                ),
-            )
+            lost = f"mounted in the {label} pod: checkpoints and logs would die with the pod"
+            yield where, f"[run-dir-on-pvc] run.dir={run_dir!r} is not on a PersistentVolumeClaim {lost}"
         claims |= {(claim, _inside(run_dir, mount)) for mount, claim in hits}
     for claim, rel in claims if by_kind.get("PersistentVolumeClaim") else []:
         if claim not in by_kind["PersistentVolumeClaim"]:
@@ -476,13 +449,8 @@ def _run_dir(where: str, run_dir: str, cspec: dict, by_kind: dict) -> Findings:
                 and _under(logdir, mount)
             ]
             if not any(_under(rel, _inside(logdir, mount)) for mount in on_claim):
-                yield (
-                    tb,
-                    (
-                        f"[tensorboard-reads-runs] --logdir={logdir} does not cover the run directory {rel} on "
-                        f"PVC {claim!r} that {where} writes"
-                    ),
-                )
+                what = f"the run directory {rel} on PVC {claim!r} that {where} writes"
+                yield tb, f"[tensorboard-reads-runs] --logdir={logdir} does not cover {what}"
 
 
 def _tensorboard_follows_storage(where: str, storage: str, by_kind: dict) -> Findings:
@@ -490,13 +458,8 @@ def _tensorboard_follows_storage(where: str, storage: str, by_kind: dict) -> Fin
     (launcher/observe/mirror.py), so a TensorBoard of the manifests must read a prefix of it."""
     for tb, _, _, logdir in _tensorboards(by_kind):
         if not (logdir and f"{storage.rstrip('/')}/".startswith(f"{logdir.rstrip('/')}/")):
-            yield (
-                tb,
-                (
-                    f"[tensorboard-reads-runs] --logdir={logdir} does not cover run.storage={storage}, where "
-                    f"{where} mirrors its TensorBoard files ({storage.rstrip('/')}/tb/)"
-                ),
-            )
+            what = f"run.storage={storage}, where {where} mirrors its TensorBoard files ({storage.rstrip('/')}/tb/)"
+            yield tb, f"[tensorboard-reads-runs] --logdir={logdir} does not cover {what}"
 
 
 def _reads_s3_credentials(pod: dict, container: dict, by_kind: dict) -> bool:
@@ -527,10 +490,8 @@ def _storage_credentials(where: str, cfg: Any, cspec: dict, by_kind: dict) -> Fi
             yield where, f"[storage-credentials] {s3[0][0]}={s3[0][1]}: the {label} pod gets no S3 credentials; {how}"
     for tb, pod, c, logdir in _tensorboards(by_kind):
         if str(logdir or "").startswith("s3://") and not _reads_s3_credentials(pod, c, by_kind):
-            yield (
-                tb,
-                f"[storage-credentials] --logdir={logdir}: container {c.get('name')!r} gets no S3 credentials; {how}",
-            )
+            lacks = f"container {c.get('name')!r} gets no S3 credentials"
+            yield tb, f"[storage-credentials] --logdir={logdir}: {lacks}; {how}"
 
 
 # --- security rules ------------------------------------------------------------------
