@@ -382,35 +382,26 @@ def crd_validators(directory: str) -> dict[tuple[str, str], tuple[Any, dict]]:
 
 
 def validate_custom(docs: Iterable[dict], crds: Path | None = None) -> list[Problem]:
-    validators_ = None
-    problems = []
-    for obj in docs:
-        if not is_custom(obj):
-            continue
-        if validators_ is None:
-            validators_ = crd_validators(str(crds or crds_dir()))
-        where = name_of(obj)
-        entry = validators_.get((obj.get("apiVersion"), obj.get("kind")))
-        if entry is None:
-            problems.append(
-                Problem(
-                    "crd-schema", where, f"no CustomResourceDefinition serves {obj.get('apiVersion')} {obj.get('kind')}"
-                )
-            )
-            continue
-        validator, version = entry
-        if version.get("deprecated"):
-            warning = version.get("deprecationWarning") or "deprecated"
-            problems.append(
-                Problem("crd-schema", where, f"{obj.get('apiVersion')} is deprecated: {' '.join(warning.split())}")
-            )
-        for err in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
-            path = ".".join(str(p) for p in err.absolute_path)
-            problems.append(Problem("crd-schema", where, f"{path or '<root>'}: {err.message}"))
-        # metadata is ObjectMeta, as for any object: checked with the built-in schema
-        meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj.get("metadata") or {}}
-        problems += [Problem("crd-schema", where, p.message) for p in _kv(meta, where)]
-    return problems
+    customs = [obj for obj in docs if is_custom(obj)]
+    validators_ = crd_validators(str(crds or crds_dir())) if customs else {}
+    return [Problem("crd-schema", name_of(obj), m) for obj in customs for m in _crd_messages(obj, validators_)]
+
+
+def _crd_messages(obj: dict, validators_: dict) -> Iterator[str]:
+    what = f"{obj.get('apiVersion')} {obj.get('kind')}"
+    entry = validators_.get((obj.get("apiVersion"), obj.get("kind")))
+    if entry is None:
+        yield f"no CustomResourceDefinition serves {what}"
+        return
+    validator, version = entry
+    if version.get("deprecated"):
+        warning = version.get("deprecationWarning") or "deprecated"
+        yield f"{obj.get('apiVersion')} is deprecated: {' '.join(warning.split())}"
+    for err in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
+        yield f"{'.'.join(str(p) for p in err.absolute_path) or '<root>'}: {err.message}"
+    # metadata is ObjectMeta, as for any object: checked with the built-in schema
+    meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj.get("metadata") or {}}
+    yield from (p.message for p in _kv(meta, name_of(obj)))
 
 
 # --- pod security: checkov on every pod the manifests make ---------------------
@@ -478,29 +469,19 @@ def _strings(node: Any, path: str = ""):
 
 def placeholder_rules(docs: Iterable[dict]) -> list[Problem]:
     """What an apply would pull or write wrong: unqualified images, unfilled placeholders."""
-    problems = []
-    for obj in docs:
-        where = name_of(obj)
-        for path, value in _strings(obj):
-            if path.endswith(".image") and "/" not in value.split("@")[0]:
-                problems.append(
-                    Problem(
-                        "placeholder",
-                        where,
-                        f"{path}: image {value!r} names no registry or owner (it would be pulled as "
-                        f"docker.io/library/{value}): push the image k8s/image/Dockerfile builds and set "
-                        "`newName: REGISTRY/loomtrain` under `images:` in the overlay's kustomization.yaml",
-                    )
-                )
-            for m in PLACEHOLDER_RE.finditer(value):
-                problems.append(
-                    Problem(
-                        "placeholder",
-                        where,
-                        f"{path}: {m.group(0).rstrip('/')} is a placeholder: fill it in (docs/kubernetes.md)",
-                    )
-                )
-    return problems
+    return [Problem("placeholder", name_of(obj), m) for obj in docs for m in _placeholders(obj)]
+
+
+def _placeholders(obj: dict) -> Iterator[str]:
+    for path, value in _strings(obj):
+        if path.endswith(".image") and "/" not in value.split("@")[0]:
+            yield (
+                f"{path}: image {value!r} names no registry or owner (it would be pulled as "
+                f"docker.io/library/{value}): push the image k8s/image/Dockerfile builds and set "
+                "`newName: REGISTRY/loomtrain` under `images:` in the overlay's kustomization.yaml"
+            )
+        for m in PLACEHOLDER_RE.finditer(value):
+            yield f"{path}: {m.group(0).rstrip('/')} is a placeholder: fill it in (docs/kubernetes.md)"
 
 
 def check(
