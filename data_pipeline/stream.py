@@ -152,15 +152,6 @@ class Blend:
         return period * self.quotas + np.bincount(self.source_of[:offset], minlength=len(self.quotas))
 
 
-def _source_list(source):
-    """A shard directory, or [(dir, weight), ...] (corpus.prepare_sources) -> [(dir, weight)]."""
-    if isinstance(source, (list, tuple)):
-        if not source:
-            raise DataError("data.sources: empty list")
-        return [(path, float(weight)) for path, weight in source]
-    return [(source, 1.0)]
-
-
 PACK_BLOCK_WINDOWS = 1024  # documents are packed in blocks of about this many windows' worth of tokens
 FILL_SEARCH_BACKTRACKS = 128  # per window, how far best_fill searches past the greedy fill
 
@@ -320,7 +311,10 @@ class TokenStream:
             raise ValueError(f"TokenStream: prefetch must be >= 0, got {prefetch}")
         if cache_bytes < 0:
             raise ValueError(f"TokenStream: cache_bytes must be >= 0, got {cache_bytes}")
-        sources = _source_list(shard_dir)
+        mixture = isinstance(shard_dir, (list, tuple))  # [(dir, weight), ...] (corpus.prepare_sources)
+        sources = [(path, float(weight)) for path, weight in shard_dir] if mixture else [(shard_dir, 1.0)]
+        if not sources:
+            raise DataError("data.sources: empty list")
         self.source_weights = [w for _, w in sources]  # as data.sources gives them (the blend normalises)
         self.blend = Blend(self.source_weights)
         # One cache for the sources in object storage (its fetch threads start when one is asked for).
@@ -358,17 +352,10 @@ class TokenStream:
                 s.close()
             self.cache.close()
             raise
-        self.shards = self.sources[0]
         self.reads_ahead = any(not s.local for s in self.sources)  # windows fetched before a batch asks
-        self.split, self.seq_len, self.micro_batch_size = split, seq_len, micro_batch_size
-        self.dp_rank, self.dp_size, self.seed, self.prefetch, self.shuffle = (
-            dp_rank,
-            dp_size,
-            int(seed),
-            prefetch,
-            shuffle,
-        )
-        self.tokenizer_hash = self.shards.tokenizer_hash
+        self.split, self.seq_len, self.micro_batch_size, self.shuffle = split, seq_len, micro_batch_size, shuffle
+        self.dp_rank, self.dp_size, self.seed, self.prefetch = dp_rank, dp_size, int(seed), prefetch
+        self.tokenizer_hash = self.sources[0].tokenizer_hash
         self.loss_masked = any(s.mask is not None for s in self.sources)
         # One source: its samples; a mixture: all sources' together (each wraps on its own).
         self.samples_per_epoch = sum(self.source_samples)

@@ -205,7 +205,7 @@ def test_streaming_from_s3_equals_disk_across_a_resume_at_another_dp_size(tmp_pa
         cfg = RunConfig()
         cfg.data.path, cfg.data.cache_bytes, cfg.train.seq_len = uri, 12345, seq
         with val_stream(cfg, got, Topology(world_size=1, rank=0), tok) as stream:
-            assert stream.cache.capacity == 12345 and stream.shards.dir == uri
+            assert stream.cache.capacity == 12345 and stream.sources[0].dir == uri
 
 
 def test_a_file_uri_is_written_and_streamed_as_the_path_is(tmp_path):
@@ -285,7 +285,7 @@ def test_a_shard_deleted_or_overwritten_mid_run_is_one_line_naming_it(tmp_path, 
     next(s)
     # The shard the next batch's first sample starts in (with one shard: the one just read).
     sample = int(s.locate(s.rank_positions(s.position))[1][0])
-    shard = s.shards.files[int(np.searchsorted(s.shards.starts, sample * T, side="right")) - 1]
+    shard = s.sources[0].files[int(np.searchsorted(s.sources[0].starts, sample * T, side="right")) - 1]
     fs, path = storage.object_store(shard)
     if change == "deleted":
         fs.rm_file(path)

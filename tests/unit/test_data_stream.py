@@ -169,7 +169,7 @@ def test_dropped_stream_stops_its_prefetch_thread(tmp_path):
 def test_errors_in_the_prefetch_thread_reach_the_consumer(tmp_path):
     shard_dir = make_shards(tmp_path, 20)
     s = TokenStream(shard_dir, seq_len=T, micro_batch_size=2, prefetch=2)
-    s.shards.segments = []  # simulate a failure while reading
+    s.sources[0].segments = []  # simulate a failure while reading
     with pytest.raises(IndexError):
         next(s)
     s.close()
