@@ -80,6 +80,7 @@ class ByteTokenizer:
     name = "byte"
     eos_id = 256
     vocab_size = 257
+    hash = _short_hash(json.dumps({"type": _BYTE_FORMAT, "eos_id": 256, "vocab_size": 257}))
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", errors="replace"))
@@ -96,10 +97,6 @@ class ByteTokenizer:
             elif i == self.eos_id:
                 out += EOS_TOKEN.encode()
         return out.decode("utf-8", errors="replace")
-
-    @property
-    def hash(self) -> str:
-        return _short_hash(json.dumps({"type": _BYTE_FORMAT, "eos_id": 256, "vocab_size": 257}))
 
     def save(self, directory: str | os.PathLike) -> Path:
         spec = {
@@ -135,7 +132,7 @@ class HFTokenizer:
         self.eos_id = int(tok.token_to_id(eos))
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
         # Canonical JSON so key order in the file does not change the hash.
-        self._hash = _short_hash(json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":")))
+        self.hash = _short_hash(json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":")))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
@@ -146,10 +143,6 @@ class HFTokenizer:
             raise
         except Exception as exc:  # the Rust error text is long; keep its first line
             raise DataError(f"cannot load tokenizer {path}: {message_line(exc)}") from None
-
-    @property
-    def hash(self) -> str:
-        return self._hash
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
