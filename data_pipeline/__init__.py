@@ -57,12 +57,9 @@ _EXPORTS = {
     "TokenStream": "loomtrain.data_pipeline.stream",
     "prepare_data": "loomtrain.data_pipeline.corpus",
     "prepare_sources": "loomtrain.data_pipeline.corpus",
-    "stdlib_files": "loomtrain.data_pipeline.corpus",
-    "verify_shards": "loomtrain.data_pipeline.corpus",
     "load_tokenizer": "loomtrain.data_pipeline.tokenizer",
     "train_bpe": "loomtrain.data_pipeline.tokenizer",
     "ByteTokenizer": "loomtrain.data_pipeline.tokenizer",
-    "HFTokenizer": "loomtrain.data_pipeline.tokenizer",
     "preprocess_files": "loomtrain.data_pipeline.preprocess",
 }
 

@@ -69,9 +69,7 @@ def verify_shards(shard_dir, expected_tokenizer_hash: str | None) -> None:
 
 def _load_tokenizer(spec, shard_dir):
     """data.tokenizer for shards in `shard_dir`: "bpe" means the directory's own tokenizer.json."""
-    if spec != "bpe":
-        return load_tokenizer(spec)
-    return load_shard_tokenizer(shard_dir)
+    return load_shard_tokenizer(shard_dir) if spec == "bpe" else load_tokenizer(spec)
 
 
 def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer]:
@@ -128,8 +126,7 @@ def prepare_data(data_cfg, cache_dir=None, *, log=None) -> tuple[Path, Tokenizer
                     replace_dir(tmp, shard_dir)  # over an incomplete leftover (no index.json)
                 finally:
                     for leftover in (tmp, partial_dir(tmp)):  # a private build: nothing to resume
-                        if leftover.exists():
-                            shutil.rmtree(leftover, ignore_errors=True)
+                        shutil.rmtree(leftover, ignore_errors=True)
     tok = run_tok or load_tokenizer(shard_dir)
     verify_shards(shard_dir, tok.hash)
     return shard_dir, tok
