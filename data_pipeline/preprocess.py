@@ -46,22 +46,8 @@ from loomtrain.data_pipeline import documents
 from loomtrain.data_pipeline.documents import iter_units, jsonl_values, unit_texts, zero_stats
 from loomtrain.data_pipeline.records import TEXT, RecordFormat, check_format, detect_format, record_tokens
 from loomtrain.data_pipeline.remote_output import open_output
-from loomtrain.data_pipeline.shards import (
-    FORMAT,
-    INDEX,
-    SPLITS,
-    VERSION,
-    DataError,
-    SplitWriter,
-    token_dtype,
-)
-from loomtrain.data_pipeline.staging import (
-    Parts,
-    PartWriter,
-    Progress,
-    clear_assembly,
-    open_partial,
-)
+from loomtrain.data_pipeline.shards import FORMAT, INDEX, SPLITS, VERSION, DataError, SplitWriter, token_dtype
+from loomtrain.data_pipeline.staging import Parts, PartWriter, Progress, clear_assembly, open_partial
 from loomtrain.data_pipeline.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from loomtrain.durable import atomic_write_json
 from tqdm import tqdm

@@ -29,15 +29,8 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from loomtrain.data_pipeline.shards import (
-    DataError,
-)
-from loomtrain.storage import (
-    below,
-    first_line,
-    listing,
-    location,
-)
+from loomtrain.data_pipeline.shards import DataError
+from loomtrain.storage import below, first_line, listing, location
 
 FETCH_THREADS = 16  # ranged GETs in flight per stream: a GET's latency, not bandwidth, bounds a window's read
 
@@ -214,8 +207,4 @@ class PinnedObject:
         return data
 
 
-__all__ = [
-    "PinnedObject",
-    "WindowCache",
-    "load_shard_tokenizer",
-]
+__all__ = ["PinnedObject", "WindowCache", "load_shard_tokenizer"]
