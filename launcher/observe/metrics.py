@@ -46,7 +46,8 @@ from loomtrain.durable import atomic_write, naming
 from loomtrain.launcher.observe.mirror import Mirror, restore_metrics, tb_uri
 from tqdm import tqdm
 
-# Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
+# Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity); `loomtrain plan`'s devices
+# (planning/memory_model.DEVICES) take theirs from here.
 GPU_PEAK_FLOPS: dict[str, float] = {
     "h200": 989e12,
     "h100 pcie": 756e12,

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psutil
+from loomtrain.launcher.observe.metrics import GPU_PEAK_FLOPS
 from loomtrain.launcher.planning.host_model import GiB, HostPlan, host_plan
 from loomtrain.launcher.training.engine import ds_config
 from loomtrain.model import meta_transformer
@@ -65,16 +66,16 @@ from loomtrain.parallel.topology import padded_vocab_size
 class Device:
     name: str
     memory_gib: float  # what torch.cuda.get_device_properties reports as total
-    bf16_tflops: float  # dense peak, bf16/fp16 tensor cores
+    bf16_tflops: float  # dense peak, bf16/fp16 tensor cores (a GPU's: metrics.GPU_PEAK_FLOPS, MFU's too)
     fp32_tflops: float  # dense peak, fp32 without TF32
     note: str = ""
 
 
 DEVICES: dict[str, Device] = {
-    "h100": Device("H100 SXM 80GB", 79.6, 989.0, 67.0),
-    "h200": Device("H200 SXM 141GB", 139.8, 989.0, 67.0),
-    "a100": Device("A100 SXM 80GB", 79.3, 312.0, 19.5),
-    "l40s": Device("L40S 48GB", 44.4, 362.0, 91.6),
+    "h100": Device("H100 SXM 80GB", 79.6, GPU_PEAK_FLOPS["h100"] / 1e12, 67.0),
+    "h200": Device("H200 SXM 141GB", 139.8, GPU_PEAK_FLOPS["h200"] / 1e12, 67.0),
+    "a100": Device("A100 SXM 80GB", 79.3, GPU_PEAK_FLOPS["a100"] / 1e12, 19.5),
+    "l40s": Device("L40S 48GB", 44.4, GPU_PEAK_FLOPS["l40s"] / 1e12, 91.6),
     # The 2-core CI box: measured fp32 ~180 and bf16 ~410 GFLOP/s matmul throughput; memory is host RAM.
     "cpu": Device("CPU (2 cores, measured)", 0.0, 0.41, 0.18, note="memory = host RAM"),
 }
