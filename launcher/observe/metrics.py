@@ -140,23 +140,6 @@ def memory_bytes(device: torch.device) -> int:
     return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
-# metrics.jsonl key -> TensorBoard group; any other key (lr, grad_norm, tokens_seen, skipped_steps)
-# is in `train` (keys that already hold a "/" keep it).
-_TB_GROUPS = {
-    "tokens_per_s": "perf",
-    "mfu": "perf",
-    "step_time_s": "perf",
-    "step_time_max_s": "perf",
-    "step_time_min_s": "perf",
-    "step_time_median_s": "perf",
-    "slowest_rank": "perf",
-    "data_wait_max_s": "perf",
-    "mem_bytes": "memory",
-    "mem_bytes_max": "memory",
-    "mem_rank_max": "memory",
-}
-# Memory is plotted in GiB (metrics.jsonl keeps bytes): 6e+8 on an axis reads badly.
-_TB_GIB = {"mem_bytes": "mem_gib", "mem_bytes_max": "mem_gib_max"}
 # The job-wide figures of gather_rank_stats: on one process they are the process's own (a flat
 # zero for the slowest rank), so TensorBoard gets them only when there is more than one rank.
 RANK_STATS = (
@@ -168,6 +151,15 @@ RANK_STATS = (
     "mem_bytes_max",
     "mem_rank_max",
 )
+# metrics.jsonl key -> TensorBoard group: `memory` for mem_*, `perf` for speed and the rank figures;
+# any other key (lr, grad_norm, tokens_seen, skipped_steps) is in `train` (keys that already hold a
+# "/" keep it).
+_TB_GROUPS = {
+    k: "memory" if k.startswith("mem_") else "perf"
+    for k in ("tokens_per_s", "mfu", "step_time_s", "mem_bytes", *RANK_STATS)
+}
+# Memory is plotted in GiB (metrics.jsonl keeps bytes): 6e+8 on an axis reads badly.
+_TB_GIB = {"mem_bytes": "mem_gib", "mem_bytes_max": "mem_gib_max"}
 # What TensorBoard's HPARAMS table shows first: the model's size, the learning rate, the batch
 # and the parallel layout (the rest of the config follows in its own order).
 HPARAMS_FIRST = (
@@ -217,12 +209,6 @@ def tb_scalars(metrics: dict[str, Any], world_size: int) -> dict[str, float]:
     return out
 
 
-def hparams_order(flat: dict[str, Any]) -> dict[str, Any]:
-    """The flattened config with HPARAMS_FIRST (those present) first."""
-    first = {k: flat[k] for k in HPARAMS_FIRST if k in flat}
-    return {**first, **{k: v for k, v in flat.items() if k not in first}}
-
-
 def gather_rank_stats(step_time: float, data_wait: float, mem_bytes: int, device: torch.device) -> dict[str, float]:
     """Every rank's (step time, data wait, memory) -> the job-wide figures (same on all ranks).
 
@@ -265,8 +251,9 @@ def _fmt_time(seconds: float) -> str:
 
 
 def _hparams(flat: dict[str, Any]) -> dict[str, Any]:
-    """HParams accepts bool/int/float/str only."""
-    return {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in flat.items()}
+    """The flattened config, HPARAMS_FIRST (those present) first, as HParams takes it: bool/int/float/str only."""
+    ordered = {**{k: flat[k] for k in HPARAMS_FIRST if k in flat}, **flat}  # a key keeps its first place
+    return {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in ordered.items()}
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -355,7 +342,7 @@ class MetricsLogger:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        exp, ssi, sei = hparams_summary(_hparams(hparams_order(flatten(config))), {m: float("nan") for m in metrics})
+        exp, ssi, sei = hparams_summary(_hparams(flatten(config)), {m: float("nan") for m in metrics})
         with self._tensorboard():
             fw = self.writer._get_file_writer()
             for summary in (exp, ssi, sei):
