@@ -169,13 +169,8 @@ def _row(label: str, *cells: str) -> str:
 def _t(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "-"
-    return (
-        f"{seconds:.3g} s"
-        if seconds >= 1
-        else f"{seconds * 1e3:.3g} ms"
-        if seconds >= 1e-3
-        else f"{seconds * 1e6:.3g} us"
-    )
+    scale, unit = (1, "s") if seconds >= 1 else (1e3, "ms") if seconds >= 1e-3 else (1e6, "us")
+    return f"{seconds * scale:.3g} {unit}"
 
 
 def _g(x: float | None) -> str:
