@@ -37,12 +37,6 @@ class FitVerdict:
     message: str
 
 
-def _device_type(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
-
-
 def available_bytes(device_type: str, local_rank: int) -> tuple[float, str]:
     """(bytes free now, what was measured) on this rank's device."""
     if device_type == "cuda":
@@ -53,7 +47,9 @@ def available_bytes(device_type: str, local_rank: int) -> tuple[float, str]:
 
 
 def check_fits(cfg, world_size: int, local_ranks: int = 1, local_rank: int = 0) -> FitVerdict:
-    device_type = _device_type(cfg.train.device)
+    device_type = cfg.train.device
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     # make_plan's device only sets the memory it is compared with (done here) and the
     # CUDA allowance / activation variant; any CUDA entry stands for "a GPU".
     plan = mm.make_plan(cfg, world_size, "cpu" if device_type == "cpu" else "h100")
