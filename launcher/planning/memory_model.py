@@ -138,10 +138,10 @@ def count_params(model: Any, tp: int) -> ParamCount:
     return ParamCount(total, per_rank, emb, matmul, rep, *lora_param_count(model, cfg, tp))
 
 
-def lora_param_count(model: Any, cfg: Any, tp: int) -> tuple[int, int]:
+def lora_param_count(model: Any, cfg: ModelConfig, tp: int) -> tuple[int, int]:
     """(LoRA factors of the plain model, of one TP rank) for cfg.lora; (0, 0) without it."""
-    lora = getattr(cfg, "lora", None)
-    if lora is None or not lora.enabled:
+    lora = cfg.lora
+    if not lora.enabled:
         return 0, 0
     total = per_rank = 0
     for name, parent, attr in lora_layers(model, lora):
@@ -172,14 +172,8 @@ def model_state_bytes(
     """Bytes per rank of params, grads and optimizer states for `n_rank` trainable params per TP
     rank, plus `frozen` params per TP rank (model.lora's base: the params alone, never partitioned,
     since ZeRO 1-2 partition only what the optimizer holds and LoRA refuses ZeRO-3)."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"parallel.zero_stage: must be 0, 1, 2 or 3, got {stage!r}")
-    if precision == "fp32":
-        p_b, g_b, o_b = 4, 4, (8 if stage == 0 else 12)
-    elif precision in ("bf16", "fp16"):
-        p_b, g_b, o_b = 2, 2, 12
-    else:
-        raise ValueError(f"train.precision: {precision!r} is not one of fp32, bf16, fp16")
+    p_b = g_b = _DTYPE_BYTES[precision]  # RunConfig holds the stage and precision to their choices
+    o_b = 8 if precision == "fp32" and stage == 0 else 12  # m, v (+ an fp32 master: module docstring)
     params = p_b * n_rank / (dp if stage >= 3 else 1) + p_b * frozen
     grads = g_b * n_rank / (dp if stage >= 2 else 1)
     optim = o_b * n_rank / (dp if stage >= 1 else 1)
