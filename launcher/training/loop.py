@@ -270,18 +270,13 @@ def evaluate(ctx: TrainContext) -> dict[str, float]:
     finally:
         stream.close()
         engine.train()
-    if weighted:
-        loss = _target_mean(total, targets, ctx)
+    if weighted:  # the DP group's sum of per-target losses / its count of targets, in one all-reduce
+        both = torch.stack([total, torch.tensor(float(targets), dtype=torch.float64, device=device)])
+        loss_sum, targets_all = _sum_over_dp(both, ctx).tolist()
+        loss = loss_sum / max(targets_all, 1.0)
     else:
         loss = dp_reduce([StepOutput(total / ctx.cfg.eval.batches, None, 0.0)], ctx)[0].loss
     return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
-
-
-def _target_mean(loss_sum: torch.Tensor, targets: int, ctx: TrainContext) -> float:
-    """The sum of per-target losses over the DP group divided by its count of targets (one all-reduce)."""
-    both = torch.stack([loss_sum.double().reshape(()), torch.tensor(float(targets), dtype=torch.float64).to(loss_sum)])
-    loss_sum_all, targets_all = _sum_over_dp(both, ctx).tolist()
-    return loss_sum_all / max(targets_all, 1.0)
 
 
 class Sample(NamedTuple):
