@@ -309,7 +309,8 @@ class MetricsLogger:
         # A fresh start (start_step 0) replaces an earlier run's metrics; a resume keeps
         # the records up to start_step and drops those of the steps it will redo.
         path = self.jsonl_path = self.run_dir / "metrics.jsonl"
-        kept = [line for line in _read_lines(path) if _step_of(line) <= start_step] if start_step else []
+        lines = path.read_text().splitlines(keepends=True) if start_step and path.exists() else []
+        kept = [line for line in lines if _step_of(line) <= start_step]
         atomic_write(path, "".join(kept))  # a crash here keeps the earlier records
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
@@ -431,13 +432,6 @@ class MetricsLogger:
             self.mirror = None
         if failed is not None and sys.exc_info()[1] is None:
             raise failed
-
-
-def _read_lines(path: Path) -> list[str]:
-    try:
-        return path.read_text().splitlines(keepends=True)
-    except FileNotFoundError:
-        return []
 
 
 def _step_of(line: str) -> float:
