@@ -8,10 +8,11 @@ How the rank is built, run and measured: launcher/planning/dryrun.py.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from loomtrain.launcher.cli.plan import plan_parser
-from loomtrain.launcher.config_loader import ConfigError
+from loomtrain.launcher.config_loader import ConfigError, resolve
 from loomtrain.launcher.planning.dryrun import dry_run
 from loomtrain.launcher.planning.memory_plan import load_plan
 
@@ -50,10 +51,6 @@ def main(argv: list[str] | None = None) -> int:
 def changed_model_fields(config: str, cfg) -> list[str]:
     """`model.KEY=VALUE (CONFIG: ITS VALUE)` for each model field the command line changed: a
     dry run is often shrunk to fit this machine, and its table then describes that model."""
-    import dataclasses
-
-    from loomtrain.launcher.config_loader import resolve
-
     base = resolve(config).model
     return [
         f"model.{f.name}={getattr(cfg.model, f.name)} ({config}: {getattr(base, f.name)})"
