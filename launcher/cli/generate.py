@@ -17,8 +17,7 @@ import re
 import sys
 
 from loomtrain.launcher.cli import HelpFormatter
-
-DEVICES = ("auto", "cpu", "cuda")
+from loomtrain.launcher.config import DEVICES  # train.device's choices; --device also takes cuda:N
 
 
 def build_parser() -> argparse.ArgumentParser:
