@@ -185,6 +185,12 @@ def in_flight(fn, items: list) -> list:
     return [f.result() for f in futures]
 
 
+def message_line(exc: BaseException) -> str:
+    """An error's text cut to its first line (its type's name when it has none), for a one-line message."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def first_line(exc: BaseException) -> str:
     """A storage library's error in one line: its type and the first line of its text."""
     text = str(exc).strip()

@@ -46,12 +46,6 @@ class DataError(Exception):
     """Bad input data or shards; the message is one line naming the file/field."""
 
 
-def message_line(exc: BaseException) -> str:
-    """An error's text cut to its first line (its type's name when it has none), for a DataError's one line."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import tokenizers
-from loomtrain.data_pipeline.shards import DataError, message_line, token_dtype
+from loomtrain.data_pipeline.shards import DataError, token_dtype
 from loomtrain.durable import atomic_write
 from loomtrain.hf_cache import ModelIdError, resolve_model
+from loomtrain.storage import message_line
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from loomtrain.data_pipeline.preprocess import tokenize_file
-from loomtrain.data_pipeline.shards import DataError, message_line
+from loomtrain.data_pipeline.shards import DataError
 from loomtrain.launcher.addresses import AddressError, check_ray_address
+from loomtrain.storage import message_line
 
 REACH_TIMEOUT_S = 5.0  # a cluster's head answers a TCP connect at once; this bounds a dead or filtered address
 RAY_CLIENT_PORT = 10001  # ray://HOST without a port
