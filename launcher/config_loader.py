@@ -34,6 +34,7 @@ from loomtrain.durable import atomic_write
 from loomtrain.launcher.config import RESUME_MODES, ConfigError, DataSource, RunConfig, check, cuda_available
 from loomtrain.launcher.rundir import run_dir
 from loomtrain.parallel.topology import check_tp
+from loomtrain.storage import message_line
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -67,10 +68,6 @@ def _closest(key: str) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
 def _no_value(key: str, where: str) -> ConfigError:
     """`run.dir=` (often an unset shell variable) or `dir:` with nothing after it: OmegaConf reads
     a null, which no field accepts; say so, and what to write instead."""
@@ -86,7 +83,7 @@ def _no_value(key: str, where: str) -> ConfigError:
 
 def _omegaconf_error(exc: OmegaConfBaseException, where: str) -> ConfigError:
     key = getattr(exc, "full_key", None) or ""
-    msg = _first_line(exc)
+    msg = message_line(exc)
     name = type(exc).__name__
     if key and (msg.startswith("Incompatible value 'None'") or msg.endswith("is not Optional")):
         return _no_value(key, where)
@@ -112,7 +109,7 @@ def load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig,
     try:
         layer = OmegaConf.load(path)
     except Exception as exc:  # yaml syntax errors and the like
-        raise ConfigError(f"{path}: cannot parse YAML: {_first_line(exc)}") from exc
+        raise ConfigError(f"{path}: cannot parse YAML: {message_line(exc)}") from exc
     if not isinstance(layer, DictConfig):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     layers: list[tuple[DictConfig, str]] = []
@@ -143,7 +140,7 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
         except Exception as exc:  # yaml's own errors
             raise ConfigError(
                 f"{item.partition('=')[0]}: cannot parse the value of {item!r} "
-                f"({_first_line(exc)}); quote it: key='value'"
+                f"({message_line(exc)}); quote it: key='value'"
             ) from None
     try:
         return OmegaConf.from_dotlist(items)
@@ -240,7 +237,7 @@ def merge_layers(layers: list[tuple[DictConfig, str]]) -> RunConfig:
     except OmegaConfBaseException as exc:
         raise _omegaconf_error(exc, "interpolation") from exc
     except ValueError as exc:  # ModelConfig.validate: "model.<field>: ..."
-        raise ConfigError(_first_line(exc)) from exc
+        raise ConfigError(message_line(exc)) from exc
     assert isinstance(cfg, RunConfig)
     return cfg
 
@@ -303,7 +300,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         except ConfigError:
             raise
         except ValueError as exc:  # ModelConfig's: the model knows nothing of ConfigError
-            raise ConfigError(_first_line(exc)) from None
+            raise ConfigError(message_line(exc)) from None
     _check_across_sections(cfg, world_size)
 
 
