@@ -460,7 +460,6 @@ class RunConfig:
     def usable_world_size(self, workers: int) -> bool:
         """Whether `workers` ranks can run this config: whole TP x CP groups, and a global batch
         that splits into micro batches over the data ranks (an elastic group's sizes are checked here)."""
-        group, t = self.parallel.tp * self.parallel.cp, self.train
-        if workers < group or workers % group:
-            return False
-        return t.global_batch_size % (t.micro_batch_size * self.data_ranks(workers)) == 0
+        dp, t = self.data_ranks(workers), self.train
+        whole_groups = dp > 0 and workers == dp * self.parallel.tp * self.parallel.cp
+        return whole_groups and t.global_batch_size % (t.micro_batch_size * dp) == 0
