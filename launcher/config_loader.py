@@ -198,13 +198,9 @@ def _check_list_items(layer: DictConfig, source: str) -> None:
             for field in item.keys():
                 if field not in fields:
                     near = difflib.get_close_matches(str(field), fields, n=1, cutoff=0.6)
-                    hint = (
-                        " (YAML needs a space after the colon: {path: DIR})"
-                        if ":" in str(field)
-                        else f" (did you mean {near[0]!r}?)"
-                        if near
-                        else ""
-                    )
+                    hint = f" (did you mean {near[0]!r}?)" if near else ""
+                    if ":" in str(field):
+                        hint = " (YAML needs a space after the colon: {path: DIR})"
                     raise ConfigError(f"{name}.{field}: unknown key{hint}; an item has {shape} [{source}]")
             try:
                 OmegaConf.merge(OmegaConf.structured(schema), item)
