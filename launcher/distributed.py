@@ -49,6 +49,7 @@ import torch.distributed as dist
 from loomtrain.launcher import rundir
 from loomtrain.launcher.config import RunConfig
 from loomtrain.launcher.timeouts import HANG_REPORT_MARGIN_S, allowances
+from loomtrain.storage import message_line
 
 
 @dataclass
@@ -185,17 +186,13 @@ def rendezvous_failure(cause: BaseException | str, backend: str, chosen: dict[st
         route, reason = None, f"{peer} does not resolve ({err})"
     else:
         reason = f"the route to {peer} leaves by {route}" if route else f"no interface holds the route to {peer}"
-    cause = first_line(cause)
+    cause = message_line(cause)[:300]
     return (
         f"could not join the process group at {master} over {describe_interface(backend, chosen, environ)}: "
         f"{cause}; {reason}: set {var} to this host's interface that reaches {peer or 'the master'}"
         + (f" (e.g. {var}={route})" if route and environ.get(var) != route else "")
         + " on every host, and check that the port is open between the hosts"
     )
-
-
-def first_line(exc: BaseException | str) -> str:
-    return " ".join(str(exc).strip().splitlines()[:1])[:300]
 
 
 @contextlib.contextmanager
@@ -335,7 +332,8 @@ def _join_group(backend: str, timeout: timedelta, chosen: dict[str, str]) -> Non
     except RuntimeError as exc:  # torch's DistError family, gloo's connectFullMesh, a bad interface name
         with contextlib.suppress(Exception):  # best effort: the others time out without it
             who = host_label(os.environ["MASTER_ADDR"])
-            _tell_the_others(_store_client(timedelta(seconds=5)), key, f"rank {rank} ({who}) failed: {first_line(exc)}")
+            line = f"rank {rank} ({who}) failed: {message_line(exc)[:300]}"
+            _tell_the_others(_store_client(timedelta(seconds=5)), key, line)
         note = f" (the library's messages: {held})" if held.exists() else ""
         raise RendezvousError(rendezvous_failure(exc, backend, chosen) + note) from None
 
