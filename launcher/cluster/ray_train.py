@@ -157,11 +157,8 @@ def clean_orphan_pointers(cfg: RunConfig, keep) -> list[str]:
     keep_name = Path(keep.path).name if keep is not None else None
     removed = []
     for info in infos:
-        if (
-            info.type == pafs.FileType.Directory
-            and info.base_name.startswith("checkpoint_")
-            and info.base_name != keep_name
-        ):
+        name = info.base_name
+        if info.type == pafs.FileType.Directory and name.startswith("checkpoint_") and name != keep_name:
             fs.delete_dir(info.path)
             removed.append(info.path)
     return removed
@@ -274,12 +271,8 @@ class RayReportHook(Hooks):
 
     def on_train_end(self, ctx: TrainContext) -> None:
         if ctx.dist.rank == 0:  # why this attempt ended, for the next one's record
-            signum = ctx.stop_signal
-            reason = (
-                f"stopped by {signal_name(signum)}"
-                if signum
-                else ("finished" if ctx.state.step >= self.cfg.train.max_steps else "stopped (checkpoint.stop_at_step)")
-            )
+            done = "finished" if ctx.state.step >= self.cfg.train.max_steps else "stopped (checkpoint.stop_at_step)"
+            reason = f"stopped by {signal_name(ctx.stop_signal)}" if ctx.stop_signal else done
             _write_end(Path(self.cfg.run.dir), f"{reason} at step {ctx.state.step}")
         # A final checkpoint (published by the checkpoint hook's on_train_end) or,
         # without one, the final metrics so that the driver's Result has them.
@@ -310,9 +303,7 @@ def _previous_end(run_dir: Path, last_start: float) -> str:
             continue
         if rec.get("time", 0) >= last_start:
             ends.append((rec["time"], rec["line"]))
-    if ends:
-        return max(ends)[1]
-    return f"a worker process died (see {logs_dir(run_dir)}/rank_*.log)"
+    return max(ends)[1] if ends else f"a worker process died (see {logs_dir(run_dir)}/rank_*.log)"
 
 
 def train_worker(config: dict) -> None:
