@@ -71,10 +71,4 @@ def main(argv: list[str] | None = None) -> int:
     name = COMMANDS[command][0]
     module = importlib.import_module(f"{__name__}.{name}")
     # The jobs module serves several commands; it gets the command name first.
-    if name == "jobs":
-        return int(module.main([command, *rest]) or 0)
-    return int(module.main(rest) or 0)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return int(module.main([command, *rest] if name == "jobs" else rest) or 0)
