@@ -101,11 +101,9 @@ def _connect(address: str | None, max_in_flight: int | None) -> bool:
         return False
     RayTasks(address).check()
     address = address or os.environ.get("RAY_ADDRESS") or None
+    num_cpus = None if address else max_in_flight or os.cpu_count() or 1  # a local instance's size
     try:
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=max_in_flight or os.cpu_count() or 1, log_to_driver=False)
+        ray.init(address=address, num_cpus=num_cpus, log_to_driver=False)
     except Exception as exc:  # a bad or unreachable address: Ray's own text, first line
         raise DataError(
             f"--address {address or '(local instance)'}: cannot connect to Ray: {message_line(exc)}"
