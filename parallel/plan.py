@@ -166,21 +166,16 @@ _VOCAB = {"tok_emb", "lm_head"}  # vocabulary rows split, padded to a multiple o
 def shard_spec(name: str, full_shape, model_cfg, tp: int, tp_rank: int = 0) -> ShardSpec:
     """How TP rank `tp_rank` of `tp` holds the plain-model parameter `name` of `full_shape`."""
     full_shape = tuple(full_shape)
-    parts = name.split(".")
-    layer, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+    *_, layer, leaf = ["", *name.split(".")]  # layer "" for a top-level name
     if not full_shape:
         return ShardSpec(full_shape)
     if layer in _VOCAB:
         return ShardSpec(full_shape, 0, padded_vocab_size(full_shape[0], tp), tp, tp_rank)
     # LoRA factors (loomtrain.parallel.lora): a row-parallel layer's A [r, in] is split like its
     # input, its B [out, r] replicated; a column-parallel layer's B like its output, A replicated.
-    if layer in _ROW:
-        if leaf not in ("weight", "lora_A"):
-            return ShardSpec(full_shape)
+    if layer in _ROW and leaf in ("weight", "lora_A"):
         return ShardSpec(full_shape, 1, full_shape[1], tp, tp_rank)
-    if layer in _COLUMN and leaf == "lora_A":
-        return ShardSpec(full_shape)
-    if layer in _COLUMN:
+    if layer in _COLUMN and leaf != "lora_A":
         n_kv = model_cfg.kv_heads
         if layer in ("wk", "wv") and n_kv % tp:
             # Fewer KV heads than tp: rank r's query heads [r*H/tp, (r+1)*H/tp) all read KV
