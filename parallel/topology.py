@@ -195,11 +195,8 @@ class Topology:
     @staticmethod
     def cp_layout(world_size: int, tp: int, cp: int) -> list[list[int]]:
         """CP groups as lists of global ranks, in creation order."""
-        out = []
-        for d in range(world_size // (tp * cp)):
-            for t in range(tp):
-                out.append([d * cp * tp + c * tp + t for c in range(cp)])
-        return out
+        data = world_size // (tp * cp)
+        return [[d * cp * tp + c * tp + t for c in range(cp)] for d in range(data) for t in range(tp)]
 
     # Ranks and sizes --------------------------------------------------------
     @property
