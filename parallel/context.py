@@ -69,10 +69,7 @@ class KVExchange:
 
 def _slice_hook(cp: int, cp_rank: int):
     def hook(module, args, kwargs):
-        kwargs = dict(kwargs)
-        names = ("tokens", "cache", "targets", "document_ids")
-        for name, value in zip(names, args):  # positional arguments by their names
-            kwargs[name] = value
+        kwargs = {**kwargs, **dict(zip(("tokens", "cache", "targets", "document_ids"), args))}  # positionals by name
         tokens, targets = kwargs.get("tokens"), kwargs.get("targets")
         if targets is None or kwargs.get("cache") is not None or kwargs.get("window_slice") is not None:
             return None
