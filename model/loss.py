@@ -36,12 +36,6 @@ def chunk_rows(vocab_size: int, device_type: str) -> int:
     return max(64, budget // (4 * vocab_size))
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(t.device.type):
-        return torch.get_autocast_dtype(t.device.type)
-    return t.dtype
-
-
 def _chunks(n: int, rows: int):
     return ((s, min(s + rows, n)) for s in range(0, n, rows))
 
@@ -105,9 +99,10 @@ def linear_cross_entropy(
     if flat_t.shape[0] != flat_h.shape[0]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape)}")
     rows = rows or chunk_rows(weight.shape[0], hidden.device.type)
-    dtype = _compute_dtype(flat_h)
+    device = flat_h.device.type  # the compute dtype: autocast's, else the inputs'
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else flat_h.dtype
     grads = torch.is_grad_enabled()
-    with torch.autocast(flat_h.device.type, enabled=False):
+    with torch.autocast(device, enabled=False):
         return _LinearCrossEntropy.apply(
             flat_h.to(dtype),
             weight.to(dtype),
