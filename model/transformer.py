@@ -205,10 +205,6 @@ def apply_init(t: torch.Tensor, rule: str, std: float, generator: torch.Generato
         raise ValueError(f"unknown init rule {rule!r}")
 
 
-def _no_values(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    return tensor
-
-
 def meta_transformer(cfg: ModelConfig) -> Transformer:
     """The model's shapes: its parameters and buffers on the meta device, no memory, no values.
     A meta tensor has no values to initialise, so torch's random inits are skipped while it is
@@ -216,7 +212,7 @@ def meta_transformer(cfg: ModelConfig) -> Transformer:
     (~1.3 s of every start-up; the position tables are computed on the CPU for the same reason)."""
     with torch.device("meta"), contextlib.ExitStack() as skipped:
         for name in ("normal_", "uniform_", "kaiming_uniform_"):
-            skipped.enter_context(mock.patch.object(nn.init, name, _no_values))
+            skipped.enter_context(mock.patch.object(nn.init, name, lambda tensor, *_, **__: tensor))
         return Transformer(cfg)
 
 
