@@ -112,10 +112,8 @@ class _ToDriver(io.TextIOBase):
                 self._pending = ""
             last, self._last = self._last, None
         if last is not None:
-            try:
+            with contextlib.suppress(Exception):  # the driver gone or slow: the rank log has the line regardless
                 ray.get(last, timeout=FLUSH_TIMEOUT_S)
-            except Exception:  # the driver gone or slow: the rank log has the line regardless
-                pass
 
     def isatty(self) -> bool:
         return False
