@@ -312,11 +312,11 @@ def find_final_uri(uri: str) -> tuple[str, bytes] | None:
     return None
 
 
-def fetch_final(uri: str) -> Path:
+def fetch_final(uri: str, found: tuple[str, bytes] | None = None) -> Path:
     """The final/ weights at `uri` (a final/ or a run's storage) as a local folder of this host's
     cache, every file checked against the manifest; FinalWeightsError naming a missing or
-    damaged object."""
-    found = find_final_uri(uri)
+    damaged object. `found`: find_final_uri(uri), when the caller has read it already."""
+    found = found or find_final_uri(uri)
     if found is None:
         raise FinalWeightsError(
             f"{uri}: no {FINAL_MANIFEST} there or under {uri.rstrip('/')}/final/ (final weights on object "

@@ -144,8 +144,8 @@ def fetch_weights(uri: str) -> Path:
     holding one: every file checked against its manifest), else a Hugging Face folder (its
     config, index, safetensors and tokenizer files). WeightSourceError naming the object otherwise."""
     try:
-        if find_final_uri(uri) is not None:
-            return fetch_final(uri)
+        if (found := find_final_uri(uri)) is not None:  # its manifest, read once
+            return fetch_final(uri, found)
         if read_object(join(uri, "config.json")) is None:
             raise _not_weights(uri)
         wanted = {rel: None for rel in _hf_objects(uri)}
