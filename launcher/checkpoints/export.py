@@ -135,8 +135,8 @@ def parse_size(text: str) -> int:
 class Source:
     """Full tensors by loomtrain name, one at a time: `shape(name)`, `get(name)` (fp32)."""
 
-    def __init__(self, shapes: dict[str, list[int]], get: Callable[[str], torch.Tensor], cfg, tok_dir, what: str):
-        self.shapes, self._get, self.cfg, self.tok_dir, self.what = shapes, get, cfg, tok_dir, what
+    def __init__(self, shapes: dict[str, list[int]], read: Callable[[str], torch.Tensor], cfg, tok_dir, what: str):
+        self.shapes, self.read, self.cfg, self.tok_dir, self.what = shapes, read, cfg, tok_dir, what
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
@@ -145,7 +145,7 @@ class Source:
         return list(self.shapes[name])
 
     def get(self, name: str) -> torch.Tensor:
-        return self._get(name).float()
+        return self.read(name).float()
 
 
 def open_source(src: str | Path) -> Source:
@@ -176,13 +176,14 @@ def open_source(src: str | Path) -> Source:
 def _checkpoint_source(ckpt) -> Source:
     reader = open_reader(ckpt)  # full tensors by name, every tile checked as it is read
     manifest = read_manifest(ckpt)
-    cfg = ModelConfig(**yaml.safe_load(read_checkpoint_file(ckpt, "config.yaml"))["model"])
+    run = yaml.safe_load(read_checkpoint_file(ckpt, "config.yaml"))
     tok = {rel: info for rel, info in manifest["files"].items() if rel.startswith(f"{TOKENIZER_DIR}/")}
     tok_dir = None
     if tok:  # the tokenizer's files only
         tok_dir = local_folder(ckpt, lambda uri: download_verified(uri, weights_cache(uri), tok)) / TOKENIZER_DIR
     shapes = {n: reader.shape(n) for n in reader.names()}
-    return Source(shapes, reader.full, cfg, tok_dir, f"checkpoint {ckpt}")
+    source = Source(shapes, reader.full, ModelConfig(**run["model"]), tok_dir, f"checkpoint {ckpt}")
+    return merge_adapters(source, ckpt, run)  # a LoRA checkpoint: its base and adapters, merged
 
 
 def _final_source(src) -> Source:
@@ -487,7 +488,7 @@ def write_export(
         with naming_objects():
             check_export_output(output, ours, what)
             with output_folder(output, (last,), staging_folder()) as out:
-                write(merge_adapters(open_source(src)), out)
+                write(open_source(src), out)
             return below(output)
     except (StorageError, BaseMismatch) as exc:
         raise ExportError(str(exc)) from None

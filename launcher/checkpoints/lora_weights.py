@@ -1,10 +1,11 @@
 """Export of a LoRA checkpoint as one model: W + alpha/rank * B A in every adapted layer.
 
-A LoRA checkpoint holds the adapters only (see lora_base.py). `merge_adapters(source)` turns
-export's Source of such a checkpoint into a Source of the merged model: it rebuilds the base
-from where the checkpoint says it came from (model.init_from, or the seeded init), checks it
-against the checkpoint's sha256 (BaseMismatch, one line, otherwise), and reads each adapted
-weight merged. The adapters stay at `source.adapters` ((shapes, get)) for --format peft.
+A LoRA checkpoint holds the adapters only (see lora_base.py). `merge_adapters` (which
+export.open_source calls) turns export's Source of such a checkpoint into a Source of the
+merged model: it rebuilds the base from where the checkpoint says it came from
+(model.init_from, or the seeded init), checks it against the checkpoint's sha256
+(BaseMismatch, one line, otherwise), and reads each adapted weight merged. The adapters stay
+at `source.adapters` ((shapes, read)) for --format peft.
 (final/ of a LoRA run is merged when written: lora_final.py.)
 """
 
@@ -14,7 +15,6 @@ import json
 from collections.abc import Callable
 
 import torch
-import yaml
 from loomtrain.launcher.checkpoints.lora_base import KEY, compute_reference
 from loomtrain.launcher.checkpoints.safetensors_source import model_tensor_names
 from loomtrain.launcher.checkpoints.store import read_checkpoint_file
@@ -45,14 +45,12 @@ def _base_tensors(cfg, seed: int, trainer: dict) -> Callable[[str], torch.Tensor
     return tensors.__getitem__
 
 
-def merge_adapters(source):
-    """export's Source of a LoRA checkpoint, changed in place into a Source of the merged model;
-    any other Source is returned as it is."""
-    adapters, read = {n for n in source.shapes if is_adapter(n)}, source._get
+def merge_adapters(source, ckpt, run: dict):
+    """export's Source of checkpoint `ckpt` (its config.yaml: `run`), changed in place into a
+    Source of the merged model when it holds LoRA adapters; returned as it is otherwise."""
+    adapters, read = {n for n in source.shapes if is_adapter(n)}, source.read
     if not adapters:
         return source
-    ckpt = source.what.removeprefix("checkpoint ")  # export.open_source names a checkpoint so
-    run = yaml.safe_load(read_checkpoint_file(ckpt, "config.yaml"))
     trainer = json.loads(read_checkpoint_file(ckpt, "trainer.json"))
     cfg = source.cfg
     base = _base_tensors(cfg, int(run["train"]["seed"]), trainer)
@@ -66,6 +64,6 @@ def merge_adapters(source):
             return merge(w, read(f"{layer}.lora_A").float(), read(f"{layer}.lora_B").float(), scale)
         return w
 
-    source.adapters = (dict(source.shapes), source._get)  # for --format peft
-    source.shapes, source._get, source.what = shapes, get, f"{source.what} (LoRA adapters merged)"
+    source.adapters = (dict(source.shapes), source.read)  # for --format peft
+    source.shapes, source.read, source.what = shapes, get, f"{source.what} (LoRA adapters merged)"
     return source

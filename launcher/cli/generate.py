@@ -93,7 +93,7 @@ def load_model(path: str, device: str):
     from loomtrain.data_pipeline import load_tokenizer
     from loomtrain.launcher.checkpoints.export import ExportError, open_source
     from loomtrain.launcher.checkpoints.final import FINAL_MANIFEST, FinalWeightsError
-    from loomtrain.launcher.checkpoints.lora_weights import BaseMismatch, merge_adapters
+    from loomtrain.launcher.checkpoints.lora_weights import BaseMismatch
     from loomtrain.launcher.checkpoints.store import MANIFEST
     from loomtrain.launcher.checkpoints.weight_source import load_final
     from loomtrain.model import Transformer
@@ -113,7 +113,7 @@ def load_model(path: str, device: str):
         return model, tok, "final weights"
     src = below(path)
     try:
-        source = merge_adapters(open_source(src))  # a LoRA checkpoint: its base + adapters, merged
+        source = open_source(src)  # a LoRA checkpoint: its base + adapters, merged
     except (ExportError, BaseMismatch) as exc:
         raise FinalWeightsError(str(exc)) from None
     if source.tok_dir is None:
