@@ -360,29 +360,19 @@ class CheckpointStore:
             self.log(f"checkpoint: could not delete all of {self.objects.name(name)}: {self._failure(exc)}")
 
     # Reading ----------------------------------------------------------------------------
-    def find_resumable(self, checksums: bool = True):
-        """The newest complete checkpoint; broken newer ones are reported and skipped."""
-        found, broken = self._scan(checksums)
-        for bad, reason in broken:
-            self.log(f"checkpoint: skipping {bad}: {reason}; trying the previous one")
-        return found
-
-    def _scan(self, checksums: bool) -> tuple[Any, list[tuple[Any, str]]]:
-        """(newest verified checkpoint or None, [(newer broken one, why)])."""
+    def find_resumable(self, checksums: bool = True, refuse: bool = False):
+        """The newest complete checkpoint; broken newer ones are reported and skipped. With
+        `refuse` (what a restart continues from), when checkpoints exist but none verifies,
+        ValueError in one line naming each: the run must not silently start again at step 0."""
         broken: list[tuple[Any, str]] = []
         for _, path in reversed(self.published()):
             v = self.verify(path, checksums=checksums)
             if v.ok:
-                return path, broken
+                break
             broken.append((path, v.reason))
-        return None, broken
-
-    def resume_point(self, checksums: bool = True):
-        """What a restart continues from: the newest complete checkpoint, or None when
-        there is none at all. When checkpoints exist but none verifies, ValueError in
-        one line naming each: the run must not silently start again at step 0."""
-        found, broken = self._scan(checksums)
-        if found is None and broken:
+        else:
+            path = None
+        if path is None and broken and refuse:
             each = "; ".join(f"{str(p).rstrip('/').rsplit('/', 1)[-1]}: {reason}" for p, reason in broken)
             raise ValueError(
                 f"no usable checkpoint in {self.root} ({each}); to start afresh set checkpoint.resume=never "
@@ -390,7 +380,7 @@ class CheckpointStore:
             )
         for bad, reason in broken:
             self.log(f"checkpoint: skipping {bad}: {reason}; trying the previous one")
-        return found
+        return path
 
     def owns(self, path: str | os.PathLike) -> bool:
         """Is `path` this run's directory (or run.storage) or one of its own checkpoints?"""
@@ -406,9 +396,9 @@ class CheckpointStore:
         if resume == "never":
             return None
         if resume in ("auto", "") or same_location(resume, self.base):  # this run's own newest
-            return self.resume_point(checksums=checksums)
+            return self.find_resumable(checksums, refuse=True)
         if self.published() and not self.owns(resume):
-            found = self.resume_point(checksums=checksums)
+            found = self.find_resumable(checksums, refuse=True)
             self.log(
                 f"checkpoint: checkpoint.resume={resume} only seeds a run's first start; "
                 f"{self.base} has its own checkpoints: resuming from {found}"
