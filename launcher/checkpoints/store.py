@@ -136,18 +136,6 @@ def _no_manifest(objs) -> str:
         return store_failure(exc) or first_line(exc)
 
 
-def pruned(published: list[tuple[int, Any]], keep_last: int, keep_every: int, pointer: str | None) -> list:
-    """The (step, location) of `published` (oldest first) that retention removes: all but the
-    newest `keep_last` (<= 0: none removed), every `keep_every`-th step and the one `latest`
-    names."""
-    if keep_last <= 0:
-        return []
-    keep = {step for step, _ in published[-keep_last:]}
-    if keep_every > 0:
-        keep |= {step for step, _ in published if step % keep_every == 0}
-    return [(step, where) for step, where in published if step not in keep and step_dirname(step) != pointer]
-
-
 class CheckpointStore:
     """The checkpoints of one run (rank-agnostic helpers), under RUN_DIR/checkpoints (a Folder)
     or {run.storage}/checkpoints (Objects): one code path for both; what only a disk does
@@ -340,13 +328,19 @@ class CheckpointStore:
         return dest
 
     def apply_retention(self) -> list:
-        """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step. A pruned
-        checkpoint goes out of sight at once (renamed aside, or its manifest deleted first),
-        its bytes in the background."""
+        """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step and the one
+        `latest` names. A pruned checkpoint goes out of sight at once (renamed aside, or its
+        manifest deleted first), its bytes in the background."""
+        published, pointer = self.published(), self.latest_pointer()
+        if self.keep_last <= 0:
+            return []
+        keep = {step for step, _ in published[-self.keep_last :]}
+        keep |= {step for step, _ in published if self.keep_every > 0 and step % self.keep_every == 0}
         removed, retired = [], []
-        for step, where in pruned(self.published(), self.keep_last, self.keep_every, self.latest_pointer()):
-            retired.append(self.objects.retire(step_dirname(step), MANIFEST))
-            removed.append(where)
+        for step, where in published:
+            if step not in keep and step_dirname(step) != pointer:
+                retired.append(self.objects.retire(step_dirname(step), MANIFEST))
+                removed.append(where)
         if retired:
             _in_background([lambda n=n: self._delete_quietly(n) for n in retired])
         return removed
