@@ -14,9 +14,9 @@ into the full tensor and cutting them again is the TP layout's job (loomtrain.pa
     read_local(engine, p)             this TP rank's fp32 master of p, whole over DP (collective)
     write_local(engine, p, v)         the reverse, for the master at ZeRO 0-2 (every DP rank passes the same value)
     ensure_optimizer_state(engine)    create Adam's lazily made state (zeros, step 0)
-    adam_step / set_adam_step        Adam's step counter
     optimizer_settings / engine_counters / loss_scaler_state (and their set_*): the small
                                       optimizer and engine states a checkpoint keeps in trainer.json
+                                      (Adam's step count among them)
 
 DeepSpeed's holders, all reached through `deepspeed.utils.safe_{get,set}_full_*` where it
 has them: ZeRO 1/2 (flat fp32 partitions, `_hp_mapping`), bf16 at ZeRO 0 (BF16_Optimizer,
@@ -78,32 +78,20 @@ def ensure_optimizer_state(engine) -> None:
         opt._hp_optimizer_states_linked = True
 
 
-def adam_step(engine) -> float:
+def optimizer_settings(engine) -> dict:
+    """Adam's step count and each param group's plain hyper-parameters (lr, betas, ...)."""
     inner = inner_optimizer(engine.optimizer)
-    for st in inner.state.values():
-        if "step" in st:
-            s = st["step"]
-            return float(s.item() if torch.is_tensor(s) else s)
-    return 0.0
+    step = next((st["step"] for st in inner.state.values() if "step" in st), 0.0)  # a tensor, or a number
+    groups = [{k: v for k, v in g.items() if k != "params" and _is_plain(v)} for g in inner.param_groups]
+    return {"adam_step": float(step), "param_groups": groups}
 
 
-def set_adam_step(engine, step: float) -> None:
+def set_optimizer_settings(engine, step: float, groups: list[dict]) -> None:
     inner = inner_optimizer(engine.optimizer)
     for st in inner.state.values():
         if "step" in st:
             st["step"] = torch.tensor(float(step), dtype=torch.float32)
-
-
-def optimizer_settings(engine) -> dict:
-    """Adam's step count and each param group's plain hyper-parameters (lr, betas, ...)."""
-    inner = inner_optimizer(engine.optimizer)
-    groups = [{k: v for k, v in g.items() if k != "params" and _is_plain(v)} for g in inner.param_groups]
-    return {"adam_step": adam_step(engine), "param_groups": groups}
-
-
-def set_optimizer_settings(engine, step: float, groups: list[dict]) -> None:
-    set_adam_step(engine, step)
-    for g, saved in zip(inner_optimizer(engine.optimizer).param_groups, groups):
+    for g, saved in zip(inner.param_groups, groups):
         for k, v in saved.items():
             if k in g and k != "params":
                 g[k] = tuple(v) if isinstance(g[k], tuple) else v
