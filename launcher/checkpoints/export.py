@@ -100,7 +100,6 @@ FORMATS = ("hf", "peft")  # peft: a LoRA run's adapters (lora_export.py)
 # loomtrain activation -> GPT-2's activation_function computing the same function
 HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_MAX_SHARD = "5GB"
 
 
@@ -296,35 +295,13 @@ def hf_recipes(src: Source, refs: dict[str, TensorRef], cfg) -> dict[str, Recipe
     return out
 
 
-def _common_config(cfg, eos_id: int | None) -> dict:
-    """The config.json keys every exported architecture shares (dtype set by the caller)."""
+# GPT-2 (the Llama-shaped families' config: hf_families.family_config) ------------------------
+def gpt2_config(cfg) -> dict:
     return {
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": "float32",
-        "dtype": "float32",
-        "use_cache": True,
-    }
-
-
-# Llama, Qwen2, Qwen3, Mistral ------------------------------------------------------------------
-def to_family(src: Source, cfg, eos_id: int | None, arch: str) -> tuple[dict[str, Recipe], dict]:
-    # tied: no lm_head.weight (config.json says so and transformers re-ties on load)
-    out = hf_recipes(src, family_refs(cfg), cfg)
-    return out, {**family_config(cfg, arch), **_common_config(cfg, eos_id)}
-
-
-# GPT-2 ---------------------------------------------------------------------------------------
-def to_gpt2(src: Source, cfg, eos_id: int | None, arch: str = "GPT2LMHeadModel") -> tuple[dict[str, Recipe], dict]:
-    d = cfg.d_model
-    out = hf_recipes(src, gpt2_refs(cfg, "transformer."), cfg)
-    config = {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": cfg.vocab_size,
-        "n_embd": d,
+        "n_embd": cfg.d_model,
         "n_layer": cfg.n_layers,
         "n_head": cfg.n_heads,
         "n_inner": cfg.ffn_dim,
@@ -339,9 +316,7 @@ def to_gpt2(src: Source, cfg, eos_id: int | None, arch: str = "GPT2LMHeadModel")
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        **_common_config(cfg, eos_id),
     }
-    return out, config
 
 
 # Tokenizer -------------------------------------------------------------------------------------
@@ -510,8 +485,20 @@ def _export(source: Source, out: Path, dtype: str, max_bytes: int, shown: str) -
     arch = hf_architecture(cfg)
     tok = None if source.tok_dir is None else load_tokenizer(str(source.tok_dir))
     eos_id = None if tok is None else tok.eos_id
-    recipes, config = (to_gpt2 if arch == "GPT2LMHeadModel" else to_family)(source, cfg, eos_id, arch)
-    config["torch_dtype"] = config["dtype"] = HF_DTYPE_NAMES[torch_dtype]
+    if arch == "GPT2LMHeadModel":
+        recipes, config = hf_recipes(source, gpt2_refs(cfg, "transformer."), cfg), gpt2_config(cfg)
+    else:  # tied: no lm_head.weight (config.json says so and transformers re-ties on load)
+        recipes, config = hf_recipes(source, family_refs(cfg), cfg), family_config(cfg, arch)
+    dtype_name = str(torch_dtype).removeprefix("torch.")  # float32, bfloat16, float16
+    config.update(
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        torch_dtype=dtype_name,
+        dtype=dtype_name,
+        use_cache=True,
+    )
     # An earlier export (checked above) is replaced whole, so no stale shard survives.
     with replacing(out) as tmp:
         names = write_weights(recipes, tmp, torch_dtype, max_bytes)
