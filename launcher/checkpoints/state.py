@@ -263,19 +263,17 @@ def open_reader(path: str | os.PathLike, manifest: dict | None = None) -> Sharde
     path = below(path)
     manifest = manifest if manifest is not None else read_manifest(path)
     index = json.loads(verified_bytes(path, "model/index.json", manifest))
-    if index.get("format") not in READS:
-        found = index.get("format")
-        newer = "newer" in format_problem({"format": 1, "checkpoint_format": found})
-        why = (
-            "a newer loomtrain wrote it: upgrade loomtrain"
-            if newer
-            else "checkpoints of older loomtrain versions do not load"
-        )
+    found = index.get("format")
+    if found not in READS:
+        if "newer" in format_problem({"format": 1, "checkpoint_format": found}):
+            why = "a newer loomtrain wrote it: upgrade loomtrain"
+        else:
+            why = "checkpoints of older loomtrain versions do not load"
         raise CorruptCheckpoint(
             f"{below(path, 'model/index.json')}: format {found!r}, expected one of "
             f"{', '.join(map(repr, READS))} ({why})"
         )
-    return ShardedReader(path, index, FILES, TILE_KEYS, READS[index["format"]])
+    return ShardedReader(path, index, FILES, TILE_KEYS, READS[found])
 
 
 @dataclass
