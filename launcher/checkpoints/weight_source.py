@@ -148,8 +148,7 @@ def fetch_weights(uri: str) -> Path:
             return fetch_final(uri, found)
         if read_object(join(uri, "config.json")) is None:
             raise _not_weights(uri)
-        wanted = {rel: None for rel in _hf_objects(uri)}
-        return download_verified(uri, weights_cache(uri), wanted)
+        return download_verified(uri, weights_cache(uri), dict.fromkeys(_hf_objects(uri)))
     except (FinalWeightsError, StorageError) as exc:
         raise WeightSourceError(str(exc)) from None
 
