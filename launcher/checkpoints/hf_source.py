@@ -39,8 +39,6 @@ from loomtrain.launcher.checkpoints.hf_families import FAMILIES, family_refs, re
 from loomtrain.launcher.checkpoints.safetensors_source import SafetensorsFiles, TensorRef, WeightSource
 from loomtrain.model import ModelConfig
 
-__all__ = ["HFImportError", "open_hf", "read_hf_config", "gpt2_refs", "family_refs"]
-
 ARCHITECTURES = [*FAMILIES, "GPT2LMHeadModel"]
 # GPT-2 activation_function -> model.activation computing the same function
 GPT2_ACTIVATIONS = {
