@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -174,18 +175,14 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     return final
 
 
-class naming:  # noqa: N801  (used as `with naming(path):`, like contextlib's lower-case helpers)
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
     """An OSError raised inside without a file name (a write to an already open file: ENOSPC,
     EIO) gets `path`, so that the one line a user reads names the file; the error is otherwise
     unchanged (its type, errno and traceback)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if isinstance(exc, OSError) and exc.filename is None:
-            exc.filename = os.fspath(self.path)
-        return False
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = os.fspath(path)
+        raise

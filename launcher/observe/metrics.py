@@ -329,7 +329,7 @@ class MetricsLogger:
         if use_bar:
             self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    def _tensorboard(self) -> naming:
+    def _tensorboard(self) -> contextlib.AbstractContextManager:
         """Around a TensorBoard call: a failed write names the event file (its thread's error
         reaches us at the next call, without a file name)."""
         file_writer = getattr(self.writer, "file_writer", None)
