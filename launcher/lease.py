@@ -155,10 +155,10 @@ class StorageLease:
             self.fs.pipe_file(self.path, self._body(), IfMatch=version)  # S3: If-Match: ETAG
         except FileNotFoundError:
             return False
-        except OSError as exc:  # 412 Precondition Failed: changed meanwhile
-            if "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower():
-                return False
-            raise
+        except OSError as exc:  # 412 Precondition Failed: changed meanwhile (s3fs keeps S3's error as the cause)
+            if getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code") not in ("PreconditionFailed", "412"):
+                raise
+            return False
         return True
 
     # Taking, renewing, releasing -----------------------------------------------------------

@@ -176,6 +176,16 @@ def test_the_lease_is_exclusive_renewed_and_released(store_root, tmp_path):
     assert not os.path.exists(tmp_path / "lease")  # nothing of a file:// store outside it
 
 
+def test_a_replace_of_a_lease_changed_meanwhile_is_refused(store_root, tmp_path):
+    """The conditional replace loses to a write that came first (S3: 412 Precondition Failed)."""
+    lease = StorageLease(f"{store_root}/lease", str(tmp_path / "a"), lease_s=60.0)
+    assert lease._create()
+    _, version = lease.read()
+    lease.record["renewed"] += 1
+    assert lease._replace(version)
+    assert not lease._replace(version)  # the version read before that write
+
+
 def test_a_lease_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch):
     """A full disk while the lease is written: the error reaches the run, and no half-written lease
     (which would read as another holder for storage_lease_s) stays to refuse the next run."""
