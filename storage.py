@@ -866,14 +866,17 @@ class Upload:
     def __init__(self, fs, key: str, part_bytes: int = PART_BYTES, in_flight: int = UPLOADS_IN_FLIGHT):
         self.fs, self.key = fs, key
         self.part_bytes, self.size = part_bytes, 0
-        self._s3 = hasattr(fs, "call_s3") and hasattr(fs, "split_path")
         self._buffer = bytearray()
         self._parts: list[Future] = []
         self._slots = threading.BoundedSemaphore(in_flight)
         self._upload_id = None
-        if not self._s3:
+        self._file = None
+        if hasattr(fs, "call_s3") and hasattr(fs, "split_path"):
+            bucket, name, _ = fs.split_path(key)
+            self._object = {"Bucket": bucket, "Key": name}  # what every multipart request names
+        else:
             _parent_folder(fs, key)  # file:// has folders to make
-        self._file = None if self._s3 else fs.open(key, "wb", block_size=part_bytes)
+            self._file = fs.open(key, "wb", block_size=part_bytes)
 
     def write(self, data) -> None:
         self.size += len(data)
@@ -890,16 +893,15 @@ class Upload:
                 self._send(part)
 
     def _send(self, part: bytes | bytearray) -> None:
-        bucket, key, _ = self.fs.split_path(self.key)
         if self._upload_id is None:
-            self._upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+            self._upload_id = self.fs.call_s3("create_multipart_upload", **self._object)["UploadId"]
         number = len(self._parts) + 1
         self._slots.acquire()  # at most `in_flight` parts of this object held and travelling
 
         def send() -> dict:
             try:
                 out = self.fs.call_s3(
-                    "upload_part", Bucket=bucket, Key=key, PartNumber=number, UploadId=self._upload_id, Body=part
+                    "upload_part", **self._object, PartNumber=number, UploadId=self._upload_id, Body=part
                 )
                 return {"PartNumber": number, "ETag": out["ETag"]}
             finally:
@@ -924,14 +926,8 @@ class Upload:
         except BaseException:
             self.abort()
             raise
-        bucket, key, _ = self.fs.split_path(self.key)
-        self.fs.call_s3(
-            "complete_multipart_upload",
-            Bucket=bucket,
-            Key=key,
-            UploadId=self._upload_id,
-            MultipartUpload={"Parts": parts},
-        )
+        upload = {"UploadId": self._upload_id, "MultipartUpload": {"Parts": parts}}
+        self.fs.call_s3("complete_multipart_upload", **self._object, **upload)
         self.fs.invalidate_cache()
         return self.size
 
@@ -939,13 +935,13 @@ class Upload:
         """Drop what was sent (a failed write leaves no object and no parts billed)."""
         if self._file is not None:
             with contextlib.suppress(Exception):  # best effort: the write already failed
-                self._file.discard() if hasattr(self._file, "discard") else None
+                if hasattr(self._file, "discard"):
+                    self._file.discard()
             return
         for p in self._parts:
             with contextlib.suppress(Exception):
                 p.result()
         if self._upload_id is not None:
-            bucket, key, _ = self.fs.split_path(self.key)
             with contextlib.suppress(Exception):
-                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=self._upload_id)
+                self.fs.call_s3("abort_multipart_upload", **self._object, UploadId=self._upload_id)
             self._upload_id = None
