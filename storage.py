@@ -475,12 +475,10 @@ class Objects:
     def __init__(self, uri: str, what: str = "run.storage"):
         self.fs, self.path = object_store(uri, what)
         self.path = self.path.rstrip("/")
-        self.uri = uri.rstrip("/")
+        self.uri = self.root = uri.rstrip("/")
 
     def child(self, rel: str) -> Objects:
-        out = object.__new__(Objects)
-        out.fs, out.path, out.uri = self.fs, self._key(rel), f"{self.uri}/{rel.strip('/')}"
-        return out
+        return Objects(self.name(rel))  # (the same filesystem: fsspec keeps one instance per store)
 
     def _key(self, rel: str) -> str:
         return f"{self.path}/{rel.strip('/')}" if rel else self.path
@@ -578,10 +576,6 @@ class Objects:
     renames = False  # no rename: a checkpoint is written where it stays, its manifest the commit
     noun = "object"
     poll_s = 0.25  # listing is a request to the store
-
-    @property
-    def root(self) -> str:
-        return self.uri
 
     def replace(self, rel: str, data: bytes) -> None:
         """A small object readers poll (a pointer): a PUT appears whole."""
