@@ -563,12 +563,10 @@ class Objects:
                 raise OSError(
                     f"{at(dst, r)}: the copy has {copied.get(r, 'no')} bytes, {size} expected; nothing deleted"
                 )
-        first = [at(src, r) for r in objects if r == COMMIT or r.endswith("/" + COMMIT)]
-        if first:
-            self.fs.rm(first)
-        rest = [at(src, r) for r in objects if at(src, r) not in first]
-        if rest:
-            self.fs.rm(rest)
+        commits = {r for r in objects if r.rsplit("/", 1)[-1] == COMMIT}
+        for batch in (commits, objects.keys() - commits):
+            if batch:
+                self.fs.rm([at(src, r) for r in sorted(batch)])
         self.fs.invalidate_cache()
 
     # What the checkpoint store asks of every backend (Folder below answers the same) ----------
