@@ -30,11 +30,8 @@ def _check_host_port(netloc: str, what: str, address: str, expected: str, need_p
     host = netloc.rsplit("@", 1)[-1]
     host = host[: host.rindex("]") + 1] if host.startswith("[") else host.split(":", 1)[0]
     if not host or not _HOST.match(host):
-        raise AddressError(
-            f"{what} {address!r}: "
-            + (f"{host!r} is not a host name" if host else "no host name")
-            + f"; expected {expected}"
-        )
+        problem = f"{host!r} is not a host name" if host else "no host name"
+        raise AddressError(f"{what} {address!r}: {problem}; expected {expected}")
     if port == 0 or (need_port and port is None):
         raise AddressError(f"{what} {address!r}: a port in 1-65535 is needed; expected {expected}")
 
@@ -63,11 +60,8 @@ def check_ray_address(address: str, what: str = "ray.address") -> None:
     if "://" in address:
         parts = urlsplit(address)
         if parts.scheme != "ray":
-            hint = (
-                " (that is the dashboard: use it with `loomtrain submit --address`)"
-                if parts.scheme in ("http", "https")
-                else ""
-            )
+            dashboard = parts.scheme in ("http", "https")
+            hint = " (that is the dashboard: use it with `loomtrain submit --address`)" if dashboard else ""
             raise AddressError(f"{what} {address!r}: scheme {parts.scheme!r} is not ray{hint}; expected {expected}")
         _check_host_port(parts.netloc, what, address, expected)
         return
