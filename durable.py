@@ -38,15 +38,12 @@ TMP_PREFIX = ".tmp-"
 def fsync_path(path: str | os.PathLike) -> None:
     """fsync a file or a directory (directories: where the OS allows it)."""
     flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
-    try:
+    with contextlib.suppress(OSError):  # gone meanwhile, or a filesystem that refuses fsync on directories
         fd = os.open(path, flags)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def temp_name(path: str | os.PathLike) -> Path:
