@@ -575,9 +575,7 @@ class Objects:
     noun = "object"
     poll_s = 0.25  # listing is a request to the store
 
-    def replace(self, rel: str, data: bytes) -> None:
-        """A small object readers poll (a pointer): a PUT appears whole."""
-        self.write(rel, data)
+    replace = write  # a small object readers poll (a pointer): a PUT appears whole
 
     def sink(self, rel: str):
         """(where, the stream to write to) for a streaming writer."""
@@ -671,7 +669,7 @@ class Folder:
         return Folder(self.root / rel)
 
     def name(self, rel: str = "") -> Path:
-        return self.root / rel if rel else self.root
+        return self.root / rel
 
     def entries(self, rel: str = "") -> dict[str, str]:
         folder = self.root / rel
@@ -815,9 +813,8 @@ def below(where: str | os.PathLike, rel: str = "") -> Path | str:
     """A location, or one below it, as the store names it: a Path for a local path, a URI
     string (no trailing slash) for an object store."""
     if is_uri(where):
-        base = str(where).rstrip("/")
-        return f"{base}/{rel.strip('/')}" if rel else base
-    return Path(where) / rel if rel else Path(where)
+        return join(where, rel) if rel else str(where).rstrip("/")
+    return Path(where) / rel
 
 
 def absolute(where: str) -> str:
