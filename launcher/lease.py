@@ -59,14 +59,12 @@ class StorageInUse(RunDirError):
     """run.storage is held by another run, or is no loomtrain run's (one line, naming the holder)."""
 
 
-def _when(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "an unknown time"
-
-
 def describe(holder: dict) -> str:
+    since = holder.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if since else "an unknown time"
     return (
         f"host {holder.get('host', '?')}, run.dir {holder.get('run_dir', '?')}, pid {holder.get('pid', '?')}, "
-        f"since {_when(holder.get('started'))}"
+        f"since {when}"
     )
 
 
