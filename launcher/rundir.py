@@ -86,12 +86,10 @@ def run_dir(cfg: RunConfig) -> Path:
     return local_path(cfg.run.dir)
 
 
-def checkpoint_location(cfg: RunConfig, folder: Path | None = None) -> Path | str:
+def checkpoint_location(cfg: RunConfig) -> Path | str:
     """Where a run's checkpoints live (checkpoints/ below it): run.storage when it is set (an
-    object-store URI that every host reaches), else RUN_DIR (`folder` when given)."""
-    if cfg.run.storage:
-        return cfg.run.storage.rstrip("/")
-    return folder if folder is not None else run_dir(cfg)
+    object-store URI that every host reaches), else RUN_DIR."""
+    return cfg.run.storage.rstrip("/") if cfg.run.storage else run_dir(cfg)
 
 
 def data_cache_dir(cfg: RunConfig) -> Path:
@@ -130,8 +128,7 @@ def check_marker(where: Path | str, what: str = "run.dir") -> None:
     """Refuse a folder (run.dir) or a prefix (run.storage, `what`) that holds files but is no
     loomtrain run (writes nothing)."""
     objs = location(where, what)
-    local = objs.local
-    if local:
+    if objs.local:
         where = Path(where)
         if not where.exists():
             return
@@ -140,9 +137,9 @@ def check_marker(where: Path | str, what: str = "run.dir") -> None:
     entries = sorted(n for n in objs.entries() if n not in (LOCK, LEASE))  # the lock and lease aside
     if entries and not is_loomtrain_run(where):
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-        kind = "folder" if local else "prefix"
+        kind = "folder" if objs.local else "prefix"
         raise RunDirError(
-            f"{what}={where}: not a loomtrain run {'directory' if local else kind} (it holds {len(entries)} "
+            f"{what}={where}: not a loomtrain run {'directory' if objs.local else kind} (it holds {len(entries)} "
             f"{'entry' if len(entries) == 1 else 'entries'}: {shown}, "
             f"and no {MARKER}); pick a new or empty {kind}, e.g. {what}={str(where).rstrip('/')}/run"
         )

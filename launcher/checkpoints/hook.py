@@ -83,7 +83,7 @@ class CheckpointHook(Hooks):
         say = ctx.metrics.message if ctx.metrics is not None else (lambda m: print(m, file=sys.stderr, flush=True))
         log = say if ctx.dist.rank == 0 else (lambda m: None)
         # RUN_DIR/checkpoints, or {run.storage}/checkpoints in an object store
-        where = checkpoint_location(self.cfg, ctx.run_dir)
+        where = checkpoint_location(self.cfg)
         self.store = CheckpointStore(where, keep_last=c.keep_last, keep_every=c.keep_every, log=log)
         ctx.checkpoint_saves = self.saves
         found, error = None, None

@@ -115,7 +115,7 @@ def _store(cfg: RunConfig):
     from loomtrain.launcher.checkpoints.store import CheckpointStore
     from loomtrain.launcher.rundir import checkpoint_location
 
-    return CheckpointStore(checkpoint_location(cfg, Path(cfg.run.dir)))
+    return CheckpointStore(checkpoint_location(cfg))
 
 
 def newest_complete(cfg: RunConfig, since: float | None = None) -> Path | str | None:
