@@ -402,6 +402,10 @@ def download_verified(
         want = files[rel]
         return f"{want['sha256'] if want else ''}:{listed[rel]['version']}:{listed[rel]['size']}"
 
+    def state(rel: str) -> dict:  # FETCHED's entry: the file is kept while all three still hold
+        st = (local / rel).stat()
+        return {"key": key(rel), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
     def fetch(rel: str) -> dict:
         dest = local / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -426,8 +430,7 @@ def download_verified(
                 f"the object hashes to {digest.hexdigest()[:12]}...): a damaged object"
             )
         os.replace(tmp, dest)
-        st = dest.stat()
-        return {"key": key(rel), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return state(rel)
 
     with open(local / _FETCH_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -435,13 +438,7 @@ def download_verified(
             record = json.loads((local / FETCHED).read_text())
         except (OSError, ValueError):
             record = {}
-        keep = {}
-        for rel in files:
-            had, p = record.get(rel), local / rel
-            if had and had.get("key") == key(rel) and p.is_file():
-                st = p.stat()
-                if (st.st_size, st.st_mtime_ns) == (had.get("size"), had.get("mtime_ns")):
-                    keep[rel] = had
+        keep = {rel: record[rel] for rel in files if (local / rel).is_file() and record.get(rel) == state(rel)}
         for p in sorted(local.rglob("*"), reverse=True):  # what the files do not name goes
             rel = p.relative_to(local).as_posix()
             if p.is_file() and rel not in files and rel not in written and rel not in (FETCHED, _FETCH_LOCK):
