@@ -172,10 +172,8 @@ def _alive(pid: int, started: float | None) -> bool:
         return False
     except PermissionError:
         pass  # another user's process: it exists
-    now_started = _process_start(pid)
-    if started is not None and now_started is not None and abs(now_started - started) > 1.0:
-        return False  # the pid was reused by another process
-    return True
+    now_started = _process_start(pid)  # another start time: the pid was reused by another process
+    return started is None or now_started is None or abs(now_started - started) <= 1.0
 
 
 def _read_lock(path: Path) -> dict | None:
@@ -239,11 +237,10 @@ class RunLock:
         if holder is None:
             return  # released meanwhile
         host = socket.gethostname()
-        pid = holder.get("pid")
-        if holder.get("host") == host and isinstance(pid, int) and not _alive(pid, holder.get("process_start")):
-            self._take_over(f"{LOCK}.stale-{os.getpid()}", holder, "that process is gone")
-            return
         if holder.get("host") == host:
+            pid = holder.get("pid")
+            if isinstance(pid, int) and not _alive(pid, holder.get("process_start")):
+                return self._take_over(holder, "that process is gone")
             raise RunDirError(
                 f"run.dir={self.run_dir} is in use by another loomtrain run ({_describe(holder)}; lock "
                 f"{self.path}); wait for it to finish or stop it, or pick another run.dir"
@@ -254,17 +251,16 @@ class RunLock:
         except FileNotFoundError:
             return
         if silent > LEASE_S:
-            self._take_over(f"{LOCK}.stale-{host}-{os.getpid()}", holder, f"no heartbeat for {silent:.0f} s")
-            return
+            return self._take_over(holder, f"no heartbeat for {silent:.0f} s")
         raise RunDirError(
             f"run.dir={self.run_dir} is locked by {_describe(holder)}, last heartbeat {max(silent, 0):.0f} s "
             f"ago (lock {self.path}); that host cannot be checked from {host}: if no run is alive there, "
             f"delete {self.path}, or start again after {LEASE_S} s without a heartbeat"
         )
 
-    def _take_over(self, stale_name: str, holder: dict, why: str) -> None:
+    def _take_over(self, holder: dict, why: str) -> None:
         """Move a dead holder's lock aside (only one of several racing starts wins the rename)."""
-        stale = self.path.with_name(stale_name)
+        stale = self.path.with_name(f"{LOCK}.stale-{socket.gethostname()}-{os.getpid()}")
         try:
             os.rename(self.path, stale)
         except FileNotFoundError:
