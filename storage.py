@@ -139,10 +139,7 @@ def is_local(fs) -> bool:
 
 def join(base: str | os.PathLike, *parts: str) -> str:
     if is_uri(base):
-        out = str(base).rstrip("/")
-        for p in parts:
-            out += "/" + str(p).strip("/")
-        return out
+        return "/".join([str(base).rstrip("/"), *(str(p).strip("/") for p in parts)])
     return os.path.join(os.fspath(base), *parts)
 
 
