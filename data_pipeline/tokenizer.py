@@ -8,8 +8,8 @@ token shards record it so a run never reads shards made by another tokenizer.
 
 A chat model's tokenizer also carries its prompt format: Hugging Face's `chat_template` (a
 Jinja template, from `tokenizer_config.json` or `chat_template.jinja` beside tokenizer.json),
-kept by `save` in `tokenizer_config.json`, so shards, imports and checkpoints pass it on;
-`user_turn(text)` renders a user's message and the assistant's cue with it.
+kept by `save` in `tokenizer_config.json`, so shards, imports and checkpoints pass it on
+(records.question_tokens renders a user's message and the assistant's cue with it).
 
 Byte tokenizer ids: 0..255 are the raw UTF-8 bytes, 256 is EOS
 (`<|endoftext|>`), so vocab_size = 257 (models pad it, e.g. to 320).
@@ -168,20 +168,6 @@ class HFTokenizer:
         if self.chat is not None:
             atomic_write(Path(directory) / CHAT_CONFIG, json.dumps(self.chat, indent=2) + "\n")
         return atomic_write(Path(directory) / "tokenizer.json", self._tok.to_str(pretty=True))
-
-    def user_turn(self, text: str) -> str | None:
-        """`text` as a user's message in this chat model's format, followed by the cue for the
-        assistant's reply (as transformers' apply_chat_template(add_generation_prompt=True));
-        None without a chat template or when it cannot be rendered."""
-        if self.chat is None:
-            return None
-        from jinja2 import TemplateError
-        from loomtrain.data_pipeline.chat_template import render
-
-        try:  # under the rendering limits (chat_template.py); a template past them is no user turn
-            return render(self.chat, [{"role": "user", "content": text}], True, self.eos_token)
-        except TemplateError:
-            return None
 
     def __getstate__(self):
         return {"json": self._tok.to_str(), "source": self.source, "chat": self.chat}

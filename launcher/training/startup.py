@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from loomtrain.data_pipeline import DataError, TokenStream, prepare_sources
+from loomtrain.data_pipeline.records import question_tokens
 from loomtrain.data_pipeline.tokenizer import Tokenizer
 from loomtrain.launcher.checkpoints.lora_base import base_reference
 from loomtrain.launcher.checkpoints.weight_source import init_from
@@ -194,8 +195,12 @@ def sample_prompt(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer)
     except (DataError, StopIteration, ValueError, OSError):  # no usable validation split: from end-of-text
         return [tok.eos_id]
     prompt = held_out_prompt(x[0].tolist(), tok.eos_id, min(PROMPT_TOKENS, cfg.model.max_seq_len // 2))
-    turn = tok.user_turn(tok.decode(prompt)) if getattr(tok, "chat", None) else None
-    return tok.encode(turn) if turn else prompt
+    if not getattr(tok, "chat", None):
+        return prompt
+    try:  # the document's start as a user's turn, tokenized as preprocess and `generate --chat` do
+        return question_tokens(tok, tok.decode(prompt))
+    except ValueError:  # the template refuses the message: the document's start as it is
+        return prompt
 
 
 def held_out_questions(cfg: RunConfig, shard_dir, topology: Topology, tok: Tokenizer, n: int) -> list[list[int]]:
