@@ -261,9 +261,8 @@ def _configmaps(configmaps: dict[str, dict]) -> Findings:
 # --- the RayJob: entrypoint, config, world size ----------------------------------
 def _rayjob(job: dict, by_kind: dict) -> Findings:
     where, cspec = name_of(job), (job.get("spec") or {}).get("rayClusterSpec")
-    cfg, messages = _job_config(job, by_kind)
+    cfg, name, messages = _job_config(job, by_kind)
     if cfg is not None:
-        name = Path(shlex.split(job["spec"]["entrypoint"])[2]).name
         messages += _elastic_sizes(name, cfg, cspec) if cfg.ray.elastic else _world_size(name, cfg, cspec)
         messages += _grace_period(name, cfg, cspec)
     yield from ((where, message) for message in messages)
@@ -276,42 +275,42 @@ def _rayjob(job: dict, by_kind: dict) -> Findings:
     yield from _storage_credentials(where, cfg, cspec, by_kind)
 
 
-def _job_config(job: dict, by_kind: dict) -> tuple[Any, list[str]]:
-    """The RunConfig the RayJob's driver runs (None if there is none to size a cluster with) and what
-    is wrong with its entrypoint and config."""
+def _job_config(job: dict, by_kind: dict) -> tuple[Any, str, list[str]]:
+    """The RunConfig the RayJob's driver runs (None if there is none to size a cluster with), its
+    config file's name, and what is wrong with its entrypoint and config."""
     spec, rule = job.get("spec") or {}, "[entrypoint-runs-loomtrain]"
     entrypoint = str(spec.get("entrypoint") or "")
     try:
         argv = shlex.split(entrypoint)
     except ValueError as exc:
-        return None, [f"{rule} cannot parse the entrypoint: {exc}"]
+        return None, "", [f"{rule} cannot parse the entrypoint: {exc}"]
     if argv[:2] != ["loomtrain", "train"] or len(argv) < 3 or argv[2].startswith("-") or "=" in argv[2]:
-        return None, [
-            f"{rule} the entrypoint must be `loomtrain train CONFIG [key=value ...] --ray`, got {entrypoint!r}"
-        ]
-    out = (
-        []
-        if "--ray" in argv
-        else [f"{rule} the entrypoint lacks --ray: without it the driver trains alone on the head pod"]
-    )
+        usage = "`loomtrain train CONFIG [key=value ...] --ray`"
+        return None, "", [f"{rule} the entrypoint must be {usage}, got {entrypoint!r}"]
+    out = []
+    if "--ray" not in argv:
+        out.append(f"{rule} the entrypoint lacks --ray: without it the driver trains alone on the head pod")
     config_path, overrides = argv[2], tuple(a for a in argv[3:] if "=" in a and not a.startswith("-"))
+    name = Path(config_path).name
     if not spec.get("rayClusterSpec"):
-        return None, out  # runs on a cluster chosen by clusterSelector: nothing to size here
+        return None, name, out  # runs on a cluster chosen by clusterSelector: nothing to size here
     head = ray_groups(spec["rayClusterSpec"])[0][1].get("spec") or {}
-    data, name = None, Path(config_path).name
+    data = None
     for path, vol in _mounts(head, _ray_container(head)):
         cm = (vol.get("configMap") or {}).get("name")
         if cm and str(Path(config_path).parent) == path.rstrip("/"):
             data = (by_kind.get("ConfigMap", {}).get(cm) or {}).get("data") or {}
     if data is None or name not in data:
-        return None, out + [
+        out.append(
             f"[config-in-configmap] the entrypoint's config {config_path!r} is not a key of a "
             "ConfigMap mounted at its folder in the head pod"
-        ]
+        )
+        return None, name, out
     cfg = _load_config(tuple(sorted(data.items())), name, overrides)
     if isinstance(cfg, str):
-        return None, out + [f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {cfg}"]
-    return cfg, out
+        out.append(f"[config] {name} with {' '.join(overrides) or 'no overrides'}: {cfg}")
+        return None, name, out
+    return cfg, name, out
 
 
 def _grace_period(name: str, cfg: Any, cspec: dict) -> Messages:
