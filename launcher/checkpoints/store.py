@@ -331,9 +331,9 @@ class CheckpointStore:
         """Keep the newest `keep_last` (<= 0: all) plus every `keep_every`-th step and the one
         `latest` names. A pruned checkpoint goes out of sight at once (renamed aside, or its
         manifest deleted first), its bytes in the background."""
-        published, pointer = self.published(), self.latest_pointer()
-        if self.keep_last <= 0:
+        if self.keep_last <= 0:  # keep all: nothing to list or read
             return []
+        published, pointer = self.published(), self.latest_pointer()
         keep = {step for step, _ in published[-self.keep_last :]}
         keep |= {step for step, _ in published if self.keep_every > 0 and step % self.keep_every == 0}
         removed, retired = [], []
