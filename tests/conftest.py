@@ -39,10 +39,11 @@ LONG_MODULES_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
-    # Then the others by module name across the tiers (the order the suite has always run in: a
-    # module's place among the in-process ones matters, e.g. torch.profiler's with_stack start
-    # took minutes in a worker that had run many gloo groups before test_run_monitoring); stable:
-    # each module's own order stays.
+    # Then the others by module name across the tiers (the order the suite has always run in);
+    # stable: each module's own order stays. Which worker runs a module is xdist's choice, so a
+    # test must not depend on what ran before it in its process: torch.profiler's with_stack start
+    # spun for 20+ minutes in a worker that had run test_one_line_errors..test_run_dir (hence
+    # tests/error_mid_step_driver.py), most likely what made CI's run of 2026-12-06 time out.
     items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), item.path.stem))
 
 
