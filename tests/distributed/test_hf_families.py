@@ -11,7 +11,8 @@ family has one (tests/hf_fixtures.py FAMILY_CONFIGS).
     and transformers loads it with no missing or unexpected keys;
   * after one training step at tp 2 x dp 2 (4 processes, `loomtrain train` from model.init_from),
     the export loads in transformers with no missing or unexpected keys and its logits are
-    loomtrain's within 1e-4;
+    loomtrain's within 1e-4 (the four families train one after another in one torchrun,
+    tests/cli_driver.py, each test checking its own);
   * what loomtrain cannot compute is refused in one line naming the key.
 """
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 import transformers
 from hf_fixtures import FAMILY_CONFIGS, tiny_family
-from launch import one_line, run_loomtrain
+from launch import ROOT, one_line, python_cmd, run_child
 from loomtrain.launcher import cli
 from loomtrain.launcher.checkpoints.weight_source import load_final
 from safetensors import safe_open
@@ -31,6 +32,22 @@ from test_hf_model_ids import COMMIT, lay_out_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = list(FAMILY_CONFIGS)
+# one training step at tp 2 x dp 2 (4 ranks), on top of each import's config.yaml
+ONE_STEP = [
+    "data.max_files=20",
+    "parallel.tp=2",
+    "train.max_steps=1",
+    "train.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.lr=1e-2",
+    "train.warmup_steps=0",
+    "eval.every_steps=0",
+    "eval.num_samples=0",
+    "checkpoint.every_steps=0",
+    "log.tensorboard=false",
+    "log.progress=plain",
+]
 # config.json keys export must give back as the source had them (besides sizes and heads)
 KEPT = (
     "architectures",
@@ -90,13 +107,27 @@ def hf_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
     return out[0, prompt.shape[1] :].tolist()
 
 
+@pytest.fixture(scope="module")
+def build(tmp_path_factory, bpe):
+    """build(arch) -> (arch, HF folder, its transformers model, the folder's `loomtrain import`),
+    made once per module (a failure is not kept: each test that asks again sees it)."""
+    built = {}
+
+    def build_family(arch: str):
+        if arch not in built:
+            base = tmp_path_factory.mktemp(arch)
+            model = tiny_family(base / "hf", bpe, arch, vocab_size=bpe.get_vocab_size() | 1)
+            assert cli.main(["import", str(base / "hf"), "--output", str(base / "run")]) == 0
+            built[arch] = arch, base / "hf", model, base / "run"
+        return built[arch]
+
+    return build_family
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory, bpe):
+def family(request, build):
     """(architecture, HF folder, its transformers model, the folder's `loomtrain import`)."""
-    base = tmp_path_factory.mktemp(request.param)
-    model = tiny_family(base / "hf", bpe, request.param, vocab_size=bpe.get_vocab_size() | 1)
-    assert cli.main(["import", str(base / "hf"), "--output", str(base / "run")]) == 0
-    return request.param, base / "hf", model, base / "run"
+    return build(request.param)
 
 
 def test_import_scores_and_generates_like_transformers(family):
@@ -200,33 +231,36 @@ def test_what_loomtrain_cannot_compute_is_refused_naming_the_key(tmp_path, capsy
     assert not (tmp_path / "run").exists()
 
 
+@pytest.fixture(scope="module")
+def one_step(build, tmp_path_factory, data_cache):
+    """Every family's one training step at tp 2 x dp 2: `loomtrain train` of its import's
+    config.yaml from model.init_from, the four one after another in one torchrun of 4 ranks
+    (tests/cli_driver.py: the ranks' start-up is paid once, not four times) -> the driver's
+    folder: ARCH/ (the run), ARCH.rank{R}.out / .err / .rc (what rank R printed, its exit status).
+    A family that cannot be built is left out (its own tests say why)."""
+    out = tmp_path_factory.mktemp("one_step")
+    argv = [ROOT / "tests" / "cli_driver.py", out]
+    for arch in FAMILIES:
+        try:
+            _, hf, _, run = build(arch)
+        except Exception:  # noqa: BLE001 (the family's tests build it again and fail on it)
+            continue
+        argv += ["--variant", arch, "train", run / "config.yaml", f"run.dir={out / arch}"]
+        argv += [f"model.init_from={hf}", f"data.tokenizer={hf}", f"data.cache_dir={data_cache}", *ONE_STEP]
+    run_child(python_cmd(*argv, nproc=4))
+    return out
+
+
 @pytest.mark.slow
-def test_one_step_at_tp2_dp2_exports_a_folder_transformers_loads_with_loomtrains_logits(family, tmp_path, data_cache):
+def test_one_step_at_tp2_dp2_exports_a_folder_transformers_loads_with_loomtrains_logits(family, one_step, tmp_path):
     arch, hf, model, run = family
-    ft, out = tmp_path / "ft", tmp_path / "export"
-    proc = run_loomtrain(
-        "train",
-        run / "config.yaml",
-        f"run.dir={ft}",
-        f"model.init_from={hf}",
-        f"data.tokenizer={hf}",
-        f"data.cache_dir={data_cache}",
-        "data.max_files=20",
-        "parallel.tp=2",
-        "train.max_steps=1",
-        "train.seq_len=32",
-        "train.micro_batch_size=2",
-        "train.global_batch_size=4",
-        "train.lr=1e-2",
-        "train.warmup_steps=0",
-        "eval.every_steps=0",
-        "eval.num_samples=0",
-        "checkpoint.every_steps=0",
-        "log.tensorboard=false",
-        "log.progress=plain",
-        nproc=4,
-    )
-    assert "model.init_from: starting from" in proc.stdout
+    ft, out = one_step / arch, tmp_path / "export"
+    ranks = range(4)
+    rcs = [(one_step / f"{arch}.rank{r}.rc").read_text() for r in ranks]
+    stdout = "".join((one_step / f"{arch}.rank{r}.out").read_text() for r in ranks)
+    stderr = "".join((one_step / f"{arch}.rank{r}.err").read_text() for r in ranks)
+    assert rcs == ["0"] * 4, f"exit {rcs}:\n{stdout[-3000:]}{stderr[-5000:]}"
+    assert "model.init_from: starting from" in stdout
     assert cli.main(["export", str(ft), "--format", "hf", "--output", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["architectures"] == [arch]
     exported = load_hf(out)
