@@ -1,7 +1,8 @@
 """Checkpoint/resume through the real CLI (`loomtrain train`, torchrun for 4 ranks):
 
-* 20 steps straight == 10 steps, exit, the same command again (auto resume), 10 steps
-  (bitwise, CPU fp32):
+* 8 steps straight == 4 steps, exit, the same command again (auto resume), 4 steps
+  (bitwise, CPU fp32; the save lands after the 2 warmup steps, so the resumed steps need the
+  optimizer's moments and step count, the LR schedule and the data position, each restored):
   one process (ZeRO 0) and TP2 x DP2 at ZeRO 2;
 * the TP2 x DP2 checkpoint resumed at (tp1, dp1), (tp2, dp1), (tp1, dp4): losses within
   1e-5 of the uninterrupted run and the data position exactly where it was;
@@ -19,7 +20,9 @@ import launch
 import pytest
 from launch import TINY, Run, checkpoint_saved_on_signal, child_env, loomtrain_cmd, losses, output, run_child
 
-STEPS, GLOBAL_BATCH, SEQ = 20, 8, 32
+STEPS, GLOBAL_BATCH, SEQ = 8, 8, 32
+HALF = STEPS // 2  # where the split runs stop and resume
+EVERY = 2  # the single-process runs' checkpoint interval: the sigkill and truncation tests fall back one
 # vocab 259: padded to 260 at tp 2, so the export/reshard path has to drop the padding.
 SMALL = [
     *launch.SMALL,
@@ -56,22 +59,22 @@ def data_position(path: Path) -> set[int]:
 @pytest.fixture(scope="module")
 def straight1(tmp_path_factory, data_cache) -> Path:
     run = tmp_path_factory.mktemp("single") / "straight"
-    train(run, data_cache, "checkpoint.every_steps=5")
+    train(run, data_cache, f"checkpoint.every_steps={EVERY}")
     return run
 
 
-def test_single_process_20_straight_equals_10_exit_resume_10(tmp_path, data_cache, straight1):
+def test_single_process_8_straight_equals_4_exit_resume_4(tmp_path, data_cache, straight1):
     run = tmp_path / "split"
-    first = train(run, data_cache, "checkpoint.every_steps=5", "checkpoint.stop_at_step=10")
+    first = train(run, data_cache, f"checkpoint.every_steps={EVERY}", f"checkpoint.stop_at_step={HALF}")
     assert "[checkpoint.stop_at_step]" in first.stdout + first.stderr
-    assert sorted(losses(run)) == list(range(1, 11))
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    assert sorted(losses(run)) == list(range(1, HALF + 1))
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{HALF:08d}"
     assert not (run / "final").exists()  # stopped early: no final weights
-    second = train(run, data_cache, "checkpoint.every_steps=5")  # the same command resumes by itself
-    assert f"resumed from {ckpt(run, 10)}" in second.stdout + second.stderr
+    second = train(run, data_cache, f"checkpoint.every_steps={EVERY}")  # the same command resumes by itself
+    assert f"resumed from {ckpt(run, HALF)}" in second.stdout + second.stderr
     want, got = losses(straight1), losses(run)
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]  # bitwise
+    assert [got[s] for s in range(HALF + 1, STEPS + 1)] == [want[s] for s in range(HALF + 1, STEPS + 1)]  # bitwise
     assert data_position(ckpt(run, STEPS)) == {STEPS * GLOBAL_BATCH}
     # the checkpoint carries the resolved config, tokenizer, counters and RNG
     c = ckpt(run, STEPS)
@@ -85,25 +88,27 @@ def test_single_process_20_straight_equals_10_exit_resume_10(tmp_path, data_cach
 @pytest.mark.slow  # two runs and a kill, ~13 s
 def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path, data_cache, straight1):
     run = tmp_path / "killed"
-    env = child_env(LOOMTRAIN_TEST_FAULTS="ckpt_pause:10:120")  # rank 0 sleeps just before publishing step 10
-    with Run(train_cmd(run, data_cache, "checkpoint.every_steps=5"), run.parent, env) as child:
-        child.wait_for("TEST FAULT ckpt_pause at step 10", timeout=300)
+    # rank 0 sleeps just before publishing step HALF; the one before it, HALF - EVERY, is published
+    env = child_env(LOOMTRAIN_TEST_FAULTS=f"ckpt_pause:{HALF}:120")
+    before = HALF - EVERY
+    with Run(train_cmd(run, data_cache, f"checkpoint.every_steps={EVERY}"), run.parent, env) as child:
+        child.wait_for(f"TEST FAULT ckpt_pause at step {HALF}", timeout=300)
         child.proc.send_signal(signal.SIGKILL)
         child.proc.wait(timeout=60)
     root = run / "checkpoints"
-    assert (root / "latest").read_text().strip() == "step_00000005"
-    assert (root / ".tmp-step_00000010").is_dir() and not ckpt(run, 10).exists()
-    again = train(run, data_cache, "checkpoint.every_steps=5")
+    assert (root / "latest").read_text().strip() == f"step_{before:08d}"
+    assert (root / f".tmp-step_{HALF:08d}").is_dir() and not ckpt(run, HALF).exists()
+    again = train(run, data_cache, f"checkpoint.every_steps={EVERY}")
     out = output(again)
-    assert f"resumed from {ckpt(run, 5)}" in out
-    assert "removed leftover" in out and not (root / ".tmp-step_00000010").exists()
+    assert f"resumed from {ckpt(run, before)}" in out
+    assert "removed leftover" in out and not (root / f".tmp-step_{HALF:08d}").exists()
     want, got = losses(straight1), losses(run)
-    assert [got[s] for s in range(6, STEPS + 1)] == [want[s] for s in range(6, STEPS + 1)]
+    assert [got[s] for s in range(before + 1, STEPS + 1)] == [want[s] for s in range(before + 1, STEPS + 1)]
 
 
 def test_resume_with_another_model_shape_is_a_config_error(tmp_path, data_cache, straight1):
     proc = run_child(
-        train_cmd(tmp_path / "other", data_cache, "model.d_model=32", f"checkpoint.resume={ckpt(straight1, 20)}"),
+        train_cmd(tmp_path / "other", data_cache, "model.d_model=32", f"checkpoint.resume={ckpt(straight1, STEPS)}"),
         cwd=tmp_path,
         rc=2,
     )
@@ -137,17 +142,20 @@ def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, data_cache, stra
 
     run = tmp_path / "trunc"
     shutil.copytree(straight1, run)
-    victim = ckpt(run, 20) / "optim" / "rank_00000.safetensors"
+    victim = ckpt(run, STEPS) / "optim" / "rank_00000.safetensors"
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
     shutil.rmtree(run / "final")
-    again = train(run, data_cache, "checkpoint.every_steps=5")
+    again = train(run, data_cache, f"checkpoint.every_steps={EVERY}")
     out = again.stdout + again.stderr
     lines = [line for line in out.splitlines() if "skipping" in line]
-    assert len(lines) == 1 and "step_00000020" in lines[0] and "optim/rank_00000.safetensors" in lines[0], out[-3000:]
-    assert f"resumed from {ckpt(run, 15)}" in out
+    assert len(lines) == 1 and f"step_{STEPS:08d}" in lines[0] and "optim/rank_00000.safetensors" in lines[0], out[
+        -3000:
+    ]
+    before = STEPS - EVERY
+    assert f"resumed from {ckpt(run, before)}" in out
     want, got = losses(straight1), losses(run)
-    assert [got[s] for s in range(16, STEPS + 1)] == [want[s] for s in range(16, STEPS + 1)]
+    assert [got[s] for s in range(before + 1, STEPS + 1)] == [want[s] for s in range(before + 1, STEPS + 1)]
 
 
 def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, data_cache):
@@ -168,29 +176,29 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, data_cache):
 @pytest.fixture(scope="module")
 def straight4(tmp_path_factory, data_cache) -> Path:
     run = tmp_path_factory.mktemp("tp2dp2") / "straight"
-    train(run, data_cache, "parallel.tp=2", "parallel.zero_stage=2", "checkpoint.every_steps=10", nproc=4)
+    train(run, data_cache, "parallel.tp=2", "parallel.zero_stage=2", f"checkpoint.every_steps={HALF}", nproc=4)
     assert sorted(losses(run)) == list(range(1, STEPS + 1))
     return run
 
 
 @pytest.fixture(scope="module")
 def split4(tmp_path_factory, data_cache) -> Path:
-    """TP2 x DP2 ZeRO 2: 10 steps, process exit, the same command again resumes 10 more."""
+    """TP2 x DP2 ZeRO 2: 4 steps, process exit, the same command again resumes 4 more."""
     run = tmp_path_factory.mktemp("tp2dp2") / "split"
-    common = ("parallel.tp=2", "parallel.zero_stage=2", "checkpoint.every_steps=10")
-    train(run, data_cache, *common, "checkpoint.stop_at_step=10", nproc=4)
-    assert sorted(losses(run)) == list(range(1, 11))
+    common = ("parallel.tp=2", "parallel.zero_stage=2", f"checkpoint.every_steps={HALF}")
+    train(run, data_cache, *common, f"checkpoint.stop_at_step={HALF}", nproc=4)
+    assert sorted(losses(run)) == list(range(1, HALF + 1))
     out = train(run, data_cache, *common, nproc=4)
-    assert f"resumed from {ckpt(run, 10)}" in out.stdout + out.stderr
+    assert f"resumed from {ckpt(run, HALF)}" in out.stdout + out.stderr
     return run
 
 
 @pytest.mark.slow
-def test_tp2_dp2_zero2_20_straight_equals_10_exit_resume_10(straight4, split4):
+def test_tp2_dp2_zero2_8_straight_equals_4_exit_resume_4(straight4, split4):
     want, got = losses(straight4), losses(split4)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]  # bitwise
-    assert data_position(ckpt(split4, 10)) == {10 * GLOBAL_BATCH}
+    assert data_position(ckpt(split4, HALF)) == {HALF * GLOBAL_BATCH}
     assert data_position(ckpt(split4, STEPS)) == {STEPS * GLOBAL_BATCH}
     assert len(list((ckpt(split4, STEPS) / "data").glob("dp_*.json"))) == 2  # one per DP rank
     assert len(list((ckpt(split4, STEPS) / "rng").glob("rank_*.safetensors"))) == 4  # one per rank
@@ -201,7 +209,7 @@ def test_tp2_dp2_zero2_20_straight_equals_10_exit_resume_10(straight4, split4):
 def test_tp2_dp2_checkpoint_resumes_at_another_layout(tmp_path, data_cache, straight4, split4, tp, nproc, zero):
     run = tmp_path / "resharded"
     run.parent.mkdir(parents=True, exist_ok=True)
-    src = ckpt(split4, 10)  # written by a TP2 x DP2 process that then exited
+    src = ckpt(split4, HALF)  # written by a TP2 x DP2 process that then exited
     assert json.loads((src / "trainer.json").read_text())["layout"] == {
         "tp": 2,
         "dp": 2,
@@ -213,18 +221,18 @@ def test_tp2_dp2_checkpoint_resumes_at_another_layout(tmp_path, data_cache, stra
         data_cache,
         f"parallel.tp={tp}",
         f"parallel.zero_stage={zero}",
-        "checkpoint.every_steps=10",
+        f"checkpoint.every_steps={HALF}",
         f"checkpoint.resume={src}",
         nproc=nproc,
     )
     assert "saved at tp 2 x dp 2 zero 2" in out.stdout + out.stderr
     want, got = losses(straight4), losses(run)
-    assert sorted(got) == list(range(11, STEPS + 1))
-    for s in range(11, STEPS + 1):
+    assert sorted(got) == list(range(HALF + 1, STEPS + 1))
+    for s in range(HALF + 1, STEPS + 1):
         assert got[s] == pytest.approx(want[s], abs=1e-5), (s, got[s], want[s])
-    # data: step s reads global positions [(s-1)G, sG) at any DP size, so ending at 20 G
-    # after starting at 10 G means nothing repeated and nothing skipped
-    assert data_position(src) == {10 * GLOBAL_BATCH}
+    # data: step s reads global positions [(s-1)G, sG) at any DP size, so ending at 8 G
+    # after starting at 4 G means nothing repeated and nothing skipped
+    assert data_position(src) == {HALF * GLOBAL_BATCH}
     assert data_position(ckpt(run, STEPS)) == {STEPS * GLOBAL_BATCH}
     layout = json.loads((ckpt(run, STEPS) / "trainer.json").read_text())["layout"]
     assert (layout["tp"], layout["dp"]) == (tp, nproc // tp)
@@ -242,7 +250,7 @@ def test_tp2_run_final_weights_and_hf_export_are_consolidated(tmp_path, straight
     model, _ = load_final(straight4)
     assert model.tok_emb.weight.shape[0] == 259  # vocabulary unpadded
     out = tmp_path / "hf"
-    assert export_cli.main([str(straight4), "--format", "hf", "--output", str(out)]) == 0  # from step_00000020
+    assert export_cli.main([str(straight4), "--format", "hf", "--output", str(out)]) == 0  # from step_00000008
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     tokens = torch.randint(0, 259, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
