@@ -456,8 +456,10 @@ def test_restart_records_follow_rank_0_through_run_storage_to_another_host(tmp_p
         metrics = None
 
     on_a.on_step_end(Ctx())  # progress: attempt 1 at step 7, put by a thread
+    # Until the put is whole: on file:// the object exists (empty) before its bytes are written.
+    put = tmp_path / "store" / "logs" / "ray_progress.json"
     deadline = time.monotonic() + 10
-    while not (tmp_path / "store" / "logs" / "ray_progress.json").exists():
+    while not (put.exists() and put.read_text().endswith("}")):
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
