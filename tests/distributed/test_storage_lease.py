@@ -153,22 +153,22 @@ def test_a_prefix_holding_no_loomtrain_run_is_refused(tmp_path, data_cache, stor
 def test_the_lease_is_exclusive_renewed_and_released(store_root, tmp_path):
     where = f"{store_root}/lease"
     logs: list[str] = []
-    one = StorageLease(where, str(tmp_path / "a"), lease_s=2.0, log=logs.append)
+    one = StorageLease(where, str(tmp_path / "a"), lease_s=6.0, log=logs.append)
     one.acquire()
     first = json.loads(storage.read_object(f"{where}/{LEASE}"))
-    other = StorageLease(where, str(tmp_path / "b"), lease_s=2.0, log=logs.append)
+    other = StorageLease(where, str(tmp_path / "b"), lease_s=6.0, log=logs.append)
     with pytest.raises(StorageInUse, match=f"run.dir {tmp_path / 'a'}"):
         other.acquire()
-    time.sleep(1.5)  # renewed every lease_s / 4
+    time.sleep(2.0)  # renewed every lease_s / 4 (a 2 s lease lapsed before its first write on a loaded CI replica)
     renewed = json.loads(storage.read_object(f"{where}/{LEASE}"))
     assert renewed["run_id"] == first["run_id"] and renewed["renewed"] > first["renewed"]
     one.release()
     assert storage.read_object(f"{where}/{LEASE}") is None
     other.acquire()  # free again
     # taken over behind the holder's back (an override elsewhere): the holder says so once
-    third = StorageLease(where, str(tmp_path / "c"), lease_s=2.0, take_over=True, log=logs.append)
+    third = StorageLease(where, str(tmp_path / "c"), lease_s=6.0, take_over=True, log=logs.append)
     third.acquire()
-    time.sleep(1.2)
+    time.sleep(2.0)
     assert any("is no longer this run's" in m and str(tmp_path / "c") in m for m in logs), logs
     other.release()  # not its lease any more: left alone
     assert json.loads(storage.read_object(f"{where}/{LEASE}"))["run_id"] == third.record["run_id"]
