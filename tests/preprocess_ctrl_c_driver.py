@@ -21,6 +21,9 @@ if __name__ == "__main__":  # spawned pool workers import this file again: they 
 
     if os.getpgid(0) != os.getpid():
         sys.exit("preprocess_ctrl_c_driver: start me in a session of my own (start_new_session=True)")
+    # As a terminal's foreground command has it: a shell's background job (`cmd &`, as a CI
+    # script may start the suite) inherits SIGINT ignored, and Python then installs no handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     stop_after = int(sys.argv[1])
     finish = staging.PartWriter.finish
 
