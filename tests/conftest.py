@@ -87,7 +87,7 @@ def bpe():
 
 
 from hosts import hosts  # noqa: E402,F401  (network-namespace test hosts, tests/hosts.py)
-from ray_fixtures import ray_head  # noqa: E402,F401  (a session-scoped private Ray head)
+from ray_fixtures import ray_head  # noqa: E402,F401  (a module-scoped private Ray head)
 from ray_hosts import ray_cluster  # noqa: E402,F401  (a module-scoped Ray cluster across test hosts)
 
 

@@ -1,10 +1,14 @@
-"""A private Ray head for the test session: loopback only, token auth, own temp dir.
+"""A private Ray head for a test module: loopback only, token auth, own temp dir.
 
 `ray_head` starts `ray start --head --block` in its own process group, on free
 ports (GCS, dashboard, client server, agents, metrics) and with its own
 `--temp-dir`, so it never collides with another engineer's Ray on this host.
 Teardown kills that process group and nothing else (never `ray stop`, which
 would end every Ray process on the machine).
+
+Module-scoped, not per session: a head idles at ~5% of a core (its dashboard, agents and
+monitors), and a session's head, started by an early module, idled through the rest of
+each xdist process's run (~2 x 20 minutes: more CPU than a start per module, ~9 CPU-s).
 
 Token authentication is on, with a token made for this head: the head and
 every client in this test process get `RAY_AUTH_MODE=token` and
@@ -137,9 +141,9 @@ def stop_ray_head(head: RayHead) -> None:
     shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_head():
-    """One private Ray head per test session; client env set in this process."""
+    """One private Ray head per test module; client env set in this process."""
     head = start_ray_head()
     saved = {k: os.environ.get(k) for k in (*head.env, "RAY_ADDRESS")}
     os.environ.update(head.env)
