@@ -3,7 +3,8 @@
 * 8 steps straight == 4 steps, exit, the same command again (auto resume), 4 steps
   (bitwise, CPU fp32; the save lands after the 2 warmup steps, so the resumed steps need the
   optimizer's moments and step count, the LR schedule and the data position, each restored):
-  one process (ZeRO 0) and TP2 x DP2 at ZeRO 2;
+  one process (ZeRO 0) and TP2 x DP2 at ZeRO 2 (whose straight run and first 4 steps share one
+  torchrun, tests/cli_driver.py; the resume is a torchrun of its own);
 * the TP2 x DP2 checkpoint resumed at (tp1, dp1), (tp2, dp1), (tp1, dp4): losses within
   1e-5 of the uninterrupted run and the data position exactly where it was;
 * SIGKILL while a checkpoint is being written leaves the previous one as latest, and the
@@ -36,10 +37,12 @@ SMALL = [
 ]
 
 
+def train_args(run_dir: Path, data_cache: Path, *overrides: str) -> list:
+    return ["train", TINY, *SMALL, f"run.dir={run_dir}", f"data.cache_dir={data_cache}", *overrides]
+
+
 def train_cmd(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 1) -> list[str]:
-    return loomtrain_cmd(
-        "train", TINY, *SMALL, f"run.dir={run_dir}", f"data.cache_dir={data_cache}", *overrides, nproc=nproc
-    )
+    return loomtrain_cmd(*train_args(run_dir, data_cache, *overrides), nproc=nproc)
 
 
 def train(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 1, env=None):
@@ -174,23 +177,37 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, data_cache):
 
 # TP2 x DP2, ZeRO 2 ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def straight4(tmp_path_factory, data_cache) -> Path:
-    run = tmp_path_factory.mktemp("tp2dp2") / "straight"
-    train(run, data_cache, "parallel.tp=2", "parallel.zero_stage=2", f"checkpoint.every_steps={HALF}", nproc=4)
-    assert sorted(losses(run)) == list(range(1, STEPS + 1))
-    return run
+def tp2dp2(tmp_path_factory, data_cache) -> tuple[Path, Path]:
+    """TP2 x DP2 ZeRO 2: 8 steps straight, and the split run's first 4 steps, one after the other
+    in one torchrun of 4 ranks (tests/cli_driver.py: the CLI's main per run, start-up paid once);
+    then the split run's process exit, and the same command again in a fresh torchrun resumes 4
+    more. -> (straight, split)"""
+    root = tmp_path_factory.mktemp("tp2dp2")
+    straight, split, driver = root / "straight", root / "split", root / "driver"
+    common = ("parallel.tp=2", "parallel.zero_stage=2", f"checkpoint.every_steps={HALF}")
+    argv = [launch.ROOT / "tests" / "cli_driver.py", driver]
+    argv += ["--variant", "straight", *train_args(straight, data_cache, *common)]
+    argv += ["--variant", "split", *train_args(split, data_cache, *common, f"checkpoint.stop_at_step={HALF}")]
+    run_child(launch.python_cmd(*argv, nproc=4), cwd=root)
+    for name in ("straight", "split"):
+        rcs = [(driver / f"{name}.rank{r}.rc").read_text() for r in range(4)]
+        assert rcs == ["0"] * 4, f"{name}: exit {rcs}: " + (driver / f"{name}.rank0.err").read_text()[-3000:]
+    assert sorted(losses(straight)) == list(range(1, STEPS + 1))
+    assert sorted(losses(split)) == list(range(1, HALF + 1))
+    out = train(split, data_cache, *common, nproc=4)
+    assert f"resumed from {ckpt(split, HALF)}" in out.stdout + out.stderr
+    return straight, split
 
 
 @pytest.fixture(scope="module")
-def split4(tmp_path_factory, data_cache) -> Path:
+def straight4(tp2dp2) -> Path:
+    return tp2dp2[0]
+
+
+@pytest.fixture(scope="module")
+def split4(tp2dp2) -> Path:
     """TP2 x DP2 ZeRO 2: 4 steps, process exit, the same command again resumes 4 more."""
-    run = tmp_path_factory.mktemp("tp2dp2") / "split"
-    common = ("parallel.tp=2", "parallel.zero_stage=2", f"checkpoint.every_steps={HALF}")
-    train(run, data_cache, *common, f"checkpoint.stop_at_step={HALF}", nproc=4)
-    assert sorted(losses(run)) == list(range(1, HALF + 1))
-    out = train(run, data_cache, *common, nproc=4)
-    assert f"resumed from {ckpt(run, HALF)}" in out.stdout + out.stderr
-    return run
+    return tp2dp2[1]
 
 
 @pytest.mark.slow
