@@ -2,7 +2,8 @@
 save at one (tp, dp, zero) layout, load at another, and continue.
 
 The worker below is this file run as a script (alone, or under torch.distributed.run),
-on a tiny model with a padded vocabulary and KV heads replicated over TP ranks.
+on a tiny model with a padded vocabulary and KV heads replicated over TP ranks; several
+jobs (separated by --then) run in turn in one launch.
 Per-step losses of "straight" runs are compared with "save, exit, load" runs.
 """
 
@@ -148,11 +149,20 @@ def worker(argv: list[str]) -> None:
 
 
 def run(tmp_path, nproc, *args, name="out"):
-    out = tmp_path / f"{name}.json"
-    run_child(python_cmd(HERE, *args, "--run-dir", tmp_path / "run", "--out", out, nproc=nproc))
-    r = json.loads(out.read_text())
-    r["losses"] = {int(k): v for k, v in r["losses"].items()}
-    return r
+    return runs(tmp_path, nproc, {name: args})[name]
+
+
+def runs(tmp_path, nproc, jobs: dict[str, tuple]) -> dict[str, dict]:
+    """Each job (name -> worker arguments) in turn in one launch of `nproc` ranks (their start-up
+    paid once) -> name -> its results."""
+    argv, outs = [], {name: tmp_path / f"{name}.json" for name in jobs}
+    for name, args in jobs.items():
+        argv += ["--then", *args, "--run-dir", tmp_path / "run", "--out", outs[name]]
+    run_child(python_cmd(HERE, *argv[1:], nproc=nproc))
+    results = {name: json.loads(out.read_text()) for name, out in outs.items()}
+    for r in results.values():
+        r["losses"] = {int(k): v for k, v in r["losses"].items()}
+    return results
 
 
 def ckpt(tmp_path, step):
@@ -188,8 +198,11 @@ def test_resume_at_tp2_dp2_zero2_reads_only_its_share(tmp_path):
     1/tp of the weights + 1/(tp x dp) of the moments (+10%), counted by the reader, and the run
     continues within 1e-5 of one that ran at (tp 2, dp 2, ZeRO 2) throughout. (The same layout's
     bitwise resume at tp 2 x dp 2 is test_checkpoint_resume's, through the CLI.)"""
-    straight = run(tmp_path, 4, "--tp", 2, "--zero", 2, "--steps", 6, name="straight")
-    run(tmp_path, 4, "--tp", 1, "--zero", 1, "--steps", 3, "--save-at", 3, name="saved")
+    jobs = {  # one launch: the straight run, then the saving one (the resume is a launch of its own)
+        "straight": ("--tp", 2, "--zero", 2, "--steps", 6),
+        "saved": ("--tp", 1, "--zero", 1, "--steps", 3, "--save-at", 3),
+    }
+    straight = runs(tmp_path, 4, jobs)["straight"]
     index = json.loads((ckpt(tmp_path, 3) / "model" / "index.json").read_text())["params"]
     weights = 4 * sum(math.prod(v["shape"]) for v in index.values())  # fp32 bytes
     budget = 1.1 * (weights / 2 + 2 * weights / 4)
@@ -202,7 +215,13 @@ def test_resume_at_tp2_dp2_zero2_reads_only_its_share(tmp_path):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1:])
+    job: list[str] = []
+    for arg in [*sys.argv[1:], "--then"]:  # jobs separated by --then, run in turn
+        if arg == "--then" and job:
+            worker(job)
+            job = []
+        elif arg != "--then":
+            job.append(arg)
     # Done and written: leave without interpreter finalization, where a gloo thread of this bare
     # DeepSpeed set-up was once destroyed while joinable ("terminate called without an active
     # exception", SIGABRT: a finished rank reported as failed). loomtrain's own exit path is the
