@@ -53,7 +53,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from loomtrain.durable import TMP_PREFIX, atomic_write, fsync_path, replace_dir, write_durable
+from loomtrain.durable import TMP_PREFIX, AtomicFile, atomic_write, fsync_path, replace_dir, write_durable
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
@@ -306,11 +306,18 @@ def _parent_folder(fs, path: str) -> None:
 
 
 def write_object(uri: str, data: bytes) -> None:
-    """One object, whole (an object store has no partial object: a PUT appears complete or not)."""
+    """One object, whole: a reader finds the old object or the new one, never a part (an object
+    store's PUT appears complete or not; on a disk the bytes go to a temp file renamed over it)."""
     fs, path = object_store(uri)
     try:
         _parent_folder(fs, path)
-        fs.pipe_file(path, data)
+        if is_local(fs):
+            # The temp name keeps none of the object's: a reader that goes by names (TensorBoard
+            # takes any file named *tfevents*) must not take it for an object meanwhile.
+            with AtomicFile(path, tmp=Path(path).with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}")) as f:
+                f.write(data)
+        else:
+            fs.pipe_file(path, data)
     except Exception as exc:
         raise failed(uri, "write it", exc) from None
 

@@ -91,3 +91,17 @@ def test_a_local_folder_is_the_folder_itself_and_a_uri_is_fetched(where, tmp_pat
     folder = storage.local_folder(storage.below(where, "w"), fetch)
     assert (folder / "config.json").read_bytes() == b"{}"
     assert bool(fetched) != at.local  # only a URI is fetched
+
+
+def test_a_write_that_cannot_finish_leaves_the_object_as_it_was_on_a_disk_too(tmpfs):
+    """An object store's failed PUT leaves the old object; so does a failed write on a disk (a
+    full one here): not a truncated object (fsspec's local write opens the object itself first),
+    and no temp file beside it. The same goes for a reader while a write is under way: the bytes
+    go to a temp file, renamed over the object once whole."""
+    disk = tmpfs("256k")
+    uri = f"file://{disk}/store/progress.json"
+    storage.write_object(uri, b'{"step": 4}')
+    with pytest.raises(storage.StorageError, match=f"^{uri}: cannot write it .*No space left on device"):
+        storage.write_object(uri, bytes(1 << 20))
+    assert storage.read_object(uri) == b'{"step": 4}'
+    assert sorted(storage.list_objects(f"file://{disk}/store")) == ["progress.json"]
