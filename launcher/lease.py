@@ -163,6 +163,7 @@ class StorageLease:
     def acquire(self) -> None:
         waited = False
         for _ in range(8):
+            self.record["renewed"] = time.time()  # stamped as it is written (a slow start must not age it)
             if self._create():
                 return self._held()
             holder, version = self.read()
