@@ -17,9 +17,11 @@ import pytest  # noqa: E402
 from s3_server import backend_root, s3_bucket, s3_endpoint  # noqa: E402, F401 (a local S3 server, a bucket per test)
 
 # The modules that take two minutes or more of a 2-core machine, longest first. The suite runs
-# in two processes that each take whole modules (README: --dist loadscope --no-loadscope-reorder,
-# in collection order): these start first, so that neither process is left alone at the end
-# with one of them (the last order on 2 cores cost ~3 minutes of one idle core).
+# in three processes that each take whole modules (README: -n 3 --dist loadscope
+# --no-loadscope-reorder, in collection order): these start first, so that no process is left
+# alone at the end with one of them (the last order on 2 cores cost ~3 minutes of one idle core).
+# Three on 2 cores, not two: two sat idle together ~9% of the time (both waiting on a hang limit,
+# a retry or Ray), and a third fills that (the whole suite 1503 -> 1227 s on this 2-core machine).
 LONG_MODULES_FIRST = (
     "test_hangs_and_signals",
     "test_multihost_torchrun",
