@@ -10,7 +10,7 @@ Module-scoped, not per session: a head idles at ~5% of a core (its dashboard, ag
 monitors), and a session's head, started by an early module, idled through the rest of
 each xdist process's run (~2 x 20 minutes: more CPU than a start per module, ~9 CPU-s).
 
-Token authentication is on, with a token made for this head: the head and
+Token authentication is on, with a token made for this test process (see TOKEN): the head and
 every client in this test process get `RAY_AUTH_MODE=token` and
 `RAY_AUTH_TOKEN`; `env` holds the variables a subprocess client needs.
 """
@@ -31,6 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+# One token for every head this test process starts: Ray keeps the token it first loads for the
+# process's life (AuthenticationTokenLoader), so a module's head with a token of its own was
+# refused ("Invalid authentication token") by a process that had talked to an earlier head.
+TOKEN = secrets.token_hex(32)
 
 HEAD_CPUS = 4  # the Ray Train tests use 4 one-CPU workers
 
@@ -78,7 +83,7 @@ def start_ray_head(num_cpus: int = HEAD_CPUS, timeout_s: float = 120.0) -> RayHe
     gcs, dash, client, agent_listen, agent_grpc, rt_env, metrics = _free_ports(7)
     # A short path: Ray's unix sockets live under it (107-byte limit).
     temp_dir = tempfile.mkdtemp(prefix="lt-ray-", dir="/tmp")
-    token = secrets.token_hex(32)
+    token = TOKEN
     client_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     env = {**os.environ, **client_env, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
