@@ -136,6 +136,15 @@ def train_here(run: Path, data_cache: Path, *extra: str, rc: int = 0) -> str:
     return out.getvalue()
 
 
+def poll(get, done=bool, timeout_s: float = 10.0, every_s: float = 0.1):
+    """get() once done(get()) holds, or its last value after timeout_s: for what a background
+    thread or another process does in its own time (the assertion after it says what is wrong)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(value := get()) and time.monotonic() < deadline:
+        time.sleep(every_s)
+    return value
+
+
 def output(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 

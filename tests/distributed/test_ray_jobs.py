@@ -40,16 +40,6 @@ def jobs(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def test_submit_status_logs_stop_round_trip(ray_head, tmp_path, capsys):
     run_dir = tmp_path / "job-run"
     job_id = f"loomtrain-test-{os.getpid()}"
@@ -78,7 +68,7 @@ def test_submit_status_logs_stop_round_trip(ray_head, tmp_path, capsys):
         assert rc == 0 and "FAILED" not in out, out
         return "RUNNING" in out
 
-    wait_for(running, 90, "the job to run")
+    assert launch.poll(running, timeout_s=90, every_s=1.0), "the job did not run within 90 s"
 
     def driver_started():
         rc, out, _ = jobs(capsys, "logs", job_id, *addr)
@@ -86,12 +76,12 @@ def test_submit_status_logs_stop_round_trip(ray_head, tmp_path, capsys):
         assert "Traceback" not in out, out[-3000:]
         return "loomtrain: Ray Train: 1 workers" in out
 
-    wait_for(driver_started, 120, "the job's driver to start Ray Train (submitted code imported)")
+    assert launch.poll(driver_started, timeout_s=120, every_s=1.0), "the driver did not start Ray Train within 120 s"
 
     def training():
         return "step 2/" in jobs(capsys, "logs", job_id, *addr)[1]
 
-    wait_for(training, 180, "the workers to train")
+    assert launch.poll(training, timeout_s=180, every_s=1.0), "the workers did not train within 180 s"
     rc, out, _ = jobs(capsys, "stop", job_id, *addr, "--wait", "--wait-timeout", "60")
     assert rc == 0 and "STOPPED" in out, out
     # the driver passed the stop on: the workers saved a checkpoint at the end of their step

@@ -34,15 +34,6 @@ SMALL = launch.QUICK
 train = launch.train_here
 
 
-def until(get, done, timeout_s: float = 6.0):
-    """get() once done(get()) holds, or its last value after timeout_s (a background renewal
-    every lease_s / 4 can be late on a loaded machine: the assertion after it says what is wrong)."""
-    deadline = time.monotonic() + timeout_s
-    while not done(value := get()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return value
-
-
 def error_line(out: str) -> str:
     assert "Traceback" not in out, out[-3000:]
     (line,) = [line for line in out.splitlines() if line.startswith("loomtrain: ") and "error" in line]
@@ -168,7 +159,7 @@ def test_the_lease_is_exclusive_renewed_and_released(store_root, tmp_path):
     other = StorageLease(where, str(tmp_path / "b"), lease_s=6.0, log=logs.append)
     with pytest.raises(StorageInUse, match=f"run.dir {tmp_path / 'a'}"):
         other.acquire()
-    renewed = until(
+    renewed = launch.poll(
         lambda: json.loads(storage.read_object(f"{where}/{LEASE}")), lambda r: r["renewed"] > first["renewed"]
     )
     assert renewed["run_id"] == first["run_id"] and renewed["renewed"] > first["renewed"]  # every lease_s / 4
@@ -178,7 +169,7 @@ def test_the_lease_is_exclusive_renewed_and_released(store_root, tmp_path):
     # taken over behind the holder's back (an override elsewhere): the holder says so once
     third = StorageLease(where, str(tmp_path / "c"), lease_s=6.0, take_over=True, log=logs.append)
     third.acquire()
-    until(lambda: logs, lambda seen: any("is no longer this run's" in m for m in seen))  # at its next renewal
+    launch.poll(lambda: logs, lambda seen: any("is no longer this run's" in m for m in seen))  # at its next renewal
     assert any("is no longer this run's" in m and str(tmp_path / "c") in m for m in logs), logs
     other.release()  # not its lease any more: left alone
     assert json.loads(storage.read_object(f"{where}/{LEASE}"))["run_id"] == third.record["run_id"]

@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import time
 
+from launch import poll
 from loomtrain.launcher.observe.metrics import MetricsLogger
 from loomtrain.launcher.observe.mirror import Mirror, restore_metrics, tb_uri, whole_records_end
 from loomtrain.storage import list_objects, read_object, write_object
 from torch.utils.tensorboard import SummaryWriter
+
+LATE = "the mirror's thread did not upload in time"
 
 
 def tensorboard_scalars(uri: str, accumulator=None):
@@ -24,13 +27,6 @@ def tensorboard_scalars(uri: str, accumulator=None):
     acc = accumulator or EventAccumulator(uri)
     acc.Reload()
     return {tag: [(e.step, round(e.value, 6)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}, acc
-
-
-def wait_for(condition, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the mirror's thread did not upload in time"
-        time.sleep(0.05)
 
 
 def test_mirror_uploads_grown_files_whole_and_tensorboard_follows_from_s3(s3_bucket, tmp_path):
@@ -45,7 +41,7 @@ def test_mirror_uploads_grown_files_whole_and_tensorboard_follows_from_s3(s3_buc
     (event,) = run_dir.glob("events.out.tfevents.*")
 
     mirror = Mirror(run_dir, uri, interval_s=0.1).start()
-    wait_for(lambda: len(list_objects(uri)) == 2)
+    assert poll(lambda: len(list_objects(uri)) == 2), LATE
     assert sorted(list_objects(uri)) == sorted([event.name, "metrics.jsonl"])
     assert read_object(f"{uri}/{event.name}") == event.read_bytes()
     scalars, acc = tensorboard_scalars(uri)
@@ -57,8 +53,8 @@ def test_mirror_uploads_grown_files_whole_and_tensorboard_follows_from_s3(s3_buc
     writer.flush()
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 4}) + "\n" + '{"step": 5')  # a line being written: not sent
-    wait_for(lambda: read_object(f"{uri}/{event.name}") == event.read_bytes())
-    wait_for(lambda: read_object(f"{uri}/metrics.jsonl").count(b"\n") == 4)
+    assert poll(lambda: read_object(f"{uri}/{event.name}") == event.read_bytes()), LATE
+    assert poll(lambda: read_object(f"{uri}/metrics.jsonl").count(b"\n") == 4), LATE
     assert read_object(f"{uri}/metrics.jsonl").endswith(b'{"step": 4}\n')
     scalars, _ = tensorboard_scalars(uri, acc)
     assert scalars["loss/train"][-2:] == [(4, 0.25), (5, 0.2)]
