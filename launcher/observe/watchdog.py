@@ -369,7 +369,7 @@ def _hang_line(
         "; ".join(f"ranks {', '.join(map(str, rs))} waited in {f}" for f, rs in places.items())
         or "no other rank was waiting"
     )
-    cut = _phases(stuck, beats)
+    cut = _phases(stuck, beats, step)
     if master:
         hosts = sorted({beats.get(r, {}).get("host", "?") for r in stuck})
         cut += f", cut off: host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} cannot reach the master {master}"
@@ -379,8 +379,10 @@ def _hang_line(
     )
 
 
-def _phases(stuck: list[int], beats: dict[int, dict]) -> str:
-    """' (in PHASE, allowed X s: KNOB)' for the stuck ranks' phase; per rank where they differ."""
+def _phases(stuck: list[int], beats: dict[int, dict], step: int) -> str:
+    """' (in PHASE, allowed X s: KNOB)' for the stuck ranks' phase; per rank where they differ. A
+    rank stopped between two heartbeats left one from before its last steps (a tiny step is
+    shorter than the interval): a phase from before step - 1 is not named, it would be stale."""
 
     def phase(r: int) -> str:
         rec = beats.get(r, {})
@@ -389,7 +391,7 @@ def _phases(stuck: list[int], beats: dict[int, dict]) -> str:
         return f"{rec.get('phase', '?')}{limit}"
 
     # A rank with no heartbeat at all (it never started its watchdog) has no phase to name.
-    each = {r: phase(r) for r in stuck if "phase" in beats.get(r, {})}
+    each = {r: phase(r) for r in stuck if "phase" in beats.get(r, {}) and beats[r].get("step", 0) >= step - 1}
     if not each:
         return ""
     if len(set(each.values())) == 1 and len(each) == len(stuck):

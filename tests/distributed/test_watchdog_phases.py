@@ -20,7 +20,15 @@ from launch import QUIET, SMALL, SMALLEST, TINY, child_env, output, records, run
 from loomtrain.launcher.config_loader import ConfigError, load_config
 from loomtrain.launcher.observe import watchdog
 from loomtrain.launcher.observe.watchdog import Watchdog
-from loomtrain.launcher.timeouts import EVALUATION, HANG_REPORT_MARGIN_S, SAMPLES, STEP, Allowances, allowances
+from loomtrain.launcher.timeouts import (
+    EVALUATION,
+    HANG_REPORT_MARGIN_S,
+    SAMPLES,
+    START_UP,
+    STEP,
+    Allowances,
+    allowances,
+)
 from loomtrain.launcher.training import loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,6 +182,14 @@ def test_each_phase_has_its_allowance_and_the_line_names_each_ranks_phase(tmp_pa
     }
     line = watchdog._hang_line(tmp_path, [0, 1], [], beats)
     assert "did not reach step 5 (rank 0 in samples, allowed 102 s: k; rank 1 in training step, allowed 1 s: " in line
+    # a rank stopped between heartbeats: its last one (start-up, step 0) predates the steps it made since
+    beats = {
+        0: {"host": "h", "pid": 1, "step": 3, "phase": STEP, "where": "all_reduce (from dp_reduce, loop.py:62)"},
+        1: {"host": "h", "pid": 2, "step": 0, "phase": START_UP, "allowed_s": 90.0, "knob": "k"},
+    }
+    line = watchdog._hang_line(tmp_path, [1], [0], beats)
+    assert "rank 1 (host h, pid 2) did not reach step 4; ranks 0 waited in all_reduce" in line, line
+    assert START_UP not in line
 
 
 @pytest.mark.slow
