@@ -83,8 +83,7 @@ def start_ray_head(num_cpus: int = HEAD_CPUS, timeout_s: float = 120.0) -> RayHe
     gcs, dash, client, agent_listen, agent_grpc, rt_env, metrics = _free_ports(7)
     # A short path: Ray's unix sockets live under it (107-byte limit).
     temp_dir = tempfile.mkdtemp(prefix="lt-ray-", dir="/tmp")
-    token = TOKEN
-    client_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    client_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
     env = {**os.environ, **client_env, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     ray_bin = str(Path(sys.executable).with_name("ray"))
@@ -113,7 +112,7 @@ def start_ray_head(num_cpus: int = HEAD_CPUS, timeout_s: float = 120.0) -> RayHe
     head = RayHead(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}", temp_dir, proc.pid, client_env)
     head._proc = proc  # type: ignore[attr-defined]
     try:
-        _wait_for_dashboard(head.dashboard_url, token, proc, log, timeout_s)
+        _wait_for_dashboard(head.dashboard_url, TOKEN, proc, log, timeout_s)
     except BaseException:
         stop_ray_head(head)
         raise
