@@ -145,6 +145,19 @@ def stop_ray_head(head: RayHead) -> None:
     shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
+def _reload_ray_auth() -> None:
+    """Make this process's Ray read RAY_AUTH_MODE / RAY_AUTH_TOKEN again.
+
+    Ray reads them once, when ray._raylet is first imported, and keeps the token it first loads:
+    a module run earlier in the same xdist process that imported Ray (before any head set the
+    variables) left it in 'disabled' mode, and every client call here was refused ("Missing
+    authentication token"; CI, stop 50). Ray's own tests reset the same way."""
+    if "ray._raylet" in sys.modules:
+        from ray._private.authentication_test_utils import reset_auth_token_state
+
+        reset_auth_token_state()
+
+
 @pytest.fixture(scope="module")
 def ray_head():
     """One private Ray head per test module; client env set in this process."""
@@ -152,6 +165,7 @@ def ray_head():
     saved = {k: os.environ.get(k) for k in (*head.env, "RAY_ADDRESS")}
     os.environ.update(head.env)
     os.environ.pop("RAY_ADDRESS", None)
+    _reload_ray_auth()
     try:
         yield head
     finally:
@@ -168,3 +182,4 @@ def ray_head():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _reload_ray_auth()

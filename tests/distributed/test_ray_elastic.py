@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from loomtrain.launcher.config_loader import ConfigError, load_config
 
-# launcher.cluster.elastic imports Ray, which reads RAY_AUTH_MODE once, at its first import: the
-# tests that need it take the session's `ray_head` (whose client settings are then in place) and
-# import it inside, so that collecting this file does not import Ray before them.
+# launcher.cluster.elastic imports Ray: the tests that need it take the module's `ray_head`
+# (which puts the client settings in place, tests/ray_fixtures.py) and import it inside, so that
+# collecting this file does not import Ray for the modules that do not use it.
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
