@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from loomtrain.launcher.checkpoints.background import BackgroundSave, StagingBuffers
-from loomtrain.launcher.checkpoints.parts import Training
+from loomtrain.launcher.checkpoints.parts import Training, params_mismatch, saved_shapes
 from loomtrain.launcher.checkpoints.shards import CorruptCheckpoint
 from loomtrain.launcher.checkpoints.state import (
     load_checkpoint,
+    open_reader,
     take_snapshot,
     write_and_publish,
 )
@@ -51,20 +52,59 @@ from loomtrain.launcher.config_loader import ConfigError, to_yaml
 from loomtrain.launcher.distributed import all_gather_objects, barrier, broadcast_str
 from loomtrain.launcher.hooks import Hooks, TrainContext
 from loomtrain.launcher.observe.watchdog import io_phase
-from loomtrain.launcher.rundir import checkpoint_location, supersede, superseded_name
+from loomtrain.launcher.rundir import checkpoint_location, run_dir, supersede, superseded_name
 from loomtrain.storage import below, store_failure
 
 
-def _other_model_hint(resume: str, ctx: TrainContext) -> str:
+def _other_model_hint(resume: str, folder: Path) -> str:
     """What to do when the checkpoint to resume holds another model: its own folder for this
     config, or this folder started afresh (a resume PATH: a checkpoint of this model config)."""
     if resume in ("auto", ""):
         return (
-            f"{ctx.run_dir} holds a run of another model: train this config in a folder of its own "
-            f"(run.dir=...), or start {ctx.run_dir} afresh (checkpoint.resume=never; its earlier "
+            f"{folder} holds a run of another model: train this config in a folder of its own "
+            f"(run.dir=...), or start {folder} afresh (checkpoint.resume=never; its earlier "
             "output is moved aside)"
         )
     return "give a checkpoint of this model config, or start without one (checkpoint.resume=never)"
+
+
+def refuse_another_models_checkpoint(cfg: RunConfig) -> None:
+    """Before anything is built: ConfigError, in the words of the resume itself, when the checkpoint
+    this start would resume holds another model (its trainable parameters' names or full shapes
+    are not those of this config's model, built on the meta device). The resume would refuse it
+    only after the process group, the model and the engine exist: minutes of a large model's
+    start-up, or a Ray worker group placed for nothing. Whatever else keeps a checkpoint from
+    loading (an unreachable store, a damaged file) is left to the resume, which says it on every
+    rank."""
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return
+    try:
+        found = CheckpointStore(checkpoint_location(cfg), log=lambda m: None).resolve_resume(resume, checksums=False)
+        if found is None:
+            return
+        saved = saved_shapes(open_reader(found))
+    except Exception:  # noqa: BLE001  (the resume says it, with its own handling, on every rank)
+        return
+    try:
+        shapes = trainable_shapes(cfg)
+    except ValueError as exc:  # model.lora.targets that name no layer: the key, in one line
+        raise ConfigError(str(exc)) from exc
+    why = params_mismatch(shapes, saved)
+    if why is not None:
+        raise ConfigError(
+            f"checkpoint.resume={resume}: checkpoint {below(found)}: {why}; {_other_model_hint(resume, run_dir(cfg))}"
+        )
+
+
+def trainable_shapes(cfg: RunConfig) -> dict[str, list[int]]:
+    """The parameters a checkpoint of this config holds, name -> full shape (with model.lora: the
+    adapters), from the model built on the meta device: no memory, no process group."""
+    from loomtrain.model import meta_transformer
+    from loomtrain.model.lora import apply_lora
+
+    model = apply_lora(meta_transformer(cfg.model), cfg.model.lora, cfg.train.seed)
+    return {name: list(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
 class CheckpointHook(Hooks):
@@ -169,7 +209,8 @@ class CheckpointHook(Hooks):
             except CorruptCheckpoint as exc:
                 bad = str(exc)
             except ValueError as exc:  # another model shape: the same verdict on every rank
-                raise ConfigError(f"checkpoint.resume={c.resume}: {exc}; {_other_model_hint(c.resume, ctx)}") from exc
+                hint = _other_model_hint(c.resume, ctx.run_dir)
+                raise ConfigError(f"checkpoint.resume={c.resume}: {exc}; {hint}") from exc
             bad = next((r for r in all_gather_objects(bad) if r), None)
             if bad is None:
                 trainer["path"] = found

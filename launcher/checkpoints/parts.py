@@ -90,6 +90,27 @@ def _to_host(t: torch.Tensor, copy: bool, staging: dict | None, key: tuple) -> t
     return host
 
 
+def saved_shapes(reader) -> dict[str, list[int]]:
+    """A checkpoint's trainable parameters, name -> full shape, from its index."""
+    return {name: reader.shape(name) for name in reader.params}
+
+
+def params_mismatch(model: dict[str, list[int]], saved: dict[str, list[int]]) -> str | None:
+    """Why a checkpoint (`saved`) is not of this model: their trainable parameters (name -> full
+    shape) differ; None when they agree. Said the same by a resume and by the CLI's early check."""
+    missing = [n for n in model if n not in saved]
+    extra = [n for n in saved if n not in model]
+    if missing or extra:
+        return (
+            f"parameters do not match the model (missing {missing[:5]}, unexpected {extra[:5]}); "
+            "was it saved with another model config?"
+        )
+    for name, shape in model.items():
+        if list(saved[name]) != list(shape):
+            return f"{name} has full shape {saved[name]}, this model's is {shape}"
+    return None
+
+
 class Tensors:
     """Weights and Adam moments: each rank's held share as tiles (model/, optim/, the index)."""
 
@@ -113,19 +134,9 @@ class Tensors:
     def put(self, training: Training, ckpt) -> None:
         engine, reader = training.engine, ckpt.tensors
         params = named_params(engine)
-        missing = [n for n, _ in params if n not in reader.params]
-        extra = [n for n in reader.params if n not in dict(params)]
-        if missing or extra:
-            raise ValueError(
-                f"checkpoint {ckpt.path}: parameters do not match the model "
-                f"(missing {missing[:5]}, unexpected {extra[:5]}); was it saved with another model config?"
-            )
-        for name, p in params:
-            if reader.shape(name) != full_shape(p):
-                raise ValueError(
-                    f"checkpoint {ckpt.path}: {name} has full shape {reader.shape(name)}, "
-                    f"this model's is {full_shape(p)}"
-                )
+        why = params_mismatch({n: full_shape(p) for n, p in params}, saved_shapes(reader))
+        if why is not None:
+            raise ValueError(f"checkpoint {ckpt.path}: {why}")
         ensure_optimizer_state(engine)
         for name, p in params:
             box = local_box(p)

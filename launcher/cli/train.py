@@ -99,8 +99,13 @@ def _main(args: argparse.Namespace) -> int:
             claim(cfg.run.dir) if owner else contextlib.nullcontext(),
             claim_storage(cfg) if owner else contextlib.nullcontext(),
         ):
+            _refuse_another_models_checkpoint(cfg, args.ray)
             rc = _run_on_ray(cfg) if args.ray else _run_here(cfg)
             return rc
+    except ConfigError as exc:  # the checkpoint to resume holds another model
+        print(f"loomtrain: config error: {exc}", file=sys.stderr)
+        rc = 2
+        return rc
     except RunDirError as exc:
         what = "run storage" if isinstance(exc, StorageInUse) else "run directory"
         print(f"loomtrain: {what} error: {exc}", file=sys.stderr)
@@ -145,6 +150,17 @@ def _preflight(cfg, args: argparse.Namespace) -> str | None:
     except ValueError as exc:  # a config the estimate cannot size
         raise ConfigError(str(exc)) from None
     return None if verdict.fits else verdict.message
+
+
+def _refuse_another_models_checkpoint(cfg, on_ray: bool) -> None:
+    """Another model's checkpoint to resume, refused before the process group, the model or a Ray
+    worker group exist (their start-up takes minutes for a large model); after the run's claims,
+    so that a store that cannot be reached is said once, by run.storage's lease, not waited on twice."""
+    if on_ray and not cfg.run.storage:  # a Ray driver's disk is not its workers' (run.storage is theirs)
+        return
+    from loomtrain.launcher.checkpoints.hook import refuse_another_models_checkpoint
+
+    refuse_another_models_checkpoint(cfg)
 
 
 def _probe_ray(address: str, what: str) -> None:

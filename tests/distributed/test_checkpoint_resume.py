@@ -54,6 +54,10 @@ def ckpt(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:08d}"
 
 
+def files_and_sizes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
 def data_position(path: Path) -> set[int]:
     return {json.loads(p.read_text())["global_position"] for p in (path / "data").glob("dp_*.json")}
 
@@ -128,6 +132,7 @@ def test_a_run_dir_holding_another_models_run_names_the_way_out(tmp_path, data_c
     run = tmp_path / "taken"
     shutil.copytree(straight1, run)
     metrics = (run / "metrics.jsonl").read_bytes()
+    before = files_and_sizes(run)
     proc = run_child(train_cmd(run, data_cache, "model.d_model=32"), cwd=tmp_path, rc=2)
     err = [line for line in proc.stderr.splitlines() if line.startswith("loomtrain: config error")]
     assert len(err) == 1, proc.stderr[-2000:]
@@ -137,6 +142,9 @@ def test_a_run_dir_holding_another_models_run_names_the_way_out(tmp_path, data_c
         f"or start {run} afresh (checkpoint.resume=never; its earlier output is moved aside)"
     ), err[0]
     assert (run / "metrics.jsonl").read_bytes() == metrics and (run / "final").is_dir()  # nothing moved aside
+    # refused before the process group, the model or the engine exist (the CLI, right after it
+    # takes the run directory): not a byte written, not even the rank log a start writes
+    assert files_and_sizes(run) == before
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
 
 

@@ -246,6 +246,32 @@ def test_a_run_saves_to_s3_resumes_from_it_and_skips_a_damaged_object(tmp_path, 
 
     first = losses(run)
     assert sorted(first) == [1, 2, 3, 4, 5, 6]
+    # another model's start against this run.storage is refused before anything is built (by the
+    # CLI, and by a Ray driver: it reads run.storage as its workers do); this model's is not
+    from loomtrain.launcher.checkpoints.hook import refuse_another_models_checkpoint
+    from loomtrain.launcher.config_loader import ConfigError
+
+    refuse_another_models_checkpoint(_cfg(run, data_cache, f"run.storage={storage}"))
+    with pytest.raises(ConfigError) as refused:
+        refuse_another_models_checkpoint(_cfg(run, data_cache, f"run.storage={storage}", "model.n_layers=3"))
+    assert str(refused.value).startswith(f"checkpoint.resume=auto: checkpoint {ckpts}/step_00000006: ")
+    assert "unexpected []" in str(refused.value) and "blocks.2." in str(refused.value), refused.value
+    # `train --ray`: its driver says it before Ray is started or any worker placed (no Ray here)
+    ray_run = run_child(
+        loomtrain_cmd(
+            "train",
+            "--ray",
+            TINY,
+            *RUN,
+            f"run.dir={run}",
+            f"data.cache_dir={data_cache}",
+            f"run.storage={storage}",
+            "model.n_layers=3",
+        ),
+        env=child_env(RAY_ADDRESS=""),
+        rc=2,
+    )
+    assert ray_run.stderr.strip() == f"loomtrain: config error: {refused.value}", ray_run.stderr[-3000:]
     # a flipped byte in the newest checkpoint: named in one line; the same command resumes the
     # previous one, replays steps 5-6 exactly as the first run did them, and saves step 6 anew
     objs = Objects(f"{ckpts}/step_00000006")
