@@ -10,7 +10,7 @@ Module-scoped, not per session: a head idles at ~5% of a core (its dashboard, ag
 monitors), and a session's head, started by an early module, idled through the rest of
 each xdist process's run (~2 x 20 minutes: more CPU than a start per module, ~9 CPU-s).
 
-Token authentication is on, with a token made for this test process (see TOKEN): the head and
+Token authentication is on, with a token made for this head: the head and
 every client in this test process get `RAY_AUTH_MODE=token` and
 `RAY_AUTH_TOKEN`; `env` holds the variables a subprocess client needs.
 """
@@ -31,11 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-# One token for every head this test process starts: Ray keeps the token it first loads for the
-# process's life (AuthenticationTokenLoader), so a module's head with a token of its own was
-# refused ("Invalid authentication token") by a process that had talked to an earlier head.
-TOKEN = secrets.token_hex(32)
 
 HEAD_CPUS = 4  # the Ray Train tests use 4 one-CPU workers
 
@@ -83,7 +78,8 @@ def start_ray_head(num_cpus: int = HEAD_CPUS, timeout_s: float = 120.0) -> RayHe
     gcs, dash, client, agent_listen, agent_grpc, rt_env, metrics = _free_ports(7)
     # A short path: Ray's unix sockets live under it (107-byte limit).
     temp_dir = tempfile.mkdtemp(prefix="lt-ray-", dir="/tmp")
-    client_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
+    token = secrets.token_hex(32)
+    client_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     env = {**os.environ, **client_env, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     ray_bin = str(Path(sys.executable).with_name("ray"))
@@ -112,7 +108,7 @@ def start_ray_head(num_cpus: int = HEAD_CPUS, timeout_s: float = 120.0) -> RayHe
     head = RayHead(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}", temp_dir, proc.pid, client_env)
     head._proc = proc  # type: ignore[attr-defined]
     try:
-        _wait_for_dashboard(head.dashboard_url, TOKEN, proc, log, timeout_s)
+        _wait_for_dashboard(head.dashboard_url, token, proc, log, timeout_s)
     except BaseException:
         stop_ray_head(head)
         raise
@@ -151,7 +147,8 @@ def _reload_ray_auth() -> None:
     Ray reads them once, when ray._raylet is first imported, and keeps the token it first loads:
     a module run earlier in the same xdist process that imported Ray (before any head set the
     variables) left it in 'disabled' mode, and every client call here was refused ("Missing
-    authentication token"; CI, stop 50). Ray's own tests reset the same way."""
+    authentication token"; CI, stop 50); a process that had talked to an earlier module's head
+    kept that head's token ("Invalid authentication token"). Ray's own tests reset the same way."""
     if "ray._raylet" in sys.modules:
         from ray._private.authentication_test_utils import reset_auth_token_state
 

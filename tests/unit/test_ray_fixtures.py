@@ -1,7 +1,8 @@
 """The private Ray head's client settings hold in a test process that imported Ray before the head
 set them (tests/ray_fixtures.py): Ray reads RAY_AUTH_MODE and the token once, at ray._raylet's
 import, and a module run earlier in the same xdist process may have imported it (CI, stop 50:
-every Ray Jobs call of test_ray_jobs refused, "Missing authentication token")."""
+every Ray Jobs call of test_ray_jobs refused, "Missing authentication token"), or talked to an
+earlier module's head, whose token it kept."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authe
 assert get_authentication_mode() == AuthenticationMode.DISABLED
 assert not AuthenticationTokenLoader.instance().has_token()
 import ray_fixtures
-os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_fixtures.TOKEN)
-ray_fixtures._reload_ray_auth()
-assert get_authentication_mode() == AuthenticationMode.TOKEN, get_authentication_mode()
-assert AuthenticationTokenLoader.instance().get_raw_token() == ray_fixtures.TOKEN
+for token in ("a" * 64, "b" * 64):  # one module's head, then the next one's
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    ray_fixtures._reload_ray_auth()
+    assert get_authentication_mode() == AuthenticationMode.TOKEN, get_authentication_mode()
+    assert AuthenticationTokenLoader.instance().get_raw_token() == token
 """
 
 
